@@ -1,0 +1,1 @@
+"""mlx-relay: an inference server for MLX vision-language models."""

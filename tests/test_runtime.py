@@ -1,0 +1,222 @@
+"""The actor runtime on its own, without models."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+
+from mlx_relay.runtime import (
+    Actor,
+    ActorCrashed,
+    ActorStopped,
+    ActorSystem,
+    AskTimeout,
+    Rejection,
+    ReplyStream,
+)
+
+class Add(msgspec.Struct):
+    n: int
+
+
+class Get(msgspec.Struct):
+    pass
+
+
+class Boom(msgspec.Struct):
+    pass
+
+
+class Refuse(msgspec.Struct):
+    pass
+
+
+class Sleep(msgspec.Struct):
+    seconds: float
+
+
+class Count(msgspec.Struct):
+    upto: int
+    hold: bool = False  # keep the stream open after sending
+
+
+class Item(msgspec.Struct):
+    i: int
+
+
+class NotAccepted(msgspec.Struct):
+    pass
+
+
+class Nope(Rejection):
+    pass
+
+
+class Counter(Actor):
+    accepts = (Add, Get, Boom, Refuse, Sleep, Count)
+    mailbox_capacity = 2
+
+    def __init__(self, log: list[str]) -> None:
+        self.total = 0
+        self.log = log
+        self.open: dict[int, ReplyStream] = {}
+
+    async def on_start(self) -> None:
+        self.log.append("start")
+
+    async def on_stop(self) -> None:
+        self.log.append("stop")
+
+    async def receive(self, msg, stream):
+        match msg:
+            case Add(n=n):
+                self.total += n
+                return self.total
+            case Get():
+                return self.total
+            case Boom():
+                raise RuntimeError("boom")
+            case Refuse():
+                raise Nope("refused")
+            case Sleep(seconds=s):
+                await anyio.sleep(s)
+                return s
+            case Count(upto=upto, hold=hold):
+                assert stream is not None
+                for i in range(upto):
+                    stream.send(Item(i))
+                if hold:
+                    self.open[stream.id] = stream
+                else:
+                    stream.close()
+
+    def on_cancel(self, stream: ReplyStream) -> None:
+        self.log.append(f"cancel:{stream.id}")
+        self.open.pop(stream.id, None)
+
+
+async def test_tell_ask_and_typed_mailbox() -> None:
+    log: list[str] = []
+    async with ActorSystem() as system:
+        ref = await system.spawn(lambda: Counter(log), name="counter", accepts=Counter.accepts)
+        await ref.tell(Add(2))
+        assert await ref.ask(Add(3)) == 5
+        with pytest.raises(TypeError):
+            await ref.tell(NotAccepted())
+        with pytest.raises(TypeError):
+            await ref.ask(NotAccepted())
+    assert log == ["start", "stop"]
+
+
+async def test_full_mailbox_applies_back_pressure_and_drops_nothing() -> None:
+    log: list[str] = []
+    async with ActorSystem() as system:
+        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts, capacity=2)
+        await ref.tell(Sleep(0.2))  # the actor is busy for a while
+        await ref.tell(Add(1))
+        await ref.tell(Add(1))  # the mailbox now holds 2 messages: full
+        with anyio.move_on_after(0.05) as scope:
+            await ref.tell(Add(1))
+        assert scope.cancelled_caught, "a full mailbox must make the sender wait"
+        async with anyio.create_task_group() as tg:
+            for _ in range(20):
+                tg.start_soon(ref.tell, Add(1))
+        assert await ref.ask(Get()) == 22
+
+
+async def test_ask_timeout() -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(lambda: Counter([]), name="c", accepts=Counter.accepts)
+        with pytest.raises(AskTimeout):
+            await ref.ask(Sleep(1.0), timeout=0.05)
+        assert await ref.ask(Get(), timeout=5) == 0
+
+
+async def test_rejection_is_a_reply_not_a_crash() -> None:
+    log: list[str] = []
+    async with ActorSystem() as system:
+        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
+        await ref.ask(Add(7))
+        with pytest.raises(Nope):
+            await ref.ask(Refuse())
+        assert await ref.ask(Get()) == 7
+        assert system.cell("c").restarts == 0
+
+
+async def test_crash_restarts_and_fails_only_held_requests() -> None:
+    log: list[str] = []
+    async with ActorSystem() as system:
+        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
+        await ref.ask(Add(5))
+        async with ref.stream(Count(upto=2, hold=True)) as held:
+            assert [(await held.__anext__()).i for _ in range(2)] == [0, 1]
+            with pytest.raises(ActorCrashed):
+                await ref.ask(Boom())
+            with pytest.raises(ActorCrashed):  # the held stream gets the error too
+                await held.__anext__()
+        # a fresh actor carries on with the mailbox; its state starts anew
+        assert await ref.ask(Get()) == 0
+        assert system.cell("c").restarts == 1
+    assert log == ["start", "stop", "start", "stop"]
+
+
+async def test_restart_intensity_stops_the_actor() -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(
+            lambda: Counter([]), name="c", accepts=Counter.accepts, max_restarts=2
+        )
+        for _ in range(3):
+            with pytest.raises(ActorCrashed):
+                await ref.ask(Boom())
+        with pytest.raises(ActorStopped):
+            await ref.ask(Get())
+
+
+async def test_stream_and_early_exit_cancels() -> None:
+    log: list[str] = []
+    async with ActorSystem() as system:
+        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
+        async with ref.stream(Count(upto=3)) as s:
+            assert [item.i async for item in s] == [0, 1, 2]
+        async with ref.stream(Count(upto=3, hold=True)) as s:
+            first = await s.__anext__()
+            assert first.i == 0
+            sid = s.id
+        await ref.ask(Get())  # the cancel has been handled by now (FIFO)
+        assert f"cancel:{sid}" in log
+        # a stream the actor finished is not reported as cancelled
+        assert log.count(f"cancel:{sid}") == 1
+        assert not any(x == "cancel:1" for x in log)
+
+
+async def test_cancelling_the_consumer_task_cancels_the_work() -> None:
+    log: list[str] = []
+    async with ActorSystem() as system:
+        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
+
+        async def consume() -> None:
+            async with ref.stream(Count(upto=1, hold=True)) as s:
+                async for _ in s:
+                    pass
+
+        with anyio.move_on_after(0.1):
+            await consume()
+        await ref.ask(Get())
+        assert any(x.startswith("cancel:") for x in log)
+        actor = system.cell("c").actor
+        assert isinstance(actor, Counter) and actor.open == {}
+
+
+async def test_orderly_shutdown() -> None:
+    log: list[str] = []
+    async with ActorSystem() as system:
+        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
+        async with ref.stream(Count(upto=0, hold=True)) as held:
+            await ref.tell(Add(1))
+            await system.stop()
+            with pytest.raises(ActorStopped):
+                await held.__anext__()
+        with pytest.raises(ActorStopped):
+            await ref.tell(Add(1))
+    assert log == ["start", "stop"]
