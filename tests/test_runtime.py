@@ -16,6 +16,7 @@ from mlx_relay.runtime import (
     ReplyStream,
 )
 
+
 class Add(msgspec.Struct):
     n: int
 
