@@ -1,0 +1,138 @@
+"""GPUExecutor: the actor that owns the model and the one thread every MLX operation runs on.
+
+On the event loop it keeps the reply stream of each request; on its `GPUThread` it loads the
+model, warms the kernels and runs the `BatchEngine`. Requests arrive as `Generate` stream
+messages; the thread posts each step's events back to the loop in one call, where they are
+routed to their streams. A cancelled stream removes its row from the batch at the next step
+boundary. If the thread dies, the actor crashes and its supervisor restarts it (reloading the
+model); the requests it held get an error, new ones are served by the fresh instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from mlx_relay.config import EngineConfig
+from mlx_relay.engine.batch_engine import BatchEngine, Event
+from mlx_relay.engine.gpu_thread import GPUThread
+from mlx_relay.engine.loader import LoadedModel, load_model
+from mlx_relay.engine.messages import (
+    Describe,
+    Finished,
+    Generate,
+    ModelInfo,
+    TokenDelta,
+    Warmup,
+)
+from mlx_relay.runtime import Actor, ReplyStream
+
+log = logging.getLogger(__name__)
+
+
+class GPUExecutor(Actor):
+    accepts = (Generate, Describe, Warmup)
+    mailbox_capacity = 1024
+
+    def __init__(self, config: EngineConfig, on_progress: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self._on_progress = on_progress or (lambda _msg: None)
+        self._streams: dict[int, ReplyStream] = {}
+        self._thread: GPUThread | None = None
+        self._engine: BatchEngine | None = None
+        self.info: ModelInfo | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def on_start(self) -> None:
+        loop = asyncio.get_running_loop()
+        ref = self.ref
+
+        def on_fatal(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(ref.crash, f"GPU thread died: {type(exc).__name__}: {exc}")
+
+        def emit(events: list[Event]) -> None:
+            loop.call_soon_threadsafe(self._deliver, events)
+
+        self._thread = GPUThread("mlx-gpu", on_fatal)
+        self._thread.start()
+        self._on_progress(f"loading {self.config.model_path}")
+        loaded: LoadedModel = await asyncio.wrap_future(
+            self._thread.submit(load_model, _as_path(self.config.model_path))
+        )
+        self.info = loaded.info
+        self._engine = await asyncio.wrap_future(
+            self._thread.submit(
+                lambda: BatchEngine(
+                    loaded,
+                    max_num_seqs=self.config.max_num_seqs,
+                    prefill_batch_size=self.config.prefill_batch_size,
+                    prefill_step_size=self.config.prefill_step_size,
+                    seed=self.config.seed,
+                    emit=emit,
+                )
+            )
+        )
+        self._thread.stepper = self._engine
+        self._on_progress(f"loaded in {loaded.info.load_seconds:.1f}s")
+
+    async def on_stop(self) -> None:
+        thread, engine = self._thread, self._engine
+        self._thread = self._engine = None
+        if thread is None:
+            return
+        if engine is not None:
+            try:
+                await asyncio.wrap_future(thread.submit(engine.close))
+            except Exception:
+                log.exception("engine close failed")
+        await asyncio.to_thread(thread.stop, 30.0)
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
+
+    # -- messages ----------------------------------------------------------------------------------
+    async def receive(self, msg: Generate | Describe | Warmup, stream: ReplyStream | None) -> object:
+        assert self._thread is not None and self._engine is not None
+        match msg:
+            case Generate():
+                assert stream is not None
+                self._streams[stream.id] = stream
+                self._thread.submit(self._engine.add, stream.id, msg)
+                return None
+            case Describe():
+                return self.info
+            case Warmup():
+                await self._warmup()
+                return None
+        raise TypeError(type(msg).__name__)
+
+    def on_cancel(self, stream: ReplyStream) -> None:
+        if self._streams.pop(stream.id, None) is not None and self._thread and self._engine:
+            self._thread.submit(self._engine.cancel, stream.id)
+
+    def _deliver(self, events: list[Event]) -> None:
+        """On the event loop: route one step's events to their streams."""
+        for sid, event in events:
+            stream = self._streams.get(sid)
+            if stream is None:
+                continue
+            if isinstance(event, TokenDelta):
+                stream.send(event)
+            elif isinstance(event, Finished):
+                stream.send(event)
+                stream.close()
+                del self._streams[sid]
+            else:
+                stream.fail(event)
+                del self._streams[sid]
+
+    async def _warmup(self) -> None:
+        assert self._thread is not None and self._engine is not None
+        seconds = await asyncio.wrap_future(self._thread.submit(self._engine.warmup))
+        log.info("warm-up took %.1fs", seconds)
+
+
+def _as_path(p: str) -> Path:
+    return Path(p)

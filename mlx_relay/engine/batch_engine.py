@@ -1,0 +1,262 @@
+"""Continuous batching over mlx-vlm's `BatchGenerator` (runs on the GPU thread only).
+
+One step is schedule, execute, update (vLLM v1's shape):
+- schedule: move waiting sequences into the generator while fewer than `max_num_seqs` run;
+  each gets its prompt embeddings and, if it samples, its own `RowSampler`;
+- execute: one `BatchGenerator.next()` (a decode step for the running rows, then at most one
+  prefill chunk for the joining ones);
+- update: detokenize each new token, match stop strings, finish rows, and post the step's
+  events to the event loop in one call.
+
+A request that fails on its own (embedding, insertion, detokenization) ends with an error and
+the batch goes on. If the batched step itself fails, the rows in it end with an error and a
+fresh generator serves the next requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_vlm.generate.ar import BatchGenerator
+
+from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from mlx_relay.engine.loader import LoadedModel
+from mlx_relay.engine.messages import Finished, Generate, SamplingParams, TokenDelta
+from mlx_relay.engine.sampling import RowSampler, needs_sampler
+from mlx_relay.errors import GenerationFailed
+
+log = logging.getLogger(__name__)
+
+# (stream id, event); an event is a TokenDelta, a Finished or an exception for that stream.
+Event = tuple[int, TokenDelta | Finished | BaseException]
+
+
+@dataclass
+class _Seq:
+    sid: int
+    req: Generate
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    arrived: float
+    uid: int | None = None
+    generated: int = 0
+    first_token_at: float | None = None
+    pending_text: list[str] = field(default_factory=list)
+    pending_ids: list[int] = field(default_factory=list)
+
+
+class BatchEngine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_num_seqs: int,
+        prefill_batch_size: int,
+        prefill_step_size: int,
+        seed: int,
+        emit: Callable[[list[Event]], None],
+    ) -> None:
+        self._loaded = loaded
+        self._model = loaded.model
+        self._processor = loaded.processor
+        tok = loaded.processor.tokenizer if hasattr(loaded.processor, "tokenizer") else loaded.processor
+        self._tokenizer = tok
+        self._rust_tokenizer = tok.backend_tokenizer
+        self._vocab_size = loaded.info.vocab_size
+        self._max_num_seqs = max_num_seqs
+        self._prefill_batch_size = min(prefill_batch_size, max_num_seqs)
+        self._prefill_step_size = prefill_step_size
+        self._emit = emit
+        self._seeds = random.Random(seed)
+        self._waiting: deque[_Seq] = deque()
+        self._by_sid: dict[int, _Seq] = {}
+        self._by_uid: dict[int, _Seq] = {}
+        self._events: list[Event] = []
+        self._gen = self._new_generator()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _new_generator(self) -> BatchGenerator:
+        # The generator admits new prompts only while `completion_batch_size - running` is at
+        # least `prefill_batch_size`; we bound running rows ourselves, so give it that headroom
+        # (pinned by tests/test_library_adapters.py).
+        return BatchGenerator(
+            self._model.language_model,
+            self._processor,
+            completion_batch_size=self._max_num_seqs + self._prefill_batch_size,
+            prefill_batch_size=self._prefill_batch_size,
+            prefill_step_size=self._prefill_step_size,
+            compute_logprobs=False,
+            greedy_sampling=True,
+        )
+
+    def close(self) -> None:
+        for seq in list(self._by_sid.values()):
+            self._finish_error(seq, GenerationFailed("the engine is shutting down"))
+        self._flush()
+        self._gen.close()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting) or bool(self._by_uid)
+
+    @property
+    def running(self) -> int:
+        return len(self._by_uid)
+
+    # -- commands (called through GPUThread.submit) ------------------------------------------
+    def add(self, sid: int, req: Generate) -> None:
+        seq = _Seq(
+            sid=sid,
+            req=req,
+            detok=IncrementalDetokenizer(self._rust_tokenizer, self._vocab_size),
+            stops=StopMatcher(req.sampling.stop),
+            arrived=time.perf_counter(),
+        )
+        self._by_sid[sid] = seq
+        self._waiting.append(seq)
+
+    def cancel(self, sid: int) -> None:
+        seq = self._by_sid.pop(sid, None)
+        if seq is None:
+            return
+        if seq.uid is None:
+            self._waiting = deque(s for s in self._waiting if s.sid != sid)
+        else:
+            self._by_uid.pop(seq.uid, None)
+            self._gen.remove(seq.uid)
+
+    def warmup(self) -> float:
+        """Compile the kernels the server uses: prefill and decode, greedy and sampled, batch 1
+        and 2. Runs to completion on the calling (GPU) thread before traffic; returns seconds."""
+        tic = time.perf_counter()
+        prompt = list(range(1, min(64, self._vocab_size - 1)))
+        greedy = SamplingParams(max_tokens=8)
+        sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=0, max_tokens=8)
+        emit, self._emit = self._emit, lambda _events: None
+        try:
+            for sid, batch in enumerate(([greedy], [greedy, sampled])):
+                for j, params in enumerate(batch):
+                    self.add(-(2 * sid + j + 1), Generate(f"warmup-{sid}-{j}", prompt, params))
+                while self.has_work:
+                    self.step()
+        finally:
+            self._emit = emit
+        return time.perf_counter() - tic
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> None:
+        self._schedule()
+        if self._by_uid:
+            try:
+                _, responses = self._gen.next()
+            except Exception as exc:
+                log.exception("batched step failed; failing its %d rows", len(self._by_uid))
+                for seq in list(self._by_uid.values()):
+                    self._finish_error(seq, GenerationFailed(f"batched step failed: {exc}"))
+                self._gen.close()
+                self._gen = self._new_generator()
+                responses = []
+            for r in responses:
+                seq = self._by_uid.get(r.uid)
+                if seq is not None:
+                    self._on_token(seq, r.token, r.finish_reason)
+            for seq in self._by_uid.values():
+                self._release_text(seq)
+        self._flush()
+
+    def _schedule(self) -> None:
+        while self._waiting and len(self._by_uid) < self._max_num_seqs:
+            seq = self._waiting.popleft()
+            try:
+                seq.uid = self._insert(seq.req)
+            except Exception as exc:
+                log.exception("request %s could not join the batch", seq.req.request_id)
+                self._finish_error(seq, GenerationFailed(f"could not start generation: {exc}"))
+                continue
+            self._by_uid[seq.uid] = seq
+
+    def _insert(self, req: Generate) -> int:
+        ids = mx.array([req.prompt_tokens])
+        embed = self._model.get_input_embeddings(ids, None)
+        kwargs = {k: v for k, v in embed.to_dict().items() if v is not None}
+        processors: list[Any] = []
+        if needs_sampler(req.sampling):
+            seed = req.sampling.seed if req.sampling.seed is not None else self._seeds.getrandbits(63)
+            processors.append(RowSampler(req.sampling, seed))
+        (uid,) = self._gen.insert(
+            [req.prompt_tokens],
+            max_tokens=[req.sampling.max_tokens],
+            prompt_kwargs=[kwargs],
+            logits_processors=[processors],
+        )
+        return uid
+
+    # -- update ----------------------------------------------------------------------------------
+    def _on_token(self, seq: _Seq, token: int, finish_reason: str | None) -> None:
+        now = time.perf_counter()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        seq.generated += 1
+        seq.pending_ids.append(token)
+        try:
+            text = seq.detok.step(token)
+        except Exception as exc:
+            self._finish_error(seq, GenerationFailed(f"could not detokenize token {token}: {exc}"))
+            return
+        safe, hit = seq.stops.feed(text)
+        if safe:
+            seq.pending_text.append(safe)
+        if hit:
+            self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
+            self._gen.remove(seq.uid)
+            self._finish(seq, "stop")
+        elif finish_reason is not None:
+            self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
+            tail = seq.stops.flush()
+            if tail:
+                seq.pending_text.append(tail)
+            self._finish(seq, "length" if finish_reason == "length" else "stop")
+
+    def _release_text(self, seq: _Seq) -> None:
+        if seq.pending_ids:
+            self._events.append((seq.sid, TokenDelta("".join(seq.pending_text), seq.pending_ids)))
+            seq.pending_text = []
+            seq.pending_ids = []
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        self._release_text(seq)
+        self._by_sid.pop(seq.sid, None)
+        now = time.perf_counter()
+        self._events.append(
+            (
+                seq.sid,
+                Finished(
+                    reason=reason,  # type: ignore[arg-type]
+                    prompt_tokens=len(seq.req.prompt_tokens),
+                    completion_tokens=seq.generated,
+                    ttft_s=(seq.first_token_at or now) - seq.arrived,
+                    total_s=now - seq.arrived,
+                ),
+            )
+        )
+
+    def _finish_error(self, seq: _Seq, exc: BaseException) -> None:
+        self._by_sid.pop(seq.sid, None)
+        if seq.uid is not None and self._by_uid.pop(seq.uid, None) is not None:
+            try:
+                self._gen.remove(seq.uid)
+            except Exception:
+                log.exception("could not remove row %s", seq.uid)
+        self._events.append((seq.sid, exc))
+
+    def _flush(self) -> None:
+        if self._events:
+            events, self._events = self._events, []
+            self._emit(events)

@@ -1,0 +1,90 @@
+"""Model loading (GPU thread only) and the facts other actors need about the model.
+
+Resolves a Hugging Face repo id or local directory, loads the VLM with mlx-vlm and reports a
+`ModelInfo`. Called only from the GPUExecutor's thread.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_relay.engine.messages import ModelInfo
+
+
+def detect_backend() -> str:
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local checkpoint directory, or a Hub repo id fetched into the local HF cache."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    from huggingface_hub import snapshot_download
+
+    return Path(
+        snapshot_download(
+            model,
+            allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py"],
+        )
+    )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
+
+
+def context_length(config: dict[str, Any]) -> int:
+    text = config.get("text_config", config)
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length"):
+        if key in text:
+            return int(text[key])
+    return 4096
+
+
+def eos_token_ids(config: dict[str, Any]) -> list[int]:
+    eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # mlx_vlm Model
+    processor: Any  # mlx_vlm processor (tokenizer + image processor)
+    info: ModelInfo
+
+
+def load_model(path: Path) -> LoadedModel:
+    """Load on the calling thread (which must be the GPU thread)."""
+    import mlx_vlm
+
+    tic = time.perf_counter()
+    config = read_config(path)
+    model, processor = mlx_vlm.load(str(path))
+    tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
+    text_cfg = config.get("text_config", config)
+    info = ModelInfo(
+        model_path=str(path),
+        model_type=str(config.get("model_type", "unknown")),
+        backend=detect_backend(),  # type: ignore[arg-type]
+        context_length=context_length(config),
+        vocab_size=len(tokenizer),
+        eos_token_ids=eos_token_ids(config),
+        has_vision=getattr(model, "vision_tower", None) is not None,
+        has_mtp=int(text_cfg.get("mtp_num_hidden_layers", 0) or 0) > 0,
+        load_seconds=time.perf_counter() - tic,
+    )
+    return LoadedModel(model, processor, info)

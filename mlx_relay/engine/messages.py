@@ -1,0 +1,68 @@
+"""Messages to and from the GPUExecutor actor (typed, msgspec).
+
+No MLX array ever appears here: prompts travel as token ids, results as text and token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Per-request sampling. temperature == 0 is greedy (exact argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+
+class Generate(msgspec.Struct, frozen=True):
+    """Stream request: generate from a tokenized prompt. Replies: TokenDelta..., Finished."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    sampling: SamplingParams = SamplingParams()
+
+
+class TokenDelta(msgspec.Struct, frozen=True):
+    """New text (UTF-8 safe: never half a character) and the tokens behind it."""
+
+    text: str
+    token_ids: list[int]
+
+
+class Finished(msgspec.Struct, frozen=True):
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    # time from arrival at the GPU thread to the first token, and to the end (seconds)
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+class Describe(msgspec.Struct, frozen=True):
+    """Ask: what is loaded. Reply: ModelInfo."""
+
+
+class Warmup(msgspec.Struct, frozen=True):
+    """Ask: run the kernels the server will use once, so the first request does not wait."""
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    model_path: str
+    model_type: str
+    backend: Literal["metal", "cuda", "cpu"]
+    context_length: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    has_vision: bool
+    has_mtp: bool
+    load_seconds: float

@@ -1,0 +1,85 @@
+"""Domain errors: each one knows the HTTP status and OpenAI error shape it maps to.
+
+They are `Rejection`s for the actor runtime (an expected reply, not a crash), so an actor that
+raises one answers the request and carries on.
+"""
+
+from __future__ import annotations
+
+from mlx_relay.runtime.errors import Rejection
+
+
+class RelayError(Rejection):
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(RelayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class UnprocessableRequest(RelayError):
+    """The body is JSON but does not fit the schema (wrong types, out-of-range values)."""
+
+    status = 422
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class Unauthorized(RelayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(RelayError):
+    status = 404
+    type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class Overloaded(RelayError):
+    """Too many requests queued: try again later (429 with Retry-After)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "server_overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(RelayError):
+    """The server is loading or warming its model, or shutting down (503 with Retry-After)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "not_ready"
+
+    def __init__(self, message: str, *, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class GenerationFailed(RelayError):
+    """The engine failed while generating this request; other requests are unaffected."""
+
+    status = 500
+    type = "server_error"
+    code = "generation_failed"
