@@ -1,0 +1,124 @@
+"""Admission: decides, before any response starts, whether a request runs, waits or is refused.
+
+A request asks for a slot with an `Acquire` *stream*: the reply `Granted` arrives when one of
+`max_num_seqs` slots is free; while all are taken it waits in a queue of at most `max_queue`;
+past that it is refused with `Overloaded` (HTTP 429 + Retry-After). The slot is the lifetime of
+the stream: when the requester leaves its `async with` (done, failed or disconnected) the
+runtime's cancellation frees the slot and the next queued request is granted. Before the model
+is ready every request gets `NotReady` (HTTP 503 + Retry-After).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from typing import Literal
+
+import msgspec
+
+from mlx_relay.config import AdmissionConfig
+from mlx_relay.errors import NotReady, Overloaded
+from mlx_relay.runtime import Actor, ReplyStream
+
+State = Literal["loading", "warming", "ready", "failed", "draining"]
+
+
+class Acquire(msgspec.Struct, frozen=True):
+    request_id: str
+
+
+class Granted(msgspec.Struct, frozen=True):
+    waited_s: float
+
+
+class SetState(msgspec.Struct, frozen=True):
+    state: State
+    detail: str = ""
+
+
+class GetStats(msgspec.Struct, frozen=True):
+    pass
+
+
+class AdmissionStats(msgspec.Struct, frozen=True):
+    state: State
+    detail: str
+    running: int
+    queued: int
+    max_num_seqs: int
+    max_queue: int
+    admitted: int
+    rejected_overloaded: int
+    rejected_not_ready: int
+
+
+class Admission(Actor):
+    accepts = (Acquire, SetState, GetStats)
+    mailbox_capacity = 4096
+
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self.state: State = "loading"
+        self.detail = ""
+        self.running: dict[int, float] = {}  # stream id -> granted at
+        self.queue: OrderedDict[int, tuple[ReplyStream, float]] = OrderedDict()
+        self.mean_hold_s = 2.0
+        self.admitted = 0
+        self.rejected_overloaded = 0
+        self.rejected_not_ready = 0
+
+    async def receive(self, msg: Acquire | SetState | GetStats, stream: ReplyStream | None) -> object:
+        match msg:
+            case Acquire():
+                assert stream is not None
+                self._acquire(stream)
+            case SetState(state=state, detail=detail):
+                self.state, self.detail = state, detail
+            case GetStats():
+                return AdmissionStats(
+                    state=self.state,
+                    detail=self.detail,
+                    running=len(self.running),
+                    queued=len(self.queue),
+                    max_num_seqs=self.config.max_num_seqs,
+                    max_queue=self.config.max_queue,
+                    admitted=self.admitted,
+                    rejected_overloaded=self.rejected_overloaded,
+                    rejected_not_ready=self.rejected_not_ready,
+                )
+        return None
+
+    def _acquire(self, stream: ReplyStream) -> None:
+        if self.state != "ready":
+            self.rejected_not_ready += 1
+            raise NotReady(f"the server is {self.state}" + (f": {self.detail}" if self.detail else ""))
+        if len(self.running) < self.config.max_num_seqs and not self.queue:
+            self._grant(stream, time.monotonic())
+        elif len(self.queue) < self.config.max_queue:
+            self.queue[stream.id] = (stream, time.monotonic())
+        else:
+            self.rejected_overloaded += 1
+            waves = (len(self.queue) + 1) / self.config.max_num_seqs
+            retry = max(1, math.ceil(self.mean_hold_s * waves))
+            raise Overloaded(
+                f"server overloaded: {len(self.running)} running, {len(self.queue)} queued",
+                retry_after_s=retry,
+            )
+
+    def _grant(self, stream: ReplyStream, since: float) -> None:
+        now = time.monotonic()
+        self.running[stream.id] = now
+        self.admitted += 1
+        stream.send(Granted(waited_s=now - since))
+
+    def on_cancel(self, stream: ReplyStream) -> None:
+        granted_at = self.running.pop(stream.id, None)
+        if granted_at is not None:
+            self.mean_hold_s = 0.9 * self.mean_hold_s + 0.1 * (time.monotonic() - granted_at)
+        else:
+            self.queue.pop(stream.id, None)
+        while self.queue and len(self.running) < self.config.max_num_seqs:
+            _, (waiting, since) = self.queue.popitem(last=False)
+            if waiting.open:
+                self._grant(waiting, since)

@@ -1,0 +1,138 @@
+"""ChatService: walks one chat request through the actors; shared by HTTP and the in-process API.
+
+    Admission (slot lease) -> Normalizer (template + tokens) -> context check
+        -> GPUExecutor (stream of TokenDelta ..., Finished)
+
+Everything is scoped: leaving `generate`'s `async with` (done, error, client gone) cancels the
+generation and frees the admission slot through the runtime's structured cancellation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+
+from mlx_relay.actors.admission import Acquire, Granted
+from mlx_relay.actors.normalizer import Render, RenderedPrompt
+from mlx_relay.chat.types import ChatMessage, ToolDef
+from mlx_relay.engine.messages import Generate, ModelInfo, SamplingParams
+from mlx_relay.errors import ContextLengthExceeded, InvalidRequest, RelayError
+from mlx_relay.runtime import ActorRef, ReplyStream
+
+
+class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A front-end-neutral chat request (the wire formats convert into this)."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    tools: list[ToolDef] | None = None
+    template_kwargs: dict[str, Any] = {}
+
+
+class SamplingDefaults(msgspec.Struct, frozen=True):
+    """From the checkpoint's generation_config.json; a request's own values win."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    @classmethod
+    def from_generation_config(cls, config: dict[str, Any]) -> SamplingDefaults:
+        if config.get("do_sample") is False:
+            return cls(temperature=0.0)
+        return cls(
+            temperature=float(config.get("temperature", 1.0)),
+            top_p=float(config.get("top_p", 1.0)),
+            top_k=int(config.get("top_k", 0) or 0),
+            min_p=float(config.get("min_p", 0.0) or 0.0),
+        )
+
+
+class PreparedRequest(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    max_tokens: int
+
+
+class ChatService:
+    def __init__(
+        self,
+        *,
+        admission: ActorRef,
+        normalizer: ActorRef,
+        gpu: ActorRef,
+        info: ModelInfo,
+        defaults: SamplingDefaults,
+        default_max_tokens: int,
+    ) -> None:
+        self.admission = admission
+        self.normalizer = normalizer
+        self.gpu = gpu
+        self.info = info
+        self.defaults = defaults
+        self.default_max_tokens = default_max_tokens
+        self._ids = itertools.count(1)
+
+    def sampling_for(self, req: ChatRequest, prompt_tokens: int) -> SamplingParams:
+        room = self.info.context_length - prompt_tokens
+        if room <= 0:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {self.info.context_length} tokens; "
+                f"the prompt has {prompt_tokens} tokens",
+                param="messages",
+            )
+        if req.max_tokens is not None and req.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        d = self.defaults
+        params = SamplingParams(
+            temperature=d.temperature if req.temperature is None else req.temperature,
+            top_p=d.top_p if req.top_p is None else req.top_p,
+            top_k=d.top_k if req.top_k is None else req.top_k,
+            min_p=d.min_p if req.min_p is None else req.min_p,
+            seed=req.seed,
+            # The reply is cut at the context's end (finish_reason "length"), never refused for it.
+            max_tokens=min(req.max_tokens or self.default_max_tokens, room),
+            stop=req.stop,
+        )
+        validate_sampling(params)
+        return params
+
+    @asynccontextmanager
+    async def generate(self, req: ChatRequest, request_id: str | None = None) -> AsyncIterator[ReplyStream]:
+        """Admit, render and start generating; yields the stream of TokenDelta ... Finished."""
+        rid = request_id or f"req-{next(self._ids)}"
+        async with self.admission.stream(Acquire(rid)) as lease:
+            granted = await anext(lease)
+            assert isinstance(granted, Granted)
+            rendered: RenderedPrompt = await self.normalizer.ask(
+                Render(req.messages, req.tools, req.template_kwargs)
+            )
+            params = self.sampling_for(req, len(rendered.token_ids))
+            async with self.gpu.stream(Generate(rid, rendered.token_ids, params)) as events:
+                yield events
+
+
+def validate_sampling(p: SamplingParams) -> None:
+    checks: list[tuple[bool, str, str]] = [
+        (0.0 <= p.temperature <= 100.0, "temperature", "temperature must be between 0 and 100"),
+        (0.0 < p.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+        (p.top_k >= 0, "top_k", "top_k must be >= 0"),
+        (0.0 <= p.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
+        (len(p.stop) <= 16, "stop", "at most 16 stop sequences"),
+    ]
+    for ok, param, message in checks:
+        if not ok:
+            raise InvalidRequest(message, param=param)
+
+
+__all__ = ["ChatRequest", "ChatService", "RelayError", "SamplingDefaults"]
