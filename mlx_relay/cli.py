@@ -1,0 +1,117 @@
+"""Command line: `mlx-relay serve [MODEL] ...` (and later subcommands such as `bench`).
+
+Parses flags into a typed `ServerConfig` and hands it to the HTTP server. While the model
+loads and warms, a progress line shows what is happening and for how long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from mlx_relay.config import AdmissionConfig, EngineConfig, ServerConfig
+
+
+def _progress_printer() -> Callable[[str], None]:
+    """Prints each boot phase with a live elapsed-time counter on a terminal."""
+    state = {"phase": "", "since": time.monotonic(), "done": False}
+    tty = sys.stderr.isatty()
+
+    def tick() -> None:
+        frames = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+        i = 0
+        while not state["done"]:
+            elapsed = time.monotonic() - float(state["since"])  # type: ignore[arg-type]
+            sys.stderr.write(f"\r{frames[i % len(frames)]} {state['phase']} ({elapsed:4.1f}s)\033[K")
+            sys.stderr.flush()
+            i += 1
+            time.sleep(0.1)
+
+    if tty:
+        threading.Thread(target=tick, daemon=True).start()
+
+    def report(phase: str) -> None:
+        now = time.monotonic()
+        if tty:
+            sys.stderr.write(f"\r✓ {state['phase']} ({now - float(state['since']):.1f}s)\033[K\n" if state["phase"]
+                             else "")
+        else:
+            print(f"mlx-relay: {phase}", file=sys.stderr, flush=True)
+        state["phase"], state["since"] = phase, now
+        if phase == "ready":
+            state["done"] = True
+
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-relay", description="Serve MLX vision-language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="Hugging Face repo id or local checkpoint dir (default: the embedded tiny model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests waiting for a slot before new ones get 429 (default 64)")
+    serve.add_argument("--prefill-step-size", type=int, default=2048, help="prefill chunk in tokens (default 2048)")
+    serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
+    serve.add_argument("--default-max-tokens", type=int, default=4096,
+                       help="max_tokens when a request gives none (default 4096)")
+    serve.add_argument("--api-key", action="append", default=None,
+                       help="require this API key (repeatable; also MLX_RELAY_API_KEY)")
+    serve.add_argument("--no-warmup", action="store_true", help="skip kernel warm-up before taking traffic")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    model = args.model
+    default_name = None
+    if model is None:
+        from mlx_relay.testing.fixtures import default_model_path
+
+        model, default_name = str(default_model_path()), "qwen3.5-tiny"
+    keys = list(args.api_key or [])
+    if env_key := os.environ.get("MLX_RELAY_API_KEY"):
+        keys.append(env_key)
+    local_name = os.path.basename(model.rstrip("/")) if os.path.isdir(model) else model
+    name = args.served_model_name or default_name or local_name
+    return ServerConfig(
+        model=model,
+        served_model_name=name,
+        engine=EngineConfig(
+            model_path=model,
+            max_num_seqs=args.max_num_seqs,
+            prefill_batch_size=args.prefill_batch_size,
+            prefill_step_size=args.prefill_step_size,
+            warmup=not args.no_warmup,
+        ),
+        admission=AdmissionConfig(max_num_seqs=args.max_num_seqs, max_queue=args.max_queue),
+        host=args.host,
+        port=args.port,
+        api_keys=tuple(keys),
+        default_max_tokens=args.default_max_tokens,
+        log_level=args.log_level,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from mlx_relay.http.server import serve
+
+        return serve(config_from_args(args), _progress_printer())
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The Starlette app: translates HTTP into actor messages (through `ChatService`) and back.
+
+Everything that can refuse a request (validation, auth, admission, template, context length)
+happens before the response starts, so a refused request is a clean 4xx/429/503, never a 200
+followed by an error frame. A streamed response owns its generation: when the client goes away,
+Starlette cancels the response's task group and the generation and its slot are released.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import anyio
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mlx_relay.config import ServerConfig
+from mlx_relay.engine.messages import Finished, TokenDelta
+from mlx_relay.errors import InvalidRequest, ModelNotFound, NotFound, NotReady, RelayError, Unauthorized
+from mlx_relay.http.errors import as_relay_error, decode_error, error_body, error_response, handle_exception
+from mlx_relay.http.openai_types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    Usage,
+)
+from mlx_relay.relay import Relay
+from mlx_relay.runtime import ReplyStream
+from mlx_relay.service import ChatRequest, ChatService
+
+JSON = "application/json"
+_TIMEOUT = object()
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type=JSON)
+
+
+class AuthMiddleware:
+    """API keys as `Authorization: Bearer KEY` or `x-api-key: KEY`, compared in constant time.
+    `/health` stays open."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-api-key", b"")
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(given, key)
+        if ok:
+            await self.app(scope, receive, send)
+            return
+        response = error_response(Unauthorized("missing or invalid API key"))
+        await response(scope, receive, send)
+
+
+class ScopedStreamingResponse(StreamingResponse):
+    """A StreamingResponse that owns an exit stack (the admission slot and the generation) and
+    closes it however the response ends: finished, failed or cancelled by a disconnect."""
+
+    def __init__(self, content: AsyncIterator[bytes], stack: AsyncExitStack) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._stack = stack
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stack.aclose()
+
+
+def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
+    if body.n != 1:
+        raise InvalidRequest("only n=1 is supported", param="n")
+    if not body.messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    stop: tuple[str, ...] = ()
+    if isinstance(body.stop, str):
+        stop = (body.stop,)
+    elif body.stop:
+        stop = tuple(body.stop)
+    return ChatRequest(
+        messages=body.messages,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=stop,
+        tools=body.tools,
+        template_kwargs=body.chat_template_kwargs or {},
+    )
+
+
+async def _watch_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+class OpenAIRoutes:
+    def __init__(self, config: ServerConfig, relay: Relay | None) -> None:
+        self.config = config
+        self._relay = relay
+        self.created = int(time.time())
+
+    @property
+    def relay(self) -> Relay:
+        if self._relay is None:
+            raise NotReady("the server is starting")
+        return self._relay
+
+    def _service(self) -> ChatService:
+        if self.relay.service is None or self.relay.state not in ("ready",):
+            raise NotReady(f"the server is {self.relay.state}")
+        return self.relay.service
+
+    def _check_model(self, model: str | None) -> str:
+        served = self.config.served_model_name
+        if model is None or model in (served, self.config.model):
+            return served
+        raise ModelNotFound(f"the model '{model}' does not exist; this server serves '{served}'", param="model")
+
+    async def health(self, request: Request) -> Response:
+        relay = self.relay
+        body: dict[str, object] = {"status": relay.state, "model": relay.config.served_model_name}
+        if relay.info is not None:
+            body["backend"] = relay.info.backend
+        if relay.error is not None:
+            body["error"] = f"{type(relay.error).__name__}: {relay.error}"
+        if relay.state == "ready":
+            stats = await relay.stats()
+            body["running"], body["queued"] = stats.running, stats.queued
+            return _json(body)
+        response = _json(body, 503)
+        response.headers["Retry-After"] = "5"
+        return response
+
+    async def models(self, request: Request) -> Response:
+        ctx = self.relay.info.context_length if self.relay.info else None
+        return _json(ModelList([ModelCard(self.config.served_model_name, self.created, context_length=ctx)]))
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        self._check_model(name)
+        ctx = self.relay.info.context_length if self.relay.info else None
+        return _json(ModelCard(self.config.served_model_name, self.created, context_length=ctx))
+
+    async def chat_completions(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = msgspec.json.decode(raw, type=ChatCompletionRequest)
+        except msgspec.DecodeError as exc:
+            raise decode_error(exc) from None
+        model = self._check_model(body.model)
+        req = to_chat_request(body)
+        service = self._service()
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        stack = AsyncExitStack()
+        try:
+            events = await stack.enter_async_context(service.generate(req, rid))
+        except BaseException:
+            await stack.aclose()
+            raise
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            sse = self._sse(events, rid, model, include_usage)
+            return ScopedStreamingResponse(sse, stack)
+        async with stack:
+            completion = await self._collect(request, events, rid, model)
+        return _json(completion)
+
+    async def _collect(self, request: Request, events: ReplyStream, rid: str, model: str) -> ChatCompletion:
+        parts: list[str] = []
+        finished: Finished | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_disconnect, request, tg.cancel_scope)
+            async for ev in events:
+                if isinstance(ev, TokenDelta):
+                    parts.append(ev.text)
+                elif isinstance(ev, Finished):
+                    finished = ev
+            tg.cancel_scope.cancel()
+        if finished is None:  # the client went away; nobody reads this
+            raise RelayError("client disconnected")
+        usage = Usage(finished.prompt_tokens, finished.completion_tokens,
+                      finished.prompt_tokens + finished.completion_tokens)
+        return ChatCompletion(
+            id=rid,
+            created=int(time.time()),
+            model=model,
+            choices=[Choice(0, ResponseMessage("".join(parts)), finished.reason)],
+            usage=usage,
+        )
+
+    async def _sse(
+        self, events: ReplyStream, rid: str, model: str, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        encode = msgspec.json.encode
+        keepalive = self.config.sse_keepalive_s
+
+        def chunk(delta: Delta, finish: str | None = None) -> bytes:
+            c = ChatCompletionChunk(rid, created, model, [ChunkChoice(0, delta, finish)])
+            return b"data: " + encode(c) + b"\n\n"
+
+        yield chunk(Delta(role="assistant", content=""))
+        while True:
+            ev: object = _TIMEOUT
+            try:
+                with anyio.move_on_after(keepalive):
+                    ev = await anext(events, None)
+            except Exception as exc:  # the generation failed after the response started
+                yield b"data: " + error_body(as_relay_error(exc)) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+            if ev is None:
+                return
+            if ev is _TIMEOUT:  # keep slow prefills alive for clients with read timeouts
+                yield b": keep-alive\n\n"
+                continue
+            if isinstance(ev, TokenDelta):
+                if ev.text:
+                    yield chunk(Delta(content=ev.text))
+            elif isinstance(ev, Finished):
+                yield chunk(Delta(), ev.reason)
+                if include_usage:
+                    usage = Usage(ev.prompt_tokens, ev.completion_tokens, ev.prompt_tokens + ev.completion_tokens)
+                    c = ChatCompletionChunk(rid, created, model, [], usage=usage)
+                    yield b"data: " + encode(c) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, HTTPException):
+        if exc.status_code == 404:
+            return error_response(NotFound(f"no route {request.method} {request.url.path}"))
+        err = RelayError(exc.detail or "error")
+        err.status = exc.status_code
+        err.type = "invalid_request_error"
+        return error_response(err)
+    return error_response(exc)
+
+
+def create_app(
+    config: ServerConfig,
+    relay: Relay | None = None,
+    *,
+    on_progress: Callable[[str], None] | None = None,
+    on_ready: Callable[[Relay], None] | None = None,
+) -> Starlette:
+    """The app. Without a `relay`, the app's lifespan boots one (in the background, so `/health`
+    answers 503 loading/warming until it is ready) and shuts it down with the server."""
+    routes = OpenAIRoutes(config, relay)
+    lifespan = None
+    if relay is None:
+
+        @asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            async with Relay.start(config=config, wait_ready=False, on_progress=on_progress) as booted:
+                routes._relay = booted
+                async with anyio.create_task_group() as tg:
+                    if on_ready is not None:
+                        tg.start_soon(_announce, booted, on_ready)
+                    yield
+                    tg.cancel_scope.cancel()
+
+    app = Starlette(
+        routes=[
+            Route("/health", routes.health, methods=["GET"]),
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/chat/completions", routes.chat_completions, methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: _not_found, RelayError: handle_exception, Exception: handle_exception},
+        lifespan=lifespan,
+    )
+    app.add_middleware(AuthMiddleware, keys=config.api_keys)
+    return app
+
+
+async def _announce(relay: Relay, on_ready: Callable[[Relay], None]) -> None:
+    await relay.ready.wait()
+    on_ready(relay)

@@ -1,0 +1,56 @@
+"""Errors as HTTP responses in the OpenAI error shape, with the right status and headers."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from mlx_relay.errors import InvalidRequest, NotReady, Overloaded, RelayError, UnprocessableRequest
+from mlx_relay.http.openai_types import ErrorBody, ErrorDetail
+from mlx_relay.runtime import ActorCrashed, ActorStopped, AskTimeout, RuntimeFault
+
+log = logging.getLogger(__name__)
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def decode_error(exc: msgspec.DecodeError) -> RelayError:
+    """A body that is not JSON is a 400; JSON that does not fit the schema is a 422."""
+    if isinstance(exc, msgspec.ValidationError):
+        match = _PATH.search(str(exc))
+        return UnprocessableRequest(str(exc), param=match.group(1) if match else None)
+    return InvalidRequest(f"request body is not valid JSON: {exc}")
+
+
+def as_relay_error(exc: BaseException) -> RelayError:
+    if isinstance(exc, RelayError):
+        return exc
+    if isinstance(exc, ActorStopped):
+        return NotReady("the server is shutting down")
+    if isinstance(exc, ActorCrashed | AskTimeout | RuntimeFault):
+        err = RelayError(f"internal error: {exc}")
+        return err
+    log.error("unexpected error", exc_info=exc)
+    return RelayError(f"internal error: {type(exc).__name__}")
+
+
+def error_body(err: RelayError) -> bytes:
+    return msgspec.json.encode(
+        ErrorBody(ErrorDetail(message=err.message, type=err.type, param=err.param, code=err.code))
+    )
+
+
+def error_response(exc: BaseException) -> Response:
+    err = as_relay_error(exc)
+    headers = {}
+    if isinstance(err, Overloaded | NotReady):
+        headers["Retry-After"] = str(err.retry_after_s)
+    return Response(error_body(err), status_code=err.status, media_type="application/json", headers=headers)
+
+
+async def handle_exception(request: Request, exc: Exception) -> Response:
+    return error_response(exc)

@@ -1,0 +1,111 @@
+"""OpenAI Chat Completions wire types (msgspec): request bodies decode straight into these,
+responses and stream chunks encode from them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from mlx_relay.chat.types import ChatMessage, ToolDef
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    messages: list[ChatMessage]
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    tools: list[ToolDef] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    user: str | None = None
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+
+
+class ResponseMessage(msgspec.Struct):
+    content: str | None
+    role: Literal["assistant"] = "assistant"
+
+
+class Choice(msgspec.Struct):
+    index: int
+    message: ResponseMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "mlx-relay"
+    object: Literal["model"] = "model"
+    context_length: int | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
