@@ -30,7 +30,7 @@ from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.loader import LoadedModel
 from mlx_relay.engine.messages import Finished, Generate, SamplingParams, TokenDelta
 from mlx_relay.engine.sampling import RowSampler, needs_sampler
-from mlx_relay.errors import GenerationFailed
+from mlx_relay.errors import GenerationFailed, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,11 @@ class BatchEngine:
 
     # -- commands (called through GPUThread.submit) ------------------------------------------
     def add(self, sid: int, req: Generate) -> None:
+        bad = not req.prompt_tokens or not all(0 <= t < self._vocab_size for t in req.prompt_tokens)
+        if bad:
+            self._events.append((sid, InvalidRequest("the prompt is empty or has token ids outside the vocabulary")))
+            self._flush()
+            return
         seq = _Seq(
             sid=sid,
             req=req,

@@ -25,7 +25,7 @@ class RowSampler:
         p = self.params
         logprobs = logits.astype(mx.float32) / p.temperature
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-        if p.top_k > 0:
+        if 0 < p.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, p.top_k)
         if 0.0 < p.top_p < 1.0:
             logprobs = apply_top_p(logprobs, p.top_p)

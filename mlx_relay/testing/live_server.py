@@ -1,0 +1,68 @@
+"""A real server on a free loopback port, in a background thread: for tests and benchmarks.
+
+    with LiveServer(config) as server:
+        httpx.get(server.url + "/health")
+
+The server thread runs its own event loop (uvicorn + the app's lifespan, which boots the Relay
+and its GPU thread); `__enter__` returns once `/health` says ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from types import TracebackType
+
+import httpx
+import msgspec
+import uvicorn
+
+from mlx_relay.config import ServerConfig
+from mlx_relay.http.app import create_app
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LiveServer:
+    def __init__(self, config: ServerConfig, *, port: int | None = None, wait_ready: bool = True,
+                 timeout_s: float = 300.0) -> None:
+        self.config = msgspec.structs.replace(config, host="127.0.0.1", port=port or free_port())
+        self.url = f"http://127.0.0.1:{self.config.port}"
+        self.wait_ready = wait_ready
+        self.timeout_s = timeout_s
+        self._server = uvicorn.Server(
+            uvicorn.Config(create_app(self.config), host="127.0.0.1", port=self.config.port,
+                           log_level="warning", lifespan="on")
+        )
+        self._thread = threading.Thread(target=self._run, name="live-server", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self._server.serve())
+
+    def __enter__(self) -> LiveServer:
+        self._thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server thread exited during start-up")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2.0)
+                if not self.wait_ready or r.status_code == 200:
+                    return self
+                if r.json().get("status") == "failed":
+                    raise RuntimeError(f"server failed to start: {r.json().get('error')}")
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        raise TimeoutError(f"server not ready within {self.timeout_s}s")
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._server.should_exit = True
+        self._thread.join(60)

@@ -1,0 +1,43 @@
+"""Plain single-sequence greedy decoding with the raw mlx-vlm loop: the reference that batched,
+speculative and cached paths must match token for token.
+
+Run it in its own process (it touches MLX on the calling thread):
+    python -m mlx_relay.testing.reference MODEL_DIR MAX_TOKENS < prompts.json > tokens.json
+where prompts.json is a list of token-id lists.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def greedy_reference(model_path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import mlx.core as mx
+    import mlx_vlm
+    from mlx_vlm.generate.ar import generate_step
+
+    from mlx_relay.engine.loader import eos_token_ids, read_config
+
+    model, _processor = mlx_vlm.load(str(model_path))
+    eos = set(eos_token_ids(read_config(model_path)))
+    out: list[list[int]] = []
+    for prompt in prompts:
+        tokens: list[int] = []
+        for token, _ in generate_step(mx.array([prompt]), model, None, None, max_tokens=max_tokens, temperature=0.0):
+            tokens.append(int(token))
+            if tokens[-1] in eos:
+                break
+        out.append(tokens)
+    return out
+
+
+def main() -> None:
+    model, max_tokens = Path(sys.argv[1]), int(sys.argv[2])
+    prompts = json.load(sys.stdin)
+    json.dump(greedy_reference(model, prompts, max_tokens), sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

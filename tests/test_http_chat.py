@@ -1,0 +1,331 @@
+"""OpenAI chat over real HTTP (uvicorn on a loopback port) on the float32 tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from mlx_relay.relay import default_config
+from mlx_relay.testing.live_server import LiveServer
+
+PROMPTS = [
+    "Hello there",
+    "Write a function that adds two numbers",
+    "What is MLX?",
+    "def main():",
+    "Explain continuous batching in one paragraph, please, with an example of two requests",
+    "こんにちは、元気ですか",
+    "import mlx.core as mx",
+    "The quick brown fox jumps over the lazy dog",
+]
+
+
+def chat(url: str, content: str, **extra: object) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def stream_text(url: str, content: str, **extra: object) -> tuple[str, str | None, list[dict]]:
+    """Returns (text, finish_reason, chunks) and checks the stream's framing."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "stream": True, **extra}
+    chunks: list[dict] = []
+    done = False
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line or line.startswith(":"):
+                continue
+            assert line.startswith("data: ")
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                done = True
+                continue
+            assert not done, "nothing may follow [DONE]"
+            chunks.append(json.loads(payload))
+    assert done, "stream must end with data: [DONE]"
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1, "exactly one chunk carries the finish_reason"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return text, finish[0], chunks
+
+
+def reference_tokens(model: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens from the raw mlx-vlm loop, in a separate process."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_relay.testing.reference", str(model), str(max_tokens)],
+        input=json.dumps(prompts), capture_output=True, text=True, check=True, timeout=300,
+    )
+    return json.loads(out.stdout)
+
+
+def test_health_models_and_basic_chat(server: LiveServer) -> None:
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ready" and health["backend"] in ("cpu", "metal", "cuda")
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    r = chat(server.url, "Hello there", max_tokens=8)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert body["usage"]["completion_tokens"] <= 8
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_concurrent_greedy_requests_equal_each_alone(server: LiveServer) -> None:
+    max_tokens = 24
+    alone = [chat(server.url, p, max_tokens=max_tokens).json()["choices"][0]["message"]["content"] for p in PROMPTS]
+    results: dict[int, str] = {}
+    started = threading.Event()
+    running_seen: list[int] = []
+
+    def run(i: int) -> None:
+        text, _, _ = stream_text(server.url, PROMPTS[i], max_tokens=max_tokens)
+        results[i] = text
+
+    def first_seven() -> None:
+        # 7 requests decode together ...
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(7)]
+        for t in threads:
+            t.start()
+        started.set()
+        for t in threads:
+            t.join()
+
+    outer = threading.Thread(target=first_seven)
+    outer.start()
+    started.wait()
+    # ... and the 8th joins while they are in flight.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        running = httpx.get(server.url + "/health").json()["running"]
+        if running >= 2:
+            running_seen.append(running)
+            break
+        time.sleep(0.005)
+    run(7)
+    outer.join()
+    assert running_seen, "the requests never ran concurrently"
+    assert [results[i] for i in range(8)] == alone
+
+
+def test_stream_and_non_stream_agree(server: LiveServer) -> None:
+    for prompt in PROMPTS[:3]:
+        full = chat(server.url, prompt, max_tokens=16).json()
+        text, finish, chunks = stream_text(server.url, prompt, max_tokens=16,
+                                           stream_options={"include_usage": True})
+        assert text == full["choices"][0]["message"]["content"]
+        assert finish == full["choices"][0]["finish_reason"]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        usage_chunks = [c for c in chunks if c.get("usage")]
+        assert len(usage_chunks) == 1 and usage_chunks[0]["choices"] == []
+        assert usage_chunks[0]["usage"] == full["usage"]
+
+
+def test_stop_strings_and_seeded_sampling(server: LiveServer) -> None:
+    base = chat(server.url, PROMPTS[1], max_tokens=24).json()["choices"][0]["message"]["content"]
+    stop = base[5:8]
+    r = chat(server.url, PROMPTS[1], max_tokens=24, stop=[stop]).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["message"]["content"] == base[: base.index(stop)]
+    text, finish, _ = stream_text(server.url, PROMPTS[1], max_tokens=24, stop=stop)
+    assert (text, finish) == (base[: base.index(stop)], "stop")
+    sampled = [
+        chat(server.url, PROMPTS[2], max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, min_p=0.01, seed=s)
+        .json()["choices"][0]["message"]["content"]
+        for s in (7, 7, 8)
+    ]
+    assert sampled[0] == sampled[1], "the same seed must give the same sample"
+    assert sampled[0] != sampled[2]
+
+
+def test_matches_the_raw_library_loop(server: LiveServer, fp32_model: Path) -> None:
+    """Token for token, our batched engine equals mlx-vlm's plain single-sequence loop."""
+    from mlx_relay.actors.normalizer import load_tokenizer
+
+    tok = load_tokenizer(fp32_model)
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in PROMPTS[:4]
+    ]
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    expected = reference_tokens(fp32_model, ids, 20)
+    for prompt, ref in zip(PROMPTS[:4], expected, strict=True):
+        r = chat(server.url, prompt, max_tokens=20).json()
+        assert r["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_agent_message_sequences_render(server: LiveServer) -> None:
+    sequences = [
+        [{"role": "system", "content": "a"}, {"role": "system", "content": "b"},
+         {"role": "user", "content": "c"}, {"role": "user", "content": "d"}],
+        [{"role": "developer", "content": "be terse"}, {"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+         {"role": "system", "content": "reminder: be brief"}, {"role": "user", "content": "again"}],
+        [{"role": "system", "content": "tools"}, {"role": "user", "content": "list files"},
+         {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{\"path\": \".\"}"}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "a.py"},
+         {"role": "system", "content": "mid-conversation system"},
+         {"role": "user", "content": [{"type": "text", "text": "thanks"}]}],
+    ]
+    for messages in sequences:
+        r = httpx.post(server.url + "/v1/chat/completions",
+                       json={"model": "tiny", "messages": messages, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b'{"model": "tiny", "messages": "hi"}', 422, "messages"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}', 422, "max_tokens"),
+        (b'{"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}', 422, "messages[0].role"),
+        (b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}', 400, "max_tokens"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, "max_tokens"),
+        (b'{"model": "tiny", "messages": []}', 400, "messages"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}', 400, "temperature"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}', 400, "top_p"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}', 400, "n"),
+        (b'[1, 2, 3]', 422, None),
+    ],
+)
+def test_bad_inputs_get_4xx_in_openai_shape(server: LiveServer, body: bytes, status: int, param: str | None) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_prompt_longer_than_context_is_400(server: LiveServer) -> None:
+    long = "word " * 6000  # > 4096 tokens
+    r = chat(server.url, long, max_tokens=4)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert chat(server.url, "still serving", max_tokens=2).status_code == 200
+
+
+def test_unknown_route_and_method(server: LiveServer) -> None:
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_openai_sdk(server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    done = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+                                          max_tokens=12, temperature=0)
+    assert done.choices[0].message.role == "assistant"
+    assert done.usage is not None and done.usage.completion_tokens <= 12
+    pieces = []
+    finish = None
+    for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+                                                max_tokens=12, temperature=0, stream=True):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert "".join(pieces) == done.choices[0].message.content
+    assert finish == done.choices[0].finish_reason
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+# -- a deliberately small server: one slot, no queue, an API key --------------------------------
+
+@pytest.fixture(scope="module")
+def one_slot(fp32_model: Path):
+    config = default_config(fp32_model, served_model_name="tiny", max_num_seqs=1, max_queue=0,
+                            api_keys=("sekret",))
+    with LiveServer(config) as live:
+        yield live
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+def test_api_key(one_slot: LiveServer) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.get(one_slot.url + "/health").status_code == 200  # open
+    r = httpx.post(one_slot.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.post(one_slot.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(one_slot.url + "/v1/chat/completions", json=body, headers=AUTH).status_code == 200
+    assert httpx.post(one_slot.url + "/v1/chat/completions", json=body,
+                      headers={"x-api-key": "sekret"}).status_code == 200
+
+
+def _hold_stream(url: str, opened: threading.Event, release: threading.Event) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000,
+            "stream": True, "temperature": 0.7, "seed": 1}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        next(lines)
+        opened.set()
+        release.wait(60)
+    # leaving the block closes the connection mid-stream: a client disconnect
+
+
+def test_queue_full_is_429_and_disconnect_frees_the_slot(one_slot: LiveServer) -> None:
+    opened, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_stream, args=(one_slot.url, opened, release))
+    holder.start()
+    assert opened.wait(60)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(one_slot.url + "/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == 429
+    assert int(r.headers["Retry-After"]) >= 1
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    release.set()
+    holder.join()
+    # The disconnect cancelled the generation and freed the only slot: the next request runs.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        r = httpx.post(one_slot.url + "/v1/chat/completions", json=body, headers=AUTH)
+        if r.status_code == 200:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
+    health = httpx.get(one_slot.url + "/health").json()
+    assert health["running"] == 0 and health["queued"] == 0
+
+
+def test_health_is_503_until_ready(fp32_model: Path) -> None:
+    config = default_config(fp32_model, served_model_name="tiny")
+    seen: list[tuple[int, str]] = []
+    early: list[httpx.Response] = []
+    with LiveServer(config, wait_ready=False) as live:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            r = httpx.get(live.url + "/health")
+            seen.append((r.status_code, r.json()["status"]))
+            if r.status_code == 200:
+                break
+            assert r.headers["Retry-After"]
+            if not early:
+                early.append(httpx.post(live.url + "/v1/chat/completions",
+                                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+            time.sleep(0.01)
+    assert seen[0][0] == 503 and seen[0][1] in ("loading", "warming")
+    assert seen[-1] == (200, "ready")
+    # a request before the model is ready is refused with 503 + Retry-After, never queued into a crash
+    assert early and early[0].status_code == 503 and early[0].headers["Retry-After"]
+    assert early[0].json()["error"]["code"] == "not_ready"
