@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -36,6 +37,23 @@ def server(fp32_model: Path) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="session")
 async def relay(fp32_model: Path) -> AsyncIterator[Relay]:
-    """The same actors in-process, without HTTP."""
-    async with Relay.start(fp32_model, max_num_seqs=8) as r:
-        yield r
+    """The same actors in-process, without HTTP.
+
+    The Relay's task groups must be entered and left by one task; pytest-asyncio runs fixture
+    set-up and tear-down in different tasks, so a dedicated task owns the Relay."""
+    ready, stop = asyncio.Event(), asyncio.Event()
+    holder: list[Relay] = []
+
+    async def own() -> None:
+        async with Relay.start(fp32_model, max_num_seqs=8) as r:
+            holder.append(r)
+            ready.set()
+            await stop.wait()
+
+    task = asyncio.ensure_future(own())
+    done, _ = await asyncio.wait([task, asyncio.ensure_future(ready.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        task.result()  # raises the start-up error
+    yield holder[0]
+    stop.set()
+    await task
