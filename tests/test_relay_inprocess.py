@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -42,9 +41,9 @@ async def prompt_ids(relay: Relay, text: str) -> list[int]:
 async def test_concurrent_requests_return_exactly_the_raw_loop_tokens(relay: Relay, fp32_model: Path) -> None:
     max_tokens = 24
     ids = [await prompt_ids(relay, p) for p in PROMPTS]
-    ref = subprocess.run(
+    ref = await anyio.run_process(
         [sys.executable, "-m", "mlx_relay.testing.reference", str(fp32_model), str(max_tokens)],
-        input=json.dumps(ids), capture_output=True, text=True, check=True, timeout=300,
+        input=json.dumps(ids).encode(),
     )
     expected = json.loads(ref.stdout)
 
@@ -150,7 +149,7 @@ async def test_admission_queue_bound(fp32_model: Path) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(long_one)
             await started.wait()
-            tg.start_soon(small.chat, user("queued"), )  # waits in the queue (1 allowed)
+            tg.start_soon(small.chat, user("queued"))  # waits in the queue (1 allowed)
             with anyio.fail_after(10):
                 while (await small.stats()).queued < 1:
                     await anyio.sleep(0.01)
