@@ -82,6 +82,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     keys = list(args.api_key or [])
     if env_key := os.environ.get("MLX_RELAY_API_KEY"):
         keys.append(env_key)
+    if os.path.isdir(model):
+        # A local checkpoint needs nothing from the Hub; never let a library go looking there.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     local_name = os.path.basename(model.rstrip("/")) if os.path.isdir(model) else model
     name = args.served_model_name or default_name or local_name
     return ServerConfig(

@@ -1,0 +1,39 @@
+# mlx-relay: `make serve` and `make test` work on a fresh machine (they create .venv and install).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?=
+
+.PHONY: install serve test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Serve the embedded tiny model (or MODEL=<hf-dir-or-repo>) on $(HOST):$(PORT).
+serve: install
+	$(VENV)/bin/mlx-relay serve $(MODEL) --host $(HOST) --port $(PORT)
+
+## Lint, then run the whole test suite on the tiny models.
+test: install
+	$(PY) -m ruff check mlx_relay tests benchmarks
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: install
+	$(PY) -m ruff check mlx_relay tests benchmarks
+
+## First benchmark: raw library loop vs in-process API vs HTTP streaming on the tiny model.
+bench: install
+	$(PY) benchmarks/bench_decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

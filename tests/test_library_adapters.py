@@ -1,0 +1,142 @@
+"""Pins the library behaviour our adapters rely on (mlx-vlm 0.7.x, tokenizers), so an upgrade
+that changes it fails here first. MLX work runs on a GPUThread, as in the server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from tokenizers.decoders import DecodeStream
+
+from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from mlx_relay.engine.gpu_thread import GPUThread
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Iterator[Callable[[Callable[[], Any]], Any]]:
+    thread = GPUThread("test-gpu", on_fatal=lambda exc: None)
+    thread.start()
+    yield lambda fn: thread.submit(fn).result(timeout=300)
+    thread.stop(30)
+
+
+@pytest.fixture(scope="module")
+def loaded(gpu: Callable, fp32_model: Path) -> Any:
+    from mlx_relay.engine.loader import load_model
+
+    return gpu(lambda: load_model(fp32_model))
+
+
+def _generator(loaded: Any, completion: int, prefill: int) -> Any:
+    from mlx_vlm.generate.ar import BatchGenerator
+
+    return BatchGenerator(loaded.model.language_model, loaded.processor, completion_batch_size=completion,
+                          prefill_batch_size=prefill, compute_logprobs=False, greedy_sampling=True)
+
+
+def _kwargs(loaded: Any, ids: list[int]) -> dict:
+    import mlx.core as mx
+
+    emb = loaded.model.get_input_embeddings(mx.array([ids]), None)
+    return {k: v for k, v in emb.to_dict().items() if v is not None}
+
+
+def _steps_until_first_token(gen: Any, uid: int, limit: int = 20) -> int:
+    for step in range(1, limit + 1):
+        _, responses = gen.next()
+        if any(r.uid == uid for r in responses):
+            return step
+    return limit + 1
+
+
+def test_batch_generator_needs_headroom_to_admit_while_decoding(gpu: Callable, loaded: Any) -> None:
+    """With completion_batch_size == running rows + less than prefill_batch_size, a new prompt
+    waits for rows to finish; BatchEngine gives the generator `max_num_seqs + prefill_batch_size`."""
+    prompt = list(range(5, 25))
+
+    def run(completion: int) -> int:
+        gen = _generator(loaded, completion, prefill=2)
+        try:
+            gen.insert([prompt, prompt], max_tokens=[50, 50],
+                       prompt_kwargs=[_kwargs(loaded, prompt), _kwargs(loaded, prompt)])
+            for _ in range(4):
+                gen.next()
+            (late,) = gen.insert([prompt], max_tokens=[5], prompt_kwargs=[_kwargs(loaded, prompt)])
+            return _steps_until_first_token(gen, late)
+        finally:
+            gen.close()
+
+    assert gpu(lambda: run(completion=3)) > 20  # starved: 3 - 2 running < prefill_batch_size
+    assert gpu(lambda: run(completion=2 + 2)) <= 3  # our headroom: joins within a few steps
+
+
+def test_batch_generator_requires_inputs_embeds(gpu: Callable, loaded: Any) -> None:
+    def run() -> None:
+        gen = _generator(loaded, 4, 2)
+        try:
+            gen.insert([[5, 6, 7]], max_tokens=[2])
+            gen.next()
+        finally:
+            gen.close()
+
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        gpu(run)
+
+
+def test_logits_processors_apply_per_row_and_finished_rows_leave(gpu: Callable, loaded: Any) -> None:
+    import mlx.core as mx
+
+    forced = 42
+
+    def force(tokens: mx.array, logits: mx.array) -> mx.array:
+        return mx.where(mx.arange(logits.shape[-1]) == forced, 0.0, -mx.inf)[None]
+
+    def run() -> tuple[list[int], list[int], bool]:
+        gen = _generator(loaded, 4, 2)
+        try:
+            p = list(range(5, 15))
+            a, b = gen.insert([p, p], max_tokens=[4, 4], prompt_kwargs=[_kwargs(loaded, p), _kwargs(loaded, p)],
+                              logits_processors=[[force], []])
+            out: dict[int, list[int]] = {a: [], b: []}
+            while gen.has_work:
+                for r in gen.next()[1]:
+                    out[r.uid].append(r.token)
+            return out[a], out[b], gen.remove(a)
+        finally:
+            gen.close()
+
+    forced_row, free_row, removed = gpu(run)
+    assert forced_row == [forced] * 4
+    assert free_row != [forced] * 4
+    assert removed is False  # finished rows were already filtered out by the generator
+
+
+def test_decode_stream_is_utf8_safe(fp32_model: Path) -> None:
+    from mlx_relay.actors.normalizer import load_tokenizer
+
+    tok = load_tokenizer(fp32_model)
+    text = "naïve こんにちは 🙂 done"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok.backend_tokenizer, len(tok))
+    pieces = [detok.step(t) for t in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert isinstance(DecodeStream(skip_special_tokens=True), DecodeStream)
+
+
+def test_stop_matcher_holds_back_partial_stops() -> None:
+    m = StopMatcher(("STOP", "</end>"))
+    assert m.feed("hello ST") == ("hello ", False)
+    assert m.feed("O") == ("", False)
+    assert m.feed("P and more") == ("", True)
+    m = StopMatcher(("</end>",))
+    assert m.feed("a </e") == ("a ", False)
+    assert m.feed("x") == ("</ex", False)
+    assert m.flush() == ""
+    m = StopMatcher(("abc",))
+    assert m.feed("xab") == ("x", False)
+    assert m.flush() == "ab"
