@@ -1,0 +1,215 @@
+"""First benchmark: what our layers cost over the raw library loop, on one model and machine.
+
+Measures, in one process and alternating round by round so machine drift cancels:
+  (a) batch-1 decode tok/s through the raw mlx-vlm loop (`generate_step`, greedy);
+  (b) the same through the in-process API (`Relay.stream_chat`);
+  (c) the same through HTTP streaming (uvicorn on loopback, SSE);
+and aggregate completion tok/s at 1, 4 and 16 concurrent HTTP streams. Prints a markdown table
+with ratios and writes JSON next to it under benchmarks/results/.
+
+    python benchmarks/bench_decode.py [--model DIR] [--max-tokens 128] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx
+
+from mlx_relay.relay import Relay, default_config
+from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
+from mlx_relay.testing.live_server import LiveServer
+
+PROMPT = "Write a long story about a robot that learns to paint, with many details."
+
+
+def decode_rate(times: list[float]) -> float:
+    """tok/s over the decode phase: tokens after the first, over the time since the first."""
+    if len(times) < 2 or times[-1] <= times[0]:
+        return float("nan")
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def raw_loops(model_dir: Path, prompt_ids: list[int], max_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """The raw library loops on their own thread (MLX work stays on one thread): mlx-vlm's
+    single-sequence `generate_step` and its continuous `BatchGenerator` with one row."""
+    from mlx_relay.engine.gpu_thread import GPUThread
+
+    def run() -> dict[str, list[float]]:
+        import mlx.core as mx
+        import mlx_vlm
+        from mlx_vlm.generate.ar import BatchGenerator, generate_step
+
+        model, processor = mlx_vlm.load(str(model_dir))
+        rates: dict[str, list[float]] = {"raw": [], "raw_batchgen": []}
+        for r in range(rounds + 1):  # the first round warms the kernels
+            times = []
+            for _token, _ in generate_step(mx.array([prompt_ids]), model, None, None, max_tokens=max_tokens,
+                                           temperature=0.0):
+                times.append(time.perf_counter())
+            gen = BatchGenerator(model.language_model, processor, compute_logprobs=False, greedy_sampling=True)
+            emb = model.get_input_embeddings(mx.array([prompt_ids]), None)
+            kwargs = {k: v for k, v in emb.to_dict().items() if v is not None}
+            gen.insert([prompt_ids], max_tokens=[max_tokens], prompt_kwargs=[kwargs])
+            bg_times = []
+            while gen.has_work:
+                if gen.next()[1]:
+                    bg_times.append(time.perf_counter())
+            gen.close()
+            if r:
+                rates["raw"].append(decode_rate(times))
+                rates["raw_batchgen"].append(decode_rate(bg_times))
+        return rates
+
+    thread = GPUThread("bench-raw", on_fatal=lambda exc: None)
+    thread.start()
+    try:
+        return thread.submit(run).result()
+    finally:
+        thread.stop(30)
+
+
+async def in_process(relay: Relay, max_tokens: int) -> tuple[float, int]:
+    times = []
+    async for _ in relay.stream_chat([{"role": "user", "content": PROMPT}], max_tokens=max_tokens, temperature=0):
+        times.append(time.perf_counter())
+    return decode_rate(times), len(times)
+
+
+async def http_stream(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[list[float], int]:
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    times: list[float] = []
+    tokens = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                times.append(time.perf_counter())
+    return times, tokens
+
+
+async def concurrent_http(url: str, n: int, max_tokens: int) -> float:
+    async with httpx.AsyncClient(timeout=600) as client:
+        tic = time.perf_counter()
+        results = await asyncio.gather(*(http_stream(client, url, max_tokens) for _ in range(n)))
+        wall = time.perf_counter() - tic
+    return sum(tokens for _, tokens in results) / wall
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    model = Path(args.model) if args.model else fixture_path(FixtureSpec("bf16", 0))
+    async with Relay.start(model, max_num_seqs=16) as relay:
+        assert relay.service is not None
+        from mlx_relay.actors.normalizer import Render
+        from mlx_relay.chat.types import ChatMessage
+
+        prompt_ids = (await relay.service.normalizer.ask(Render([ChatMessage(role="user", content=PROMPT)]))).token_ids
+        info = relay.info
+        await in_process(relay, args.max_tokens)  # warm
+        inproc = []
+        generated = 0
+        for _ in range(args.rounds):
+            rate, generated = await in_process(relay, args.max_tokens)
+            inproc.append(rate)
+
+    raws = await asyncio.to_thread(raw_loops, model, prompt_ids, args.max_tokens, args.rounds)
+
+    config = default_config(model, served_model_name="bench", max_num_seqs=16, max_queue=64)
+    with LiveServer(config) as server:
+        async with httpx.AsyncClient(timeout=600) as client:
+            await http_stream(client, server.url, args.max_tokens)  # warm
+            http = [decode_rate((await http_stream(client, server.url, args.max_tokens))[0])
+                    for _ in range(args.rounds)]
+        aggregate = {}
+        for n in (1, 4, 16):
+            await concurrent_http(server.url, n, args.max_tokens)  # warm this batch shape
+            aggregate[n] = statistics.median([await concurrent_http(server.url, n, args.max_tokens)
+                                              for _ in range(args.rounds)])
+
+    samples = {**raws, "inproc": inproc, "http": http}
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
+        "backend": info.backend if info else "?",
+        "model": str(model),
+        "max_tokens": args.max_tokens,
+        "generated_tokens": generated,
+        "rounds": args.rounds,
+        "batch1_decode_tok_s": med,
+        "batch1_samples": samples,
+        "ratios": {f"{k}_over_raw": v / med["raw"] for k, v in med.items() if k != "raw"},
+        "aggregate_http_tok_s": aggregate,
+        "versions": versions(),
+    }
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("mlx", "mlx-lm", "mlx-vlm", "mlx-relay")}
+
+
+def to_markdown(r: dict) -> str:
+    m = r["batch1_decode_tok_s"]
+    lines = [
+        f"# Decode overhead, {r['date']} ({r['machine']}, {r['backend']} backend)",
+        "",
+        f"Model `{Path(r['model']).name}`, {r['generated_tokens']} tokens per request, median of {r['rounds']} rounds.",
+        "",
+        "| path | batch-1 decode tok/s | vs raw loop |",
+        "|---|---:|---:|",
+        f"| raw mlx-vlm `generate_step` | {m['raw']:.1f} | 1.00 |",
+        f"| raw mlx-vlm `BatchGenerator`, 1 row | {m['raw_batchgen']:.1f} "
+        f"| {r['ratios']['raw_batchgen_over_raw']:.2f} |",
+        f"| in-process `Relay.stream_chat` | {m['inproc']:.1f} | {r['ratios']['inproc_over_raw']:.2f} |",
+        f"| HTTP SSE stream | {m['http']:.1f} | {r['ratios']['http_over_raw']:.2f} |",
+        "",
+        "| concurrent HTTP streams | aggregate completion tok/s | vs 1 stream |",
+        "|---:|---:|---:|",
+    ]
+    agg = r["aggregate_http_tok_s"]
+    base = agg[1] if 1 in agg else agg["1"]
+    for n, v in agg.items():
+        lines.append(f"| {n} | {v:.1f} | {v / base:.2f} |")
+    lines.append("")
+    lines.append("Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint dir (default: the bf16 tiny fixture)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args))
+    md = to_markdown(result)
+    print(md)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"decode-{result['backend']}-{result['date'][:10]}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{stem}.md").write_text(md + "\n")
+    print(f"\nwrote {out / stem}.{{json,md}}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
