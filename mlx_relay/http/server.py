@@ -44,5 +44,8 @@ def serve(config: ServerConfig, progress: Callable[[str], None] | None = None) -
         )
     )
     holder["server"] = server
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its orderly shutdown
+        pass
     return 1 if failed else 0

@@ -1,0 +1,59 @@
+"""`mlx-relay serve` as a user runs it: a real process, its startup line, /health, Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from mlx_relay.testing.live_server import free_port
+
+
+def test_help_lists_the_serving_flags() -> None:
+    out = subprocess.run([sys.executable, "-m", "mlx_relay.cli", "serve", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for flag in ("--host", "--port", "--max-num-seqs", "--max-queue", "--api-key", "MODEL"):
+        assert flag in out
+
+
+def test_serve_starts_announces_and_stops(fp32_model: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_relay.cli", "serve", str(fp32_model), "--port", str(port),
+         "--served-model-name", "tiny", "--max-num-seqs", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("mlx-relay ready: model tiny"), line
+        assert "CPU backend" in line or "METAL backend" in line or "CUDA backend" in line
+        assert f"http://127.0.0.1:{port}" in line
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ready"
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert proc.returncode == 0
+    _, err = proc.communicate()
+    assert "loading" in err and "warming kernels" in err  # the progress display
+
+
+def test_serve_fails_cleanly_on_a_missing_model(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    missing.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_relay.cli", "serve", str(missing), "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "could not load" in proc.stderr
