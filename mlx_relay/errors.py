@@ -83,3 +83,7 @@ class GenerationFailed(RelayError):
     status = 500
     type = "server_error"
     code = "generation_failed"
+
+
+class ModelLoadError(Exception):
+    """The model could not be found or loaded (a start-up failure, not a request's)."""

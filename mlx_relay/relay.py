@@ -101,6 +101,7 @@ class Relay:
         **overrides: Any,
     ) -> AsyncIterator[Relay]:
         cfg = config or default_config(model, **overrides)
+        failed: BaseException | None = None
         async with ActorSystem() as system:
             admission = await system.spawn(lambda: Admission(cfg.admission), name="admission",
                                            accepts=Admission.accepts)
@@ -109,12 +110,16 @@ class Relay:
                 tg.start_soon(relay._boot, on_progress or (lambda m: log.info("%s", m)))
                 if wait_ready:
                     await relay.ready.wait()
-                    if relay.error is not None:
-                        raise relay.error
-                try:
-                    yield relay
-                finally:
+                    failed = relay.error
+                if failed is None:
+                    try:
+                        yield relay
+                    finally:
+                        tg.cancel_scope.cancel()
+                else:
                     tg.cancel_scope.cancel()
+        if failed is not None:  # raised here, outside the task groups, as itself
+            raise failed
 
     async def _set_state(self, state: str, detail: str = "") -> None:
         self.state = state

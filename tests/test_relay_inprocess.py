@@ -13,7 +13,7 @@ import pytest
 from mlx_relay.actors.normalizer import Render
 from mlx_relay.chat.types import ChatMessage
 from mlx_relay.engine.messages import Finished, Generate, SamplingParams, TokenDelta
-from mlx_relay.errors import ContextLengthExceeded, InvalidRequest, Overloaded
+from mlx_relay.errors import ContextLengthExceeded, InvalidRequest, ModelLoadError, Overloaded
 from mlx_relay.relay import Relay
 
 PROMPTS = [
@@ -167,3 +167,9 @@ async def test_finished_event_reports_usage(relay: Relay) -> None:
     assert isinstance(items[-1], Finished)
     assert items[-1].prompt_tokens == len(ids)
     assert items[-1].completion_tokens == sum(len(e.token_ids) for e in items if isinstance(e, TokenDelta))
+
+
+async def test_start_on_something_that_is_not_a_model(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        async with Relay.start(tmp_path, warmup=False):
+            pass

@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.engine.messages import ModelInfo
+from mlx_relay.errors import ModelLoadError
 
 
 def detect_backend() -> str:
@@ -29,16 +30,21 @@ def detect_backend() -> str:
 def resolve_model_path(model: str) -> Path:
     """A local checkpoint directory, or a Hub repo id fetched into the local HF cache."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        return path.resolve()
-    from huggingface_hub import snapshot_download
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
 
-    return Path(
-        snapshot_download(
-            model,
-            allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py"],
-        )
-    )
+        try:
+            path = Path(
+                snapshot_download(
+                    model,
+                    allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py"],
+                )
+            )
+        except Exception as exc:
+            raise ModelLoadError(f"{model} is neither a local directory nor a reachable Hub repo: {exc}") from exc
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a model checkpoint (no config.json)")
+    return path.resolve()
 
 
 def read_config(path: Path) -> dict[str, Any]:
