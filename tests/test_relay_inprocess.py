@@ -170,6 +170,6 @@ async def test_finished_event_reports_usage(relay: Relay) -> None:
 
 
 async def test_start_on_something_that_is_not_a_model(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         async with Relay.start(tmp_path, warmup=False):
             pass
