@@ -18,9 +18,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
     warmup: bool = True
-    # Events are posted to the event loop at most once per step; a step that emits nothing
-    # posts nothing.
-    seed: int = 0
+    seed: int = 0  # seeds the per-request sampling seeds of requests that give none
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):

@@ -20,7 +20,7 @@ from mlx_relay.actors.admission import Acquire, Granted
 from mlx_relay.actors.normalizer import Render, RenderedPrompt
 from mlx_relay.chat.types import ChatMessage, ToolDef
 from mlx_relay.engine.messages import Generate, ModelInfo, SamplingParams
-from mlx_relay.errors import ContextLengthExceeded, InvalidRequest, RelayError
+from mlx_relay.errors import ContextLengthExceeded, InvalidRequest
 from mlx_relay.runtime import ActorRef, ReplyStream
 
 
@@ -57,11 +57,6 @@ class SamplingDefaults(msgspec.Struct, frozen=True):
             top_k=int(config.get("top_k", 0) or 0),
             min_p=float(config.get("min_p", 0.0) or 0.0),
         )
-
-
-class PreparedRequest(msgspec.Struct, frozen=True):
-    prompt_tokens: int
-    max_tokens: int
 
 
 class ChatService:
@@ -133,6 +128,3 @@ def validate_sampling(p: SamplingParams) -> None:
     for ok, param, message in checks:
         if not ok:
             raise InvalidRequest(message, param=param)
-
-
-__all__ = ["ChatRequest", "ChatService", "RelayError", "SamplingDefaults"]

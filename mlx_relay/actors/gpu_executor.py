@@ -59,7 +59,7 @@ class GPUExecutor(Actor):
         self._thread.start()
         self._on_progress(f"loading {self.config.model_path}")
         loaded: LoadedModel = await asyncio.wrap_future(
-            self._thread.submit(load_model, _as_path(self.config.model_path))
+            self._thread.submit(load_model, Path(self.config.model_path))
         )
         self.info = loaded.info
         self._engine = await asyncio.wrap_future(
@@ -133,6 +133,3 @@ class GPUExecutor(Actor):
         seconds = await asyncio.wrap_future(self._thread.submit(self._engine.warmup))
         log.info("warm-up took %.1fs", seconds)
 
-
-def _as_path(p: str) -> Path:
-    return Path(p)

@@ -5,6 +5,11 @@ decode, vision encoding and cache slicing all run here. Other code hands it call
 `submit` (returns a concurrent Future) and it interleaves them with the stepper's `step()`:
 commands are drained between steps, and the thread sleeps on its queue only when the stepper
 has no work. Nothing polls.
+
+A stopped GPUThread finishes its commands, drops its stepper and then *parks* (blocks, as a
+daemon) instead of exiting: MLX's CPU backend can abort the process at exit when a thread that
+ran MLX work has ended before (ml-explore/mlx#3126, still seen with mlx 0.32.4 on Linux;
+pinned by tests/test_shutdown.py). A parked thread holds no MLX state and costs one idle stack.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class GPUThread:
         )
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._on_fatal = on_fatal
+        self._stopped = threading.Event()
+        self._park = threading.Event()  # never set: a stopped thread waits here until exit
         self.stepper: Stepper | None = None
 
     def start(self) -> None:
@@ -56,23 +63,31 @@ class GPUThread:
         self._queue.put((lambda: fn(*args), future))
         return future
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Ask the thread to finish its current step and exit; waits for it."""
-        if self._thread.is_alive():
+    def stop(self, timeout: float | None = None) -> bool:
+        """Ask the thread to finish its queued commands and stop; waits until it has.
+        Returns False if it did not stop within `timeout`."""
+        if self._thread.is_alive() and not self._stopped.is_set():
             self._queue.put(_STOP)
-            self._thread.join(timeout)
+        return self._stopped.wait(timeout) if self._thread.is_alive() else True
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
 
     def _run(self) -> None:
         try:
             while True:
                 busy = self.stepper is not None and self.stepper.has_work
                 if not self._drain(block=not busy):
-                    return
+                    break
                 if self.stepper is not None and self.stepper.has_work:
                     self.stepper.step()
         except BaseException as exc:  # the loop itself broke: the owner restarts us
             log.exception("GPU thread died")
             self._on_fatal(exc)
+        self.stepper = None
+        self._stopped.set()
+        self._park.wait()
 
     def _drain(self, *, block: bool) -> bool:
         """Run queued commands; False once asked to stop."""

@@ -104,8 +104,6 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
     if not body.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
     stop: tuple[str, ...] = ()
     if isinstance(body.stop, str):
         stop = (body.stop,)

@@ -1,0 +1,29 @@
+"""A process that used the server exits cleanly (exit code 0), every time.
+
+MLX's CPU backend can abort at exit after a thread that ran MLX work has ended
+(ml-explore/mlx#3126); the GPUThread therefore parks instead of exiting. This pins it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = """
+import sys, anyio
+from mlx_relay import Relay
+
+async def main():
+    async with Relay.start(sys.argv[1], warmup=False) as relay:
+        await relay.chat([{"role": "user", "content": "hi"}], max_tokens=3)
+
+anyio.run(main)
+"""
+
+
+def test_process_exits_cleanly_after_serving(fp32_model: Path) -> None:
+    for _ in range(4):
+        proc = subprocess.run([sys.executable, "-c", SCRIPT, str(fp32_model)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "terminate called" not in proc.stderr
