@@ -330,3 +330,28 @@ def test_health_is_503_until_ready(fp32_model: Path) -> None:
     # a request before the model is ready is refused with 503 + Retry-After, never queued into a crash
     assert early and early[0].status_code == 503 and early[0].headers["Retry-After"]
     assert early[0].json()["error"]["code"] == "not_ready"
+
+
+def test_non_streaming_disconnect_frees_the_slot(one_slot: LiveServer) -> None:
+    """A client that gives up on a non-streaming request cancels its generation too."""
+    import socket
+
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000,
+                       "temperature": 0.7, "seed": 3}).encode()
+    host, port = "127.0.0.1", int(one_slot.url.rsplit(":", 1)[1])
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 30
+        while httpx.get(one_slot.url + "/health").json()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert httpx.get(one_slot.url + "/health").json()["running"] == 1
+    # the socket is closed: the server notices, cancels the generation and frees the slot
+    deadline = time.monotonic() + 10
+    while httpx.get(one_slot.url + "/health").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert httpx.get(one_slot.url + "/health").json()["running"] == 0
+    r = httpx.post(one_slot.url + "/v1/chat/completions", headers=AUTH,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200
