@@ -66,6 +66,17 @@ def eos_token_ids(config: dict[str, Any]) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
+def has_mtp_weights(path: Path) -> bool:
+    """Whether the checkpoint carries an `mtp.*` head (reads only the safetensors headers)."""
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        if any(key.startswith("mtp.") for key in header):
+            return True
+    return False
+
+
 @dataclass
 class LoadedModel:
     model: Any  # mlx_vlm Model
@@ -90,7 +101,7 @@ def load_model(path: Path) -> LoadedModel:
         vocab_size=len(tokenizer),
         eos_token_ids=eos_token_ids(config),
         has_vision=getattr(model, "vision_tower", None) is not None,
-        has_mtp=int(text_cfg.get("mtp_num_hidden_layers", 0) or 0) > 0,
+        has_mtp=int(text_cfg.get("mtp_num_hidden_layers", 0) or 0) > 0 and has_mtp_weights(path),
         load_seconds=time.perf_counter() - tic,
     )
     return LoadedModel(model, processor, info)

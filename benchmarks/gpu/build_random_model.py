@@ -1,0 +1,204 @@
+"""Build, on the machine that will serve it, a random-weight model of Qwen3.5-35B-A3B's exact
+shape (40 layers, 3 GatedDeltaNet : 1 gated attention, 256 experts with 8 active, vocabulary
+248,320), 8-bit affine g64 quantized the way `mlx_vlm.convert -q --q-bits 8` does it (the
+vision tower stays bf16), saved as an mlx-vlm checkpoint with the real Qwen3.5 vocabulary.
+No weights travel: the figures it gives are honest for speed, its text is noise.
+
+    python benchmarks/gpu/build_random_model.py OUT_DIR --tokenizer DIR [--tiny] [--seed 0]
+
+Memory: every weight is drawn in bf16 one decoder layer at a time, evaluated and quantized
+before the next, with MLX's buffer cache off, so the peak stays near the final 8-bit size
+(a whole-model random init ran out of GPU memory; ../shared/device/README.md).
+`--tiny` builds the same architecture at toy size, for checking the script on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+# Public config figures of Qwen3.5-35B-A3B (text) and its vision tower.
+TEXT_35B_A3B: dict[str, Any] = {
+    "model_type": "qwen3_5_moe_text",
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "full_attention_interval": 4,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "norm_topk_prob": True,
+    "mtp_num_hidden_layers": 1,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+}
+VISION_35B_A3B: dict[str, Any] = {
+    "model_type": "qwen3_5_moe",
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 2048,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [],
+}
+TINY_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+}
+TINY_VISION: dict[str, Any] = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                               "out_hidden_size": 64, "num_position_embeddings": 64}
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "chat_template.jinja", "generation_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+    "processor_config.json",
+)
+
+
+def special_ids(tokenizer_dir: Path) -> dict[str, int]:
+    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    return {t["content"]: t["id"] for t in tok["added_tokens"]}
+
+
+def make_config(tokenizer_dir: Path, tiny: bool) -> dict[str, Any]:
+    text = copy.deepcopy(TEXT_35B_A3B)
+    vision = copy.deepcopy(VISION_35B_A3B)
+    if tiny:
+        text.update(copy.deepcopy(TINY_OVERRIDES))
+        vision.update(TINY_VISION)
+    ids = special_ids(tokenizer_dir)
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    text["eos_token_id"] = eos
+    return {
+        "model_type": "qwen3_5_moe",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vocab_size": text["vocab_size"],
+        "eos_token_id": eos,
+        "tie_word_embeddings": False,
+    }
+
+
+def _init_value(name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+    import mlx.core as mx
+
+    if name.endswith("A_log"):
+        return mx.log(mx.random.uniform(1.0, 16.0, shape)).astype(mx.float32)
+    if name.endswith("dt_bias"):
+        return mx.ones(shape, dtype=dtype)
+    if "norm" in name and len(shape) == 1:
+        return mx.ones(shape, dtype=dtype)
+    if name.endswith(".bias"):
+        return mx.zeros(shape, dtype=dtype)
+    return (mx.random.normal(shape) * 0.02).astype(dtype)
+
+
+def randomize(module: Any, prefix: str) -> None:
+    """Replace every parameter of `module` with a random bf16 draw, evaluated one at a time."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    for name, value in tree_flatten(module.parameters()):
+        new = _init_value(f"{prefix}.{name}", tuple(value.shape), mx.bfloat16)
+        mx.eval(new)
+        module.update(tree_unflatten([(name, new)]))
+
+
+def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Path:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models import qwen3_5_moe
+    from mlx_vlm.utils import save_config, save_weights, skip_multimodal_module
+
+    tic = time.perf_counter()
+    mx.random.seed(seed)
+    mx.set_cache_limit(0)
+    config = make_config(tokenizer_dir, tiny)
+    model = qwen3_5_moe.Model(qwen3_5_moe.ModelConfig.from_dict(copy.deepcopy(config)))
+    group_size, bits = 64, 8
+    model_predicate = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        if skip_multimodal_module(path) or not hasattr(module, "to_quantized"):
+            return False
+        if hasattr(module, "weight") and module.weight.shape[-1] % group_size != 0:
+            return False
+        return model_predicate(path, module) if model_predicate is not None else True
+
+    lm = model.language_model
+    for i, layer in enumerate(lm.model.layers):
+        randomize(layer, f"language_model.model.layers.{i}")
+        nn.quantize(layer, group_size, bits,
+                    class_predicate=lambda p, m, i=i: predicate(f"language_model.model.layers.{i}.{p}", m))
+        mx.eval(layer.parameters())
+        print(f"layer {i + 1}/{len(lm.model.layers)} ({time.perf_counter() - tic:.1f}s)", flush=True)
+    for name, sub in (("language_model.model.embed_tokens", lm.model.embed_tokens),
+                      ("language_model.model.norm", lm.model.norm), ("language_model.lm_head", lm.lm_head)):
+        randomize(sub, name)
+    nn.quantize(lm, group_size, bits,
+                class_predicate=lambda p, m: not p.startswith("model.layers") and predicate(f"language_model.{p}", m))
+    randomize(model.vision_tower, "vision_tower")
+    mx.eval(model.parameters())
+    config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    n_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    out.mkdir(parents=True, exist_ok=True)
+    save_weights(out, model, donate_weights=True)
+    save_config(config, config_path=out / "config.json")
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, out / name)
+    print(f"built {out} ({n_bytes / 1e9:.2f} GB of weights) in {time.perf_counter() - tic:.1f}s", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--tokenizer", type=Path, required=True,
+                        help="dir with the real-vocab tokenizer + processor JSONs (mlx_relay.testing.qwen_vocab)")
+    parser.add_argument("--tiny", action="store_true", help="same architecture at toy size (CPU check)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    build(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed)
+
+
+if __name__ == "__main__":
+    main()
