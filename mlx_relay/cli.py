@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require this API key (repeatable; also MLX_RELAY_API_KEY)")
     serve.add_argument("--no-warmup", action="store_true", help="skip kernel warm-up before taking traffic")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from mlx_relay.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -113,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mlx_relay.http.server import serve
 
         return serve(config_from_args(args), _progress_printer())
+    if args.command == "bench":
+        from mlx_relay.bench.cli import run_from_args
+
+        return run_from_args(args)
     return 2
 
 

@@ -51,7 +51,9 @@ def stream_text(url: str, content: str, **extra: object) -> tuple[str, str | Non
                 done = True
                 continue
             assert not done, "nothing may follow [DONE]"
-            chunks.append(json.loads(payload))
+            chunk = json.loads(payload)
+            assert chunk["object"] == "chat.completion.chunk" and chunk["id"] and chunk["model"]
+            chunks.append(chunk)
     assert done, "stream must end with data: [DONE]"
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert len(finish) == 1, "exactly one chunk carries the finish_reason"

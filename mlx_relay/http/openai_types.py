@@ -78,13 +78,13 @@ class ChunkChoice(msgspec.Struct):
     logprobs: None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True, tag_field="object", tag="chat.completion.chunk"):
+    # `object` is the tag, so it is always written even though defaults are omitted.
     id: str
     created: int
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 
 class ModelCard(msgspec.Struct):

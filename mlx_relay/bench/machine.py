@@ -1,0 +1,73 @@
+"""Where and with what a run ran: machine facts, library versions, the date (for the report)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from datetime import UTC, datetime
+from importlib import metadata
+
+import msgspec
+
+LIBRARIES: tuple[str, ...] = ("mlx-relay", "mlx", "mlx-lm", "mlx-vlm", "httpx", "numpy")
+
+
+class MachineInfo(msgspec.Struct, frozen=True):
+    system: str
+    release: str
+    machine: str
+    processor: str
+    cpu_count: int | None
+    memory_gb: float | None
+    python: str
+
+
+class Environment(msgspec.Struct, frozen=True):
+    date: str  # ISO 8601, UTC
+    machine: MachineInfo
+    versions: dict[str, str | None]  # None: not installed
+
+
+def memory_gb() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cpu_model() -> str:
+    """The CPU's name (`platform.processor()` is empty on Linux, so /proc/cpuinfo there)."""
+    name = platform.processor()
+    if name:
+        return name
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def machine_info() -> MachineInfo:
+    uname = platform.uname()
+    return MachineInfo(system=uname.system, release=uname.release, machine=uname.machine,
+                       processor=cpu_model(), cpu_count=os.cpu_count(),
+                       memory_gb=memory_gb(), python=sys.version.split()[0])
+
+
+def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def environment() -> Environment:
+    return Environment(date=datetime.now(UTC).isoformat(timespec="seconds"), machine=machine_info(),
+                       versions=library_versions())
