@@ -45,6 +45,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                             "are driven in alternating waves and compared, ratios to the first)")
     where.add_argument("--in-process", nargs="?", const=EMBEDDED, default=None, metavar="MODEL",
                        help="drive the engine in this process, no HTTP (default MODEL: the embedded tiny model)")
+    where.add_argument("--raw-loop", default=None, metavar="MODEL",
+                       help="the floor: the same requests straight into mlx-vlm's BatchGenerator in this process "
+                            "(no server, no HTTP)")
     where.add_argument("--allow-host", action="append", default=[], metavar="HOST",
                        help="allow this non-loopback host as a target (repeatable)")
     where.add_argument("--model", default=None, help="the model name to send (default: the target's first model)")
@@ -145,6 +148,14 @@ async def _run(args: argparse.Namespace, scenario: Scenario, config: RunConfig,
 
             relay = await stack.enter_async_context(Relay.start(args.in_process or None))
             drivers.append(InProcessDriver(relay, timeout_s=args.timeout))
+        if args.raw_loop is not None:
+            from pathlib import Path as _Path
+
+            from mlx_relay.bench.rawloop import RawLoopDriver
+
+            max_seqs = max([lvl.concurrency or 0 for lvl in config.levels] + [1])
+            drivers.append(await stack.enter_async_context(RawLoopDriver.open(_Path(args.raw_loop),
+                                                                              max_num_seqs=max_seqs)))
         max_conn = max([lvl.concurrency or 0 for lvl in config.levels] + [64]) + 8
         for name, url in parse_targets(args.target):
             drivers.append(await stack.enter_async_context(HttpDriver.open(
@@ -174,8 +185,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         print("\n".join(shipped_names()))
         return 0
     try:
-        if not args.target and args.in_process is None:
-            raise BenchError("give at least one --target URL, or --in-process [MODEL]")
+        if not args.target and args.in_process is None and args.raw_loop is None:
+            raise BenchError("give at least one --target URL, --in-process [MODEL] or --raw-loop MODEL")
         for _, url in parse_targets(args.target):  # before anything is sent anywhere
             check_target(url, args.allow_host)
         scenario = load_scenario(args.scenario)
@@ -186,7 +197,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                            max_duration_s=args.duration, seed=args.seed, wave_requests=args.wave,
                            warmup_requests=max(0, args.warmup))
         slo = Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms, e2e_ms=args.slo_e2e_ms)
-        if args.in_process and os.path.isdir(args.in_process):
+        if any(m and os.path.isdir(m) for m in (args.in_process, args.raw_loop)):
             os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint needs nothing from the Hub
         progress = Progress(sys.stderr)
         try:
