@@ -40,3 +40,34 @@ class ServerConfig(msgspec.Struct, frozen=True):
     default_max_tokens: int = 4096
     sse_keepalive_s: float = 10.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class MediaConfig(msgspec.Struct, frozen=True):
+    """What the MediaRouter may fetch and decode for image and video inputs.
+
+    Only `data:` URLs are accepted by default: local files need `allowed_local_dir`, http(s)
+    URLs need `allow_remote`, and remote hosts on loopback, private, link-local or reserved
+    addresses additionally need `allow_private_networks`.
+    """
+
+    allowed_local_dir: str | None = None  # plain paths and file:// URLs only under this directory
+    allow_remote: bool = False  # fetch http(s) URLs
+    allow_private_networks: bool = False  # ... even from loopback/private/link-local/reserved addresses
+    fetch_timeout_s: float = 10.0  # whole remote fetch, redirects included
+    max_redirects: int = 3  # each hop is checked like the first
+    max_media_bytes: int = 20 * 1024 * 1024  # per item, before decoding
+    max_image_pixels: int = 16_777_216  # per image or video frame (4096²), checked from the header
+    max_images_per_request: int = 16
+    max_videos_per_request: int = 2
+    max_video_frames: int = 32  # frames sampled per video (the checkpoint's own max_frames may lower it)
+    video_fps: float = 2.0  # frame sampling rate
+
+    def __post_init__(self) -> None:
+        for name in ("max_media_bytes", "max_image_pixels", "max_video_frames"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MediaConfig.{name} must be at least 1")
+        for name in ("max_images_per_request", "max_videos_per_request", "max_redirects"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"MediaConfig.{name} must not be negative")
+        if not self.video_fps > 0 or not self.fetch_timeout_s > 0:
+            raise ValueError("MediaConfig.video_fps and fetch_timeout_s must be positive")

@@ -1,0 +1,125 @@
+"""The checkpoint's image/video processors, run off the GPU thread (MediaRouter, worker thread).
+
+For Qwen3.5 checkpoints mlx-vlm installs its torch-free `Qwen3VLProcessor` (numpy image and video
+processors) behind `transformers.AutoProcessor` when the model package is imported; loading it
+imports mlx but runs no MLX operation. Only the numpy sub-processors are called here, never the
+processor's `__call__` (it converts its output to MLX arrays).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlx_relay.media.errors import MediaDecodeError
+from mlx_relay.media.expand import MediaSlot, PromptVocab, video_group_timestamps
+from mlx_relay.media.items import DecodedImage, DecodedVideo
+
+__all__ = ["VisionProcessor", "load_vision_processor"]
+
+
+@dataclass(frozen=True)
+class VisionProcessor:
+    """The parts of a checkpoint's processor the MediaRouter uses."""
+
+    image_processor: Any
+    video_processor: Any
+    tokenizer: Any
+    vocab: PromptVocab
+
+    @property
+    def video_frame_bounds(self) -> tuple[int, int | None]:
+        """The checkpoint's (min_frames, max_frames) for a video."""
+        vp = self.video_processor
+        return int(getattr(vp, "min_frames", 1) or 1), getattr(vp, "max_frames", None)
+
+    def preprocess_images(self, images: Sequence[DecodedImage], labels: Sequence[str]
+                          ) -> tuple[np.ndarray, np.ndarray, list[MediaSlot]]:
+        """`pixel_values` (patches, C*T*P*P), `image_grid_thw` (n, 3) and each image's slot."""
+        pixels: list[np.ndarray] = []
+        grids: list[np.ndarray] = []
+        merge = int(self.image_processor.merge_size)
+        for image, label in zip(images, labels, strict=True):
+            chw = np.ascontiguousarray(image.pixels.transpose(2, 0, 1))
+            try:
+                out = self.image_processor(images=[chw])
+            except ValueError as exc:  # e.g. an aspect ratio past 200:1
+                raise MediaDecodeError(f"{label}: cannot be preprocessed: {exc}") from None
+            pixels.append(np.asarray(out["pixel_values"]))
+            grids.append(np.asarray(out["image_grid_thw"], dtype=np.int64))
+        grid = np.concatenate(grids, axis=0)
+        slots = [MediaSlot("image", int(np.prod(row)) // merge**2) for row in grid]
+        return np.concatenate(pixels, axis=0), grid, slots
+
+    def preprocess_videos(self, videos: Sequence[DecodedVideo], labels: Sequence[str]
+                          ) -> tuple[np.ndarray, np.ndarray, list[MediaSlot]]:
+        """`pixel_values_videos`, `video_grid_thw` (n, 3) and each video's slot (with timestamps)."""
+        vp = self.video_processor
+        merge = int(vp.merge_size)
+        tps = int(getattr(vp, "temporal_patch_size", 2))
+        pixels: list[np.ndarray] = []
+        grids: list[np.ndarray] = []
+        slots: list[MediaSlot] = []
+        for video, label in zip(videos, labels, strict=True):
+            try:
+                out = vp(videos=[video.frames])
+            except ValueError as exc:  # e.g. frames smaller than one merged patch
+                raise MediaDecodeError(f"{label}: cannot be preprocessed: {exc}") from None
+            grid = np.asarray(out["video_grid_thw"], dtype=np.int64)
+            pixels.append(np.asarray(out["pixel_values_videos"]))
+            grids.append(grid)
+            t, h, w = (int(x) for x in grid[0])
+            stamps = video_group_timestamps(video.frame_indices, video.source_fps, tps)
+            if len(stamps) != t:  # the processor pads frames to whole groups exactly as we assume
+                raise RuntimeError(f"video grid has {t} temporal groups, expected {len(stamps)}")
+            slots.append(MediaSlot("video", h * w // merge**2, tuple(stamps)))
+        return np.concatenate(pixels, axis=0), np.concatenate(grids, axis=0), slots
+
+
+def _import_model_package(model_path: Path) -> None:
+    """Import mlx-vlm's package for the checkpoint's model type: it patches AutoProcessor."""
+    from mlx_vlm.utils import get_model_and_args
+
+    config = json.loads((model_path / "config.json").read_text())
+    get_model_and_args(config, model_path)
+
+
+def load_vision_processor(model_path: Path) -> VisionProcessor:
+    """Load the checkpoint's processor (local files only when HF_HUB_OFFLINE=1). Worker thread."""
+    from mlx_vlm.utils import load_processor
+
+    _import_model_package(model_path)
+    processor = load_processor(str(model_path), add_detokenizer=False)
+    tokenizer = processor.tokenizer
+    image_processor = processor.image_processor
+    video_processor = getattr(processor, "video_processor", None) or image_processor
+
+    def token(name: str, attr: str) -> int:
+        value = getattr(processor, attr, None)
+        if value is None:
+            value = tokenizer.convert_tokens_to_ids(name)
+        if value is None or value == getattr(tokenizer, "unk_token_id", -1):
+            raise ValueError(f"{model_path}: the tokenizer has no {name} token")
+        return int(value)
+
+    def retokenize(run: Sequence[int], text: str) -> list[int]:
+        prefix = ""
+        if run:
+            prefix = tokenizer.decode(list(run), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return list(tokenizer.encode(prefix + text, add_special_tokens=False))
+
+    vocab = PromptVocab(
+        image_pad=token("<|image_pad|>", "image_token_id"),
+        video_pad=token("<|video_pad|>", "video_token_id"),
+        vision_start=token("<|vision_start|>", "vision_start_token_id"),
+        vision_end=token("<|vision_end|>", "vision_end_token_id"),
+        boundaries=frozenset(int(i) for i in tokenizer.added_tokens_decoder),
+        retokenize=retokenize,
+    )
+    return VisionProcessor(image_processor=image_processor, video_processor=video_processor,
+                           tokenizer=tokenizer, vocab=vocab)
