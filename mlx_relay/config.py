@@ -18,6 +18,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
     warmup: bool = True
+    vision_cache_bytes: int = 512 * 1024 * 1024  # encoded image features kept by content hash
     seed: int = 0  # seeds the per-request sampling seeds of requests that give none
 
 
@@ -25,21 +26,6 @@ class AdmissionConfig(msgspec.Struct, frozen=True):
     max_num_seqs: int = 16
     max_queue: int = 64
     max_prompt_bytes: int = 32 * 1024 * 1024
-
-
-class ServerConfig(msgspec.Struct, frozen=True):
-    """Everything `mlx-relay serve` needs."""
-
-    model: str
-    served_model_name: str
-    engine: EngineConfig
-    admission: AdmissionConfig = AdmissionConfig()
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: tuple[str, ...] = ()
-    default_max_tokens: int = 4096
-    sse_keepalive_s: float = 10.0
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 class MediaConfig(msgspec.Struct, frozen=True):
@@ -71,3 +57,19 @@ class MediaConfig(msgspec.Struct, frozen=True):
                 raise ValueError(f"MediaConfig.{name} must not be negative")
         if not self.video_fps > 0 or not self.fetch_timeout_s > 0:
             raise ValueError("MediaConfig.video_fps and fetch_timeout_s must be positive")
+
+
+class ServerConfig(msgspec.Struct, frozen=True):
+    """Everything `mlx-relay serve` needs."""
+
+    model: str
+    served_model_name: str
+    engine: EngineConfig
+    admission: AdmissionConfig = AdmissionConfig()
+    media: MediaConfig = MediaConfig()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    default_max_tokens: int = 4096
+    sse_keepalive_s: float = 10.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"

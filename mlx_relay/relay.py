@@ -25,9 +25,10 @@ import msgspec
 
 from mlx_relay.actors.admission import Admission, AdmissionStats, GetStats, SetState
 from mlx_relay.actors.gpu_executor import GPUExecutor
+from mlx_relay.actors.media_router import MediaRouter
 from mlx_relay.actors.normalizer import Normalizer
 from mlx_relay.chat.types import ChatMessage
-from mlx_relay.config import AdmissionConfig, EngineConfig, ServerConfig
+from mlx_relay.config import AdmissionConfig, EngineConfig, MediaConfig, ServerConfig
 from mlx_relay.engine.loader import resolve_model_path
 from mlx_relay.engine.messages import Describe, Finished, ModelInfo, TokenDelta, Warmup
 from mlx_relay.errors import NotReady
@@ -54,6 +55,8 @@ def default_config(model: str | Path | None = None, **overrides: Any) -> ServerC
     model = str(model)
     engine_keys = set(EngineConfig.__struct_fields__) - {"model_path"}
     admission_keys = set(AdmissionConfig.__struct_fields__)
+    media_keys = set(MediaConfig.__struct_fields__)
+    media_kw = {k: overrides.pop(k) for k in list(overrides) if k in media_keys}
     engine_kw = {k: overrides.pop(k) for k in list(overrides) if k in engine_keys}
     admission_kw = {k: overrides.pop(k) for k in list(overrides) if k in admission_keys and k != "max_num_seqs"}
     if "max_num_seqs" in engine_kw:
@@ -64,6 +67,7 @@ def default_config(model: str | Path | None = None, **overrides: Any) -> ServerC
         served_model_name=name,
         engine=EngineConfig(model_path=model, **engine_kw),
         admission=AdmissionConfig(**admission_kw),
+        media=MediaConfig(**media_kw),
         **overrides,
     )
 
@@ -134,12 +138,15 @@ class Relay:
                                           accepts=GPUExecutor.accepts)
             normalizer = await self.system.spawn(lambda: Normalizer(path), name="normalizer",
                                                  accepts=Normalizer.accepts)
+            media = await self.system.spawn(lambda: MediaRouter(cfg.media, path), name="media",
+                                            accepts=MediaRouter.accepts)
             self.info = await gpu.ask(Describe())
             gen_cfg_path = path / "generation_config.json"
             gen_cfg = json.loads(gen_cfg_path.read_text()) if gen_cfg_path.exists() else {}
             self.service = ChatService(
                 admission=self.admission,
                 normalizer=normalizer,
+                media=media,
                 gpu=gpu,
                 info=self.info,
                 defaults=SamplingDefaults.from_generation_config(gen_cfg),

@@ -1,7 +1,11 @@
 """ChatService: walks one chat request through the actors; shared by HTTP and the in-process API.
 
-    Admission (slot lease) -> Normalizer (template + tokens) -> context check
-        -> GPUExecutor (stream of TokenDelta ..., Finished)
+    Admission (slot lease) -> Normalizer (template + tokens)
+        -> MediaRouter (only for requests with images or video: fetch, decode, preprocess, expand)
+        -> context check -> GPUExecutor (stream of TokenDelta ..., Finished)
+
+Text-only requests never wait behind a media download: the routing decision (media parts or
+none) is already known after normalization, and only the vision path asks the MediaRouter.
 
 Everything is scoped: leaving `generate`'s `async with` (done, error, client gone) cancels the
 generation and frees the admission slot through the runtime's structured cancellation.
@@ -17,6 +21,7 @@ from typing import Any
 import msgspec
 
 from mlx_relay.actors.admission import Acquire, Granted
+from mlx_relay.actors.media_router import Route, Routed
 from mlx_relay.actors.normalizer import Render, RenderedPrompt
 from mlx_relay.chat.types import ChatMessage, ToolDef
 from mlx_relay.engine.messages import Generate, ModelInfo, SamplingParams
@@ -65,6 +70,7 @@ class ChatService:
         *,
         admission: ActorRef,
         normalizer: ActorRef,
+        media: ActorRef,
         gpu: ActorRef,
         info: ModelInfo,
         defaults: SamplingDefaults,
@@ -72,6 +78,7 @@ class ChatService:
     ) -> None:
         self.admission = admission
         self.normalizer = normalizer
+        self.media = media
         self.gpu = gpu
         self.info = info
         self.defaults = defaults
@@ -112,8 +119,14 @@ class ChatService:
             rendered: RenderedPrompt = await self.normalizer.ask(
                 Render(req.messages, req.tools, req.template_kwargs)
             )
-            params = self.sampling_for(req, len(rendered.token_ids))
-            async with self.gpu.stream(Generate(rid, rendered.token_ids, params)) as events:
+            tokens, vision = rendered.token_ids, None
+            if rendered.num_media:
+                if not self.info.has_vision:
+                    raise InvalidRequest("this model has no vision tower: send text only", param="messages")
+                routed: Routed = await self.media.ask(Route(rendered.messages, rendered.token_ids))
+                tokens, vision = routed.prompt_tokens, routed.vision
+            params = self.sampling_for(req, len(tokens))
+            async with self.gpu.stream(Generate(rid, tokens, params, vision)) as events:
                 yield events
 
 

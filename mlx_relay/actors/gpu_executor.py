@@ -23,6 +23,7 @@ from mlx_relay.engine.messages import (
     Describe,
     Finished,
     Generate,
+    GetEngineStats,
     ModelInfo,
     TokenDelta,
     Warmup,
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 class GPUExecutor(Actor):
-    accepts = (Generate, Describe, Warmup)
+    accepts = (Generate, Describe, Warmup, GetEngineStats)
     mailbox_capacity = 1024
 
     def __init__(self, config: EngineConfig, on_progress: Callable[[str], None] | None = None) -> None:
@@ -71,6 +72,7 @@ class GPUExecutor(Actor):
                     prefill_step_size=self.config.prefill_step_size,
                     seed=self.config.seed,
                     emit=emit,
+                    vision_cache_bytes=self.config.vision_cache_bytes,
                 )
             )
         )
@@ -93,7 +95,7 @@ class GPUExecutor(Actor):
         self._streams.clear()
 
     # -- messages ----------------------------------------------------------------------------------
-    async def receive(self, msg: Generate | Describe | Warmup, stream: ReplyStream | None) -> object:
+    async def receive(self, msg: Generate | Describe | Warmup | GetEngineStats, stream: ReplyStream | None) -> object:
         assert self._thread is not None and self._engine is not None
         match msg:
             case Generate():
@@ -106,6 +108,8 @@ class GPUExecutor(Actor):
             case Warmup():
                 await self._warmup()
                 return None
+            case GetEngineStats():
+                return await asyncio.wrap_future(self._thread.submit(self._engine.stats))
         raise TypeError(type(msg).__name__)
 
     def on_cancel(self, stream: ReplyStream) -> None:

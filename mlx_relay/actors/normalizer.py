@@ -37,6 +37,7 @@ class Render(msgspec.Struct, frozen=True):
 class RenderedPrompt(msgspec.Struct, frozen=True):
     token_ids: list[int]
     num_media: int
+    messages: list[ChatMessage]  # normalized: the MediaRouter reads the media parts from these
 
 
 def load_tokenizer(model_path: Path) -> Any:
@@ -65,10 +66,6 @@ class Normalizer(Actor):
         except NormalizationError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         media = media_parts(messages)
-        if media:
-            raise InvalidRequest(
-                "this server does not accept image or video input yet", param="messages", code="unsupported_media"
-            )
         tools = [msgspec.to_builtins(t) for t in msg.tools] if msg.tools else None
         try:
             text = self.tokenizer.apply_chat_template(
@@ -81,4 +78,4 @@ class Normalizer(Actor):
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"the chat template rejected the conversation: {exc}", param="messages") from exc
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return RenderedPrompt(token_ids=list(ids), num_media=len(media))
+        return RenderedPrompt(token_ids=list(ids), num_media=len(media), messages=messages)

@@ -28,8 +28,9 @@ from mlx_vlm.generate.ar import BatchGenerator
 
 from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.loader import LoadedModel
-from mlx_relay.engine.messages import Finished, Generate, SamplingParams, TokenDelta
+from mlx_relay.engine.messages import EngineStats, Finished, Generate, SamplingParams, TokenDelta
 from mlx_relay.engine.sampling import RowSampler, needs_sampler
+from mlx_relay.engine.vision import FeatureCache, vision_prompt_kwargs
 from mlx_relay.errors import GenerationFailed, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class BatchEngine:
         prefill_step_size: int,
         seed: int,
         emit: Callable[[list[Event]], None],
+        vision_cache_bytes: int = 512 * 1024 * 1024,
     ) -> None:
         self._loaded = loaded
         self._model = loaded.model
@@ -79,6 +81,7 @@ class BatchEngine:
         self._by_sid: dict[int, _Seq] = {}
         self._by_uid: dict[int, _Seq] = {}
         self._events: list[Event] = []
+        self._features = FeatureCache(vision_cache_bytes)
         self._gen = self._new_generator()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -163,7 +166,8 @@ class BatchEngine:
                 _, responses = self._gen.next()
             except Exception as exc:
                 log.exception("batched step failed; failing its %d rows", len(self._by_uid))
-                for seq in list(self._by_uid.values()):
+                failed, self._by_uid = list(self._by_uid.values()), {}  # the broken generator is dropped whole
+                for seq in failed:
                     self._finish_error(seq, GenerationFailed(f"batched step failed: {exc}"))
                 self._gen.close()
                 self._gen = self._new_generator()
@@ -187,10 +191,17 @@ class BatchEngine:
                 continue
             self._by_uid[seq.uid] = seq
 
+    def stats(self) -> EngineStats:
+        f = self._features.stats
+        return EngineStats(running=len(self._by_uid), waiting=len(self._waiting), vision_cache_hits=f.hits,
+                           vision_cache_misses=f.misses, vision_cache_entries=f.entries, vision_cache_bytes=f.bytes)
+
     def _insert(self, req: Generate) -> int:
-        ids = mx.array([req.prompt_tokens])
-        embed = self._model.get_input_embeddings(ids, None)
-        kwargs = {k: v for k, v in embed.to_dict().items() if v is not None}
+        if req.vision is not None:  # the vision path: encode (or reuse) each image's features
+            kwargs = vision_prompt_kwargs(self._model, req.prompt_tokens, req.vision, self._features)
+        else:
+            embed = self._model.get_input_embeddings(mx.array([req.prompt_tokens]), None)
+            kwargs = {k: v for k, v in embed.to_dict().items() if v is not None}
         processors: list[Any] = []
         if needs_sampler(req.sampling):
             seed = req.sampling.seed if req.sampling.seed is not None else self._seeds.getrandbits(63)

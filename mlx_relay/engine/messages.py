@@ -9,6 +9,8 @@ from typing import Literal
 
 import msgspec
 
+from mlx_relay.media.tensors import VisionInputs
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -30,6 +32,7 @@ class Generate(msgspec.Struct, frozen=True):
     request_id: str
     prompt_tokens: list[int]
     sampling: SamplingParams = SamplingParams()
+    vision: VisionInputs | None = None  # images / video, preprocessed off the GPU (vision path)
 
 
 class TokenDelta(msgspec.Struct, frozen=True):
@@ -50,6 +53,19 @@ class Finished(msgspec.Struct, frozen=True):
 
 class Describe(msgspec.Struct, frozen=True):
     """Ask: what is loaded. Reply: ModelInfo."""
+
+
+class GetEngineStats(msgspec.Struct, frozen=True):
+    """Ask: counters of the engine. Reply: EngineStats."""
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    running: int
+    waiting: int
+    vision_cache_hits: int
+    vision_cache_misses: int
+    vision_cache_entries: int
+    vision_cache_bytes: int
 
 
 class Warmup(msgspec.Struct, frozen=True):

@@ -1,0 +1,121 @@
+"""The vision path end to end on the float32 tiny VLM: images go through the MediaRouter and the
+vision tower, join the same continuous batch as text requests, and reuse encoded features."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from mlx_relay.engine.gpu_thread import GPUThread
+from mlx_relay.engine.messages import GetEngineStats
+from mlx_relay.relay import Relay
+from mlx_relay.testing.live_server import LiveServer
+
+
+def png_data_url(seed: int, size: tuple[int, int] = (64, 48)) -> str:
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_message(text: str, *urls: str) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def test_image_request_over_http(server: LiveServer) -> None:
+    body = {"model": "tiny", "messages": image_message("What is in this picture?", png_data_url(1)),
+            "max_tokens": 8, "temperature": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    text_only = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "What is in this picture?"}], "max_tokens": 8})
+    # the image's placeholder was expanded into its patch tokens
+    assert r.json()["usage"]["prompt_tokens"] > text_only.json()["usage"]["prompt_tokens"] + 2
+    bad = dict(body, messages=image_message("x", "data:image/png;base64,not-base64!"))
+    r = httpx.post(server.url + "/v1/chat/completions", json=bad, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    remote = dict(body, messages=image_message("x", "http://127.0.0.1:1/cat.png"))
+    r = httpx.post(server.url + "/v1/chat/completions", json=remote, timeout=60)
+    assert r.status_code == 400 and "allow" in r.json()["error"]["message"]
+
+
+async def test_mixed_batch_returns_what_each_returns_alone(relay: Relay) -> None:
+    requests: list[tuple[str, list[dict[str, Any]]]] = [
+        ("image-a", image_message("Describe the image.", png_data_url(2))),
+        ("text-1", [{"role": "user", "content": "Write a haiku about batching"}]),
+        ("image-b", image_message("Compare them.", png_data_url(3, (96, 64)), png_data_url(4))),
+        ("text-2", [{"role": "user", "content": "def fib(n):"}]),
+    ]
+    alone = {name: (await relay.chat(msgs, max_tokens=16, temperature=0)).token_ids for name, msgs in requests}
+    together: dict[str, list[int]] = {}
+
+    async def one(name: str, msgs: list[dict[str, Any]]) -> None:
+        together[name] = (await relay.chat(msgs, max_tokens=16, temperature=0)).token_ids
+
+    async with anyio.create_task_group() as tg:
+        for name, msgs in requests:
+            tg.start_soon(one, name, msgs)
+    assert together == alone
+
+
+async def test_a_repeated_image_is_not_re_encoded(relay: Relay) -> None:
+    assert relay.service is not None
+    gpu = relay.service.gpu
+    url = png_data_url(5)
+    before = await gpu.ask(GetEngineStats())
+    first = await relay.chat(image_message("one", url), max_tokens=4, temperature=0)
+    mid = await gpu.ask(GetEngineStats())
+    second = await relay.chat(image_message("two", url, png_data_url(6)), max_tokens=4, temperature=0)
+    after = await gpu.ask(GetEngineStats())
+    assert first.completion_tokens and second.completion_tokens
+    assert mid.vision_cache_misses == before.vision_cache_misses + 1
+    assert after.vision_cache_hits == mid.vision_cache_hits + 1  # the repeated image
+    assert after.vision_cache_misses == mid.vision_cache_misses + 1  # only the new one is encoded
+
+
+# -- the per-image encoding behind the feature cache equals encoding all images at once --------
+
+@pytest.fixture(scope="module")
+def gpu_thread() -> Iterator[Callable[[Callable[[], Any]], Any]]:
+    thread = GPUThread("test-vision", on_fatal=lambda exc: None)
+    thread.start()
+    yield lambda fn: thread.submit(fn).result(timeout=300)
+    thread.stop(30)
+
+
+def test_per_image_encoding_equals_whole_batch_encoding(gpu_thread: Callable, fp32_model: Path) -> None:
+    from mlx_relay.media.preprocess import load_vision_processor
+
+    processor = load_vision_processor(fp32_model)
+
+    def run() -> float:
+        import mlx.core as mx
+        import mlx_vlm
+
+        from mlx_relay.engine.vision import FeatureCache, _encode
+
+        model, _ = mlx_vlm.load(str(fp32_model))
+        from mlx_relay.media.items import DecodedImage
+
+        images = [DecodedImage(np.asarray(Image.open(io.BytesIO(base64.b64decode(png_data_url(s, size).split(",")[1])))
+                                          .convert("RGB")), str(s))
+                  for s, size in ((7, (64, 48)), (8, (96, 64)))]
+        pixels, grid, _ = processor.preprocess_images(images, ["a", "b"])
+        px, gr = mx.array(pixels), mx.array(grid)
+        whole, *_ = model.vision_tower(px, gr)
+        per_image = _encode(model, px, gr, ("a", "b"), FeatureCache(1 << 30))
+        return float(mx.abs(whole - per_image).max())
+
+    assert gpu_thread(run) < 1e-4
