@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from mlx_relay.config import AdmissionConfig, EngineConfig, ServerConfig
+from mlx_relay.config import AdmissionConfig, EngineConfig, MediaConfig, ServerConfig
 
 
 def _progress_printer() -> Callable[[str], None]:
@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="max_tokens when a request gives none (default 4096)")
     serve.add_argument("--api-key", action="append", default=None,
                        help="require this API key (repeatable; also MLX_RELAY_API_KEY)")
+    media = serve.add_argument_group("image and video inputs (data: URLs are always accepted)")
+    media.add_argument("--allowed-local-media-dir", default=None, metavar="DIR",
+                       help="accept local file paths / file:// URLs, only under DIR")
+    media.add_argument("--allow-remote-media", action="store_true",
+                       help="fetch http(s) image/video URLs (public addresses only)")
+    media.add_argument("--allow-private-media-hosts", action="store_true",
+                       help="with --allow-remote-media: also loopback/private addresses (trusted networks only)")
+    media.add_argument("--max-media-bytes", type=int, default=20 * 1024 * 1024, help="per image/video (20 MiB)")
+    media.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="decompression-bomb guard")
+    media.add_argument("--max-video-frames", type=int, default=32)
     serve.add_argument("--no-warmup", action="store_true", help="skip kernel warm-up before taking traffic")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from mlx_relay.bench.cli import add_parser as add_bench_parser
@@ -101,6 +111,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             warmup=not args.no_warmup,
         ),
         admission=AdmissionConfig(max_num_seqs=args.max_num_seqs, max_queue=args.max_queue),
+        media=MediaConfig(
+            allowed_local_dir=args.allowed_local_media_dir,
+            allow_remote=args.allow_remote_media,
+            allow_private_networks=args.allow_private_media_hosts,
+            max_media_bytes=args.max_media_bytes,
+            max_image_pixels=args.max_image_pixels,
+            max_video_frames=args.max_video_frames,
+        ),
         host=args.host,
         port=args.port,
         api_keys=tuple(keys),

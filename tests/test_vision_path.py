@@ -119,3 +119,36 @@ def test_per_image_encoding_equals_whole_batch_encoding(gpu_thread: Callable, fp
         return float(mx.abs(whole - per_image).max())
 
     assert gpu_thread(run) < 1e-4
+
+
+def mp4_data_url(tmp_path: Path, frames: int = 8, fps: float = 4.0) -> str:
+    import cv2
+
+    path = tmp_path / "clip.mp4"
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (64, 48))
+    rng = np.random.default_rng(0)
+    for _ in range(frames):
+        writer.write(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8))
+    writer.release()
+    return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+async def test_video_request_and_local_files(fp32_model: Path, tmp_path: Path) -> None:
+    video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": mp4_data_url(tmp_path)}},
+                                          {"type": "text", "text": "What happens?"}]}]
+    allowed = tmp_path / "media"
+    allowed.mkdir()
+    png = allowed / "cat.png"
+    png.write_bytes(base64.b64decode(png_data_url(9).split(",")[1]))
+    async with Relay.start(fp32_model, warmup=False, allowed_local_dir=str(allowed)) as relay:
+        alone = await relay.chat(video, max_tokens=6, temperature=0)
+        assert alone.completion_tokens == 6 and alone.prompt_tokens > 20
+        local = await relay.chat(image_message("describe", str(png)), max_tokens=4, temperature=0)
+        same_as_data = await relay.chat(image_message("describe", png_data_url(9)), max_tokens=4, temperature=0)
+        assert local.token_ids == same_as_data.token_ids
+        outside = tmp_path / "secret.png"
+        outside.write_bytes(png.read_bytes())
+        from mlx_relay.errors import InvalidRequest
+
+        with pytest.raises(InvalidRequest):
+            await relay.chat(image_message("describe", str(outside)), max_tokens=4)
