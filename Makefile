@@ -25,11 +25,11 @@ serve: install
 
 ## Lint, then run the whole test suite on the tiny models.
 test: install
-	$(PY) -m ruff check mlx_relay tests benchmarks
+	$(PY) -m ruff check mlx_relay tests benchmarks tools
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: install
-	$(PY) -m ruff check mlx_relay tests benchmarks
+	$(PY) -m ruff check mlx_relay tests benchmarks tools
 
 ## First benchmark: raw library loop vs in-process API vs HTTP streaming on the tiny model.
 bench: install
