@@ -4,6 +4,7 @@ and the written checkpoint loads strictly with ``mlx_vlm.load`` and ``load_draft
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import sysconfig
 from pathlib import Path
@@ -70,3 +71,28 @@ def test_few_steps_lower_loss_and_checkpoint_loads(tmp_path: Path) -> None:
     )
     assert isinstance(text, str)
     assert drafter.accept_lens, "no MTP rounds ran"
+
+
+def test_checkpoint_round_trip_is_exact(tmp_path: Path) -> None:
+    """Saved HF names/layouts load back to the same function: both losses match exactly."""
+    import mlx.core as mx
+    import mlx_vlm
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    from mlx_relay.testing.fixtures import FixtureSpec, build_fixture
+
+    tool = _load_script()
+    spec = FixtureSpec("fp32", 0, 64, 128, 4)
+    config = tool.small_config(spec, 16)
+    build_fixture(tmp_path, spec)
+    (tmp_path / "mlx_relay_fixture.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    mx.random.seed(3)
+    trained = tool.TargetWithMTP(config)
+    tool.save_checkpoint(trained, tmp_path)
+    tokens = mx.random.randint(0, 1000, (2, 40))
+    loaded = tool.TargetWithMTP(config)
+    loaded.vlm, _ = mlx_vlm.load(str(tmp_path), strict=True)
+    loaded.mtp, _ = load_drafter(str(tmp_path), kind="mtp")
+    for a, b in zip(trained.losses(tokens), loaded.losses(tokens), strict=True):
+        assert abs(a.item() - b.item()) < 1e-5
