@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from mlx_relay.engine.gpu_thread import GPUThread
 from mlx_relay.relay import Relay, default_config
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer
@@ -25,6 +27,15 @@ def fp32_model() -> Path:
 @pytest.fixture(scope="session")
 def bf16_model() -> Path:
     return fixture_path(FixtureSpec(variant="bf16", seed=0))
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Iterator[Callable[[Callable[[], Any]], Any]]:
+    """Runs a callable on a dedicated GPUThread (MLX work in tests stays off the test thread too)."""
+    thread = GPUThread("test-gpu", on_fatal=lambda exc: None)
+    thread.start()
+    yield lambda fn: thread.submit(fn).result(timeout=300)
+    thread.stop(30)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ that changes it fails here first. MLX work runs on a GPUThread, as in the server
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -11,17 +11,8 @@ import pytest
 from tokenizers.decoders import DecodeStream
 
 from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from mlx_relay.engine.gpu_thread import GPUThread
 
 T = TypeVar("T")
-
-
-@pytest.fixture(scope="module")
-def gpu() -> Iterator[Callable[[Callable[[], Any]], Any]]:
-    thread = GPUThread("test-gpu", on_fatal=lambda exc: None)
-    thread.start()
-    yield lambda fn: thread.submit(fn).result(timeout=300)
-    thread.stop(30)
 
 
 @pytest.fixture(scope="module")

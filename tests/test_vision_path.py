@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlx_relay.engine.gpu_thread import GPUThread
 from mlx_relay.engine.messages import GetEngineStats
 from mlx_relay.relay import Relay
 from mlx_relay.testing.live_server import LiveServer
@@ -87,15 +86,7 @@ async def test_a_repeated_image_is_not_re_encoded(relay: Relay) -> None:
 
 # -- the per-image encoding behind the feature cache equals encoding all images at once --------
 
-@pytest.fixture(scope="module")
-def gpu_thread() -> Iterator[Callable[[Callable[[], Any]], Any]]:
-    thread = GPUThread("test-vision", on_fatal=lambda exc: None)
-    thread.start()
-    yield lambda fn: thread.submit(fn).result(timeout=300)
-    thread.stop(30)
-
-
-def test_per_image_encoding_equals_whole_batch_encoding(gpu_thread: Callable, fp32_model: Path) -> None:
+def test_per_image_encoding_equals_whole_batch_encoding(gpu: Callable, fp32_model: Path) -> None:
     from mlx_relay.media.preprocess import load_vision_processor
 
     processor = load_vision_processor(fp32_model)
@@ -118,7 +109,7 @@ def test_per_image_encoding_equals_whole_batch_encoding(gpu_thread: Callable, fp
         per_image = _encode(model, px, gr, ("a", "b"), FeatureCache(1 << 30))
         return float(mx.abs(whole - per_image).max())
 
-    assert gpu_thread(run) < 1e-4
+    assert gpu(run) < 1e-4
 
 
 def mp4_data_url(tmp_path: Path, frames: int = 8, fps: float = 4.0) -> str:
