@@ -77,12 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
     media.add_argument("--max-media-bytes", type=int, default=20 * 1024 * 1024, help="per image/video (20 MiB)")
     media.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="decompression-bomb guard")
     media.add_argument("--max-video-frames", type=int, default=32)
+    serve.add_argument("--memory-limit-gb", type=float, default=None,
+                       help="MLX memory limit for this process (lets two servers share one GPU)")
+    serve.add_argument("--cache-limit-gb", type=float, default=None,
+                       help="freed buffers MLX keeps for reuse (default: MLX's own, up to the memory limit)")
     serve.add_argument("--no-warmup", action="store_true", help="skip kernel warm-up before taking traffic")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from mlx_relay.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     return parser
+
+
+def _gib(value: float | None) -> int | None:
+    return None if value is None else int(value * (1 << 30))
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -109,6 +117,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size,
             warmup=not args.no_warmup,
+            memory_limit_bytes=_gib(args.memory_limit_gb),
+            cache_limit_bytes=_gib(args.cache_limit_gb),
         ),
         admission=AdmissionConfig(max_num_seqs=args.max_num_seqs, max_queue=args.max_queue),
         media=MediaConfig(

@@ -20,6 +20,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     warmup: bool = True
     vision_cache_bytes: int = 512 * 1024 * 1024  # encoded image features kept by content hash
     seed: int = 0  # seeds the per-request sampling seeds of requests that give none
+    memory_limit_bytes: int | None = None  # mx.set_memory_limit (None: MLX's default)
+    cache_limit_bytes: int | None = None  # mx.set_cache_limit: freed buffers MLX keeps for reuse
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):

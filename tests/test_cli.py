@@ -21,11 +21,21 @@ def test_help_lists_the_serving_flags() -> None:
         assert flag in out
 
 
+def test_memory_limit_flags_reach_the_engine_config() -> None:
+    from mlx_relay.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["serve", "m", "--memory-limit-gb", "60", "--cache-limit-gb", "0.5"])
+    engine = config_from_args(args).engine
+    assert engine.memory_limit_bytes == 60 << 30 and engine.cache_limit_bytes == 512 << 20
+    args = build_parser().parse_args(["serve", "m"])
+    assert config_from_args(args).engine.memory_limit_bytes is None
+
+
 def test_serve_starts_announces_and_stops(fp32_model: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlx_relay.cli", "serve", str(fp32_model), "--port", str(port),
-         "--served-model-name", "tiny", "--max-num-seqs", "2"],
+         "--served-model-name", "tiny", "--max-num-seqs", "2", "--memory-limit-gb", "8", "--cache-limit-gb", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.batch_engine import BatchEngine, Event
 from mlx_relay.engine.gpu_thread import GPUThread
-from mlx_relay.engine.loader import LoadedModel, load_model
+from mlx_relay.engine.loader import LoadedModel, apply_memory_limits, load_model
 from mlx_relay.engine.messages import (
     Describe,
     Finished,
@@ -58,6 +58,7 @@ class GPUExecutor(Actor):
 
         self._thread = GPUThread("mlx-gpu", on_fatal)
         self._thread.start()
+        await asyncio.wrap_future(self._thread.submit(apply_memory_limits, self.config))
         self._on_progress(f"loading {self.config.model_path}")
         loaded: LoadedModel = await asyncio.wrap_future(
             self._thread.submit(load_model, Path(self.config.model_path))

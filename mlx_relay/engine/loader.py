@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_relay.config import EngineConfig
 from mlx_relay.engine.messages import ModelInfo
 from mlx_relay.errors import ModelLoadError
 
@@ -82,6 +83,14 @@ class LoadedModel:
     model: Any  # mlx_vlm Model
     processor: Any  # mlx_vlm processor (tokenizer + image processor)
     info: ModelInfo
+
+
+def apply_memory_limits(config: EngineConfig) -> None:
+    """Set MLX's process-wide memory and buffer-cache limits (on the GPU thread, before loading)."""
+    if config.memory_limit_bytes is not None:
+        mx.set_memory_limit(config.memory_limit_bytes)
+    if config.cache_limit_bytes is not None:
+        mx.set_cache_limit(config.cache_limit_bytes)
 
 
 def load_model(path: Path) -> LoadedModel:
