@@ -1,7 +1,7 @@
 """Merge the per-server bench reports of one GPU lease into one comparison per scenario.
 
-The GPU runner serves one server at a time (two 38 GB servers and their batch caches do not fit
-one GPU together), so each server's run is its own `bench.json`. This merges them by scenario:
+When the GPU runner serves one server at a time, or runs the raw loop after the servers, each run
+is its own `bench.json` (an alternating run holds both servers already). This merges them by scenario:
 rows ordered by load level, ratios against a base target (default `ours`), the harness's own
 markdown table and plots (`mlx_relay.bench.report` / `plots`).
 
