@@ -20,6 +20,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     warmup: bool = True
     vision_cache_bytes: int = 512 * 1024 * 1024  # encoded image features kept by content hash
     seed: int = 0  # seeds the per-request sampling seeds of requests that give none
+    mtp: bool = True  # MTP speculative decoding on the text path when the checkpoint has a head
+    mtp_block_size: int = 2  # tokens per verify round (1 bonus + block - 1 drafts)
+    mtp_max_batch: int = 8  # text rows decoded with MTP at once; more go to the plain batch
     memory_limit_bytes: int | None = None  # mx.set_memory_limit (None: MLX's default)
     cache_limit_bytes: int | None = None  # mx.set_cache_limit: freed buffers MLX keeps for reuse
 

@@ -74,6 +74,9 @@ class GPUExecutor(Actor):
                     seed=self.config.seed,
                     emit=emit,
                     vision_cache_bytes=self.config.vision_cache_bytes,
+                    mtp=self.config.mtp,
+                    mtp_block_size=self.config.mtp_block_size,
+                    mtp_max_batch=self.config.mtp_max_batch,
                 )
             )
         )

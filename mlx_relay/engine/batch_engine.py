@@ -4,9 +4,15 @@ One step is schedule, execute, update (vLLM v1's shape):
 - schedule: move waiting sequences into the generator while fewer than `max_num_seqs` run;
   each gets its prompt embeddings and, if it samples, its own `RowSampler`;
 - execute: one `BatchGenerator.next()` (a decode step for the running rows, then at most one
-  prefill chunk for the joining ones);
+  prefill chunk for the joining ones), and one MTP round for the text rows of the MTP lane
+  (`mtp_lane.MTPLane`, plus at most one prefill chunk of a joining text row);
 - update: detokenize each new token, match stop strings, finish rows, and post the step's
   events to the event loop in one call.
+
+Routing: text-only requests go to the MTP lane when the checkpoint has an MTP head, the request
+did not opt out and the lane has fewer than `mtp_max_batch` rows; everything else (images,
+video, opt-outs, overflow) goes to the plain batch. Both lanes share the same language-model
+weights and run in the same step.
 
 A request that fails on its own (embedding, insertion, detokenization) ends with an error and
 the batch goes on. If the batched step itself fails, the rows in it end with an error and a
@@ -21,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -29,6 +36,8 @@ from mlx_vlm.generate.ar import BatchGenerator
 from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.loader import LoadedModel
 from mlx_relay.engine.messages import EngineStats, Finished, Generate, SamplingParams, TokenDelta
+from mlx_relay.engine.mtp_head import MTPHead
+from mlx_relay.engine.mtp_lane import MTPLane, MTPRow
 from mlx_relay.engine.sampling import RowSampler, needs_sampler
 from mlx_relay.engine.vision import FeatureCache, vision_prompt_kwargs
 from mlx_relay.errors import GenerationFailed, InvalidRequest
@@ -47,6 +56,7 @@ class _Seq:
     stops: StopMatcher
     arrived: float
     uid: int | None = None
+    mtp: MTPRow | None = None  # set when the row decodes in the MTP lane
     generated: int = 0
     first_token_at: float | None = None
     pending_text: list[str] = field(default_factory=list)
@@ -64,6 +74,9 @@ class BatchEngine:
         seed: int,
         emit: Callable[[list[Event]], None],
         vision_cache_bytes: int = 512 * 1024 * 1024,
+        mtp: bool = True,
+        mtp_block_size: int = 2,
+        mtp_max_batch: int = 8,
     ) -> None:
         self._loaded = loaded
         self._model = loaded.model
@@ -83,6 +96,14 @@ class BatchEngine:
         self._events: list[Event] = []
         self._features = FeatureCache(vision_cache_bytes)
         self._gen = self._new_generator()
+        self._mtp_max_batch = mtp_max_batch
+        self._mtp: MTPLane | None = None
+        if mtp and loaded.info.has_mtp and mtp_max_batch > 0:
+            head = MTPHead.load(Path(loaded.info.model_path), self._model.language_model)
+            self._mtp = MTPLane(self._model.language_model, head, block_size=mtp_block_size,
+                                prefill_step_size=prefill_step_size, eos_token_ids=loaded.info.eos_token_ids)
+        self._next_mtp_uid = 1 << 48  # MTP rows get uids far from the generator's
+        self._mtp_totals = [0, 0, 0]  # rounds, drafted, accepted
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _new_generator(self) -> BatchGenerator:
@@ -104,6 +125,12 @@ class BatchEngine:
             self._finish_error(seq, GenerationFailed("the engine is shutting down"))
         self._flush()
         self._gen.close()
+        if self._mtp is not None:
+            self._mtp.clear()
+
+    @property
+    def mtp_enabled(self) -> bool:
+        return self._mtp is not None
 
     @property
     def has_work(self) -> bool:
@@ -138,6 +165,14 @@ class BatchEngine:
             self._waiting = deque(s for s in self._waiting if s.sid != sid)
         else:
             self._by_uid.pop(seq.uid, None)
+            self._remove_row(seq)
+
+    def _remove_row(self, seq: _Seq) -> None:
+        assert seq.uid is not None
+        if seq.mtp is not None:
+            assert self._mtp is not None
+            self._mtp.remove(seq.uid)
+        else:
             self._gen.remove(seq.uid)
 
     def warmup(self) -> float:
@@ -161,30 +196,70 @@ class BatchEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> None:
         self._schedule()
-        if self._by_uid:
-            try:
-                _, responses = self._gen.next()
-            except Exception as exc:
-                log.exception("batched step failed; failing its %d rows", len(self._by_uid))
-                failed, self._by_uid = list(self._by_uid.values()), {}  # the broken generator is dropped whole
-                for seq in failed:
-                    self._finish_error(seq, GenerationFailed(f"batched step failed: {exc}"))
-                self._gen.close()
-                self._gen = self._new_generator()
-                responses = []
-            for r in responses:
-                seq = self._by_uid.get(r.uid)
-                if seq is not None:
-                    self._on_token(seq, r.token, r.finish_reason)
-            for seq in self._by_uid.values():
-                self._release_text(seq)
+        if any(seq.mtp is None for seq in self._by_uid.values()):
+            self._plain_step()
+        if self._mtp is not None and self._mtp.has_work:
+            self._mtp_step(self._mtp)
+        for seq in self._by_uid.values():
+            self._release_text(seq)
         self._flush()
+
+    def _plain_step(self) -> None:
+        try:
+            _, responses = self._gen.next()
+        except Exception as exc:
+            plain = [seq for seq in self._by_uid.values() if seq.mtp is None]
+            log.exception("batched step failed; failing its %d rows", len(plain))
+            for seq in plain:  # the broken generator is dropped whole
+                self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
+                self._finish_error(seq, GenerationFailed(f"batched step failed: {exc}"))
+            self._gen.close()
+            self._gen = self._new_generator()
+            return
+        for r in responses:
+            seq = self._by_uid.get(r.uid)
+            if seq is not None:
+                self._on_token(seq, r.token, r.finish_reason)
+
+    def _mtp_step(self, lane: MTPLane) -> None:
+        try:
+            result = lane.round() if lane.rows else None
+            joined = lane.prefill_step()
+        except Exception as exc:
+            rows = [seq for seq in self._by_uid.values() if seq.mtp is not None]
+            log.exception("MTP step failed; failing its %d rows", len(rows))
+            for seq in rows:
+                self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
+                self._finish_error(seq, GenerationFailed(f"batched step failed: {exc}"))
+            lane.clear()
+            return
+        if result is not None:
+            totals = self._mtp_totals
+            totals[0] += result.rounds
+            totals[1] += result.drafted
+            totals[2] += result.accepted
+            for uid, tokens in result.tokens.items():
+                seq = self._by_uid.get(uid)
+                if seq is not None:
+                    self._on_mtp_tokens(seq, tokens)
+        if joined is not None:
+            seq = self._by_uid.get(joined[0].uid)
+            if seq is not None:
+                self._on_mtp_tokens(seq, [joined[1]])
+
+    def _on_mtp_tokens(self, seq: _Seq, tokens: list[int]) -> None:
+        eos = self._mtp.eos if self._mtp is not None else frozenset()
+        for token in tokens:
+            reason = "stop" if token in eos else "length" if seq.generated + 1 >= seq.req.sampling.max_tokens else None
+            self._on_token(seq, token, reason)
+            if seq.uid not in self._by_uid:
+                return
 
     def _schedule(self) -> None:
         while self._waiting and len(self._by_uid) < self._max_num_seqs:
             seq = self._waiting.popleft()
             try:
-                seq.uid = self._insert(seq.req)
+                seq.uid = self._insert_mtp(seq) if self._takes_mtp(seq.req) else self._insert(seq.req)
             except Exception as exc:
                 log.exception("request %s could not join the batch", seq.req.request_id)
                 self._finish_error(seq, GenerationFailed(f"could not start generation: {exc}"))
@@ -193,8 +268,29 @@ class BatchEngine:
 
     def stats(self) -> EngineStats:
         f = self._features.stats
+        rounds, drafted, accepted = self._mtp_totals
         return EngineStats(running=len(self._by_uid), waiting=len(self._waiting), vision_cache_hits=f.hits,
-                           vision_cache_misses=f.misses, vision_cache_entries=f.entries, vision_cache_bytes=f.bytes)
+                           vision_cache_misses=f.misses, vision_cache_entries=f.entries, vision_cache_bytes=f.bytes,
+                           mtp_running=len(self._mtp) if self._mtp is not None else 0, mtp_rounds=rounds,
+                           mtp_drafted=drafted, mtp_accepted=accepted)
+
+    def _takes_mtp(self, req: Generate) -> bool:
+        lane = self._mtp
+        return (lane is not None and req.vision is None and req.sampling.mtp
+                and len(lane) < self._mtp_max_batch)
+
+    def _insert_mtp(self, seq: _Seq) -> int:
+        assert self._mtp is not None
+        req = seq.req
+        sampler = None
+        if needs_sampler(req.sampling):
+            seed = req.sampling.seed if req.sampling.seed is not None else self._seeds.getrandbits(63)
+            sampler = RowSampler(req.sampling, seed)
+        uid = self._next_mtp_uid
+        self._next_mtp_uid += 1
+        seq.mtp = MTPRow(uid=uid, prompt=list(req.prompt_tokens), max_tokens=req.sampling.max_tokens, sampler=sampler)
+        self._mtp.add(seq.mtp)
+        return uid
 
     def _insert(self, req: Generate) -> int:
         if req.vision is not None:  # the vision path: encode (or reuse) each image's features
@@ -231,10 +327,12 @@ class BatchEngine:
             seq.pending_text.append(safe)
         if hit:
             self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
-            self._gen.remove(seq.uid)
+            self._remove_row(seq)
             self._finish(seq, "stop")
         elif finish_reason is not None:
             self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
+            if seq.mtp is not None:  # the generator drops its own finished rows; the lane does not
+                self._remove_row(seq)
             tail = seq.stops.flush()
             if tail:
                 seq.pending_text.append(tail)
@@ -259,6 +357,8 @@ class BatchEngine:
                     completion_tokens=seq.generated,
                     ttft_s=(seq.first_token_at or now) - seq.arrived,
                     total_s=now - seq.arrived,
+                    mtp_drafted=seq.mtp.drafted if seq.mtp is not None else 0,
+                    mtp_accepted=seq.mtp.accepted if seq.mtp is not None else 0,
                 ),
             )
         )
@@ -267,7 +367,7 @@ class BatchEngine:
         self._by_sid.pop(seq.sid, None)
         if seq.uid is not None and self._by_uid.pop(seq.uid, None) is not None:
             try:
-                self._gen.remove(seq.uid)
+                self._remove_row(seq)
             except Exception:
                 log.exception("could not remove row %s", seq.uid)
         self._events.append((seq.sid, exc))

@@ -24,6 +24,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
+    mtp: bool = True  # MTP speculative decoding when the text path has it (per-request opt-out)
 
 
 class Generate(msgspec.Struct, frozen=True):
@@ -49,6 +50,9 @@ class Finished(msgspec.Struct, frozen=True):
     # time from arrival at the GPU thread to the first token, and to the end (seconds)
     ttft_s: float = 0.0
     total_s: float = 0.0
+    # MTP speculative decoding on this request: draft tokens proposed and accepted (0 / 0: off)
+    mtp_drafted: int = 0
+    mtp_accepted: int = 0
 
 
 class Describe(msgspec.Struct, frozen=True):
@@ -66,6 +70,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     vision_cache_misses: int
     vision_cache_entries: int
     vision_cache_bytes: int
+    mtp_running: int = 0  # rows decoding with MTP now
+    mtp_rounds: int = 0
+    mtp_drafted: int = 0
+    mtp_accepted: int = 0
 
 
 class Warmup(msgspec.Struct, frozen=True):

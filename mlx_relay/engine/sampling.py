@@ -21,20 +21,27 @@ class RowSampler:
         self.params = params
         self._key = mx.random.key(seed)
 
-    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        p = self.params
-        logprobs = logits.astype(mx.float32) / p.temperature
-        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-        if 0 < p.top_k < logprobs.shape[-1]:
-            logprobs = apply_top_k(logprobs, p.top_k)
-        if 0.0 < p.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, p.top_p)
-        if p.min_p > 0.0:
-            logprobs = apply_min_p(logprobs, p.min_p)
+    def next_key(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)
-        token = mx.random.categorical(logprobs, key=sub)
+        return sub
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        token = mx.random.categorical(processed_logprobs(self.params, logits), key=self.next_key())
         vocab = mx.arange(logits.shape[-1])
         return mx.where(vocab == token[:, None], 0.0, -mx.inf).astype(logits.dtype)
+
+
+def processed_logprobs(p: SamplingParams, logits: mx.array) -> mx.array:
+    """Log-probabilities after temperature, top-k, top-p and min-p (the distribution sampled)."""
+    logprobs = logits.astype(mx.float32) / p.temperature
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    if 0 < p.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, p.top_k)
+    if 0.0 < p.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, p.top_p)
+    if p.min_p > 0.0:
+        logprobs = apply_min_p(logprobs, p.min_p)
+    return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
 
 
 def needs_sampler(params: SamplingParams) -> bool:

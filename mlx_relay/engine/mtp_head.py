@@ -1,0 +1,63 @@
+"""The checkpoint's own MTP head as a batched drafter (runs on the GPU thread only).
+
+mlx-vlm's `Qwen3_5MTPDraftModel` keeps one private cache and one seed for a whole batch, so
+rows cannot join or leave a running batch. We reuse its modules and weights (loaded by the
+library's public `load_drafter`), and keep the state ourselves: a per-cohort list of batch KV
+caches that joins, filters and rolls back like the target's. The forward is the head's
+documented one:
+
+    h' = norm(layers(fc(concat[pre_fc_norm_embedding(embed(tok_{t+1})), pre_fc_norm_hidden(h_t)])))
+
+with the target's own `embed_tokens` and head (`speculative_logits_from_hidden` /
+`speculative_argmax_from_hidden`), so the head costs no extra copy of either.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_vlm.models.base import create_attention_mask
+from mlx_vlm.models.cache import KVCache
+
+
+class MTPHead:
+    def __init__(self, drafter: Any, lm: Any) -> None:
+        self.drafter = drafter
+        self.lm = lm
+        inner = lm.model
+        self._embed = inner.embed_tokens
+        self._embed_scale = float(getattr(inner, "embed_scale", 1.0))
+
+    @classmethod
+    def load(cls, path: Path, lm: Any) -> MTPHead:
+        from mlx_vlm.speculative.drafters import load_drafter
+
+        drafter, _kind = load_drafter(str(path), kind="mtp")
+        return cls(drafter, lm)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.drafter.layers)
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.drafter.layers]
+
+    def forward(self, tokens: mx.array, hidden: mx.array, cache: list[Any], positions: mx.array) -> mx.array:
+        """tokens [B, T] (tok_{t+1}), hidden [B, T, H] (the target's h_t), positions [B, T]."""
+        d = self.drafter
+        emb = self._embed(tokens) * self._embed_scale
+        h = mx.concatenate([d.pre_fc_norm_embedding(emb), d.pre_fc_norm_hidden(hidden)], axis=-1)
+        h = d.fc(h)
+        for layer, layer_cache in zip(d.layers, cache, strict=True):
+            mask = create_attention_mask(h, layer_cache)
+            h = layer(h, mask=mask, cache=layer_cache, position_ids=positions)
+        return d.norm(h)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return self.lm.speculative_logits_from_hidden(hidden)
+
+    def argmax(self, hidden: mx.array) -> mx.array:
+        out = self.lm.speculative_argmax_from_hidden(hidden)
+        return out if out is not None else mx.argmax(self.logits(hidden), axis=-1)

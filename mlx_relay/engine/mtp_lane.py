@@ -1,0 +1,320 @@
+"""The text path's MTP speculative decoding under continuous batching (GPU thread only).
+
+A cohort of text-only rows decodes together, one *round* per engine step:
+
+1. draft: each row already holds its first draft token (computed by the previous round's MTP
+   forward); for block size k > 2 the head drafts k - 2 more, autoregressively;
+2. verify: one batched target forward over ``[bonus, d_1 .. d_{k-1}]`` per row, through the
+   LanguageModel's public speculative-verify call, which records the GatedDeltaNet states per
+   position; greedy rows take the argmax, sampling rows the standard speculative-sampling walk
+   (accept d with probability min(1, p(d)/q(d)), else draw from norm(max(p - q, 0))),
+   each with its own PRNG key;
+3. commit: mlx-vlm's public ``commit_speculative_round`` keeps exactly ``accepted + 1`` positions
+   per row (ragged: KV rows are right-trimmed, recurrent states are picked per row);
+4. the head re-reads the accepted positions with the target's verified hidden states (one
+   forward over ``accepted + 1`` pairs per row, right-padded), which also yields the next
+   round's first draft.
+
+One host synchronisation per round (the verified tokens). Rows join after their own prefill
+(prefilled alone, chunk by chunk, then merged into the cohort's batch caches) and leave by
+filtering the caches, so the cohort never stops for newcomers.
+
+Invariant between rounds, per row: the target cache holds every emitted token but the last
+(``bonus``); the head's cache holds the pairs ``(h_i, tok_{i+1})`` up to ``(h_last, bonus)``;
+``drafts[:, 0]`` is the head's proposal for the token after ``bonus``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_vlm.speculative.cache_state import abort_speculative_round, commit_speculative_round
+
+from mlx_relay.engine.mtp_head import MTPHead
+from mlx_relay.engine.sampling import RowSampler, processed_logprobs
+
+
+@dataclass
+class MTPRow:
+    uid: int
+    prompt: list[int]
+    max_tokens: int
+    sampler: RowSampler | None = None  # None: greedy
+    emitted: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    # prefill progress (rows not yet in the cohort)
+    done_tokens: int = 0
+    cache: list[Any] = field(default_factory=list)
+    dcache: list[Any] = field(default_factory=list)
+    last_hidden: mx.array | None = None
+
+
+@dataclass
+class RoundResult:
+    tokens: dict[int, list[int]]  # uid -> tokens emitted this step
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+def _batched(caches: list[Any]) -> list[Any]:
+    """A batch-1 prompt cache as batch caches (public `merge` of each cache class)."""
+    return [BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c]) for c in caches]
+
+
+class MTPLane:
+    def __init__(self, lm: Any, head: MTPHead, *, block_size: int, prefill_step_size: int,
+                 eos_token_ids: Sequence[int]) -> None:
+        if block_size < 2:
+            raise ValueError("MTP block size must be at least 2")
+        self.lm = lm
+        self.head = head
+        self.k = block_size
+        self.prefill_step_size = prefill_step_size
+        self.eos = frozenset(eos_token_ids)
+        self.rows: list[MTPRow] = []  # the cohort, in batch order
+        self.prefilling: list[MTPRow] = []
+        self._cache: list[Any] | None = None
+        self._dcache: list[Any] | None = None
+        self._bonus: mx.array | None = None  # [B] int32
+        self._drafts: mx.array | None = None  # [B, 1] first draft token
+        self._draft_logq: mx.array | None = None  # [B, 1, V] log q of the first draft (sampling rows)
+        self._seed_hidden: mx.array | None = None  # [B, 1, H] head output that proposed drafts[:, 0]
+        self._dpos: mx.array | None = None  # [B] next head position per row
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.prefilling)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.rows) or bool(self.prefilling)
+
+    # -- membership -------------------------------------------------------------------------------
+    def add(self, row: MTPRow) -> None:
+        row.cache = self.lm.make_cache()
+        row.dcache = self.head.make_cache()
+        self.prefilling.append(row)
+
+    def remove(self, uid: int) -> None:
+        for i, row in enumerate(self.prefilling):
+            if row.uid == uid:
+                del self.prefilling[i]
+                return
+        keep = [i for i, row in enumerate(self.rows) if row.uid != uid]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self._reset_cohort()
+            return
+        idx = mx.array(keep, dtype=mx.int32)
+        for c in (*self._cache, *self._dcache):  # type: ignore[misc]
+            c.filter(idx)
+        self._bonus = self._bonus[idx]  # type: ignore[index]
+        self._drafts = self._drafts[idx]  # type: ignore[index]
+        self._seed_hidden = self._seed_hidden[idx]  # type: ignore[index]
+        self._dpos = self._dpos[idx]  # type: ignore[index]
+        if self._draft_logq is not None:
+            self._draft_logq = self._draft_logq[idx]
+
+    def clear(self) -> None:
+        self.rows = []
+        self.prefilling = []
+        self._reset_cohort()
+
+    def _reset_cohort(self) -> None:
+        self._cache = self._dcache = self._bonus = self._drafts = None
+        self._draft_logq = self._seed_hidden = self._dpos = None
+
+    # -- prefill (one chunk of one row per call) ------------------------------------------------
+    def prefill_step(self) -> tuple[MTPRow, int] | None:
+        """Advance the oldest prefilling row by one chunk. Returns (row, first token) when its
+        prompt is done and it has joined the cohort (the first token is then emitted)."""
+        if not self.prefilling:
+            return None
+        row = self.prefilling[0]
+        start = row.done_tokens
+        end = min(len(row.prompt), start + self.prefill_step_size)
+        chunk = mx.array([row.prompt[start:end]], dtype=mx.int32)
+        positions = mx.broadcast_to(mx.arange(start, end, dtype=mx.int32)[None, None, :], (3, 1, end - start))
+        out = self.lm(chunk, cache=row.cache, position_ids=positions, return_hidden=True, skip_logits=True)
+        hidden = out.hidden_states[-1]  # [1, T, H]
+        row.done_tokens = end
+        final = end == len(row.prompt)
+        if final:
+            last = hidden[:, -1:, :]
+            if row.sampler is None:
+                first = self.head.argmax(last).reshape(1)
+            else:
+                logp = processed_logprobs(row.sampler.params, self.head.logits(last))
+                first = mx.random.categorical(logp, key=row.sampler.next_key()).reshape(1)
+            nxt = mx.concatenate([chunk[:, 1:], first[None, :].astype(mx.int32)], axis=1)
+        else:
+            nxt = mx.array([row.prompt[start + 1:end + 1]], dtype=mx.int32)
+        dpos = mx.arange(start, end, dtype=mx.int32)[None, :]
+        h = self.head.forward(nxt, hidden, row.dcache, dpos)
+        if not final:
+            mx.eval([c.state for c in row.cache], [c.state for c in row.dcache])
+            return None
+        self.prefilling.pop(0)
+        seed_h = h[:, -1:, :]
+        draft, logq = self._propose(seed_h, [row])
+        mx.eval(first, draft, [c.state for c in row.cache], [c.state for c in row.dcache])
+        token = int(first.item())
+        self._join(row, first.astype(mx.int32), draft, logq, seed_h)
+        return row, token
+
+    def _join(self, row: MTPRow, first: mx.array, draft: mx.array, logq: mx.array | None, seed_h: mx.array) -> None:
+        cache, dcache = _batched(row.cache), _batched(row.dcache)
+        row.cache = row.dcache = []
+        dpos = mx.array([len(row.prompt)], dtype=mx.int32)
+        if not self.rows:
+            self._cache, self._dcache = cache, dcache
+            self._bonus, self._drafts, self._seed_hidden, self._dpos = first, draft, seed_h, dpos
+            self._draft_logq = logq
+        else:
+            for mine, theirs in zip((*self._cache, *self._dcache), (*cache, *dcache), strict=True):  # type: ignore[misc]
+                mine.extend(theirs)
+            self._bonus = mx.concatenate([self._bonus, first])  # type: ignore[list-item]
+            self._drafts = mx.concatenate([self._drafts, draft])  # type: ignore[list-item]
+            self._seed_hidden = mx.concatenate([self._seed_hidden, seed_h])  # type: ignore[list-item]
+            self._dpos = mx.concatenate([self._dpos, dpos])  # type: ignore[list-item]
+            self._draft_logq = self._merge_logq(self._draft_logq, logq, len(self.rows), 1)
+        self.rows.append(row)
+
+    def _merge_logq(self, a: mx.array | None, b: mx.array | None, na: int, nb: int) -> mx.array | None:
+        if a is None and b is None:
+            return None
+        vocab = (a if a is not None else b).shape[-1]  # type: ignore[union-attr]
+        a = a if a is not None else mx.zeros((na, 1, vocab))
+        b = b if b is not None else mx.zeros((nb, 1, vocab))
+        return mx.concatenate([a, b])
+
+    def _propose(self, hidden: mx.array, rows: list[MTPRow]) -> tuple[mx.array, mx.array | None]:
+        """Next draft token per row from the head's output hidden [B, 1, H]: argmax for greedy
+        rows, a draw from the row's processed distribution q for sampling rows (q kept)."""
+        greedy = self.head.argmax(hidden).astype(mx.int32)  # [B, 1]
+        if all(r.sampler is None for r in rows):
+            return greedy, None
+        logits = self.head.logits(hidden)
+        toks, logqs = [], []
+        for i, r in enumerate(rows):
+            if r.sampler is None:
+                toks.append(greedy[i])
+                logqs.append(mx.zeros((1, logits.shape[-1])))
+            else:
+                logq = processed_logprobs(r.sampler.params, logits[i])
+                toks.append(mx.random.categorical(logq, key=r.sampler.next_key()).astype(mx.int32))
+                logqs.append(logq)
+        return mx.stack(toks), mx.stack(logqs)
+
+    # -- one round ------------------------------------------------------------------------------------
+    def round(self) -> RoundResult:
+        rows = self.rows
+        B, k = len(rows), self.k
+        assert self._cache is not None and self._dcache is not None and self._bonus is not None
+        assert self._drafts is not None and self._seed_hidden is not None and self._dpos is not None
+        # 1. draft k - 2 more tokens (entries appended here are trimmed after verification)
+        drafts, logqs = [self._drafts], [self._draft_logq]
+        h, tok = self._seed_hidden, self._drafts
+        for j in range(k - 2):
+            h = self.head.forward(tok, h, self._dcache, (self._dpos + j)[:, None])
+            tok, logq = self._propose(h, rows)
+            drafts.append(tok)
+            logqs.append(logq)
+        draft_block = mx.concatenate(drafts, axis=1)  # [B, k-1]
+        # 2. verify
+        verify_in = mx.concatenate([self._bonus[:, None], draft_block], axis=1)
+        out = self.lm(verify_in, cache=self._cache, speculative_verify=True, return_hidden=True,
+                      return_shared_kv=True, skip_logits=True, rope_deltas=mx.zeros((B, 1), dtype=mx.int32))
+        txn = out.gdn_states
+        try:
+            vh = out.hidden_states[-1]  # [B, k, H]
+            targets = self.head.argmax(vh).astype(mx.int32)  # [B, k]
+            sampled = [i for i, r in enumerate(rows) if r.sampler is not None]
+            walk = self._sampling_walk(vh, draft_block, logqs, sampled) if sampled else None
+            mx.eval(targets, draft_block, walk)
+            t_host: list[list[int]] = targets.tolist()
+            d_host: list[list[int]] = draft_block.tolist()
+            if walk is not None:
+                w_acc, w_tok = walk[0].tolist(), walk[1].tolist()
+                for j, i in enumerate(sampled):
+                    t_host[i] = w_tok[j]
+            accepted: list[int] = []
+            for i in range(B):
+                if rows[i].sampler is None:
+                    a = 0
+                    while a < k - 1 and d_host[i][a] == t_host[i][a]:
+                        a += 1
+                else:
+                    flags = w_acc[sampled.index(i)]
+                    a = 0
+                    while a < k - 1 and flags[a]:
+                        a += 1
+                accepted.append(a)
+            commit_speculative_round(self.lm, self._cache, txn, accepted, k)
+        except BaseException:
+            abort_speculative_round(txn)
+            raise
+        # 3. head: drop this round's draft entries, re-read the accepted pairs with verified hiddens
+        if k > 2:
+            for c in self._dcache:
+                c.trim(k - 2)
+        a_max = max(accepted)
+        width = a_max + 1
+        replay = [[*d_host[i][:accepted[i]], t_host[i][accepted[i]]] for i in range(B)]
+        tokens = mx.array([r + [0] * (width - len(r)) for r in replay], dtype=mx.int32)
+        right = [a_max - a for a in accepted]
+        positions = self._dpos[:, None] + mx.arange(width, dtype=mx.int32)[None, :]
+        if any(right):
+            for c in self._dcache:
+                c.prepare(right_padding=right)
+        hh = self.head.forward(tokens, vh[:, :width, :], self._dcache, positions)
+        if any(right):
+            for c in self._dcache:
+                c.finalize()
+        last = mx.array(accepted, dtype=mx.int32)
+        seed_h = mx.take_along_axis(hh, last[:, None, None], axis=1)  # [B, 1, H]
+        self._dpos = self._dpos + last + 1
+        self._bonus = mx.array([r[-1] for r in replay], dtype=mx.int32)
+        self._drafts, self._draft_logq = self._propose(seed_h, rows)
+        self._seed_hidden = seed_h
+        mx.async_eval(self._drafts, self._seed_hidden, [c.state for c in (*self._cache, *self._dcache)])
+        # 4. emitted tokens (the engine finishes rows on EOS / max_tokens / stop strings)
+        result = RoundResult(tokens={}, rounds=1)
+        for i, row in enumerate(rows):
+            row.drafted += k - 1
+            row.accepted += accepted[i]
+            result.drafted += k - 1
+            result.accepted += accepted[i]
+            result.tokens[row.uid] = replay[i]
+        return result
+
+    def _sampling_walk(self, vh: mx.array, drafts: mx.array, logqs: list[mx.array | None],
+                       sampled: list[int]) -> tuple[mx.array, mx.array]:
+        """Speculative sampling for the sampling rows: per row, flags [k-1] (draft j accepted)
+        and tokens [k] (token j is what to emit at j if the walk stops there: the residual draw
+        for j < k-1, the bonus draw from p at k-1)."""
+        idx = mx.array(sampled, dtype=mx.int32)
+        logits = self.head.logits(vh[idx])  # [n, k, V]
+        logq = mx.concatenate([q[idx] for q in logqs], axis=1)  # type: ignore[index]  # [n, k-1, V]
+        flags, toks = [], []
+        for n, i in enumerate(sampled):
+            sampler = self.rows[i].sampler
+            assert sampler is not None
+            logp = processed_logprobs(sampler.params, logits[n])  # [k, V]
+            d = drafts[i]  # [k-1]
+            p_d = mx.take_along_axis(logp[:-1], d[:, None], axis=1)[:, 0]
+            q_d = mx.take_along_axis(logq[n], d[:, None], axis=1)[:, 0]
+            u = mx.random.uniform(shape=(self.k - 1,), key=sampler.next_key())
+            flags.append(mx.log(u) < p_d - q_d)  # u < p/q  <=>  accept
+            residual = mx.maximum(mx.exp(logp[:-1]) - mx.exp(logq[n]), 0.0)
+            residual = mx.log(residual)  # -inf where p <= q; categorical normalises
+            draws = mx.random.categorical(mx.concatenate([residual, logp[-1:]], axis=0), key=sampler.next_key())
+            toks.append(draws.astype(mx.int32))
+        return mx.stack(flags), mx.stack(toks)
