@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     media.add_argument("--max-media-bytes", type=int, default=20 * 1024 * 1024, help="per image/video (20 MiB)")
     media.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="decompression-bomb guard")
     media.add_argument("--max-video-frames", type=int, default=32)
+    spec = serve.add_argument_group("MTP speculative decoding (text requests, checkpoints with an mtp.* head)")
+    spec.add_argument("--no-mtp", action="store_true", help="decode every request without MTP")
+    spec.add_argument("--mtp-block-size", type=int, default=2,
+                      help="tokens per verify round: the bonus token and BLOCK-1 drafts (default 2)")
+    spec.add_argument("--mtp-max-batch", type=int, default=8,
+                      help="text rows decoded with MTP at once; more decode without it (default 8)")
     serve.add_argument("--memory-limit-gb", type=float, default=None,
                        help="MLX memory limit for this process (lets two servers share one GPU)")
     serve.add_argument("--cache-limit-gb", type=float, default=None,
@@ -117,6 +123,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             prefill_batch_size=args.prefill_batch_size,
             prefill_step_size=args.prefill_step_size,
             warmup=not args.no_warmup,
+            mtp=not args.no_mtp,
+            mtp_block_size=args.mtp_block_size,
+            mtp_max_batch=args.mtp_max_batch,
             memory_limit_bytes=_gib(args.memory_limit_gb),
             cache_limit_bytes=_gib(args.cache_limit_gb),
         ),

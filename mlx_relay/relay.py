@@ -44,6 +44,8 @@ class ChatResult(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     token_ids: list[int]
+    mtp_drafted: int = 0  # MTP draft tokens proposed for this request (0: decoded without MTP)
+    mtp_accepted: int = 0
 
 
 def default_config(model: str | Path | None = None, **overrides: Any) -> ServerConfig:
@@ -185,7 +187,8 @@ class Relay:
                     parts.append(ev.text)
                     ids.extend(ev.token_ids)
                 elif isinstance(ev, Finished):
-                    return ChatResult("".join(parts), ev.reason, ev.prompt_tokens, ev.completion_tokens, ids)
+                    return ChatResult("".join(parts), ev.reason, ev.prompt_tokens, ev.completion_tokens, ids,
+                                      ev.mtp_drafted, ev.mtp_accepted)
         raise RuntimeError("generation ended without a finish event")
 
     async def stream_chat(

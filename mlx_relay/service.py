@@ -42,6 +42,7 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
     tools: list[ToolDef] | None = None
     template_kwargs: dict[str, Any] = {}
+    mtp: bool = True  # MTP speculative decoding where the text path has it
 
 
 class SamplingDefaults(msgspec.Struct, frozen=True):
@@ -105,6 +106,7 @@ class ChatService:
             # The reply is cut at the context's end (finish_reason "length"), never refused for it.
             max_tokens=min(req.max_tokens or self.default_max_tokens, room),
             stop=req.stop,
+            mtp=req.mtp,
         )
         validate_sampling(params)
         return params

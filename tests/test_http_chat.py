@@ -135,6 +135,21 @@ def test_stream_and_non_stream_agree(server: LiveServer) -> None:
         assert usage_chunks[0]["usage"] == full["usage"]
 
 
+def test_mtp_usage_extension_and_opt_out(server: LiveServer) -> None:
+    """Text requests decode with MTP (the fixture has an mtp.* head): usage.mtp reports drafts and
+    acceptance; `"mtp": false` opts out and gives the same greedy text."""
+    on = chat(server.url, PROMPTS[0], max_tokens=12).json()
+    mtp = on["usage"]["mtp"]
+    assert mtp["draft_tokens"] > 0 and 0 <= mtp["accepted_tokens"] <= mtp["draft_tokens"]
+    assert mtp["acceptance_rate"] == round(mtp["accepted_tokens"] / mtp["draft_tokens"], 4)
+    off = chat(server.url, PROMPTS[0], max_tokens=12, mtp=False).json()
+    assert "mtp" not in off["usage"]
+    assert off["choices"][0]["message"]["content"] == on["choices"][0]["message"]["content"]
+    bad = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                     json={"messages": [{"role": "user", "content": "x"}], "mtp": "no"})
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "mtp"
+
+
 def test_stop_strings_and_seeded_sampling(server: LiveServer) -> None:
     base = chat(server.url, PROMPTS[1], max_tokens=24).json()["choices"][0]["message"]["content"]
     stop = base[5:8]

@@ -24,14 +24,32 @@ def _load_script() -> ModuleType:
     return module
 
 
-def test_corpus_split_is_deterministic() -> None:
+def test_corpus_selection_is_deterministic_and_skips_data_tables() -> None:
     tool = _load_script()
     root = Path(sysconfig.get_paths()["stdlib"])
-    rels = [str(f.relative_to(root)) for f in tool.corpus_files(root)]
+    rels = [f.relative_to(root).as_posix() for f in tool.corpus_files(root)]
     assert rels, "the stdlib corpus is empty"
-    assert rels == sorted(rels)
+    assert rels == [f.relative_to(root).as_posix() for f in tool.corpus_files(root)]
+    assert rels != sorted(rels), "files are sampled across the library, not a sorted prefix"
+    assert not [r for r in rels if r.startswith(("encodings/", "pydoc_data/", "site-packages/"))]
     held = [r for r in rels if tool.is_held_out(r)]
     assert 0 < len(held) < len(rels) // 10
+    entities = root / "html" / "entities.py"
+    if entities.is_file():
+        assert tool.rejection(entities.read_text(encoding="utf-8"), "html/entities.py") == "table"
+    assert tool.rejection((root / "argparse.py").read_text(encoding="utf-8"), "argparse.py") is None
+    assert tool.rejection("def f(:\n    pass\n", "bad.py") == "syntax"
+
+
+def test_learning_rate_warms_up_then_decays_by_steps_or_time() -> None:
+    tool = _load_script()
+    args = tool.parse_args(["--out", "x", "--steps", "1000", "--warmup", "100", "--lr", "1e-3"])
+    assert tool.learning_rate(args, 0, 0.0) == pytest.approx(1e-5)
+    assert tool.learning_rate(args, 99, 0.0) == pytest.approx(1e-3)
+    assert tool.learning_rate(args, 550, 0.0) == pytest.approx(0.525e-3)
+    assert tool.learning_rate(args, 1000, 0.0) == pytest.approx(0.05e-3)
+    timed = tool.parse_args(["--out", "x", "--steps", "1000", "--warmup", "100", "--max-seconds", "60"])
+    assert tool.learning_rate(timed, 200, 60.0) == pytest.approx(timed.lr * timed.min_lr_ratio)
 
 
 @pytest.mark.timeout(120)
@@ -39,7 +57,7 @@ def test_few_steps_lower_loss_and_checkpoint_loads(tmp_path: Path) -> None:
     tool = _load_script()
     out = tmp_path / "small"
     argv = [
-        "--out", str(out), "--steps", "24", "--seed", "0", "--hidden", "64", "--intermediate", "128",
+        "--out", str(out), "--steps", "24", "--seed", "0", "--hidden", "64", "--intermediate", "128", "--layers", "4",
         "--linear-head-dim", "16", "--seq-len", "32", "--batch", "4", "--lr", "3e-3", "--warmup", "4",
         "--corpus-bytes", "200000", "--log-every", "8", "--save-every", "24", "--no-eval", "--no-compile",
     ]  # fmt: skip

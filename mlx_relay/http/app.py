@@ -37,7 +37,7 @@ from mlx_relay.http.openai_types import (
     ModelCard,
     ModelList,
     ResponseMessage,
-    Usage,
+    usage_of,
 )
 from mlx_relay.relay import Relay
 from mlx_relay.runtime import ReplyStream
@@ -120,6 +120,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
         stop=stop,
         tools=body.tools,
         template_kwargs=body.chat_template_kwargs or {},
+        mtp=body.mtp is not False,
     )
 
 
@@ -216,8 +217,7 @@ class OpenAIRoutes:
             tg.cancel_scope.cancel()
         if finished is None:  # the client went away; nobody reads this
             raise RelayError("client disconnected")
-        usage = Usage(finished.prompt_tokens, finished.completion_tokens,
-                      finished.prompt_tokens + finished.completion_tokens)
+        usage = usage_of(finished)
         return ChatCompletion(
             id=rid,
             created=int(time.time()),
@@ -258,7 +258,7 @@ class OpenAIRoutes:
             elif isinstance(ev, Finished):
                 yield chunk(Delta(), ev.reason)
                 if include_usage:
-                    usage = Usage(ev.prompt_tokens, ev.completion_tokens, ev.prompt_tokens + ev.completion_tokens)
+                    usage = usage_of(ev)
                     c = ChatCompletionChunk(rid, created, model, [], usage=usage)
                     yield b"data: " + encode(c) + b"\n\n"
                 yield b"data: [DONE]\n\n"

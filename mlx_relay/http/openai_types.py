@@ -8,6 +8,7 @@ from typing import Any, Literal
 import msgspec
 
 from mlx_relay.chat.types import ChatMessage, ToolDef
+from mlx_relay.engine.messages import Finished
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -32,17 +33,36 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     user: str | None = None
+    mtp: bool | None = None  # mlx-relay extension: false turns MTP speculative decoding off for this request
 
 
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
 
-class Usage(msgspec.Struct):
+class MTPUsage(msgspec.Struct):
+    """mlx-relay extension: MTP speculative decoding on this request."""
+
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+    prompt_tokens_details: PromptTokensDetails
+    mtp: MTPUsage | None = None  # present when the request decoded with MTP
+
+
+def usage_of(finished: Finished) -> Usage:
+    mtp = None
+    if finished.mtp_drafted:
+        rate = round(finished.mtp_accepted / finished.mtp_drafted, 4)
+        mtp = MTPUsage(finished.mtp_drafted, finished.mtp_accepted, rate)
+    return Usage(finished.prompt_tokens, finished.completion_tokens,
+                 finished.prompt_tokens + finished.completion_tokens, PromptTokensDetails(), mtp)
 
 
 class ResponseMessage(msgspec.Struct):
