@@ -133,6 +133,15 @@ class BatchEngine:
         return self._mtp is not None
 
     @property
+    def lane_models(self) -> tuple[Any, Any | None]:
+        """The language model each path decodes with: (plain batch incl. vision, MTP text lane)."""
+        return self._gen.model, (self._mtp.lm if self._mtp is not None else None)
+
+    @property
+    def mtp_head(self) -> MTPHead | None:
+        return self._mtp.head if self._mtp is not None else None
+
+    @property
     def has_work(self) -> bool:
         return bool(self._waiting) or bool(self._by_uid)
 

@@ -1,0 +1,218 @@
+"""MTP speculative decoding: what it buys and what a round costs (issue 4, points 3 and 7).
+
+In one process, on one thread, alternating variant by variant over `--repeats` passes (ABBA)
+so machine drift cancels, for each batch size B:
+  - ours, MTP on   (BatchEngine, text rows in the MTP lane, block `--block`)
+  - ours, MTP off  (BatchEngine, the same rows in mlx-vlm's BatchGenerator)
+  - raw mlx-vlm with its MTP drafter: `stream_generate(..., draft_model=load_drafter(kind="mtp"))`
+    at B=1, `BatchGenerator(..., draft_model=...)` at B>1
+  - raw mlx-vlm without it: `stream_generate` / `BatchGenerator`
+Decode tok/s counts only steady decoding (after every row of the batch has its first token).
+Round cost = time of one MTP round / time of one plain decode step at the same B (ours).
+Acceptance = accepted drafts / drafted tokens. Prompts are `--prompt-tokens` tokens of a text
+sample (the model's own tokenizer), distinct per row; greedy; `--max-tokens` new tokens.
+
+    python benchmarks/bench_mtp.py MODEL_DIR [--batch 1,4,16] [--block 2] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import mlx.core as mx
+
+from mlx_relay.engine.batch_engine import BatchEngine
+from mlx_relay.engine.loader import load_model
+from mlx_relay.engine.messages import Finished, Generate, SamplingParams, TokenDelta
+
+TEXT = (Path(__file__).resolve().parent.parent / "mlx_relay" / "engine" / "mtp_lane.py").read_text()
+
+
+def prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT * 4, add_special_tokens=False)
+    return [ids[i * 37: i * 37 + length] for i in range(n)]
+
+
+def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, block: int) -> dict[str, float]:
+    events: list[Any] = []
+    engine = BatchEngine(loaded, max_num_seqs=len(batch), prefill_batch_size=min(8, len(batch)),
+                         prefill_step_size=2048, seed=0, emit=events.extend, mtp=mtp, mtp_block_size=block,
+                         mtp_max_batch=len(batch) if mtp else 0)
+    for i, p in enumerate(batch):
+        engine.add(i, Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens)))
+    started: set[int] = set()
+    tokens = 0
+    steady_start = None
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        for sid, ev in events:
+            if isinstance(ev, TokenDelta):
+                started.add(sid)
+                if steady_start is not None:
+                    tokens += len(ev.token_ids)
+            elif not isinstance(ev, Finished):
+                raise ev
+        events.clear()
+        if steady_start is not None:
+            steps += 1
+        elif len(started) == len(batch):
+            mx.synchronize()
+            steady_start = time.perf_counter()
+            rounds0 = engine.stats().mtp_rounds
+            acc0, dr0 = engine.stats().mtp_accepted, engine.stats().mtp_drafted
+    mx.synchronize()
+    elapsed = time.perf_counter() - (steady_start or time.perf_counter())
+    st = engine.stats()
+    engine.close()
+    rounds = st.mtp_rounds - rounds0
+    drafted = st.mtp_drafted - dr0
+    return {"tok_s": tokens / elapsed if elapsed else float("nan"), "tokens": tokens, "seconds": elapsed,
+            "steps": steps, "step_ms": 1000 * elapsed / max(steps, 1), "rounds": rounds,
+            "acceptance": (st.mtp_accepted - acc0) / drafted if drafted else float("nan")}
+
+
+def run_raw(model: Any, processor: Any, drafter: Any, batch: list[list[int]], max_tokens: int,
+            block: int) -> dict[str, float]:
+    """mlx-vlm's own loops, steady decode only (timer starts at the batch's last first token)."""
+    from mlx_vlm.generate.ar import BatchGenerator
+
+    if len(batch) == 1:
+        from mlx_vlm import stream_generate
+
+        times = []
+        kw = {"draft_model": drafter, "draft_kind": "mtp", "draft_block_size": block} if drafter is not None else {}
+        if drafter is not None:
+            drafter.accept_lens = []
+        for r in stream_generate(model, processor, processor.tokenizer.decode(batch[0]), max_tokens=max_tokens,
+                                 temperature=0.0, **kw):
+            times.append((time.perf_counter(), r.generation_tokens))
+        (t0, n0), (t1, n1) = times[0], times[-1]
+        acc = drafter.accept_lens if drafter is not None else []
+        return {"tok_s": (n1 - n0) / (t1 - t0), "tokens": n1 - n0, "seconds": t1 - t0,
+                "acceptance": (sum(acc) / (len(acc) * (block - 1))) if acc else float("nan")}
+    kw = {"draft_model": drafter, "draft_kind": "mtp", "draft_block_size": block} if drafter is not None else {}
+    gen = BatchGenerator(model.language_model, processor, completion_batch_size=len(batch) + 8,
+                         prefill_batch_size=min(8, len(batch)), compute_logprobs=False, greedy_sampling=True, **kw)
+    embeds = []
+    for p in batch:
+        e = model.get_input_embeddings(mx.array([p]), None)
+        embeds.append({k: v for k, v in e.to_dict().items() if v is not None})
+    gen.insert(batch, max_tokens=[max_tokens] * len(batch), prompt_kwargs=embeds)
+    started: set[int] = set()
+    tokens, t0 = 0, None
+    while gen.has_work:
+        _, responses = gen.next()
+        for r in responses:
+            if t0 is not None:
+                tokens += 1
+            started.add(r.uid)
+        if t0 is None and len(started) == len(batch):
+            t0 = time.perf_counter()
+    elapsed = time.perf_counter() - (t0 or time.perf_counter())
+    gen.close()
+    return {"tok_s": tokens / elapsed if elapsed else float("nan"), "tokens": tokens, "seconds": elapsed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--batch", default="1,4,16")
+    ap.add_argument("--block", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-raw", action="store_true", help="skip the raw mlx-vlm loops")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    loaded = load_model(args.model)
+    drafter, _ = load_drafter(str(args.model), kind="mtp")
+    tok = loaded.processor.tokenizer
+    variants = ["ours_mtp", "ours_plain"] + ([] if args.no_raw else ["raw_mtp", "raw_plain"])
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for b in (int(x) for x in args.batch.split(",")):
+        batch = prompts(tok, b, args.prompt_tokens)
+        per: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+        warm = [[p[:16] for p in batch]]
+        for v in variants:  # unmeasured pass: compile this batch's shapes
+            run_variant(v, loaded, drafter, warm[0], 8, args.block)
+        for rep in range(args.repeats):
+            order = variants if rep % 2 == 0 else variants[::-1]
+            for v in order:
+                per[v].append(run_variant(v, loaded, drafter, batch, args.max_tokens, args.block))
+        results[str(b)] = per
+        line = ", ".join(f"{v} {statistics.median(r['tok_s'] for r in per[v]):.1f} tok/s" for v in variants)
+        print(f"B={b}: {line}", flush=True)
+    rows = summarize(results)
+    table = markdown(rows)
+    print(table)
+    if args.out is not None:
+        meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "model": str(args.model),
+                "device": mx.default_device().__repr__(), "platform": platform.platform(), "python": sys.version,
+                "versions": versions(), "args": {k: str(v) for k, v in vars(args).items()}}
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows, "raw": results}, indent=1))
+        args.out.with_suffix(".md").write_text(table + "\n")
+
+
+def run_variant(v: str, loaded: Any, drafter: Any, batch: list[list[int]], max_tokens: int,
+                block: int) -> dict[str, float]:
+    if v == "ours_mtp":
+        return run_ours(loaded, batch, max_tokens, True, block)
+    if v == "ours_plain":
+        return run_ours(loaded, batch, max_tokens, False, block)
+    return run_raw(loaded.model, loaded.processor, drafter if v == "raw_mtp" else None, batch, max_tokens, block)
+
+
+def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> list[dict[str, Any]]:
+    rows = []
+    for b, per in results.items():
+        med = {v: statistics.median(r["tok_s"] for r in runs) for v, runs in per.items()}
+        mtp, plain = per["ours_mtp"], per["ours_plain"]
+        round_ms = statistics.median(r["seconds"] * 1000 / max(r["rounds"], 1) for r in mtp)
+        step_ms = statistics.median(r["step_ms"] for r in plain)
+        row: dict[str, Any] = {
+            "batch": int(b), **{f"{v}_tok_s": round(x, 2) for v, x in med.items()},
+            "acceptance": round(statistics.median(r["acceptance"] for r in mtp), 3),
+            "round_ms": round(round_ms, 2), "plain_step_ms": round(step_ms, 2),
+            "round_cost_in_steps": round(round_ms / step_ms, 3),
+            "mtp_speedup": round(med["ours_mtp"] / med["ours_plain"], 3),
+        }
+        if "raw_mtp" in med:
+            row["ours_mtp_vs_raw_mtp"] = round(med["ours_mtp"] / med["raw_mtp"], 3)
+            row["ours_plain_vs_raw_plain"] = round(med["ours_plain"] / med["raw_plain"], 3)
+            row["raw_mtp_speedup"] = round(med["raw_mtp"] / med["raw_plain"], 3)
+            raw_acc = [r.get("acceptance", float("nan")) for r in per["raw_mtp"]]
+            row["raw_acceptance"] = round(statistics.median(raw_acc), 3)
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("mlx", "mlx-lm", "mlx-vlm")}
+
+
+if __name__ == "__main__":
+    main()
