@@ -141,6 +141,23 @@ def randomize(module: Any, prefix: str) -> None:
         module.update(tree_unflatten([(name, new)]))
 
 
+def build_mtp_head(config: dict[str, Any], predicate: Any, group_size: int, bits: int) -> dict[str, Any]:
+    """Random weights for the checkpoint's one-layer MTP head, quantized like the decoder layers."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp import Qwen3_5MTPDraftModel
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.config import Qwen3_5MTPConfig
+
+    head = Qwen3_5MTPDraftModel(Qwen3_5MTPConfig.from_dict({"text_config": copy.deepcopy(config["text_config"])}))
+    randomize(head, "mtp")
+    nn.quantize(head, group_size, bits,
+                class_predicate=lambda p, m: p != "fc" and predicate(f"language_model.model.layers.0.{p[9:]}", m)
+                if p.startswith("layers.0.") else False)
+    mx.eval(head.parameters())
+    return {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())}
+
+
 def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Path:
     import mlx.core as mx
     import mlx.nn as nn
@@ -177,10 +194,14 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Path:
                 class_predicate=lambda p, m: not p.startswith("model.layers") and predicate(f"language_model.{p}", m))
     randomize(model.vision_tower, "vision_tower")
     mx.eval(model.parameters())
+    mtp = build_mtp_head(config, predicate, group_size, bits)
     config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
     n_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     out.mkdir(parents=True, exist_ok=True)
     save_weights(out, model, donate_weights=True)
+    # the MTP head beside the model, in MLX layout (`load_drafter(out, kind="mtp")` reads mtp.*)
+    mx.save_safetensors(str(out / "model-mtp.safetensors"), mtp, metadata={"format": "mlx"})
+    n_bytes += sum(v.nbytes for v in mtp.values())
     save_config(config, config_path=out / "config.json")
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
