@@ -84,11 +84,11 @@ def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, bl
 
 
 def run_raw(model: Any, processor: Any, drafter: Any, batch: list[list[int]], max_tokens: int,
-            block: int) -> dict[str, float]:
+            block: int, batch_only: bool = False) -> dict[str, float]:
     """mlx-vlm's own loops, steady decode only (timer starts at the batch's last first token)."""
     from mlx_vlm.generate.ar import BatchGenerator
 
-    if len(batch) == 1:
+    if len(batch) == 1 and not batch_only:
         from mlx_vlm import stream_generate
 
         times = []
@@ -134,6 +134,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-raw", action="store_true", help="skip the raw mlx-vlm loops")
+    ap.add_argument("--raw-batch-only", action="store_true",
+                    help="raw loops through BatchGenerator at B=1 too (stream_generate's detokenizer fails on "
+                         "random models that emit ids past the tokenizer's vocabulary)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -149,11 +152,11 @@ def main() -> None:
         per: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
         warm = [[p[:16] for p in batch]]
         for v in variants:  # unmeasured pass: compile this batch's shapes
-            run_variant(v, loaded, drafter, warm[0], 8, args.block)
+            run_variant(v, loaded, drafter, warm[0], 8, args.block, args.raw_batch_only)
         for rep in range(args.repeats):
             order = variants if rep % 2 == 0 else variants[::-1]
             for v in order:
-                per[v].append(run_variant(v, loaded, drafter, batch, args.max_tokens, args.block))
+                per[v].append(run_variant(v, loaded, drafter, batch, args.max_tokens, args.block, args.raw_batch_only))
         results[str(b)] = per
         line = ", ".join(f"{v} {statistics.median(r['tok_s'] for r in per[v]):.1f} tok/s" for v in variants)
         print(f"B={b}: {line}", flush=True)
@@ -169,12 +172,13 @@ def main() -> None:
 
 
 def run_variant(v: str, loaded: Any, drafter: Any, batch: list[list[int]], max_tokens: int,
-                block: int) -> dict[str, float]:
+                block: int, raw_batch_only: bool = False) -> dict[str, float]:
     if v == "ours_mtp":
         return run_ours(loaded, batch, max_tokens, True, block)
     if v == "ours_plain":
         return run_ours(loaded, batch, max_tokens, False, block)
-    return run_raw(loaded.model, loaded.processor, drafter if v == "raw_mtp" else None, batch, max_tokens, block)
+    return run_raw(loaded.model, loaded.processor, drafter if v == "raw_mtp" else None, batch, max_tokens, block,
+                   raw_batch_only)
 
 
 def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> list[dict[str, Any]]:
