@@ -105,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if model is None:
         from mlx_relay.testing.fixtures import default_model_path
 
-        model, default_name = str(default_model_path()), "qwen3.5-tiny"
+        model, default_name = str(default_model_path()), "relay-tiny-coder"
     keys = list(args.api_key or [])
     if env_key := os.environ.get("MLX_RELAY_API_KEY"):
         keys.append(env_key)

@@ -158,8 +158,8 @@ def test_fixture_path_reuses_cache(paths: dict[str, Path], cache_dir: Path, monk
     assert fixture_path(FixtureSpec("fp32", 0), cache_dir) == path
     assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before
     monkeypatch.setenv("MLX_RELAY_CACHE", str(cache_dir))
-    assert default_model_path() == paths["bf16"] == default_model_path(cache_dir)
-    assert fixture_path() == paths["bf16"]
+    assert fixture_path() == paths["bf16"] == fixture_path(cache_dir=cache_dir)
+    assert default_model_path().name == "relay-tiny-coder"  # the trained checkpoint in the package
 
 
 def test_fixture_path_replaces_partial_leftovers(tmp_path: Path) -> None:
