@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--no-mtp", action="store_true", help="decode every request without MTP")
     spec.add_argument("--mtp-block-size", type=int, default=2,
                       help="tokens per verify round: the bonus token and BLOCK-1 drafts (default 2)")
-    spec.add_argument("--mtp-max-batch", type=int, default=8,
-                      help="text rows decoded with MTP at once; more decode without it (default 8)")
+    spec.add_argument("--mtp-max-batch", type=int, default=2,
+                      help="a text request decodes with MTP only if fewer rows are running when it starts "
+                           "(default 2: rounds cost more than plain steps as the batch grows)")
     serve.add_argument("--memory-limit-gb", type=float, default=None,
                        help="MLX memory limit for this process (lets two servers share one GPU)")
     serve.add_argument("--cache-limit-gb", type=float, default=None,

@@ -22,7 +22,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     seed: int = 0  # seeds the per-request sampling seeds of requests that give none
     mtp: bool = True  # MTP speculative decoding on the text path when the checkpoint has a head
     mtp_block_size: int = 2  # tokens per verify round (1 bonus + block - 1 drafts)
-    mtp_max_batch: int = 8  # text rows decoded with MTP at once; more go to the plain batch
+    # a text request decodes with MTP only if fewer rows than this are running when it starts:
+    # rounds cost 1.6x (B=1) to 3.6x (B=16) a plain step on an H200 and MTP lost at B=4 on CPU
+    # (benchmarks/results/), so it pays only for (nearly) lone requests, an agent's usual case
+    mtp_max_batch: int = 2
     memory_limit_bytes: int | None = None  # mx.set_memory_limit (None: MLX's default)
     cache_limit_bytes: int | None = None  # mx.set_cache_limit: freed buffers MLX keeps for reuse
 

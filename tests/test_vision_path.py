@@ -59,14 +59,19 @@ async def test_mixed_batch_returns_what_each_returns_alone(relay: Relay) -> None
     ]
     alone = {name: (await relay.chat(msgs, max_tokens=16, temperature=0)).token_ids for name, msgs in requests}
     together: dict[str, list[int]] = {}
+    drafted: dict[str, int] = {}
 
     async def one(name: str, msgs: list[dict[str, Any]]) -> None:
-        together[name] = (await relay.chat(msgs, max_tokens=16, temperature=0)).token_ids
+        result = await relay.chat(msgs, max_tokens=16, temperature=0)
+        together[name], drafted[name] = result.token_ids, result.mtp_drafted
 
     async with anyio.create_task_group() as tg:
         for name, msgs in requests:
             tg.start_soon(one, name, msgs)
     assert together == alone
+    # the text requests decoded with MTP, the image ones on the vision path, in the same batch
+    assert drafted["text-1"] > 0 and drafted["text-2"] > 0
+    assert drafted["image-a"] == 0 and drafted["image-b"] == 0
 
 
 async def test_a_repeated_image_is_not_re_encoded(relay: Relay) -> None:

@@ -10,8 +10,8 @@ One step is schedule, execute, update (vLLM v1's shape):
   events to the event loop in one call.
 
 Routing: text-only requests go to the MTP lane when the checkpoint has an MTP head, the request
-did not opt out and the lane has fewer than `mtp_max_batch` rows; everything else (images,
-video, opt-outs, overflow) goes to the plain batch. Both lanes share the same language-model
+did not opt out and fewer than `mtp_max_batch` rows are running when it starts; everything else
+(images, video, opt-outs, a busy engine) goes to the plain batch. Both lanes share the same language-model
 weights and run in the same step.
 
 A request that fails on its own (embedding, insertion, detokenization) ends with an error and
@@ -285,8 +285,10 @@ class BatchEngine:
 
     def _takes_mtp(self, req: Generate) -> bool:
         lane = self._mtp
+        # MTP pays only while the decode batch is small (a round costs more than a plain step,
+        # and more so as the batch grows: benchmarks/bench_mtp.py); rows do not change lanes later.
         return (lane is not None and req.vision is None and req.sampling.mtp
-                and len(lane) < self._mtp_max_batch)
+                and len(self._by_uid) < self._mtp_max_batch)
 
     def _insert_mtp(self, seq: _Seq) -> int:
         assert self._mtp is not None
