@@ -54,7 +54,7 @@ def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, bl
     started: set[int] = set()
     tokens = 0
     steady_start = None
-    steps = 0
+    steps = rounds0 = acc0 = dr0 = 0
     while engine.has_work:
         engine.step()
         for sid, ev in events:

@@ -33,7 +33,8 @@ def run_engine(loaded: Any, plan: list[tuple[int, Generate]], **engine_kw: Any) 
                                                                                     dict[int, Finished], Any]:
     """Feed `plan` (step at which each request arrives) through a BatchEngine; collect tokens."""
     events: list[Any] = []
-    kw = {"max_num_seqs": 8, "prefill_batch_size": 4, "prefill_step_size": 16, "seed": 0} | engine_kw
+    kw = {"max_num_seqs": 8, "prefill_batch_size": 4, "prefill_step_size": 16, "seed": 0,
+          "mtp_max_batch": 8} | engine_kw
     engine = BatchEngine(loaded, emit=events.extend, **kw)
     tokens: dict[int, list[int]] = {sid: [] for sid in range(len(plan))}
     finished: dict[int, Finished] = {}

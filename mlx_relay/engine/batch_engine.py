@@ -76,7 +76,7 @@ class BatchEngine:
         vision_cache_bytes: int = 512 * 1024 * 1024,
         mtp: bool = True,
         mtp_block_size: int = 2,
-        mtp_max_batch: int = 8,
+        mtp_max_batch: int = 2,  # as EngineConfig
     ) -> None:
         self._loaded = loaded
         self._model = loaded.model

@@ -51,7 +51,6 @@ class MTPRow:
     done_tokens: int = 0
     cache: list[Any] = field(default_factory=list)
     dcache: list[Any] = field(default_factory=list)
-    last_hidden: mx.array | None = None
 
 
 @dataclass
@@ -198,14 +197,13 @@ class MTPLane:
     def _propose(self, hidden: mx.array, rows: list[MTPRow]) -> tuple[mx.array, mx.array | None]:
         """Next draft token per row from the head's output hidden [B, 1, H]: argmax for greedy
         rows, a draw from the row's processed distribution q for sampling rows (q kept)."""
-        greedy = self.head.argmax(hidden).astype(mx.int32)  # [B, 1]
         if all(r.sampler is None for r in rows):
-            return greedy, None
+            return self.head.argmax(hidden).astype(mx.int32), None  # [B, 1]
         logits = self.head.logits(hidden)
         toks, logqs = [], []
         for i, r in enumerate(rows):
             if r.sampler is None:
-                toks.append(greedy[i])
+                toks.append(mx.argmax(logits[i], axis=-1).astype(mx.int32))
                 logqs.append(mx.zeros((1, logits.shape[-1])))
             else:
                 logq = processed_logprobs(r.sampler.params, logits[i])
@@ -241,22 +239,14 @@ class MTPLane:
             mx.eval(targets, draft_block, walk)
             t_host: list[list[int]] = targets.tolist()
             d_host: list[list[int]] = draft_block.tolist()
+            # per row, whether each draft is accepted: equal to the target's argmax (greedy rows)
+            # or the speculative-sampling draw (sampling rows, whose emitted tokens are the walk's)
+            ok = [[d == t for d, t in zip(d_host[i], t_host[i], strict=False)] for i in range(B)]
             if walk is not None:
                 w_acc, w_tok = walk[0].tolist(), walk[1].tolist()
                 for j, i in enumerate(sampled):
-                    t_host[i] = w_tok[j]
-            accepted: list[int] = []
-            for i in range(B):
-                if rows[i].sampler is None:
-                    a = 0
-                    while a < k - 1 and d_host[i][a] == t_host[i][a]:
-                        a += 1
-                else:
-                    flags = w_acc[sampled.index(i)]
-                    a = 0
-                    while a < k - 1 and flags[a]:
-                        a += 1
-                accepted.append(a)
+                    t_host[i], ok[i] = w_tok[j], w_acc[j]
+            accepted = [next((a for a, good in enumerate(flags) if not good), k - 1) for flags in ok]
             commit_speculative_round(self.lm, self._cache, txn, accepted, k)
         except BaseException:
             abort_speculative_round(txn)
