@@ -6,7 +6,8 @@ checks the counts and the prompt's placeholders, fetches every item (data URLs, 
 files, guarded http(s); see `mlx_relay.media.fetch`), then in a worker thread decodes them under
 the size limits, runs the checkpoint's numpy image/video processors and expands each placeholder
 to one token per vision token. The reply carries numpy arrays as bytes (`VisionInputs`); MLX is
-never touched here. The processor is loaded in `on_start`, in a worker thread.
+never touched here. The processor is loaded in `on_start`, in a worker thread; a text-only
+checkpoint has none, and a request with media is then refused with a 400.
 
 Requests are handled one at a time (an ask's reply is the handler's return value); a request's
 items are fetched concurrently, and all CPU work runs off the event loop.
@@ -24,10 +25,11 @@ import msgspec
 from mlx_relay.chat.normalize import media_parts
 from mlx_relay.chat.types import ChatMessage
 from mlx_relay.config import MediaConfig
+from mlx_relay.errors import InvalidRequest
 from mlx_relay.media.expand import check_placeholders
 from mlx_relay.media.limits import check_media_counts
 from mlx_relay.media.pipeline import fetch_all, media_kinds, prepare_vision
-from mlx_relay.media.preprocess import VisionProcessor, load_vision_processor
+from mlx_relay.media.preprocess import VisionProcessor, checkpoint_has_vision, load_vision_processor
 from mlx_relay.media.tensors import VisionInputs
 from mlx_relay.runtime import Actor, ReplyStream
 
@@ -59,13 +61,15 @@ class MediaRouter(Actor):
         self.processor: VisionProcessor | None = None
 
     async def on_start(self) -> None:
-        self.processor = await anyio.to_thread.run_sync(load_vision_processor, self.model_path)
+        if checkpoint_has_vision(self.model_path):
+            self.processor = await anyio.to_thread.run_sync(load_vision_processor, self.model_path)
 
     async def receive(self, msg: Route, stream: ReplyStream | None) -> Routed:
         parts = media_parts(msg.messages)
         if not parts:
             return Routed(path="text", prompt_tokens=msg.prompt_tokens, vision=None)
-        assert self.processor is not None
+        if self.processor is None:
+            raise InvalidRequest("this model has no vision tower: send text only", param="messages")
         kinds = media_kinds(parts)
         check_media_counts(kinds, self.config)
         check_placeholders(msg.prompt_tokens, kinds, self.processor.vocab)  # before any download

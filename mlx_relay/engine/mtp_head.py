@@ -10,6 +10,11 @@ documented one:
 
 with the target's own `embed_tokens` and head (`speculative_logits_from_hidden` /
 `speculative_argmax_from_hidden`), so the head costs no extra copy of either.
+
+Text-only checkpoints (`model_type: qwen3_5_text`): mlx-vlm 0.7.10 registers its MTP splitters
+under the VLM family names only, and `load_drafter` on such a checkpoint silently falls back to
+loading the whole target model instead of the head. `load_mtp_drafter` asks the public splitter
+registry for the family's splitter by name (pinned by tests/test_text_only.py).
 """
 
 from __future__ import annotations
@@ -20,6 +25,29 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.models.base import create_attention_mask
 from mlx_vlm.models.cache import KVCache
+
+from mlx_relay.errors import ModelLoadError
+
+#: Text-only model types -> the VLM family whose MTP splitter reads their `mtp.*` tensors.
+TEXT_ONLY_FAMILIES: dict[str, str] = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def load_mtp_drafter(path: Path) -> Any:
+    """The checkpoint's MTP head as mlx-vlm's drafter module, for VLM and text-only layouts."""
+    import json
+
+    from mlx_vlm.speculative.drafters import load_drafter
+    from mlx_vlm.speculative.drafters.mtp_split import get_mtp_splitter
+
+    config = json.loads((path / "config.json").read_text())
+    family = TEXT_ONLY_FAMILIES.get(str(config.get("model_type")))
+    if family is None:
+        drafter, _kind = load_drafter(str(path), kind="mtp")
+        return drafter
+    splitter = get_mtp_splitter(family, source_config=config)
+    if splitter is None:
+        raise ModelLoadError(f"mlx-vlm has no MTP head loader for {family}")
+    return splitter.load(path, source_config=config)
 
 
 class MTPHead:
@@ -32,10 +60,7 @@ class MTPHead:
 
     @classmethod
     def load(cls, path: Path, lm: Any) -> MTPHead:
-        from mlx_vlm.speculative.drafters import load_drafter
-
-        drafter, _kind = load_drafter(str(path), kind="mtp")
-        return cls(drafter, lm)
+        return cls(load_mtp_drafter(path), lm)
 
     @property
     def num_layers(self) -> int:

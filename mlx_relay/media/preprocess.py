@@ -89,6 +89,12 @@ def _import_model_package(model_path: Path) -> None:
     get_model_and_args(config, model_path)
 
 
+def checkpoint_has_vision(model_path: Path) -> bool:
+    """Whether the checkpoint declares a vision tower (text-only checkpoints have no processor)."""
+    config = json.loads((model_path / "config.json").read_text())
+    return bool(config.get("vision_config"))
+
+
 def load_vision_processor(model_path: Path) -> VisionProcessor:
     """Load the checkpoint's processor (local files only when HF_HUB_OFFLINE=1). Worker thread."""
     from mlx_vlm.utils import load_processor

@@ -20,6 +20,10 @@ Recipe (``/work/shared/notes/mlx-libraries.md`` section 3):
 * the ``lm_head`` rows of the 26 added tokens are zero, so greedy decoding of the random
   model never emits ``<|im_end|>``, ``<think>`` or ``<tool_call>`` by accident.
 
+Layouts: ``vlm`` (the default, above); ``text`` and ``text_no_mtp`` are the same weights as a
+text-only ``Qwen3_5ForCausalLM`` checkpoint (``model_type: qwen3_5_text``, ``model.*`` names, no
+vision tower or processor files), with and without the ``mtp.*`` head.
+
 Variants: ``bf16`` (bf16 weights, ``A_log`` fp32), ``fp32`` (all float32, for exactness
 tests), ``bigram`` (float32; residual branches scaled by 0.02 so the target is almost
 ``lm_head(norm(embed(x)))``, and the MTP head computes the same bigram: ``fc = [I | 0]``,
@@ -60,6 +64,7 @@ from mlx_relay.testing.tokenizer_builder import (
 __all__ = [
     "RECIPE_VERSION",
     "FixtureSpec",
+    "Layout",
     "Variant",
     "build_fixture",
     "default_model_path",
@@ -71,6 +76,7 @@ __all__ = [
 RECIPE_VERSION: Final[int] = 2
 
 Variant = Literal["bf16", "fp32", "bigram"]
+Layout = Literal["vlm", "text", "text_no_mtp"]
 
 #: Written last into every fixture; its presence marks a complete checkpoint.
 MANIFEST_NAME: Final[str] = "mlx_relay_fixture.json"
@@ -109,6 +115,7 @@ class FixtureSpec(msgspec.Struct, frozen=True):
     intermediate_size: int = 128
     num_hidden_layers: int = 4
     max_position_embeddings: int = 4096
+    layout: Layout = "vlm"
 
     @property
     def dirname(self) -> str:
@@ -117,7 +124,7 @@ class FixtureSpec(msgspec.Struct, frozen=True):
         defaults = FixtureSpec(self.variant, self.seed)
         extra = [
             f"{field}{getattr(self, field)}"
-            for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "max_position_embeddings")
+            for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "max_position_embeddings", "layout")
             if getattr(self, field) != getattr(defaults, field)
         ]
         return "-".join([name, *extra])
@@ -130,6 +137,8 @@ def fixture_config(spec: FixtureSpec, vocab_size: int = BASE_VOCAB_SIZE + len(SP
     """config.json for ``spec`` (vocab_size must equal the tokenizer size, never padded)."""
     if spec.variant not in ("bf16", "fp32", "bigram"):
         raise ValueError(f"unknown fixture variant {spec.variant!r}")
+    if spec.layout not in ("vlm", "text", "text_no_mtp"):
+        raise ValueError(f"unknown fixture layout {spec.layout!r}")
     if spec.num_hidden_layers % 4:
         raise ValueError("num_hidden_layers must be a multiple of full_attention_interval (4)")
     dtype = "bfloat16" if spec.variant == "bf16" else "float32"
@@ -333,6 +342,31 @@ def fixture_weights(spec: FixtureSpec, config: dict[str, Any]) -> dict[str, tupl
     return dict(sorted(out.items()))
 
 
+def text_only_config(config: dict[str, Any], *, with_mtp: bool) -> dict[str, Any]:
+    """The text-only (``Qwen3_5ForCausalLM``) config.json of a VLM fixture config."""
+    text = copy.deepcopy(config["text_config"])
+    text["architectures"] = ["Qwen3_5ForCausalLM"]
+    text["eos_token_id"] = config["eos_token_id"]
+    text["pad_token_id"] = config["pad_token_id"]
+    if not with_mtp:
+        text["mtp_num_hidden_layers"] = 0
+    return text
+
+
+def text_only_weights(
+    weights: dict[str, tuple[str, np.ndarray]], *, with_mtp: bool
+) -> dict[str, tuple[str, np.ndarray]]:
+    """HF text-only names: ``model.language_model.X`` -> ``model.X``; no vision tower."""
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for name, value in weights.items():
+        if name.startswith("model.visual.") or (name.startswith("mtp.") and not with_mtp):
+            continue
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model.") :]
+        out[name] = value
+    return dict(sorted(out.items()))
+
+
 def _bf16_bytes(value: np.ndarray) -> bytes:
     """float32 -> bfloat16 bytes, round-to-nearest-even (finite inputs)."""
     bits = np.ascontiguousarray(value, dtype="<f4").view("<u4").astype(np.uint64)
@@ -377,10 +411,17 @@ def build_fixture(out_dir: Path, spec: FixtureSpec) -> Path:
     tokenizer = build_tokenizer()
     config = fixture_config(spec, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True))
     write_tokenizer_files(out_dir, tokenizer, model_max_length=spec.max_position_embeddings)
+    weights = fixture_weights(spec, config)
+    aux = _aux_files()
+    if spec.layout != "vlm":
+        with_mtp = spec.layout == "text"
+        weights = text_only_weights(weights, with_mtp=with_mtp)
+        config = text_only_config(config, with_mtp=with_mtp)
+        aux = {"generation_config.json": aux["generation_config.json"]}
     _dump_json(out_dir / "config.json", config)
-    for filename, content in _aux_files().items():
+    for filename, content in aux.items():
         _dump_json(out_dir / filename, content)
-    save_safetensors(out_dir / "model.safetensors", fixture_weights(spec, config))
+    save_safetensors(out_dir / "model.safetensors", weights)
     _dump_json(
         out_dir / MANIFEST_NAME,
         {
