@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--mtp-max-batch", type=int, default=2,
                       help="a text request decodes with MTP only if fewer rows are running when it starts "
                            "(default 2: rounds cost more than plain steps as the batch grows)")
+    spec.add_argument("--mtp-verify", choices=("auto", "exact", "batched"), default="auto",
+                      help="exact: mlx-vlm's batch-invariant verifier (bit-identical to plain decode; fast "
+                           "kernels on Metal only); batched: one forward over the block (fast everywhere); "
+                           "auto: exact on Metal, batched elsewhere")
     serve.add_argument("--memory-limit-gb", type=float, default=None,
                        help="MLX memory limit for this process (lets two servers share one GPU)")
     serve.add_argument("--cache-limit-gb", type=float, default=None,
@@ -127,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             mtp=not args.no_mtp,
             mtp_block_size=args.mtp_block_size,
             mtp_max_batch=args.mtp_max_batch,
+            mtp_verify=args.mtp_verify,
             memory_limit_bytes=_gib(args.memory_limit_gb),
             cache_limit_bytes=_gib(args.cache_limit_gb),
         ),

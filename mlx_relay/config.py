@@ -26,6 +26,12 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # rounds cost 1.6x (B=1) to 3.6x (B=16) a plain step on an H200 and MTP lost at B=4 on CPU
     # (benchmarks/results/), so it pays only for (nearly) lone requests, an agent's usual case
     mtp_max_batch: int = 2
+    # how a round's block is verified: "exact" is mlx-vlm's batch-invariant verifier (each row
+    # and position its own matvec, bit-identical to one-token decode; fused kernels on Metal
+    # only, one launch per row and position per linear elsewhere); "batched" is the model's
+    # ordinary forward over the whole [B, block] (one matmul per linear, reductions may round
+    # differently in low precision); "auto": exact on Metal, batched on CUDA and CPU
+    mtp_verify: Literal["auto", "exact", "batched"] = "auto"
     memory_limit_bytes: int | None = None  # mx.set_memory_limit (None: MLX's default)
     cache_limit_bytes: int | None = None  # mx.set_cache_limit: freed buffers MLX keeps for reuse
 

@@ -63,15 +63,19 @@ PROMPTS = [list(range(5, 5 + n)) for n in (7, 20, 33, 3, 12)]
 MAX_TOKENS = [24, 9, 30, 17, 1]  # rows leave at different times; one ends on its first token
 
 
-@pytest.mark.parametrize(("variant", "block"), [("fp32", 2), ("bigram", 2), ("bigram", 3), ("fp32", 4)])
-def test_mtp_greedy_equals_plain_decoding(gpu: Callable, variant: str, block: int) -> None:
+@pytest.mark.parametrize(("variant", "block", "verify"), [
+    ("fp32", 2, "batched"), ("bigram", 2, "batched"), ("bigram", 3, "batched"), ("fp32", 4, "batched"),
+    ("fp32", 2, "exact"), ("bigram", 3, "exact"),
+])
+def test_mtp_greedy_equals_plain_decoding(gpu: Callable, variant: str, block: int, verify: str) -> None:
+    """Both verifiers: mlx-vlm's batch-invariant one and one batched forward over the block."""
     path = fixture_path(FixtureSpec(variant=variant, seed=0))
 
     def run() -> tuple[Any, ...]:
         loaded = load_model(path)
         plan = [(at, Generate(f"r{i}", p, SamplingParams(max_tokens=m)))
                 for i, (at, p, m) in enumerate(zip((0, 0, 3, 3, 5), PROMPTS, MAX_TOKENS, strict=True))]
-        got = run_engine(loaded, plan, mtp_block_size=block)
+        got = run_engine(loaded, plan, mtp_block_size=block, mtp_verify=verify)
         return got, greedy_reference(path, PROMPTS, max(MAX_TOKENS))
 
     (tokens, finished, stats), ref = gpu(run)

@@ -77,6 +77,7 @@ class GPUExecutor(Actor):
                     mtp=self.config.mtp,
                     mtp_block_size=self.config.mtp_block_size,
                     mtp_max_batch=self.config.mtp_max_batch,
+                    mtp_verify=self.config.mtp_verify,
                 )
             )
         )

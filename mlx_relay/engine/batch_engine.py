@@ -77,6 +77,7 @@ class BatchEngine:
         mtp: bool = True,
         mtp_block_size: int = 2,
         mtp_max_batch: int = 2,  # as EngineConfig
+        mtp_verify: str = "auto",  # as EngineConfig
     ) -> None:
         self._loaded = loaded
         self._model = loaded.model
@@ -99,9 +100,11 @@ class BatchEngine:
         self._mtp_max_batch = mtp_max_batch
         self._mtp: MTPLane | None = None
         if mtp and loaded.info.has_mtp and mtp_max_batch > 0:
-            head = MTPHead.load(Path(loaded.info.model_path), self._model.language_model)
+            exact = mtp_verify == "exact" or (mtp_verify == "auto" and loaded.info.backend == "metal")
+            head = MTPHead.load(Path(loaded.info.model_path), self._model.language_model, exact=exact)
             self._mtp = MTPLane(self._model.language_model, head, block_size=mtp_block_size,
-                                prefill_step_size=prefill_step_size, eos_token_ids=loaded.info.eos_token_ids)
+                                prefill_step_size=prefill_step_size, eos_token_ids=loaded.info.eos_token_ids,
+                                exact_verify=exact)
         self._next_mtp_uid = 1 << 48  # MTP rows get uids far from the generator's
         self._mtp_totals = [0, 0, 0]  # rounds, drafted, accepted
 

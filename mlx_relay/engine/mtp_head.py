@@ -51,16 +51,20 @@ def load_mtp_drafter(path: Path) -> Any:
 
 
 class MTPHead:
-    def __init__(self, drafter: Any, lm: Any) -> None:
+    """`exact`: the target's head through mlx-vlm's batch-invariant speculative calls (bit-identical
+    to one-token decode); otherwise its ordinary `lm_head` (one matmul for all rows/positions)."""
+
+    def __init__(self, drafter: Any, lm: Any, *, exact: bool = True) -> None:
         self.drafter = drafter
         self.lm = lm
+        self.exact = exact
         inner = lm.model
         self._embed = inner.embed_tokens
         self._embed_scale = float(getattr(inner, "embed_scale", 1.0))
 
     @classmethod
-    def load(cls, path: Path, lm: Any) -> MTPHead:
-        return cls(load_mtp_drafter(path), lm)
+    def load(cls, path: Path, lm: Any, *, exact: bool = True) -> MTPHead:
+        return cls(load_mtp_drafter(path), lm, exact=exact)
 
     @property
     def num_layers(self) -> int:
@@ -81,8 +85,12 @@ class MTPHead:
         return d.norm(h)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        return self.lm.speculative_logits_from_hidden(hidden)
+        if self.exact:
+            return self.lm.speculative_logits_from_hidden(hidden)
+        if self.lm.args.tie_word_embeddings:
+            return self.lm.model.embed_tokens.as_linear(hidden)
+        return self.lm.lm_head(hidden)
 
     def argmax(self, hidden: mx.array) -> mx.array:
-        out = self.lm.speculative_argmax_from_hidden(hidden)
+        out = self.lm.speculative_argmax_from_hidden(hidden) if self.exact else None
         return out if out is not None else mx.argmax(self.logits(hidden), axis=-1)

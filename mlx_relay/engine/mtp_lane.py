@@ -4,9 +4,12 @@ A cohort of text-only rows decodes together, one *round* per engine step:
 
 1. draft: each row already holds its first draft token (computed by the previous round's MTP
    forward); for block size k > 2 the head drafts k - 2 more, autoregressively;
-2. verify: one batched target forward over ``[bonus, d_1 .. d_{k-1}]`` per row, through the
-   LanguageModel's public speculative-verify call, which records the GatedDeltaNet states per
-   position; greedy rows take the argmax, sampling rows the standard speculative-sampling walk
+2. verify: one batched target forward over ``[bonus, d_1 .. d_{k-1}]`` per row inside a public
+   speculative cache transaction (``start_speculative_cache``), which records the GatedDeltaNet
+   states per position. ``exact_verify``: through the LanguageModel's speculative-verify call
+   (batch-invariant: bit-identical to one-token decode, but on CUDA and CPU every quantized
+   linear runs once per row and position); otherwise its ordinary forward (one matmul per
+   linear for the whole block). Greedy rows take the argmax, sampling rows the standard speculative-sampling walk
    (accept d with probability min(1, p(d)/q(d)), else draw from norm(max(p - q, 0))),
    each with its own PRNG key;
 3. commit: mlx-vlm's public ``commit_speculative_round`` keeps exactly ``accepted + 1`` positions
@@ -32,7 +35,11 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
-from mlx_vlm.speculative.cache_state import abort_speculative_round, commit_speculative_round
+from mlx_vlm.speculative.cache_state import (
+    abort_speculative_round,
+    commit_speculative_round,
+    start_speculative_cache,
+)
 
 from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.sampling import RowSampler, processed_logprobs
@@ -68,7 +75,7 @@ def _batched(caches: list[Any]) -> list[Any]:
 
 class MTPLane:
     def __init__(self, lm: Any, head: MTPHead, *, block_size: int, prefill_step_size: int,
-                 eos_token_ids: Sequence[int]) -> None:
+                 eos_token_ids: Sequence[int], exact_verify: bool = True) -> None:
         if block_size < 2:
             raise ValueError("MTP block size must be at least 2")
         self.lm = lm
@@ -76,6 +83,7 @@ class MTPLane:
         self.k = block_size
         self.prefill_step_size = prefill_step_size
         self.eos = frozenset(eos_token_ids)
+        self.exact_verify = exact_verify
         self.rows: list[MTPRow] = []  # the cohort, in batch order
         self.prefilling: list[MTPRow] = []
         self._cache: list[Any] | None = None
@@ -228,11 +236,8 @@ class MTPLane:
         draft_block = mx.concatenate(drafts, axis=1)  # [B, k-1]
         # 2. verify
         verify_in = mx.concatenate([self._bonus[:, None], draft_block], axis=1)
-        out = self.lm(verify_in, cache=self._cache, speculative_verify=True, return_hidden=True,
-                      return_shared_kv=True, skip_logits=True, rope_deltas=mx.zeros((B, 1), dtype=mx.int32))
-        txn = out.gdn_states
+        vh, txn = self._verify(verify_in)
         try:
-            vh = out.hidden_states[-1]  # [B, k, H]
             targets = self.head.argmax(vh).astype(mx.int32)  # [B, k]
             sampled = [i for i, r in enumerate(rows) if r.sampler is not None]
             walk = self._sampling_walk(vh, draft_block, logqs, sampled) if sampled else None
@@ -284,6 +289,24 @@ class MTPLane:
             result.accepted += accepted[i]
             result.tokens[row.uid] = replay[i]
         return result
+
+    def _verify(self, block: mx.array) -> tuple[mx.array, Any]:
+        """The target's last hidden states over `block` [B, k] and the open cache transaction."""
+        deltas = mx.zeros((block.shape[0], 1), dtype=mx.int32)
+        if self.exact_verify:
+            out = self.lm(block, cache=self._cache, speculative_verify=True, return_hidden=True,
+                          return_shared_kv=True, skip_logits=True, rope_deltas=deltas)
+            return out.hidden_states[-1], out.gdn_states
+        txn = start_speculative_cache(self._cache, block.shape[1])
+        try:
+            # `capture_layer_ids=[]` keeps the whole batch in one forward: without it the model
+            # splits ragged batches into per-row forwards over re-merged (untracked) caches
+            out = self.lm(block, cache=self._cache, return_hidden=True, skip_logits=True, rope_deltas=deltas,
+                          capture_layer_ids=[])
+        except BaseException:
+            abort_speculative_round(txn)
+            raise
+        return out.hidden_states[-1], txn
 
     def _sampling_walk(self, vh: mx.array, drafts: mx.array, logqs: list[mx.array | None],
                        sampled: list[int]) -> tuple[mx.array, mx.array]:
