@@ -2,7 +2,8 @@
 
 In one process, on one thread, alternating variant by variant over `--repeats` passes (ABBA)
 so machine drift cancels, for each batch size B:
-  - ours, MTP on   (BatchEngine, text rows in the MTP lane, block `--block`)
+  - ours, MTP on   (BatchEngine, text rows in the MTP lane, block `--block`, batched verify)
+  - with `--exact`: ours, MTP on with `--mtp-verify exact` (mlx-vlm's batch-invariant verifier)
   - ours, MTP off  (BatchEngine, the same rows in mlx-vlm's BatchGenerator)
   - raw mlx-vlm with its MTP drafter: `stream_generate(..., draft_model=load_drafter(kind="mtp"))`
     at B=1, `BatchGenerator(..., draft_model=...)` at B>1
@@ -44,11 +45,12 @@ def prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
     return [ids[i * 37: i * 37 + length] for i in range(n)]
 
 
-def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, block: int) -> dict[str, float]:
+def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, block: int,
+             verify: str = "batched") -> dict[str, float]:
     events: list[Any] = []
     engine = BatchEngine(loaded, max_num_seqs=len(batch), prefill_batch_size=min(8, len(batch)),
                          prefill_step_size=2048, seed=0, emit=events.extend, mtp=mtp, mtp_block_size=block,
-                         mtp_max_batch=len(batch) if mtp else 0)
+                         mtp_max_batch=len(batch) if mtp else 0, mtp_verify=verify)
     for i, p in enumerate(batch):
         engine.add(i, Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens)))
     started: set[int] = set()
@@ -137,6 +139,8 @@ def main() -> None:
     ap.add_argument("--raw-batch-only", action="store_true",
                     help="raw loops through BatchGenerator at B=1 too (stream_generate's detokenizer fails on "
                          "random models that emit ids past the tokenizer's vocabulary)")
+    ap.add_argument("--exact", action="store_true",
+                    help="also ours with --mtp-verify exact (mlx-vlm's batch-invariant verifier)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -145,7 +149,8 @@ def main() -> None:
     loaded = load_model(args.model)
     drafter, _ = load_drafter(str(args.model), kind="mtp")
     tok = loaded.processor.tokenizer
-    variants = ["ours_mtp", "ours_plain"] + ([] if args.no_raw else ["raw_mtp", "raw_plain"])
+    variants = ["ours_mtp", "ours_plain"] + (["ours_mtp_exact"] if args.exact else [])
+    variants += [] if args.no_raw else ["raw_mtp", "raw_plain"]
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     for b in (int(x) for x in args.batch.split(",")):
         batch = prompts(tok, b, args.prompt_tokens)
@@ -174,7 +179,9 @@ def main() -> None:
 def run_variant(v: str, loaded: Any, drafter: Any, batch: list[list[int]], max_tokens: int,
                 block: int, raw_batch_only: bool = False) -> dict[str, float]:
     if v == "ours_mtp":
-        return run_ours(loaded, batch, max_tokens, True, block)
+        return run_ours(loaded, batch, max_tokens, True, block, "batched")
+    if v == "ours_mtp_exact":
+        return run_ours(loaded, batch, max_tokens, True, block, "exact")
     if v == "ours_plain":
         return run_ours(loaded, batch, max_tokens, False, block)
     return run_raw(loaded.model, loaded.processor, drafter if v == "raw_mtp" else None, batch, max_tokens, block,
@@ -195,6 +202,9 @@ def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> list[dic
             "round_cost_in_steps": round(round_ms / step_ms, 3),
             "mtp_speedup": round(med["ours_mtp"] / med["ours_plain"], 3),
         }
+        if "ours_mtp_exact" in per:
+            exact_ms = statistics.median(r["seconds"] * 1000 / max(r["rounds"], 1) for r in per["ours_mtp_exact"])
+            row["exact_round_cost_in_steps"] = round(exact_ms / step_ms, 3)
         if "raw_mtp" in med:
             row["ours_mtp_vs_raw_mtp"] = round(med["ours_mtp"] / med["raw_mtp"], 3)
             row["ours_plain_vs_raw_plain"] = round(med["ours_plain"] / med["raw_plain"], 3)
