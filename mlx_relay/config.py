@@ -23,7 +23,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     mtp: bool = True  # MTP speculative decoding on the text path when the checkpoint has a head
     mtp_block_size: int = 2  # tokens per verify round (1 bonus + block - 1 drafts)
     # a text request decodes with MTP only if fewer rows than this are running when it starts:
-    # rounds cost 1.6x (B=1) to 3.6x (B=16) a plain step on an H200 and MTP lost at B=4 on CPU
+    # rounds cost 1.6x (B=1) to 2.4x (B=16) a plain step on an H200 and MTP lost at B=4 on CPU
     # (benchmarks/results/), so it pays only for (nearly) lone requests, an agent's usual case
     mtp_max_batch: int = 2
     # how a round's block is verified: "exact" is mlx-vlm's batch-invariant verifier (each row
