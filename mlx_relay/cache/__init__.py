@@ -1,0 +1,1 @@
+"""Prefix cache bookkeeping (pure Python): keys and the budgeted LRU index the PrefixCacheStore owns."""

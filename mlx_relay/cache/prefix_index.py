@@ -1,0 +1,168 @@
+"""The PrefixCacheStore's index: which prompt prefixes have an exact state snapshot, under a byte
+budget (pure Python; the snapshots themselves live on the GPU executor's thread as handles).
+
+Hybrid models (GatedDeltaNet + attention) cannot trim recurrent state, so a snapshot is reusable
+only for prompts that start with exactly its prefix: an entry is (prefix key, length, handle,
+bytes). `match` returns the longest entry that is a proper prefix of the prompt (at least one
+prompt token must remain to be prefilled, which yields the first logits) and pins it; `release`
+unpins. Eviction is least-recently-used over unpinned entries only, so a snapshot a request is
+being restored from is never freed under it. Results are typed, as in SGLang's radix cache:
+`Match`, `Inserted`, `Rejected`, `Evicted`; every handle leaving the index is reported exactly
+once in an `evicted` list so the owner frees it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Literal
+
+import msgspec
+
+from mlx_relay.cache.prefix_keys import PrefixKeys
+
+__all__ = ["Entry", "Evicted", "IndexStats", "Inserted", "Match", "PrefixIndex", "Rejected", "SnapshotKind"]
+
+SnapshotKind = Literal["system", "turn"]
+
+
+class Entry(msgspec.Struct, frozen=True):
+    key: bytes
+    length: int  # prompt tokens the snapshot covers
+    handle: int  # the GPU executor's snapshot id
+    nbytes: int
+    kind: SnapshotKind
+
+
+class Match(msgspec.Struct, frozen=True):
+    """`entry` None: a miss. Otherwise the entry is pinned until `release(entry.handle)`."""
+
+    entry: Entry | None
+
+    @property
+    def cached_tokens(self) -> int:
+        return 0 if self.entry is None else self.entry.length
+
+
+class Inserted(msgspec.Struct, frozen=True):
+    entry: Entry
+    evicted: list[Entry]  # freed to make room (the owner frees their handles)
+
+
+class Rejected(msgspec.Struct, frozen=True):
+    reason: Literal["duplicate", "over_budget"]
+    handle: int  # the offered snapshot, not kept: the owner frees it
+    evicted: list[Entry] = msgspec.field(default_factory=list)  # freed trying to make room
+
+
+class Evicted(msgspec.Struct, frozen=True):
+    entries: list[Entry]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+class IndexStats(msgspec.Struct, frozen=True):
+    entries: int
+    bytes: int
+    budget_bytes: int
+    pinned: int
+    hits: int
+    misses: int
+    hit_tokens: int
+    evictions: int
+    evicted_bytes: int
+
+
+class PrefixIndex:
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError("budget_bytes must be >= 0")
+        self.budget_bytes = budget_bytes
+        self._lru: OrderedDict[bytes, Entry] = OrderedDict()  # oldest first
+        self._by_handle: dict[int, Entry] = {}
+        self._pins: dict[int, int] = {}
+        self._lengths: dict[int, int] = {}  # length -> entries with that length
+        self._bytes = 0
+        self._hits = self._misses = self._hit_tokens = self._evictions = self._evicted_bytes = 0
+
+    # -- lookups ------------------------------------------------------------------------------
+    def match(self, keys: PrefixKeys) -> Match:
+        """The longest snapshot that is a proper prefix of the prompt, pinned."""
+        for length in sorted((n for n in self._lengths if n < len(keys)), reverse=True):
+            entry = self._lru.get(keys.key(length))
+            if entry is not None:
+                self._lru.move_to_end(entry.key)
+                self._pins[entry.handle] = self._pins.get(entry.handle, 0) + 1
+                self._hits += 1
+                self._hit_tokens += entry.length
+                return Match(entry)
+        self._misses += 1
+        return Match(None)
+
+    def contains(self, keys: PrefixKeys, length: int) -> bool:
+        return keys.key(length) in self._lru
+
+    def release(self, handle: int) -> None:
+        n = self._pins.get(handle, 0)
+        if n <= 1:
+            self._pins.pop(handle, None)
+        else:
+            self._pins[handle] = n - 1
+
+    # -- updates ------------------------------------------------------------------------------
+    def insert(self, keys: PrefixKeys, length: int, handle: int, nbytes: int,
+               kind: SnapshotKind) -> Inserted | Rejected:
+        key = keys.key(length)
+        if key in self._lru:
+            self._lru.move_to_end(key)
+            return Rejected("duplicate", handle)
+        if nbytes > self.budget_bytes:
+            return Rejected("over_budget", handle)
+        evicted = self._evict_until(self.budget_bytes - nbytes)
+        if self._bytes + nbytes > self.budget_bytes:  # what is left is pinned
+            return Rejected("over_budget", handle, evicted)
+        entry = Entry(key, length, handle, nbytes, kind)
+        self._lru[key] = entry
+        self._by_handle[handle] = entry
+        self._lengths[length] = self._lengths.get(length, 0) + 1
+        self._bytes += nbytes
+        return Inserted(entry, evicted)
+
+    def evict(self, nbytes: int) -> Evicted:
+        """Free at least `nbytes` (fewer if the rest is pinned), oldest unpinned first."""
+        return Evicted(self._evict_until(max(self._bytes - nbytes, 0)))
+
+    def flush(self) -> Evicted:
+        """Drop every unpinned entry."""
+        return Evicted(self._evict_until(0))
+
+    def _evict_until(self, target_bytes: int) -> list[Entry]:
+        out: list[Entry] = []
+        for key in list(self._lru):
+            if self._bytes <= target_bytes:
+                break
+            entry = self._lru[key]
+            if self._pins.get(entry.handle):
+                continue
+            self._remove(entry)
+            out.append(entry)
+        self._evictions += len(out)
+        self._evicted_bytes += sum(e.nbytes for e in out)
+        return out
+
+    def _remove(self, entry: Entry) -> None:
+        del self._lru[entry.key]
+        del self._by_handle[entry.handle]
+        self._bytes -= entry.nbytes
+        n = self._lengths[entry.length] - 1
+        if n:
+            self._lengths[entry.length] = n
+        else:
+            del self._lengths[entry.length]
+
+    def stats(self) -> IndexStats:
+        return IndexStats(entries=len(self._lru), bytes=self._bytes, budget_bytes=self.budget_bytes,
+                          pinned=sum(1 for h in self._pins if h in self._by_handle), hits=self._hits,
+                          misses=self._misses, hit_tokens=self._hit_tokens, evictions=self._evictions,
+                          evicted_bytes=self._evicted_bytes)

@@ -1,0 +1,83 @@
+"""The prefix cache index (issue 5): content keys with media, longest-prefix match, pins, the byte
+budget with LRU eviction, typed results."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_relay.cache.prefix_index import Inserted, PrefixIndex, Rejected
+from mlx_relay.cache.prefix_keys import MediaSpan, PrefixKeys
+
+SYSTEM = list(range(100, 300))  # 200 tokens: three full blocks and a tail
+PAD = 9  # the image pad token id every image expands to
+
+
+def test_keys_of_shared_prefixes_agree_at_every_length() -> None:
+    a = PrefixKeys(SYSTEM + [1, 2, 3])
+    b = PrefixKeys(SYSTEM + [4, 5])
+    for n in (0, 1, 63, 64, 65, 128, 199, 200):
+        assert a.key(n) == b.key(n)
+    assert a.key(201) != b.key(201)
+    assert a.key(200) != a.key(199)
+
+
+def test_a_different_image_never_shares_a_key_the_same_image_does() -> None:
+    tokens = [1, 2, *([PAD] * 20), 3, 4]
+    cat, dog = MediaSpan(2, 22, "aa" * 32), MediaSpan(2, 22, "bb" * 32)
+    k_cat, k_cat2, k_dog = PrefixKeys(tokens, [cat]), PrefixKeys(tokens, [cat]), PrefixKeys(tokens, [dog])
+    assert k_cat.key(2) == k_dog.key(2)  # before the image
+    for n in (3, 22, 24):
+        assert k_cat.key(n) == k_cat2.key(n)
+        assert k_cat.key(n) != k_dog.key(n)
+    assert PrefixKeys(tokens).key(22) != k_cat.key(22)  # raw pad ids are not an image
+    with pytest.raises(ValueError):
+        PrefixKeys(tokens, [MediaSpan(20, 40, "cc")])
+
+
+def test_match_takes_the_longest_proper_prefix_and_pins_it() -> None:
+    index = PrefixIndex(budget_bytes=1000)
+    prompt = PrefixKeys(SYSTEM + list(range(10)))
+    assert isinstance(index.insert(PrefixKeys(SYSTEM), 200, handle=1, nbytes=100, kind="system"), Inserted)
+    assert isinstance(index.insert(prompt, 205, handle=2, nbytes=100, kind="turn"), Inserted)
+    m = index.match(PrefixKeys(SYSTEM + list(range(10)) + [7]))
+    assert m.entry is not None and m.entry.handle == 2 and m.cached_tokens == 205
+    other = index.match(PrefixKeys(SYSTEM + [42, 43]))  # diverges after the system prompt
+    assert other.entry is not None and other.entry.handle == 1
+    # a prompt equal to a snapshot's prefix still needs one token prefilled: it takes a shorter one
+    exact = index.match(PrefixKeys(SYSTEM))
+    assert exact.entry is None and exact.cached_tokens == 0
+    stats = index.stats()
+    assert (stats.hits, stats.misses, stats.hit_tokens, stats.pinned) == (2, 1, 405, 2)
+
+
+def test_lru_eviction_skips_pinned_entries_and_reports_every_freed_handle() -> None:
+    index = PrefixIndex(budget_bytes=300)
+    keys = [PrefixKeys([i] * 50 + [0]) for i in range(4)]
+    for i in range(3):
+        assert isinstance(index.insert(keys[i], 50, handle=i, nbytes=100, kind="turn"), Inserted)
+    pinned = index.match(keys[0])  # entry 0 is the oldest, but now pinned (and most recently used)
+    assert pinned.entry is not None and pinned.entry.handle == 0
+    index.match(keys[1])
+    index.release(1)  # entry 1 used and released: more recent than 2
+    result = index.insert(keys[3], 50, handle=3, nbytes=100, kind="turn")
+    assert isinstance(result, Inserted) and [e.handle for e in result.evicted] == [2]
+    result = index.insert(PrefixKeys([9] * 50 + [0]), 50, handle=4, nbytes=250, kind="turn")
+    # room for 250 needs both unpinned entries gone, and entry 0 is still pinned: refused, but the
+    # entries it evicted trying are reported so their snapshots are freed
+    assert isinstance(result, Rejected) and result.reason == "over_budget" and result.handle == 4
+    assert sorted(e.handle for e in result.evicted) == [1, 3]
+    assert index.stats().bytes == 100
+    index.release(0)
+    assert [e.handle for e in index.flush().entries] == [0]
+    assert index.stats().entries == 0 and index.stats().evictions == 4
+
+
+def test_duplicates_and_oversized_snapshots_are_refused_with_their_handle() -> None:
+    index = PrefixIndex(budget_bytes=100)
+    k = PrefixKeys(SYSTEM)
+    assert isinstance(index.insert(k, 200, handle=1, nbytes=60, kind="system"), Inserted)
+    dup = index.insert(k, 200, handle=2, nbytes=60, kind="system")
+    assert isinstance(dup, Rejected) and dup.reason == "duplicate" and dup.handle == 2
+    big = index.insert(k, 150, handle=3, nbytes=101, kind="system")
+    assert isinstance(big, Rejected) and big.reason == "over_budget" and big.evicted == []
+    assert index.stats().entries == 1
