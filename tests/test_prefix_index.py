@@ -13,8 +13,8 @@ PAD = 9  # the image pad token id every image expands to
 
 
 def test_keys_of_shared_prefixes_agree_at_every_length() -> None:
-    a = PrefixKeys(SYSTEM + [1, 2, 3])
-    b = PrefixKeys(SYSTEM + [4, 5])
+    a = PrefixKeys([*SYSTEM, 1, 2, 3])
+    b = PrefixKeys([*SYSTEM, 4, 5])
     for n in (0, 1, 63, 64, 65, 128, 199, 200):
         assert a.key(n) == b.key(n)
     assert a.key(201) != b.key(201)
@@ -41,7 +41,7 @@ def test_match_takes_the_longest_proper_prefix_and_pins_it() -> None:
     assert isinstance(index.insert(prompt, 205, handle=2, nbytes=100, kind="turn"), Inserted)
     m = index.match(PrefixKeys(SYSTEM + list(range(10)) + [7]))
     assert m.entry is not None and m.entry.handle == 2 and m.cached_tokens == 205
-    other = index.match(PrefixKeys(SYSTEM + [42, 43]))  # diverges after the system prompt
+    other = index.match(PrefixKeys([*SYSTEM, 42, 43]))  # diverges after the system prompt
     assert other.entry is not None and other.entry.handle == 1
     # a prompt equal to a snapshot's prefix still needs one token prefilled: it takes a shorter one
     exact = index.match(PrefixKeys(SYSTEM))
