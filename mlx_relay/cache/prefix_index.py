@@ -100,9 +100,6 @@ class PrefixIndex:
         self._misses += 1
         return Match(None)
 
-    def contains(self, keys: PrefixKeys, length: int) -> bool:
-        return keys.key(length) in self._lru
-
     def release(self, handle: int) -> None:
         n = self._pins.get(handle, 0)
         if n <= 1:
