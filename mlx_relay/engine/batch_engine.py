@@ -35,17 +35,28 @@ from mlx_vlm.generate.ar import BatchGenerator
 
 from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.loader import LoadedModel
-from mlx_relay.engine.messages import EngineStats, Finished, Generate, SamplingParams, TokenDelta
+from mlx_relay.engine.messages import (
+    EngineStats,
+    Finished,
+    Generate,
+    PrefixPlan,
+    SamplingParams,
+    SnapshotTaken,
+    TokenDelta,
+)
 from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.mtp_lane import MTPLane, MTPRow
+from mlx_relay.engine.plain_lane import PlainLane, PlainRow
 from mlx_relay.engine.sampling import RowSampler, needs_sampler
+from mlx_relay.engine.snapshots import Snapshot, SnapshotPool
 from mlx_relay.engine.vision import FeatureCache, vision_prompt_kwargs
 from mlx_relay.errors import GenerationFailed, InvalidRequest
 
 log = logging.getLogger(__name__)
 
-# (stream id, event); an event is a TokenDelta, a Finished or an exception for that stream.
-Event = tuple[int, TokenDelta | Finished | BaseException]
+# (stream id, event); an event is a TokenDelta, a Finished or an exception for that stream, or a
+# SnapshotTaken for the prefix cache (not part of the stream).
+Event = tuple[int, TokenDelta | Finished | SnapshotTaken | BaseException]
 
 
 @dataclass
@@ -57,10 +68,12 @@ class _Seq:
     arrived: float
     uid: int | None = None
     mtp: MTPRow | None = None  # set when the row decodes in the MTP lane
+    plain: PlainRow | None = None  # set when the row decodes in our plain lane (prefix cache on)
     generated: int = 0
     first_token_at: float | None = None
     pending_text: list[str] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)
+    emitted_ids: list[int] = field(default_factory=list)
 
 
 class BatchEngine:
@@ -78,6 +91,7 @@ class BatchEngine:
         mtp_block_size: int = 2,
         mtp_max_batch: int = 2,  # as EngineConfig
         mtp_verify: str = "auto",  # as EngineConfig
+        prefix_cache: bool = False,  # own prefill for every row: restorable, snapshottable
     ) -> None:
         self._loaded = loaded
         self._model = loaded.model
@@ -106,7 +120,12 @@ class BatchEngine:
                                 prefill_step_size=prefill_step_size, eos_token_ids=loaded.info.eos_token_ids,
                                 exact_verify=exact)
         self._next_mtp_uid = 1 << 48  # MTP rows get uids far from the generator's
+        self._snapshots = SnapshotPool()
+        self._plain: PlainLane | None = None
+        if prefix_cache:
+            self._plain = PlainLane(self._model.language_model, prefill_step_size=prefill_step_size)
         self._mtp_totals = [0, 0, 0]  # rounds, drafted, accepted
+        self._eos = frozenset(loaded.info.eos_token_ids)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _new_generator(self) -> BatchGenerator:
@@ -130,6 +149,9 @@ class BatchEngine:
         self._gen.close()
         if self._mtp is not None:
             self._mtp.clear()
+        if self._plain is not None:
+            self._plain.clear()
+        self._snapshots.clear()
 
     @property
     def mtp_enabled(self) -> bool:
@@ -184,6 +206,9 @@ class BatchEngine:
         if seq.mtp is not None:
             assert self._mtp is not None
             self._mtp.remove(seq.uid)
+        elif seq.plain is not None:
+            assert self._plain is not None
+            self._plain.remove(seq.uid)
         else:
             self._gen.remove(seq.uid)
 
@@ -208,13 +233,81 @@ class BatchEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> None:
         self._schedule()
-        if any(seq.mtp is None for seq in self._by_uid.values()):
+        if any(seq.mtp is None and seq.plain is None for seq in self._by_uid.values()):
             self._plain_step()
+        if self._plain is not None and self._plain.has_work:
+            self._own_plain_step(self._plain)
         if self._mtp is not None and self._mtp.has_work:
             self._mtp_step(self._mtp)
         for seq in self._by_uid.values():
             self._release_text(seq)
         self._flush()
+
+    # -- prefix-cache snapshots ---------------------------------------------------------------------
+    def free_snapshots(self, handles: list[int]) -> int:
+        return self._snapshots.free(handles)
+
+    def _report_snapshots(self, seq: _Seq, snaps: list[Snapshot]) -> None:
+        for snap in snaps:
+            handle = self._snapshots.add(snap)
+            self._events.append((seq.sid, SnapshotTaken(seq.req.request_id, handle, snap.length, snap.nbytes,
+                                                        "system")))
+        snaps.clear()
+
+    def _turn_snapshot(self, seq: _Seq) -> None:
+        """At a normal finish: the row's whole state (prompt + reply) for the conversation's next turn."""
+        plan = seq.req.prefix
+        if plan is None or not plan.snapshot_turn or seq.uid is None:
+            return
+        try:
+            if seq.mtp is not None and self._mtp is not None:
+                if seq.mtp.emitted != seq.generated:  # finished inside a round: the state is past it
+                    return
+                snap = self._mtp.extract(seq.uid)
+            elif seq.plain is not None and self._plain is not None:
+                snap = self._plain.extract(seq.uid)
+            else:
+                return
+            if snap is None or snap.length <= len(seq.req.prompt_tokens):
+                return
+            handle = self._snapshots.add(snap)
+        except Exception:
+            log.exception("turn snapshot of %s failed", seq.req.request_id)
+            return
+        generated = seq.emitted_ids[:snap.length - len(seq.req.prompt_tokens)]
+        self._events.append((seq.sid, SnapshotTaken(seq.req.request_id, handle, snap.length, snap.nbytes, "turn",
+                                                    generated)))
+
+    def _restore(self, plan: PrefixPlan | None) -> tuple[Snapshot | None, list[int]]:
+        if plan is None:
+            return None, []
+        snap = None
+        if plan.restore is not None:
+            try:
+                snap = self._snapshots.get(plan.restore)
+            except KeyError:
+                log.warning("snapshot %s is gone; prefilling from scratch", plan.restore)
+        return snap, list(plan.snapshot_at)
+
+    def _own_plain_step(self, lane: PlainLane) -> None:
+        try:
+            out = lane.step()
+            lane.prefill_step()
+        except Exception as exc:
+            rows = [seq for seq in self._by_uid.values() if seq.plain is not None]
+            log.exception("plain lane step failed; failing its %d rows", len(rows))
+            for seq in rows:
+                self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
+                self._finish_error(seq, GenerationFailed(f"batched step failed: {exc}"))
+            lane.clear()
+            return
+        for uid, token in out:
+            seq = self._by_uid.get(uid)
+            if seq is not None:
+                self._on_lane_tokens(seq, [token])
+        for seq in self._by_uid.values():
+            if seq.plain is not None and seq.plain.snapshots:
+                self._report_snapshots(seq, seq.plain.snapshots)
 
     def _plain_step(self) -> None:
         try:
@@ -253,14 +346,18 @@ class BatchEngine:
             for uid, tokens in result.tokens.items():
                 seq = self._by_uid.get(uid)
                 if seq is not None:
-                    self._on_mtp_tokens(seq, tokens)
+                    self._on_lane_tokens(seq, tokens)
+        for seq in self._by_uid.values():
+            if seq.mtp is not None and seq.mtp.snapshots:
+                self._report_snapshots(seq, seq.mtp.snapshots)
         if joined is not None:
             seq = self._by_uid.get(joined[0].uid)
             if seq is not None:
-                self._on_mtp_tokens(seq, [joined[1]])
+                self._on_lane_tokens(seq, [joined[1]])
 
-    def _on_mtp_tokens(self, seq: _Seq, tokens: list[int]) -> None:
-        eos = self._mtp.eos if self._mtp is not None else frozenset()
+    def _on_lane_tokens(self, seq: _Seq, tokens: list[int]) -> None:
+        """Tokens from one of our lanes, which leave finishing to the engine."""
+        eos = self._eos
         for token in tokens:
             reason = "stop" if token in eos else "length" if seq.generated + 1 >= seq.req.sampling.max_tokens else None
             self._on_token(seq, token, reason)
@@ -271,7 +368,12 @@ class BatchEngine:
         while self._waiting and len(self._by_uid) < self._max_num_seqs:
             seq = self._waiting.popleft()
             try:
-                seq.uid = self._insert_mtp(seq) if self._takes_mtp(seq.req) else self._insert(seq.req)
+                if self._takes_mtp(seq.req):
+                    seq.uid = self._insert_mtp(seq)
+                elif self._plain is not None:
+                    seq.uid = self._insert_own_plain(seq)
+                else:
+                    seq.uid = self._insert(seq.req)
             except Exception as exc:
                 log.exception("request %s could not join the batch", seq.req.request_id)
                 self._finish_error(seq, GenerationFailed(f"could not start generation: {exc}"))
@@ -284,7 +386,28 @@ class BatchEngine:
         return EngineStats(running=len(self._by_uid), waiting=len(self._waiting), vision_cache_hits=f.hits,
                            vision_cache_misses=f.misses, vision_cache_entries=f.entries, vision_cache_bytes=f.bytes,
                            mtp_running=len(self._mtp) if self._mtp is not None else 0, mtp_rounds=rounds,
-                           mtp_drafted=drafted, mtp_accepted=accepted)
+                           mtp_drafted=drafted, mtp_accepted=accepted, snapshots=len(self._snapshots),
+                           snapshot_bytes=self._snapshots.bytes)
+
+    def _insert_own_plain(self, seq: _Seq) -> int:
+        assert self._plain is not None
+        req = seq.req
+        processors: list[Any] = []
+        if needs_sampler(req.sampling):
+            seed = req.sampling.seed if req.sampling.seed is not None else self._seeds.getrandbits(63)
+            processors.append(RowSampler(req.sampling, seed))
+        uid = self._next_mtp_uid
+        self._next_mtp_uid += 1
+        restore, snapshot_at = self._restore(req.prefix)
+        kw: dict[str, Any] = {}
+        if req.vision is not None:
+            vk = vision_prompt_kwargs(self._model, req.prompt_tokens, req.vision, self._features)
+            deltas = vk.get("rope_deltas")
+            kw = {"embeds": vk["inputs_embeds"], "positions": vk.get("position_ids"),
+                  "rope_delta": int(deltas.reshape(-1)[0].item()) if deltas is not None else 0}
+        seq.plain = self._plain.add(uid, list(req.prompt_tokens), processors=processors, restore=restore,
+                                    snapshot_at=snapshot_at, **kw)
+        return uid
 
     def _takes_mtp(self, req: Generate) -> bool:
         lane = self._mtp
@@ -303,7 +426,8 @@ class BatchEngine:
         uid = self._next_mtp_uid
         self._next_mtp_uid += 1
         seq.mtp = MTPRow(uid=uid, prompt=list(req.prompt_tokens), max_tokens=req.sampling.max_tokens, sampler=sampler)
-        self._mtp.add(seq.mtp)
+        restore, snapshot_at = self._restore(req.prefix)
+        self._mtp.add(seq.mtp, restore=restore, snapshot_at=snapshot_at)
         return uid
 
     def _insert(self, req: Generate) -> int:
@@ -331,6 +455,7 @@ class BatchEngine:
             seq.first_token_at = now
         seq.generated += 1
         seq.pending_ids.append(token)
+        seq.emitted_ids.append(token)
         try:
             text = seq.detok.step(token)
         except Exception as exc:
@@ -340,12 +465,14 @@ class BatchEngine:
         if safe:
             seq.pending_text.append(safe)
         if hit:
+            self._turn_snapshot(seq)
             self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
             self._remove_row(seq)
             self._finish(seq, "stop")
         elif finish_reason is not None:
+            self._turn_snapshot(seq)
             self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
-            if seq.mtp is not None:  # the generator drops its own finished rows; the lane does not
+            if seq.mtp is not None or seq.plain is not None:  # the generator drops its own finished rows
                 self._remove_row(seq)
             tail = seq.stops.flush()
             if tail:
@@ -373,6 +500,8 @@ class BatchEngine:
                     total_s=now - seq.arrived,
                     mtp_drafted=seq.mtp.drafted if seq.mtp is not None else 0,
                     mtp_accepted=seq.mtp.accepted if seq.mtp is not None else 0,
+                    cached_tokens=(seq.mtp.cached_tokens if seq.mtp is not None
+                                   else seq.plain.cached_tokens if seq.plain is not None else 0),
                 ),
             )
         )

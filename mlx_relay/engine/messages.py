@@ -27,6 +27,15 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     mtp: bool = True  # MTP speculative decoding when the text path has it (per-request opt-out)
 
 
+class PrefixPlan(msgspec.Struct, frozen=True):
+    """What the PrefixCacheStore decided for one request (the handles are the GPU executor's)."""
+
+    restore: int | None = None  # snapshot handle to start from (pinned by the store meanwhile)
+    restore_length: int = 0  # prompt tokens that snapshot covers
+    snapshot_at: list[int] = []  # prompt lengths to snapshot during prefill (e.g. the system prompt's end)
+    snapshot_turn: bool = False  # snapshot the whole state when the request finishes normally
+
+
 class Generate(msgspec.Struct, frozen=True):
     """Stream request: generate from a tokenized prompt. Replies: TokenDelta..., Finished."""
 
@@ -34,6 +43,25 @@ class Generate(msgspec.Struct, frozen=True):
     prompt_tokens: list[int]
     sampling: SamplingParams = SamplingParams()
     vision: VisionInputs | None = None  # images / video, preprocessed off the GPU (vision path)
+    prefix: PrefixPlan | None = None  # None: the prefix cache is off for this request
+
+
+class SnapshotTaken(msgspec.Struct, frozen=True):
+    """Engine event (not sent to the request's stream): a snapshot of `request_id`'s state now
+    exists on the GPU thread. `generated`: the completion tokens it covers beyond the prompt."""
+
+    request_id: str
+    handle: int
+    length: int
+    nbytes: int
+    kind: Literal["system", "turn"]
+    generated: list[int] = []
+
+
+class FreeSnapshots(msgspec.Struct, frozen=True):
+    """Tell: drop these snapshots (evicted or rejected by the PrefixCacheStore)."""
+
+    handles: list[int]
 
 
 class TokenDelta(msgspec.Struct, frozen=True):
@@ -53,6 +81,7 @@ class Finished(msgspec.Struct, frozen=True):
     # MTP speculative decoding on this request: draft tokens proposed and accepted (0 / 0: off)
     mtp_drafted: int = 0
     mtp_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (not prefilled)
 
 
 class Describe(msgspec.Struct, frozen=True):
@@ -74,6 +103,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     mtp_rounds: int = 0
     mtp_drafted: int = 0
     mtp_accepted: int = 0
+    snapshots: int = 0  # prefix-cache snapshots held on the GPU thread
+    snapshot_bytes: int = 0
 
 
 class Warmup(msgspec.Struct, frozen=True):

@@ -42,7 +42,9 @@ from mlx_vlm.speculative.cache_state import (
 )
 
 from mlx_relay.engine.mtp_head import MTPHead
+from mlx_relay.engine.row_prefill import RowPrefill
 from mlx_relay.engine.sampling import RowSampler, processed_logprobs
+from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
 
 
 @dataclass
@@ -54,10 +56,15 @@ class MTPRow:
     emitted: int = 0
     drafted: int = 0
     accepted: int = 0
-    # prefill progress (rows not yet in the cohort)
-    done_tokens: int = 0
-    cache: list[Any] = field(default_factory=list)
+    # prefill (rows not yet in the cohort): the target's own prefill, restorable from a snapshot
+    pre: RowPrefill | None = None
     dcache: list[Any] = field(default_factory=list)
+    carry_hidden: mx.array | None = None  # h_{S-1} of a restored snapshot: pairs with prompt[S]
+    snapshots: list[Snapshot] = field(default_factory=list)  # taken during prefill, for the engine
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.pre.cached_tokens if self.pre is not None else 0
 
 
 @dataclass
@@ -102,10 +109,30 @@ class MTPLane:
         return bool(self.rows) or bool(self.prefilling)
 
     # -- membership -------------------------------------------------------------------------------
-    def add(self, row: MTPRow) -> None:
-        row.cache = self.lm.make_cache()
+    def add(self, row: MTPRow, restore: Snapshot | None = None, snapshot_at: Sequence[int] = ()) -> None:
+        """Queue a row for prefill: from scratch, or from `restore` (its state at restore.length;
+        the head's too when the snapshot has it), taking snapshots at `snapshot_at`."""
+        pre = RowPrefill(prompt=row.prompt, cache=self.lm.make_cache())
         row.dcache = self.head.make_cache()
+        if restore is not None:
+            pre.cache, pre.done = restore_caches(restore.target), restore.length
+            pre.cached_tokens = restore.length
+            if restore.head is not None and restore.head_hidden is not None:
+                row.dcache, row.carry_hidden = restore_caches(restore.head), restore.head_hidden
+        pre.snapshot_at = sorted(s for s in snapshot_at if pre.done < s < len(row.prompt))
+        row.pre = pre
         self.prefilling.append(row)
+
+    def extract(self, uid: int) -> Snapshot | None:
+        """The state of a cohort row: every emitted token but the last (target caches only)."""
+        i = next((i for i, r in enumerate(self.rows) if r.uid == uid), None)
+        if i is None or self._cache is None:
+            return None
+        row = self.rows[i]
+        caches = [c.extract(i) for c in self._cache]
+        length = len(row.prompt) + row.emitted - 1
+        entries, nbytes = snapshot_caches(caches, length)
+        return Snapshot(length=length, target=entries, nbytes=nbytes)
 
     def remove(self, uid: int) -> None:
         for i, row in enumerate(self.prefilling):
@@ -145,14 +172,14 @@ class MTPLane:
         if not self.prefilling:
             return None
         row = self.prefilling[0]
-        start = row.done_tokens
-        end = min(len(row.prompt), start + self.prefill_step_size)
+        pre = row.pre
+        assert pre is not None
+        start = pre.done
+        end = pre.next_end(self.prefill_step_size)
         chunk = mx.array([row.prompt[start:end]], dtype=mx.int32)
-        positions = mx.broadcast_to(mx.arange(start, end, dtype=mx.int32)[None, None, :], (3, 1, end - start))
-        out = self.lm(chunk, cache=row.cache, position_ids=positions, return_hidden=True, skip_logits=True)
+        out = pre.forward(self.lm, end, return_hidden=True, skip_logits=True)
         hidden = out.hidden_states[-1]  # [1, T, H]
-        row.done_tokens = end
-        final = end == len(row.prompt)
+        final = pre.finished
         if final:
             last = hidden[:, -1:, :]
             if row.sampler is None:
@@ -163,22 +190,40 @@ class MTPLane:
             nxt = mx.concatenate([chunk[:, 1:], first[None, :].astype(mx.int32)], axis=1)
         else:
             nxt = mx.array([row.prompt[start + 1:end + 1]], dtype=mx.int32)
-        dpos = mx.arange(start, end, dtype=mx.int32)[None, :]
-        h = self.head.forward(nxt, hidden, row.dcache, dpos)
+        # the head's pairs (h_i, tok_{i+1}) for i in [start, end), after a restored snapshot's
+        # pending pair (h_{start-1}, tok_start)
+        h_in, dstart = hidden, start
+        if row.carry_hidden is not None:
+            h_in = mx.concatenate([row.carry_hidden.astype(hidden.dtype), hidden], axis=1)
+            nxt = mx.concatenate([chunk[:, :1], nxt], axis=1)
+            dstart, row.carry_hidden = start - 1, None
+        dpos = mx.arange(dstart, end, dtype=mx.int32)[None, :]
+        h = self.head.forward(nxt, h_in, row.dcache, dpos)
+        if pre.wants_snapshot(end):
+            target, tbytes = snapshot_caches(pre.cache, end)
+            # the head's state too when it covers the whole prefix (not after a restored
+            # snapshot without head state); h_{end-1} copied out of the chunk's buffer
+            whole = end > 1 and all(c.offset == end for c in row.dcache)
+            head, hbytes = snapshot_caches(row.dcache, end - 1) if whole else (None, 0)
+            h_last = hidden[:, -1:, :] + 0 if whole else None
+            row.snapshots.append(Snapshot(length=end, target=target, head=head, head_hidden=h_last,
+                                          nbytes=tbytes + hbytes + (h_last.nbytes if h_last is not None else 0)))
         if not final:
-            mx.eval([c.state for c in row.cache], [c.state for c in row.dcache])
+            mx.eval([c.state for c in pre.cache], [c.state for c in row.dcache])
             return None
         self.prefilling.pop(0)
         seed_h = h[:, -1:, :]
         draft, logq = self._propose(seed_h, [row])
-        mx.eval(first, draft, [c.state for c in row.cache], [c.state for c in row.dcache])
+        mx.eval(first, draft, [c.state for c in pre.cache], [c.state for c in row.dcache])
         token = int(first.item())
+        row.emitted = 1
         self._join(row, first.astype(mx.int32), draft, logq, seed_h)
         return row, token
 
     def _join(self, row: MTPRow, first: mx.array, draft: mx.array, logq: mx.array | None, seed_h: mx.array) -> None:
-        cache, dcache = _batched(row.cache), _batched(row.dcache)
-        row.cache = row.dcache = []
+        assert row.pre is not None
+        cache, dcache = _batched(row.pre.cache), _batched(row.dcache)
+        row.pre.cache, row.dcache = [], []
         dpos = mx.array([len(row.prompt)], dtype=mx.int32)
         if not self.rows:
             self._cache, self._dcache = cache, dcache
@@ -252,6 +297,10 @@ class MTPLane:
                 for j, i in enumerate(sampled):
                     t_host[i], ok[i] = w_tok[j], w_acc[j]
             accepted = [next((a for a, good in enumerate(flags) if not good), k - 1) for flags in ok]
+            replay = [self._cut(rows[i], [*d_host[i][:accepted[i]], t_host[i][accepted[i]]]) for i in range(B)]
+            # drafts emitted (a cut replay ends on an accepted draft), and positions committed
+            took = [min(a, len(r)) for a, r in zip(accepted, replay, strict=True)]
+            accepted = [len(r) - 1 for r in replay]
             commit_speculative_round(self.lm, self._cache, txn, accepted, k)
         except BaseException:
             abort_speculative_round(txn)
@@ -262,7 +311,6 @@ class MTPLane:
                 c.trim(k - 2)
         a_max = max(accepted)
         width = a_max + 1
-        replay = [[*d_host[i][:accepted[i]], t_host[i][accepted[i]]] for i in range(B)]
         tokens = mx.array([r + [0] * (width - len(r)) for r in replay], dtype=mx.int32)
         right = [a_max - a for a in accepted]
         positions = self._dpos[:, None] + mx.arange(width, dtype=mx.int32)[None, :]
@@ -284,11 +332,23 @@ class MTPLane:
         result = RoundResult(tokens={}, rounds=1)
         for i, row in enumerate(rows):
             row.drafted += k - 1
-            row.accepted += accepted[i]
+            row.accepted += took[i]
             result.drafted += k - 1
-            result.accepted += accepted[i]
+            result.accepted += took[i]
             result.tokens[row.uid] = replay[i]
+            row.emitted += len(replay[i])
         return result
+
+    def _cut(self, row: MTPRow, replay: list[int]) -> list[int]:
+        """A round's tokens for `row`, ending at its first EOS or at its max_tokens: the tokens
+        after either are never emitted, so they are not committed to the caches either (the
+        row's state then ends exactly at its last token, which its turn snapshot relies on).
+        Cutting after token m keeps m drafts: token m is itself an accepted draft."""
+        end = min(len(replay), max(row.max_tokens - row.emitted, 1))
+        for m, token in enumerate(replay[:end]):
+            if token in self.eos:
+                return replay[:m + 1]
+        return replay[:end]
 
     def _verify(self, block: mx.array) -> tuple[mx.array, Any]:
         """The target's last hidden states over `block` [B, k] and the open cache transaction."""

@@ -1,0 +1,133 @@
+"""Prefix-cache snapshots in the engine (issue 5.2, 5.3), on the float32 fixtures.
+
+A request restored from a snapshot (the system prompt's end, or a whole previous turn) returns
+exactly what plain greedy decoding of its full prompt returns, in the MTP lane and in the plain
+lane, and rows restored from one snapshot and decoding together never see each other's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlx_relay.engine.batch_engine import BatchEngine
+from mlx_relay.engine.loader import load_model
+from mlx_relay.engine.messages import Finished, Generate, PrefixPlan, SamplingParams, SnapshotTaken, TokenDelta
+from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
+from mlx_relay.testing.reference import greedy_reference
+
+SYSTEM = list(range(5, 45))  # a 40-token "system prompt"
+SUFFIXES = [list(range(100, 107)), list(range(200, 219)), [300, 301]]
+
+
+@pytest.fixture(scope="module")
+def bigram_model() -> Path:
+    return fixture_path(FixtureSpec(variant="bigram", seed=0))
+
+
+class Driver:
+    """A BatchEngine with the prefix cache on, stepped by hand; collects each request's events."""
+
+    def __init__(self, loaded: Any, **kw: Any) -> None:
+        self.events: list[Any] = []
+        args = {"max_num_seqs": 8, "prefill_batch_size": 4, "prefill_step_size": 16, "seed": 0,
+                "mtp_max_batch": 8, "prefix_cache": True} | kw
+        self.engine = BatchEngine(loaded, emit=self.events.extend, **args)
+        self.tokens: dict[int, list[int]] = {}
+        self.finished: dict[int, Finished] = {}
+        self.snapshots: dict[int, list[SnapshotTaken]] = {}
+        self._sid = 0
+
+    def add(self, req: Generate) -> int:
+        sid = self._sid
+        self._sid += 1
+        self.tokens[sid], self.snapshots[sid] = [], []
+        self.engine.add(sid, req)
+        return sid
+
+    def run(self) -> None:
+        for _ in range(3000):
+            if not self.engine.has_work:
+                return
+            self.engine.step()
+            for sid, ev in self.events:
+                if isinstance(ev, TokenDelta):
+                    self.tokens[sid] += ev.token_ids
+                elif isinstance(ev, Finished):
+                    self.finished[sid] = ev
+                elif isinstance(ev, SnapshotTaken):
+                    self.snapshots[sid].append(ev)
+                else:
+                    raise ev
+            self.events.clear()
+        raise AssertionError("engine did not drain")
+
+
+@pytest.mark.parametrize("mtp", [True, False], ids=["mtp-lane", "plain-lane"])
+def test_restored_system_prompt_and_turn_equal_plain_decoding(gpu: Callable, bigram_model: Path, mtp: bool) -> None:
+    max_tokens = 12
+
+    def run() -> tuple[Any, ...]:
+        d = Driver(load_model(bigram_model))
+        first = SYSTEM + SUFFIXES[0]
+        sp = SamplingParams(max_tokens=max_tokens, mtp=mtp)
+        a = d.add(Generate("a", first, sp, prefix=PrefixPlan(snapshot_at=[len(SYSTEM)], snapshot_turn=True)))
+        d.run()
+        (system,) = [s for s in d.snapshots[a] if s.kind == "system"]
+        (turn,) = [s for s in d.snapshots[a] if s.kind == "turn"]
+        # two new conversations on the system prompt, decoding together; then turn 2 of the first
+        b = d.add(Generate("b", SYSTEM + SUFFIXES[1], sp, prefix=PrefixPlan(system.handle, system.length)))
+        c = d.add(Generate("c", SYSTEM + SUFFIXES[2], sp, prefix=PrefixPlan(system.handle, system.length)))
+        d.run()
+        turn2 = first + turn.generated + [400, 401, 402]
+        e = d.add(Generate("e", turn2, sp, prefix=PrefixPlan(turn.handle, turn.length)))
+        d.run()
+        prompts = [first, SYSTEM + SUFFIXES[1], SYSTEM + SUFFIXES[2], turn2]
+        ref = greedy_reference(bigram_model, prompts, max_tokens)
+        stats = d.engine.stats()
+        d.engine.close()
+        return d, (a, b, c, e), system, turn, ref, stats
+
+    d, sids, system, turn, ref, stats = gpu(run)
+    assert [d.tokens[s] for s in sids] == ref
+    assert system.length == len(SYSTEM)
+    # the turn snapshot covers the prompt and the reply (the MTP lane: all but the reply's last token)
+    assert turn.length == len(SYSTEM + SUFFIXES[0]) + len(turn.generated)
+    assert turn.generated == d.tokens[sids[0]][: len(turn.generated)]
+    assert len(turn.generated) >= max_tokens - 1
+    cached = [d.finished[s].cached_tokens for s in sids]
+    assert cached == [0, len(SYSTEM), len(SYSTEM), turn.length]
+    if mtp:
+        assert all(d.finished[s].mtp_drafted > 0 for s in sids)
+    else:
+        assert all(d.finished[s].mtp_drafted == 0 for s in sids)
+    assert stats.snapshots >= 2 and stats.snapshot_bytes > 0
+
+
+def test_snapshot_is_not_changed_by_the_request_it_came_from(gpu: Callable, bigram_model: Path) -> None:
+    """Copy on append: the snapshot's KV views still hold the prefix after its source request
+    and a restored request both appended to their caches."""
+
+    def run() -> tuple[Any, ...]:
+        import numpy as np
+
+        d = Driver(load_model(bigram_model))
+        sp = SamplingParams(max_tokens=6, mtp=False)
+        a = d.add(Generate("a", SYSTEM + SUFFIXES[0], sp, prefix=PrefixPlan(snapshot_at=[len(SYSTEM)])))
+        d.run()
+        (snap,) = d.snapshots[a]
+        entries = d.engine._snapshots.get(snap.handle).target
+        before = [np.array(v[0]) for _, v in entries]  # host copies
+        d.add(Generate("b", SYSTEM + SUFFIXES[1], sp, prefix=PrefixPlan(snap.handle, snap.length)))
+        d.run()
+        after = [v[0] for _, v in d.engine._snapshots.get(snap.handle).target]
+        same = all(np.array_equal(x, np.array(y)) for x, y in zip(before, after, strict=True))
+        kv_len = {v[0].shape[2] for k, v in entries if k == "kv"}
+        d.engine.close()
+        return same, kv_len
+
+    same, kv_len = gpu(run)
+    assert same and kv_len == {len(SYSTEM)}
