@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="exact: mlx-vlm's batch-invariant verifier (bit-identical to plain decode; fast "
                            "kernels on Metal only); batched: one forward over the block (fast everywhere); "
                            "auto: exact on Metal, batched elsewhere")
+    pc = serve.add_argument_group("prefix cache (exact snapshots at system-prompt ends and finished turns)")
+    pc.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt in full")
+    pc.add_argument("--prefix-cache-gb", type=float, default=None,
+                    help="byte budget (default: 20%% of the GPU's memory or working set, 10%% of RAM on CPU)")
+    pc.add_argument("--prefix-min-snapshot-tokens", type=int, default=256,
+                    help="system prompts shorter than this are not snapshotted (default 256)")
     serve.add_argument("--memory-limit-gb", type=float, default=None,
                        help="MLX memory limit for this process (lets two servers share one GPU)")
     serve.add_argument("--cache-limit-gb", type=float, default=None,
@@ -132,6 +138,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             mtp_block_size=args.mtp_block_size,
             mtp_max_batch=args.mtp_max_batch,
             mtp_verify=args.mtp_verify,
+            prefix_cache=not args.no_prefix_cache,
+            prefix_cache_bytes=_gib(args.prefix_cache_gb),
+            prefix_min_snapshot_tokens=args.prefix_min_snapshot_tokens,
             memory_limit_bytes=_gib(args.memory_limit_gb),
             cache_limit_bytes=_gib(args.cache_limit_gb),
         ),

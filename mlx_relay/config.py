@@ -32,6 +32,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # ordinary forward over the whole [B, block] (one matmul per linear, reductions may round
     # differently in low precision); "auto": exact on Metal, batched on CUDA and CPU
     mtp_verify: Literal["auto", "exact", "batched"] = "auto"
+    # prefix cache: exact snapshots of prompt state at system-prompt ends and finished turns
+    prefix_cache: bool = True
+    prefix_cache_bytes: int | None = None  # byte budget; None: a share of the device's memory
+    prefix_min_snapshot_tokens: int = 256  # shorter system prompts are not snapshotted
     memory_limit_bytes: int | None = None  # mx.set_memory_limit (None: MLX's default)
     cache_limit_bytes: int | None = None  # mx.set_cache_limit: freed buffers MLX keeps for reuse
 

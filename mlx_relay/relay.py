@@ -24,13 +24,29 @@ import anyio
 import msgspec
 
 from mlx_relay.actors.admission import Admission, AdmissionStats, GetStats, SetState
-from mlx_relay.actors.gpu_executor import GPUExecutor
+from mlx_relay.actors.gpu_executor import AttachPrefixStore, GPUExecutor
 from mlx_relay.actors.media_router import MediaRouter
 from mlx_relay.actors.normalizer import Normalizer
+from mlx_relay.actors.prefix_cache_store import (
+    Flush,
+    Flushed,
+    GetPrefixStats,
+    PrefixCacheConfig,
+    PrefixCacheStore,
+    PrefixStats,
+)
 from mlx_relay.chat.types import ChatMessage
 from mlx_relay.config import AdmissionConfig, EngineConfig, MediaConfig, ServerConfig
 from mlx_relay.engine.loader import resolve_model_path
-from mlx_relay.engine.messages import Describe, Finished, ModelInfo, TokenDelta, Warmup
+from mlx_relay.engine.messages import (
+    Describe,
+    EngineStats,
+    Finished,
+    GetEngineStats,
+    ModelInfo,
+    TokenDelta,
+    Warmup,
+)
 from mlx_relay.errors import NotReady
 from mlx_relay.runtime import ActorRef, ActorSystem
 from mlx_relay.service import ChatRequest, ChatService, SamplingDefaults
@@ -46,6 +62,7 @@ class ChatResult(msgspec.Struct, frozen=True):
     token_ids: list[int]
     mtp_drafted: int = 0  # MTP draft tokens proposed for this request (0: decoded without MTP)
     mtp_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
 
 def default_config(model: str | Path | None = None, **overrides: Any) -> ServerConfig:
@@ -143,6 +160,13 @@ class Relay:
             media = await self.system.spawn(lambda: MediaRouter(cfg.media, path), name="media",
                                             accepts=MediaRouter.accepts)
             self.info = await gpu.ask(Describe())
+            store = None
+            if self.info.prefix_cache_bytes > 0:
+                store_cfg = PrefixCacheConfig(budget_bytes=self.info.prefix_cache_bytes,
+                                              min_snapshot_tokens=cfg.engine.prefix_min_snapshot_tokens)
+                store = await self.system.spawn(lambda: PrefixCacheStore(store_cfg, gpu), name="prefix-cache",
+                                                accepts=PrefixCacheStore.accepts)
+                await gpu.tell(AttachPrefixStore(store))
             gen_cfg_path = path / "generation_config.json"
             gen_cfg = json.loads(gen_cfg_path.read_text()) if gen_cfg_path.exists() else {}
             self.service = ChatService(
@@ -153,6 +177,7 @@ class Relay:
                 info=self.info,
                 defaults=SamplingDefaults.from_generation_config(gen_cfg),
                 default_max_tokens=cfg.default_max_tokens,
+                prefix_store=store,
             )
             if cfg.engine.warmup:
                 await self._set_state("warming")
@@ -176,6 +201,28 @@ class Relay:
     async def stats(self) -> AdmissionStats:
         return await self.admission.ask(GetStats())
 
+    async def prefix_cache_stats(self) -> dict[str, Any]:
+        """The prefix cache's counters (index and snapshot memory) and the vision feature cache's."""
+        service = self._service()
+        engine: EngineStats = await service.gpu.ask(GetEngineStats())
+        body: dict[str, Any] = {
+            "prefix_cache": {"enabled": False},
+            "snapshots": {"held": engine.snapshots, "bytes": engine.snapshot_bytes},
+            "vision_cache": {"hits": engine.vision_cache_hits, "misses": engine.vision_cache_misses,
+                             "entries": engine.vision_cache_entries, "bytes": engine.vision_cache_bytes},
+        }
+        if service.prefix_store is not None:
+            stats: PrefixStats = await service.prefix_store.ask(GetPrefixStats())
+            body["prefix_cache"] = msgspec.to_builtins(stats)
+        return body
+
+    async def flush_prefix_cache(self) -> Flushed:
+        """Drop every prefix-cache snapshot no request is using."""
+        service = self._service()
+        if service.prefix_store is None:
+            return Flushed(0, 0)
+        return await service.prefix_store.ask(Flush())
+
     async def chat(self, messages: Sequence[ChatMessage | dict[str, Any]], **params: Any) -> ChatResult:
         """Complete a chat; params are ChatRequest fields (max_tokens, temperature, stop, ...)."""
         req = ChatRequest(messages=_to_messages(messages), **_coerce(params))
@@ -188,7 +235,7 @@ class Relay:
                     ids.extend(ev.token_ids)
                 elif isinstance(ev, Finished):
                     return ChatResult("".join(parts), ev.reason, ev.prompt_tokens, ev.completion_tokens, ids,
-                                      ev.mtp_drafted, ev.mtp_accepted)
+                                      ev.mtp_drafted, ev.mtp_accepted, ev.cached_tokens)
         raise RuntimeError("generation ended without a finish event")
 
     async def stream_chat(

@@ -1,8 +1,9 @@
 """ChatService: walks one chat request through the actors; shared by HTTP and the in-process API.
 
-    Admission (slot lease) -> Normalizer (template + tokens)
+    Admission (slot lease) -> Normalizer (template + tokens, system-prompt boundary)
         -> MediaRouter (only for requests with images or video: fetch, decode, preprocess, expand)
-        -> context check -> GPUExecutor (stream of TokenDelta ..., Finished)
+        -> context check -> PrefixCacheStore (what to restore, what to snapshot)
+        -> GPUExecutor (stream of TokenDelta ..., Finished) -> PrefixCacheStore (release)
 
 Text-only requests never wait behind a media download: the routing decision (media parts or
 none) is already known after normalization, and only the vision path asks the MediaRouter.
@@ -18,14 +19,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import msgspec
 
 from mlx_relay.actors.admission import Acquire, Granted
 from mlx_relay.actors.media_router import Route, Routed
 from mlx_relay.actors.normalizer import Render, RenderedPrompt
+from mlx_relay.actors.prefix_cache_store import Lookup, Release
+from mlx_relay.cache.prefix_keys import MediaSpan
 from mlx_relay.chat.types import ChatMessage, ToolDef
-from mlx_relay.engine.messages import Generate, ModelInfo, SamplingParams
+from mlx_relay.engine.messages import Generate, ModelInfo, PrefixPlan, SamplingParams
 from mlx_relay.errors import ContextLengthExceeded, InvalidRequest
+from mlx_relay.media.tensors import VisionInputs
 from mlx_relay.runtime import ActorRef, ReplyStream
 
 
@@ -76,6 +81,7 @@ class ChatService:
         info: ModelInfo,
         defaults: SamplingDefaults,
         default_max_tokens: int,
+        prefix_store: ActorRef | None = None,
     ) -> None:
         self.admission = admission
         self.normalizer = normalizer
@@ -84,6 +90,7 @@ class ChatService:
         self.info = info
         self.defaults = defaults
         self.default_max_tokens = default_max_tokens
+        self.prefix_store = prefix_store
         self._ids = itertools.count(1)
 
     def sampling_for(self, req: ChatRequest, prompt_tokens: int) -> SamplingParams:
@@ -128,8 +135,32 @@ class ChatService:
                 routed: Routed = await self.media.ask(Route(rendered.messages, rendered.token_ids))
                 tokens, vision = routed.prompt_tokens, routed.vision
             params = self.sampling_for(req, len(tokens))
-            async with self.gpu.stream(Generate(rid, tokens, params, vision)) as events:
-                yield events
+            plan = await self._plan(rid, tokens, vision, rendered)
+            try:
+                async with self.gpu.stream(Generate(rid, tokens, params, vision, plan)) as events:
+                    yield events
+            finally:
+                if plan is not None and self.prefix_store is not None:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                        await self.prefix_store.tell(Release(rid))
+
+    async def _plan(self, rid: str, tokens: list[int], vision: VisionInputs | None,
+                    rendered: RenderedPrompt) -> PrefixPlan | None:
+        if self.prefix_store is None:
+            return None
+        media: list[MediaSpan] = []
+        if vision is not None:
+            if len(vision.spans) != len(vision.content_hashes):  # cannot key its media: no reuse
+                return None
+            media = [MediaSpan(a, b, h) for (a, b), h in zip(vision.spans, vision.content_hashes, strict=True)]
+        # the system prompt's end in the rendered tokens holds in the routed ones if no media
+        # placeholder was expanded before it
+        s = rendered.system_end
+        if media and s > media[0].start:
+            s = 0
+        # the reply's start follows every message, so every expanded media item precedes it
+        r = rendered.reply_start + len(tokens) - len(rendered.token_ids) if rendered.reply_start else 0
+        return await self.prefix_store.ask(Lookup(rid, tokens, media, s, r))
 
 
 def validate_sampling(p: SamplingParams) -> None:

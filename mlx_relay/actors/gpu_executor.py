@@ -15,26 +15,36 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.batch_engine import BatchEngine, Event
 from mlx_relay.engine.gpu_thread import GPUThread
-from mlx_relay.engine.loader import LoadedModel, apply_memory_limits, load_model
+from mlx_relay.engine.loader import LoadedModel, apply_memory_limits, default_prefix_cache_bytes, load_model
 from mlx_relay.engine.messages import (
     Describe,
     Finished,
+    FreeSnapshots,
     Generate,
     GetEngineStats,
     ModelInfo,
+    SnapshotTaken,
     TokenDelta,
     Warmup,
 )
-from mlx_relay.runtime import Actor, ReplyStream
+from mlx_relay.runtime import Actor, ActorRef, ReplyStream
 
 log = logging.getLogger(__name__)
 
 
+class AttachPrefixStore(msgspec.Struct, frozen=True):
+    """Tell: where to report the prefix-cache snapshots the engine takes (the PrefixCacheStore)."""
+
+    store: ActorRef
+
+
 class GPUExecutor(Actor):
-    accepts = (Generate, Describe, Warmup, GetEngineStats)
+    accepts = (Generate, Describe, Warmup, GetEngineStats, FreeSnapshots, AttachPrefixStore)
     mailbox_capacity = 1024
 
     def __init__(self, config: EngineConfig, on_progress: Callable[[str], None] | None = None) -> None:
@@ -43,6 +53,7 @@ class GPUExecutor(Actor):
         self._streams: dict[int, ReplyStream] = {}
         self._thread: GPUThread | None = None
         self._engine: BatchEngine | None = None
+        self._store: ActorRef | None = None
         self.info: ModelInfo | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -63,7 +74,12 @@ class GPUExecutor(Actor):
         loaded: LoadedModel = await asyncio.wrap_future(
             self._thread.submit(load_model, Path(self.config.model_path))
         )
-        self.info = loaded.info
+        budget = 0
+        if self.config.prefix_cache:
+            budget = self.config.prefix_cache_bytes
+            if budget is None:
+                budget = await asyncio.wrap_future(self._thread.submit(default_prefix_cache_bytes))
+        self.info = msgspec.structs.replace(loaded.info, prefix_cache_bytes=budget)
         self._engine = await asyncio.wrap_future(
             self._thread.submit(
                 lambda: BatchEngine(
@@ -78,6 +94,7 @@ class GPUExecutor(Actor):
                     mtp_block_size=self.config.mtp_block_size,
                     mtp_max_batch=self.config.mtp_max_batch,
                     mtp_verify=self.config.mtp_verify,
+                    prefix_cache=budget > 0,
                 )
             )
         )
@@ -100,7 +117,8 @@ class GPUExecutor(Actor):
         self._streams.clear()
 
     # -- messages ----------------------------------------------------------------------------------
-    async def receive(self, msg: Generate | Describe | Warmup | GetEngineStats, stream: ReplyStream | None) -> object:
+    async def receive(self, msg: Generate | Describe | Warmup | GetEngineStats | FreeSnapshots | AttachPrefixStore,
+                      stream: ReplyStream | None) -> object:
         assert self._thread is not None and self._engine is not None
         match msg:
             case Generate():
@@ -115,6 +133,12 @@ class GPUExecutor(Actor):
                 return None
             case GetEngineStats():
                 return await asyncio.wrap_future(self._thread.submit(self._engine.stats))
+            case FreeSnapshots():
+                self._thread.submit(self._engine.free_snapshots, msg.handles)
+                return None
+            case AttachPrefixStore():
+                self._store = msg.store
+                return None
         raise TypeError(type(msg).__name__)
 
     def on_cancel(self, stream: ReplyStream) -> None:
@@ -124,6 +148,9 @@ class GPUExecutor(Actor):
     def _deliver(self, events: list[Event]) -> None:
         """On the event loop: route one step's events to their streams."""
         for sid, event in events:
+            if isinstance(event, SnapshotTaken):
+                self._forward_snapshot(event)
+                continue
             stream = self._streams.get(sid)
             if stream is None:
                 continue
@@ -136,6 +163,15 @@ class GPUExecutor(Actor):
             else:
                 stream.fail(event)
                 del self._streams[sid]
+
+    def _forward_snapshot(self, snap: SnapshotTaken) -> None:
+        """To the PrefixCacheStore, without waiting; a snapshot nobody can take is freed at once."""
+        from mlx_relay.actors.prefix_cache_store import Insert
+
+        if self._store is not None and self._store.tell_nowait(Insert(snap)):
+            return
+        if self._thread is not None and self._engine is not None:
+            self._thread.submit(self._engine.free_snapshots, [snap.handle])
 
     async def _warmup(self) -> None:
         assert self._thread is not None and self._engine is not None

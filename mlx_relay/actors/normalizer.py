@@ -8,6 +8,8 @@ prompt does not stall the event loop. A conversation the template still rejects 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,20 @@ class RenderedPrompt(msgspec.Struct, frozen=True):
     token_ids: list[int]
     num_media: int
     messages: list[ChatMessage]  # normalized: the MediaRouter reads the media parts from these
+    # where the (normalized, hoisted, merged) system prompt ends in `token_ids`: the prefix every
+    # turn of an agent's conversation shares (0: no system prompt before other messages)
+    system_end: int = 0
+    # how many leading tokens the next turn's prompt repeats (this prompt and its reply rendered
+    # as history): the conversation's state there is what turn N+1 restores
+    reply_start: int = 0
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def load_tokenizer(model_path: Path) -> Any:
@@ -49,9 +65,13 @@ def load_tokenizer(model_path: Path) -> Any:
 class Normalizer(Actor):
     accepts = (Render,)
 
+    #: rendered system prompts whose tokens are kept (an agent resends the same one every turn)
+    system_cache_entries = 64
+
     def __init__(self, model_path: Path) -> None:
         self.model_path = model_path
         self.tokenizer: Any = None
+        self._system_ids: OrderedDict[str, list[int]] = OrderedDict()
 
     async def on_start(self) -> None:
         self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, self.model_path)
@@ -77,5 +97,55 @@ class Normalizer(Actor):
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"the chat template rejected the conversation: {exc}", param="messages") from exc
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return RenderedPrompt(token_ids=list(ids), num_media=len(media), messages=messages)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        system_end = 0
+        if len(template_messages) > 1 and template_messages[0].get("role") == "system":
+            system_end = self._system_end(template_messages[0], tools, msg.template_kwargs, ids)
+        reply_start = self._reply_start(template_messages, tools, msg.template_kwargs, text, enc["offset_mapping"])
+        return RenderedPrompt(token_ids=ids, num_media=len(media), messages=messages, system_end=system_end,
+                              reply_start=reply_start)
+
+    def _reply_start(self, template_messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any], text: str,
+                     offsets: list[tuple[int, int]]) -> int:
+        """How much of this prompt the next turn's prompt will repeat: the conversation with a
+        reply and a next user turn appended is rendered (templates render a reply after the last
+        user turn differently from one before it), and the tokens wholly inside the text both
+        renderings share are counted. Templates that render history differently from the
+        generation prompt (Qwen's drop the `<think>` block of past replies) stop it at the
+        reply's header; others reach the prompt's end."""
+        try:
+            history = self.tokenizer.apply_chat_template(
+                [*template_messages, {"role": "assistant", "content": "\u2063"}, {"role": "user", "content": "\u2063"}],
+                tools=tools,
+                add_generation_prompt=False, tokenize=False, **kwargs)
+        except Exception:
+            return 0
+        shared = common_prefix(text, history)
+        n = 0
+        while n < len(offsets) and offsets[n][1] <= shared:
+            n += 1
+        return n
+
+    def _system_end(self, system: dict[str, Any], tools: Any, kwargs: dict[str, Any], ids: list[int]) -> int:
+        """Where the system prompt's tokens end, whatever the template puts around it: the system
+        message followed by two different probe user turns is rendered twice, and where the two
+        renderings part is where a user turn's content starts (many templates refuse a system
+        message alone). Both renderings are kept for the next request with this system prompt."""
+        probes: list[list[int]] = []
+        for probe in ("x", "y"):
+            try:
+                text = self.tokenizer.apply_chat_template([system, {"role": "user", "content": probe}], tools=tools,
+                                                          add_generation_prompt=False, tokenize=False, **kwargs)
+            except Exception:  # a template that cannot render it: no boundary
+                return 0
+            cached = self._system_ids.get(text)
+            if cached is None:
+                cached = list(self.tokenizer.encode(text, add_special_tokens=False))
+                self._system_ids[text] = cached
+                while len(self._system_ids) > self.system_cache_entries:
+                    self._system_ids.popitem(last=False)
+            else:
+                self._system_ids.move_to_end(text)
+            probes.append(cached)
+        return min(common_prefix(probes[0], probes[1]), common_prefix(probes[0], ids))

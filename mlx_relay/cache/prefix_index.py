@@ -22,7 +22,7 @@ from mlx_relay.cache.prefix_keys import PrefixKeys
 
 __all__ = ["Entry", "Evicted", "IndexStats", "Inserted", "Match", "PrefixIndex", "Rejected", "SnapshotKind"]
 
-SnapshotKind = Literal["system", "turn"]
+SnapshotKind = Literal["system", "media", "turn"]
 
 
 class Entry(msgspec.Struct, frozen=True):
@@ -99,6 +99,16 @@ class PrefixIndex:
                 return Match(entry)
         self._misses += 1
         return Match(None)
+
+    def has(self, keys: PrefixKeys, length: int) -> bool:
+        """Whether the prompt's first `length` tokens already have a snapshot (no hit counted)."""
+        return length in self._lengths and keys.key(length) in self._lru
+
+    def kinds(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self._lru.values():
+            out[e.kind] = out.get(e.kind, 0) + 1
+        return out
 
     def release(self, handle: int) -> None:
         n = self._pins.get(handle, 0)

@@ -28,6 +28,29 @@ def detect_backend() -> str:
     return "cpu"
 
 
+#: Share of the device's memory the prefix cache may hold by default: of the recommended
+#: working set (Metal) or the device memory (CUDA), or of RAM on the CPU backend.
+PREFIX_CACHE_SHARE_GPU = 0.2
+PREFIX_CACHE_SHARE_RAM = 0.1
+
+
+def default_prefix_cache_bytes() -> int:
+    """The prefix cache's default byte budget (runs on the GPU thread: it asks MLX)."""
+    import os
+
+    info: dict[str, Any] = {}
+    try:
+        info = dict(mx.device_info()) if hasattr(mx, "device_info") else dict(mx.metal.device_info())
+    except Exception:
+        info = {}
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return int(value * PREFIX_CACHE_SHARE_GPU)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(ram * PREFIX_CACHE_SHARE_RAM)
+
+
 def resolve_model_path(model: str) -> Path:
     """A local checkpoint directory, or a Hub repo id fetched into the local HF cache."""
     path = Path(model).expanduser()

@@ -121,3 +121,4 @@ class ModelInfo(msgspec.Struct, frozen=True):
     has_vision: bool
     has_mtp: bool
     load_seconds: float
+    prefix_cache_bytes: int = 0  # the prefix cache's byte budget (0: off)

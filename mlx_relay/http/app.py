@@ -180,6 +180,15 @@ class OpenAIRoutes:
         ctx = self.relay.info.context_length if self.relay.info else None
         return _json(ModelCard(self.config.served_model_name, self.created, context_length=ctx))
 
+    async def cache_stats(self, request: Request) -> Response:
+        self._service()
+        return _json(await self.relay.prefix_cache_stats())
+
+    async def cache_flush(self, request: Request) -> Response:
+        self._service()
+        flushed = await self.relay.flush_prefix_cache()
+        return _json({"flushed_entries": flushed.entries, "flushed_bytes": flushed.bytes})
+
     async def chat_completions(self, request: Request) -> Response:
         raw = await request.body()
         try:
@@ -306,6 +315,8 @@ def create_app(
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/cache/stats", routes.cache_stats, methods=["GET"]),
+            Route("/v1/cache/flush", routes.cache_flush, methods=["POST"]),
         ],
         exception_handlers={HTTPException: _not_found, RelayError: handle_exception, Exception: handle_exception},
         lifespan=lifespan,

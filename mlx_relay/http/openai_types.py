@@ -62,7 +62,8 @@ def usage_of(finished: Finished) -> Usage:
         rate = round(finished.mtp_accepted / finished.mtp_drafted, 4)
         mtp = MTPUsage(finished.mtp_drafted, finished.mtp_accepted, rate)
     return Usage(finished.prompt_tokens, finished.completion_tokens,
-                 finished.prompt_tokens + finished.completion_tokens, PromptTokensDetails(), mtp)
+                 finished.prompt_tokens + finished.completion_tokens,
+                 PromptTokensDetails(cached_tokens=finished.cached_tokens), mtp)
 
 
 class ResponseMessage(msgspec.Struct):

@@ -75,9 +75,13 @@ def video_group_timestamps(frame_indices: Sequence[int], source_fps: float, temp
     ]
 
 
-def expand_prompt(tokens: Sequence[int], slots: Sequence[MediaSlot], vocab: PromptVocab) -> list[int]:
-    """`tokens` with each placeholder expanded by its slot, in order. Call `check_placeholders` first."""
+def expand_prompt(tokens: Sequence[int], slots: Sequence[MediaSlot], vocab: PromptVocab,
+                  spans: list[tuple[int, int]] | None = None) -> list[int]:
+    """`tokens` with each placeholder expanded by its slot, in order. Call `check_placeholders` first.
+    `spans`, if given, receives each item's [start, end) in the result (the prefix cache keys
+    those positions by the item's content)."""
     check_placeholders(tokens, [s.kind for s in slots], vocab)
+    spans = spans if spans is not None else []
     out: list[int] = []
     pending = iter(slots)
     i = 0
@@ -85,12 +89,16 @@ def expand_prompt(tokens: Sequence[int], slots: Sequence[MediaSlot], vocab: Prom
         token = tokens[i]
         i += 1
         if token == vocab.image_pad:
+            begin = len(out)
             out.extend([vocab.image_pad] * next(pending).tokens)
+            spans.append((begin, len(out)))
         elif token == vocab.video_pad:
             slot = next(pending)
             wrapped = bool(out) and out[-1] == vocab.vision_start and i < len(tokens) and tokens[i] == vocab.vision_end
             if not wrapped:
+                begin = len(out)
                 out.extend([vocab.video_pad] * (slot.tokens * len(slot.timestamps)))
+                spans.append((begin, len(out)))
                 continue
             out.pop()  # <|vision_start|>: re-emitted once per group
             start = len(out)
@@ -98,11 +106,15 @@ def expand_prompt(tokens: Sequence[int], slots: Sequence[MediaSlot], vocab: Prom
                 start -= 1
             run = out[start:]
             del out[start:]
+            first_pad = -1
             for group, seconds in enumerate(slot.timestamps):
                 out.extend(vocab.retokenize(run if group == 0 else (), f"<{seconds:.1f} seconds>"))
                 out.append(vocab.vision_start)
+                first_pad = len(out) if group == 0 else first_pad
                 out.extend([vocab.video_pad] * slot.tokens)
                 out.append(vocab.vision_end)
+            # from the first pad: what follows it up to the last group is all the video's own
+            spans.append((first_pad, len(out)))
             i += 1  # the original <|vision_end|>
         else:
             out.append(token)

@@ -77,13 +77,15 @@ def prepare_vision(processor: VisionProcessor, config: MediaConfig, items: Seque
             [d for d, _ in videos], [label for _, label in videos])
     image_iter, video_iter = iter(image_slots), iter(video_slots)
     slots = [next(image_iter) if item.kind == "image" else next(video_iter) for item in items]
-    tokens = expand_prompt(prompt_tokens, slots, processor.vocab)
+    spans: list[tuple[int, int]] = []
+    tokens = expand_prompt(prompt_tokens, slots, processor.vocab, spans)
     vision = VisionInputs(
         pixel_values=_tensor(pixel_values),
         image_grid_thw=_tensor(image_grid),
         pixel_values_videos=_tensor(video_values),
         video_grid_thw=_tensor(video_grid),
         content_hashes=tuple(d.content_hash for d in decoded),
+        spans=tuple(spans),
     )
     return tokens, vision
 

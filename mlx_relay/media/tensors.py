@@ -41,3 +41,4 @@ class VisionInputs(msgspec.Struct, frozen=True):
     pixel_values_videos: MediaTensor | None
     video_grid_thw: MediaTensor | None
     content_hashes: tuple[str, ...]
+    spans: tuple[tuple[int, int], ...] = ()  # each item's [start, end) in the expanded prompt

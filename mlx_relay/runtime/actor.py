@@ -89,6 +89,11 @@ class ActorRef(Generic[A]):
     async def tell(self, msg: msgspec.Struct) -> None:
         await self._cell.mailbox.put(Envelope(msg))
 
+    def tell_nowait(self, msg: msgspec.Struct) -> bool:
+        """Fire and forget without waiting (from synchronous code on the event loop): False, and
+        nothing sent, when the mailbox is full or closed."""
+        return self._cell.mailbox.try_put(Envelope(msg))
+
     async def ask(self, msg: msgspec.Struct, timeout: float | None = None) -> Any:
         self._cell.mailbox.check(msg)
         future = ReplyFuture()

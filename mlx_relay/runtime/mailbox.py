@@ -63,6 +63,18 @@ class Mailbox:
             raise ActorStopped(self.name)
         self._send.send_nowait(env)
 
+    def try_put(self, env: Envelope) -> bool:
+        """Queue a message if there is room now (for senders that must not wait); False if not."""
+        self.check(env.msg)
+        if self._closed:
+            return False
+        try:
+            self._room.acquire_nowait()
+        except anyio.WouldBlock:
+            return False
+        self._send.send_nowait(env)
+        return True
+
     def put_control(self, env: Envelope) -> None:
         """Queue a control envelope without waiting for room."""
         if self._closed:
