@@ -71,7 +71,7 @@ class Server:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Server:
-        log = open(f"/tmp/bench-prefix-{self.name}.log", "wb")  # noqa: SIM115
+        log = open(f"/tmp/bench-prefix-{self.name}.log", "wb")
         self.proc = subprocess.Popen(self.cmd, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
