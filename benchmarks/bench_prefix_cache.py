@@ -156,7 +156,13 @@ def run_server(s: Server, tok: Any, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cells: dict[str, list[tuple[float, float, int]]] = {"system": [], "turn10": [], "image": []}
     s.chat([{"role": "user", "content": "warm up"}], 2)
-    for r in range(args.repeats):
+    for r in range(-args.warmup_repeats, args.repeats):
+        if r < 0:  # unmeasured: first use of each shape (JIT-compiled kernels on CUDA)
+            scenario_system(s, tok, args.system_tokens, 999_000 + r)
+            scenario_turn10(s, tok, 999_000 + r, args.turn_system_tokens, args.tool_tokens, args.reply_tokens)
+            if args.image_size:
+                scenario_image(s, 999_000 + r, args.image_size)
+            continue
         nonce = 1000 * (r + 1)
         cells["system"].append(scenario_system(s, tok, args.system_tokens, nonce))
         cells["turn10"].append(scenario_turn10(s, tok, nonce, args.turn_system_tokens, args.tool_tokens,
@@ -171,7 +177,7 @@ def run_server(s: Server, tok: Any, args: argparse.Namespace) -> dict[str, Any]:
         out[name] = {"cold_ttft_s": round(cold, 4), "warm_ttft_s": round(warm, 4),
                      "warm_over_cold": round(warm / cold, 4), "cached_tokens": rows[-1][2],
                      "runs": [[round(c, 4), round(w, 4), k] for c, w, k in rows]}
-        print(f"{s.name:8s} {name:7s} cold {cold * 1000:9.1f} ms  warm {warm * 1000:9.1f} ms  "
+        print(f"{s.name:12s} {name:7s} cold {cold * 1000:9.1f} ms  warm {warm * 1000:9.1f} ms  "
               f"warm/cold {warm / cold:.3f}  cached_tokens {rows[-1][2]}", flush=True)
     return out
 
@@ -185,7 +191,10 @@ def main() -> None:
     ap.add_argument("--reply-tokens", type=int, default=32)
     ap.add_argument("--image-size", type=int, default=448, help="0: skip the image scenario")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup-repeats", type=int, default=0, help="unmeasured passes first (1 on CUDA)")
     ap.add_argument("--no-peer", action="store_true", help="skip mlx-vlm's server")
+    ap.add_argument("--ours-variant", action="append", default=None, metavar="NAME=FLAGS",
+                    help="also run ours with these extra serve flags, e.g. no-mtp=--no-mtp (repeatable)")
     ap.add_argument("--port", type=int, default=8931)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -195,6 +204,9 @@ def main() -> None:
     servers = [Server("ours", [sys.executable, "-m", "mlx_relay.cli", "serve", args.model, "--port", str(args.port),
                                "--prefix-min-snapshot-tokens", "64", "--log-level", "warning"], {}, args.port,
                       args.model)]
+    for variant in args.ours_variant or []:
+        name, _, flags = variant.partition("=")
+        servers.append(Server(f"ours-{name}", [*servers[0].cmd, *flags.split()], {}, args.port, args.model))
     if not args.no_peer:
         servers.append(Server("mlx-vlm", [sys.executable, "-m", "mlx_vlm.server", "--model", args.model,
                                           "--port", str(args.port + 1)],

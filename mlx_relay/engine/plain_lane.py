@@ -114,7 +114,11 @@ class PlainLane:
         row = self.prefilling[0]
         pre = row.pre
         end = pre.next_end(self.prefill_step_size)
-        out = pre.forward(self.lm, end)
+        if end == len(pre.prompt) and end - pre.done > 1:
+            end -= 1  # the last token alone: only its logits are needed (as mlx-vlm's prefill does)
+        # chunks before the last evaluate only the caches: the last layer's outputs there, which
+        # nothing reads, are never computed
+        out = pre.forward(self.lm, end, skip_logits=end < len(pre.prompt))
         if pre.wants_snapshot(end):
             target, nbytes = snapshot_caches(pre.cache, end)
             row.snapshots.append(Snapshot(length=end, target=target, nbytes=nbytes))
