@@ -294,11 +294,7 @@ class BatchEngine:
             out = lane.step()
             lane.prefill_step()
         except Exception as exc:
-            rows = [seq for seq in self._by_uid.values() if seq.plain is not None]
-            log.exception("plain lane step failed; failing its %d rows", len(rows))
-            for seq in rows:
-                self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
-                self._finish_error(seq, GenerationFailed(f"batched step failed: {exc}"))
+            self._fail_rows([seq for seq in self._by_uid.values() if seq.plain is not None], exc, "plain lane")
             lane.clear()
             return
         for uid, token in out:
@@ -309,15 +305,19 @@ class BatchEngine:
             if seq.plain is not None and seq.plain.snapshots:
                 self._report_snapshots(seq, seq.plain.snapshots)
 
+    def _fail_rows(self, rows: list[_Seq], exc: Exception, what: str) -> None:
+        """A lane's step failed: its rows end with an error; the other lanes go on."""
+        log.exception("%s step failed; failing its %d rows", what, len(rows))
+        for seq in rows:
+            self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
+            self._finish_error(seq, GenerationFailed(f"batched step failed: {exc}"))
+
     def _plain_step(self) -> None:
         try:
             _, responses = self._gen.next()
-        except Exception as exc:
-            plain = [seq for seq in self._by_uid.values() if seq.mtp is None]
-            log.exception("batched step failed; failing its %d rows", len(plain))
-            for seq in plain:  # the broken generator is dropped whole
-                self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
-                self._finish_error(seq, GenerationFailed(f"batched step failed: {exc}"))
+        except Exception as exc:  # the broken generator is dropped whole
+            self._fail_rows([seq for seq in self._by_uid.values() if seq.mtp is None and seq.plain is None], exc,
+                            "batched")
             self._gen.close()
             self._gen = self._new_generator()
             return
@@ -331,11 +331,7 @@ class BatchEngine:
             result = lane.round() if lane.rows else None
             joined = lane.prefill_step()
         except Exception as exc:
-            rows = [seq for seq in self._by_uid.values() if seq.mtp is not None]
-            log.exception("MTP step failed; failing its %d rows", len(rows))
-            for seq in rows:
-                self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
-                self._finish_error(seq, GenerationFailed(f"batched step failed: {exc}"))
+            self._fail_rows([seq for seq in self._by_uid.values() if seq.mtp is not None], exc, "MTP")
             lane.clear()
             return
         if result is not None:

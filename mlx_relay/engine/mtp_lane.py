@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
 from mlx_vlm.speculative.cache_state import (
     abort_speculative_round,
     commit_speculative_round,
@@ -42,7 +41,7 @@ from mlx_vlm.speculative.cache_state import (
 )
 
 from mlx_relay.engine.mtp_head import MTPHead
-from mlx_relay.engine.row_prefill import RowPrefill
+from mlx_relay.engine.row_prefill import RowPrefill, as_batch_caches
 from mlx_relay.engine.sampling import RowSampler, processed_logprobs
 from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
 
@@ -74,10 +73,6 @@ class RoundResult:
     drafted: int = 0
     accepted: int = 0
 
-
-def _batched(caches: list[Any]) -> list[Any]:
-    """A batch-1 prompt cache as batch caches (public `merge` of each cache class)."""
-    return [BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c]) for c in caches]
 
 
 class MTPLane:
@@ -222,7 +217,7 @@ class MTPLane:
 
     def _join(self, row: MTPRow, first: mx.array, draft: mx.array, logq: mx.array | None, seed_h: mx.array) -> None:
         assert row.pre is not None
-        cache, dcache = _batched(row.pre.cache), _batched(row.dcache)
+        cache, dcache = as_batch_caches(row.pre.cache), as_batch_caches(row.dcache)
         row.pre.cache, row.dcache = [], []
         dpos = mx.array([len(row.prompt)], dtype=mx.int32)
         if not self.rows:

@@ -12,8 +12,8 @@ loop and owns the prefill:
   is still in the batch when the engine asks for its turn snapshot, then it is filtered out.
 
 `GenerationBatch` takes per-row M-RoPE deltas through its `_rope_deltas` attribute, which the
-library's own BatchGenerator sets the same way after a prefill; tests/test_library_adapters.py
-pins that a vision row decodes at its true positions through it.
+library's own BatchGenerator sets the same way after a prefill; tests/test_prefix_cache.py pins
+that image rows decode here exactly as on mlx-vlm's BatchGenerator (same tokens, cache or not).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_vlm.generate.ar import GenerationBatch
-from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from mlx_relay.engine.row_prefill import RowPrefill
+from mlx_relay.engine.row_prefill import RowPrefill, as_batch_caches
 from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
 
 _NEVER = 1 << 40  # the lane's own max_tokens: the engine finishes rows
@@ -44,9 +43,6 @@ class PlainRow:
     def cached_tokens(self) -> int:
         return self.pre.cached_tokens
 
-
-def _batched(caches: list[Any]) -> list[Any]:
-    return [BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c]) for c in caches]
 
 
 class PlainLane:
@@ -131,8 +127,8 @@ class PlainLane:
             logits = proc(mx.array(pre.prompt), logits)
         first = mx.argmax(logits, axis=-1).astype(mx.int32)
         mx.eval(first, [c.state for c in pre.cache])
-        joining = GenerationBatch(self.lm, [row.uid], first, _batched(pre.cache), lambda x: mx.argmax(x, axis=-1),
-                                  lambda _tok: False, [_NEVER], greedy_sampling=True,
+        joining = GenerationBatch(self.lm, [row.uid], first, as_batch_caches(pre.cache),
+                                  lambda x: mx.argmax(x, axis=-1), lambda _tok: False, [_NEVER], greedy_sampling=True,
                                   logits_processors=[row.processors] if row.processors else None)
         joining.compute_logprobs = False
         joining._rope_deltas = mx.array([[pre.rope_delta]], dtype=mx.int32)  # as BatchGenerator does
