@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from mlx_relay.cache.prefix_index import Entry, Inserted, PrefixIndex, SnapshotKind
+from mlx_relay.cache.prefix_index import Entry, IndexStats, Inserted, PrefixIndex, SnapshotKind
 from mlx_relay.cache.prefix_keys import MediaSpan, PrefixKeys
 from mlx_relay.engine.messages import FreeSnapshots, PrefixPlan, SnapshotTaken
 from mlx_relay.runtime import Actor, ActorRef, ReplyStream
@@ -70,17 +70,10 @@ class GetPrefixStats(msgspec.Struct, frozen=True):
     """Ask. Reply: PrefixStats."""
 
 
-class PrefixStats(msgspec.Struct, frozen=True):
+class PrefixStats(IndexStats, frozen=True):
+    """The index's counters, and what the store itself counts."""
+
     enabled: bool
-    entries: int
-    bytes: int
-    budget_bytes: int
-    pinned: int
-    hits: int
-    misses: int
-    hit_tokens: int
-    evictions: int
-    evicted_bytes: int
     inserts: int
     rejected: int
     system_entries: int
@@ -184,10 +177,7 @@ class PrefixCacheStore(Actor):
             await self.gpu.tell(FreeSnapshots(handles))
 
     def _stats(self) -> PrefixStats:
-        s = self.index.stats()
         kinds = self.index.kinds()
-        return PrefixStats(enabled=True, entries=s.entries, bytes=s.bytes, budget_bytes=s.budget_bytes,
-                           pinned=s.pinned, hits=s.hits, misses=s.misses, hit_tokens=s.hit_tokens,
-                           evictions=s.evictions, evicted_bytes=s.evicted_bytes, inserts=self._inserts,
+        return PrefixStats(**msgspec.structs.asdict(self.index.stats()), enabled=True, inserts=self._inserts,
                            rejected=self._rejected, system_entries=kinds.get("system", 0),
                            media_entries=kinds.get("media", 0), turn_entries=kinds.get("turn", 0))
