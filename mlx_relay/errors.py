@@ -85,5 +85,15 @@ class GenerationFailed(RelayError):
     code = "generation_failed"
 
 
+class ToolCallInvalid(RelayError):
+    """The model's tool call cannot be delivered as valid: an undeclared function, arguments that
+    are not JSON or do not fit the tool's parameter schema, a call cut off by max_tokens. The
+    reply ends with this error instead of passing the call on broken or as text."""
+
+    status = 500
+    type = "server_error"
+    code = "invalid_tool_call"
+
+
 class ModelLoadError(Exception):
     """The model could not be found or loaded (a start-up failure, not a request's)."""

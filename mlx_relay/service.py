@@ -27,8 +27,10 @@ from mlx_relay.actors.media_router import Route, Routed
 from mlx_relay.actors.normalizer import Render, RenderedPrompt
 from mlx_relay.actors.prefix_cache_store import Lookup, Release
 from mlx_relay.cache.prefix_keys import MediaSpan
-from mlx_relay.chat.types import ChatMessage, ToolDef
-from mlx_relay.engine.messages import Generate, ModelInfo, PrefixPlan, SamplingParams
+from mlx_relay.chat.output import ReplyDone, ReplyEvent
+from mlx_relay.chat.reply_parser import ReplyParser
+from mlx_relay.chat.types import ChatMessage, ResponseFormat, ToolChoice, ToolDef
+from mlx_relay.engine.messages import Finished, Generate, ModelInfo, PrefixPlan, SamplingParams, TokenDelta
 from mlx_relay.errors import ContextLengthExceeded, InvalidRequest
 from mlx_relay.media.tensors import VisionInputs
 from mlx_relay.runtime import ActorRef, ReplyStream
@@ -46,8 +48,22 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     template_kwargs: dict[str, Any] = {}
     mtp: bool = True  # MTP speculative decoding where the text path has it
+    # thinking: None leaves the chat template's default; a budget caps the thinking tokens
+    # (the engine then closes the thinking block itself)
+    enable_thinking: bool | None = None
+    thinking_budget: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20 alternatives per token (with logprobs)
+    presence_penalty: float = 0.0  # OpenAI's: over the tokens generated so far
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None  # multiplicative (> 1 discourages repeats)
+    # /v1/completions: a raw prompt (text or token ids) instead of messages; no chat template
+    prompt: str | list[int] | None = None
 
 
 class SamplingDefaults(msgspec.Struct, frozen=True):
@@ -120,14 +136,47 @@ class ChatService:
 
     @asynccontextmanager
     async def generate(self, req: ChatRequest, request_id: str | None = None) -> AsyncIterator[ReplyStream]:
-        """Admit, render and start generating; yields the stream of TokenDelta ... Finished."""
+        """Admit, render and start generating; yields the engine's stream of TokenDelta ... Finished."""
+        async with self._start(req, request_id) as (_, events):
+            yield events
+
+    @asynccontextmanager
+    async def reply(self, req: ChatRequest, request_id: str | None = None) -> AsyncIterator[AsyncIterator[ReplyEvent]]:
+        """As `generate`, parsed: reasoning, content and tool calls, then `ReplyDone`
+        (`mlx_relay.chat.output`). A tool call that does not fit its schema raises
+        `ToolCallInvalid` from the stream."""
+        async with self._start(req, request_id) as (rendered, events):
+            tools = req.tools if req.tool_choice != "none" else None
+            yield _parsed(events, ReplyParser(tools=tools, think_open=rendered.think_open))
+
+    async def count_tokens(self, req: ChatRequest) -> int:
+        """The prompt's length in tokens as `generate` would see it (media expanded); no slot,
+        no GPU."""
+        rendered: RenderedPrompt = await self.normalizer.ask(self._render_msg(req))
+        if rendered.num_media:
+            if not self.info.has_vision:
+                raise InvalidRequest("this model has no vision tower: send text only", param="messages")
+            routed: Routed = await self.media.ask(Route(rendered.messages, rendered.token_ids))
+            return len(routed.prompt_tokens)
+        return len(rendered.token_ids)
+
+    def _render_msg(self, req: ChatRequest) -> Render:
+        if req.prompt is not None:
+            return Render([], raw_prompt=req.prompt)
+        kwargs = dict(req.template_kwargs)
+        if req.enable_thinking is not None:
+            kwargs["enable_thinking"] = req.enable_thinking
+        tools = req.tools if req.tool_choice != "none" else None
+        return Render(req.messages, tools, kwargs)
+
+    @asynccontextmanager
+    async def _start(self, req: ChatRequest, request_id: str | None
+                     ) -> AsyncIterator[tuple[RenderedPrompt, ReplyStream]]:
         rid = request_id or f"req-{next(self._ids)}"
         async with self.admission.stream(Acquire(rid)) as lease:
             granted = await anext(lease)
             assert isinstance(granted, Granted)
-            rendered: RenderedPrompt = await self.normalizer.ask(
-                Render(req.messages, req.tools, req.template_kwargs)
-            )
+            rendered: RenderedPrompt = await self.normalizer.ask(self._render_msg(req))
             tokens, vision = rendered.token_ids, None
             if rendered.num_media:
                 if not self.info.has_vision:
@@ -138,7 +187,7 @@ class ChatService:
             plan = await self._plan(rid, tokens, vision, rendered)
             try:
                 async with self.gpu.stream(Generate(rid, tokens, params, vision, plan)) as events:
-                    yield events
+                    yield rendered, events
             finally:
                 if plan is not None and self.prefix_store is not None:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(5):
@@ -174,3 +223,17 @@ def validate_sampling(p: SamplingParams) -> None:
     for ok, param, message in checks:
         if not ok:
             raise InvalidRequest(message, param=param)
+
+
+async def _parsed(events: ReplyStream, parser: ReplyParser) -> AsyncIterator[ReplyEvent]:
+    async for ev in events:
+        if isinstance(ev, TokenDelta):
+            for out in parser.feed(ev.text, ev.logprobs):
+                yield out
+        elif isinstance(ev, Finished):
+            for out in parser.finish():
+                yield out
+            reason = "tool_calls" if parser.calls else ev.reason
+            yield ReplyDone(reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens,
+                            mtp_drafted=ev.mtp_drafted, mtp_accepted=ev.mtp_accepted)
+            return

@@ -34,6 +34,8 @@ class Render(msgspec.Struct, frozen=True):
     messages: list[ChatMessage]
     tools: list[ToolDef] | None = None
     template_kwargs: dict[str, Any] = {}
+    # /v1/completions: a raw prompt, tokenized as it is (no template, no normalization)
+    raw_prompt: str | list[int] | None = None
 
 
 class RenderedPrompt(msgspec.Struct, frozen=True):
@@ -46,6 +48,15 @@ class RenderedPrompt(msgspec.Struct, frozen=True):
     # how many leading tokens the next turn's prompt repeats (this prompt and its reply rendered
     # as history): the conversation's state there is what turn N+1 restores
     reply_start: int = 0
+    # the prompt ends inside an open thinking block (the template opened `<think>`): the reply
+    # starts with reasoning
+    think_open: bool = False
+
+
+def thinking_left_open(text: str, start: str = "<think>", end: str = "</think>") -> bool:
+    """Whether `text` ends inside a thinking block (its last `<think>` is not closed)."""
+    opened = text.rfind(start)
+    return opened >= 0 and text.rfind(end) < opened
 
 
 def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -80,6 +91,8 @@ class Normalizer(Actor):
         return await anyio.to_thread.run_sync(self._render, msg)
 
     def _render(self, msg: Render) -> RenderedPrompt:
+        if msg.raw_prompt is not None:
+            return self._raw(msg.raw_prompt)
         try:
             messages = normalize_messages(msg.messages)
             template_messages = to_template_messages(messages)
@@ -104,7 +117,16 @@ class Normalizer(Actor):
             system_end = self._system_end(template_messages[0], tools, msg.template_kwargs, ids)
         reply_start = self._reply_start(template_messages, tools, msg.template_kwargs, text, enc["offset_mapping"])
         return RenderedPrompt(token_ids=ids, num_media=len(media), messages=messages, system_end=system_end,
-                              reply_start=reply_start)
+                              reply_start=reply_start, think_open=thinking_left_open(text))
+
+    def _raw(self, prompt: str | list[int]) -> RenderedPrompt:
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return RenderedPrompt(token_ids=ids, num_media=0, messages=[], think_open=thinking_left_open(prompt))
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return RenderedPrompt(token_ids=list(prompt), num_media=0, messages=[])
 
     def _reply_start(self, template_messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any], text: str,
                      offsets: list[tuple[int, int]]) -> int:

@@ -77,3 +77,23 @@ class FunctionDef(msgspec.Struct, omit_defaults=True):
 class ToolDef(msgspec.Struct, omit_defaults=True):
     function: FunctionDef
     type: Literal["function"] = "function"
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True):
+    """`tool_choice` naming one function: the reply must be exactly a call to it."""
+
+    name: str
+
+
+# "auto": the model may call tools; "none": it may not (tools are left out of the prompt);
+# "required": at least one call (enforced by a grammar); a NamedToolChoice: that function.
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Structured output, enforced token by token (a grammar); "text" is unconstrained."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    schema: dict[str, Any] | None = None  # json_schema only
+    name: str | None = None
+    strict: bool | None = None

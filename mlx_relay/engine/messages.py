@@ -9,6 +9,7 @@ from typing import Literal
 
 import msgspec
 
+from mlx_relay.chat.output import TokenLogprob
 from mlx_relay.media.tensors import VisionInputs
 
 FinishReason = Literal["stop", "length"]
@@ -65,10 +66,12 @@ class FreeSnapshots(msgspec.Struct, frozen=True):
 
 
 class TokenDelta(msgspec.Struct, frozen=True):
-    """New text (UTF-8 safe: never half a character) and the tokens behind it."""
+    """New text (UTF-8 safe: never half a character) and the tokens behind it; their
+    log-probabilities when the request asked for them."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Finished(msgspec.Struct, frozen=True):

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlx_relay.config import ServerConfig
 from mlx_relay.engine.messages import Finished, TokenDelta
 from mlx_relay.errors import InvalidRequest, ModelNotFound, NotFound, NotReady, RelayError, Unauthorized
+from mlx_relay.http.anthropic_routes import anthropic_routes
 from mlx_relay.http.errors import as_relay_error, decode_error, error_body, error_response, handle_exception
 from mlx_relay.http.openai_types import (
     ChatCompletion,
@@ -39,6 +40,7 @@ from mlx_relay.http.openai_types import (
     ResponseMessage,
     usage_of,
 )
+from mlx_relay.http.responses_routes import responses_routes
 from mlx_relay.relay import Relay
 from mlx_relay.runtime import ReplyStream
 from mlx_relay.service import ChatRequest, ChatService
@@ -317,6 +319,8 @@ def create_app(
             Route("/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/cache/stats", routes.cache_stats, methods=["GET"]),
             Route("/v1/cache/flush", routes.cache_flush, methods=["POST"]),
+            *anthropic_routes(config, routes._service, routes._check_model),
+            *responses_routes(config, routes._service, routes._check_model),
         ],
         exception_handlers={HTTPException: _not_found, RelayError: handle_exception, Exception: handle_exception},
         lifespan=lifespan,

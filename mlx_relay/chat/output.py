@@ -1,0 +1,92 @@
+"""What a reply is made of, after parsing: the events every front end (OpenAI chat, Anthropic
+Messages, Responses, the in-process API) turns into its own wire format.
+
+The engine streams text (`TokenDelta`); `mlx_relay.chat.reply_parser.ReplyParser` splits that
+text into reasoning, visible content and tool calls, and `ChatService.reply` ends the stream with
+`ReplyDone`. Wire formats never look at raw model text, so no tool markup and no `<think>` block
+can reach a client's `content` through any of them.
+
+Order within one reply: `ReasoningDelta`s and `ContentDelta`s in the order the model wrote them;
+each tool call as `ToolCallStart`, then one or more `ToolCallArguments` (JSON text fragments whose
+concatenation is the call's arguments object), then `ToolCallEnd`; calls are numbered 0, 1, ... in
+order; `ReplyDone` last.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+ReplyFinish = Literal["stop", "length", "tool_calls"]
+
+
+class TopLogprob(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """One generated token's log-probability under the model, and the most likely alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob] = []
+
+
+class ReasoningDelta(msgspec.Struct, frozen=True):
+    """Text inside the model's thinking block (never part of the visible content)."""
+
+    text: str
+
+
+class ContentDelta(msgspec.Struct, frozen=True):
+    """Visible answer text. `logprobs`: the tokens behind the engine delta this text came from
+    (present only when the request asked for logprobs)."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+class ToolCallStart(msgspec.Struct, frozen=True):
+    """A tool call begins: its position among this reply's calls, a fresh id, the function name
+    (already checked against the declared tools)."""
+
+    index: int
+    id: str
+    name: str
+
+
+class ToolCallArguments(msgspec.Struct, frozen=True):
+    """A fragment of the call's arguments as JSON text."""
+
+    index: int
+    fragment: str
+
+
+class ToolCallEnd(msgspec.Struct, frozen=True):
+    """The call is complete: `arguments` is the whole JSON object, validated against the tool's
+    parameter schema."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+class ReplyDone(msgspec.Struct, frozen=True):
+    """The reply ended. `finish_reason` is "tool_calls" when the reply made at least one call."""
+
+    finish_reason: ReplyFinish
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    mtp_drafted: int = 0
+    mtp_accepted: int = 0
+    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
+
+
+ReplyEvent = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArguments | ToolCallEnd | ReplyDone
