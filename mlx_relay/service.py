@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import anyio
@@ -27,6 +27,7 @@ from mlx_relay.actors.media_router import Route, Routed
 from mlx_relay.actors.normalizer import Render, RenderedPrompt
 from mlx_relay.actors.prefix_cache_store import Lookup, Release
 from mlx_relay.cache.prefix_keys import MediaSpan
+from mlx_relay.chat.grammar import OutputConstraint
 from mlx_relay.chat.output import ReplyDone, ReplyEvent
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import ChatMessage, ResponseFormat, ToolChoice, ToolDef
@@ -109,7 +110,8 @@ class ChatService:
         self.prefix_store = prefix_store
         self._ids = itertools.count(1)
 
-    def sampling_for(self, req: ChatRequest, prompt_tokens: int) -> SamplingParams:
+    def sampling_for(self, req: ChatRequest, prompt_tokens: int, rendered: RenderedPrompt | None = None
+                     ) -> SamplingParams:
         room = self.info.context_length - prompt_tokens
         if room <= 0:
             raise ContextLengthExceeded(
@@ -119,6 +121,11 @@ class ChatService:
             )
         if req.max_tokens is not None and req.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        if req.thinking_budget is not None and req.thinking_budget < 0:
+            raise InvalidRequest("the thinking budget must not be negative", param="thinking_budget")
+        if req.logprobs and not 0 <= req.top_logprobs <= 20:
+            raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
+        think_open = rendered.think_open if rendered is not None else False
         d = self.defaults
         params = SamplingParams(
             temperature=d.temperature if req.temperature is None else req.temperature,
@@ -130,6 +137,14 @@ class ChatService:
             max_tokens=min(req.max_tokens or self.default_max_tokens, room),
             stop=req.stop,
             mtp=req.mtp,
+            logprobs=req.top_logprobs if req.logprobs else -1,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            grammar=rendered.grammar if rendered is not None else None,
+            grammar_after_thinking=think_open,
+            think_open=think_open,
+            thinking_budget=req.thinking_budget,
         )
         validate_sampling(params)
         return params
@@ -141,13 +156,23 @@ class ChatService:
             yield events
 
     @asynccontextmanager
-    async def reply(self, req: ChatRequest, request_id: str | None = None) -> AsyncIterator[AsyncIterator[ReplyEvent]]:
+    async def admit(self, request_id: str, slots: int = 1) -> AsyncIterator[None]:
+        """Hold `slots` admission slots (granted together) for replies started with `admitted=True`."""
+        async with self.admission.stream(Acquire(request_id, slots)) as lease:
+            granted = await anext(lease)
+            assert isinstance(granted, Granted)
+            yield
+
+    @asynccontextmanager
+    async def reply(self, req: ChatRequest, request_id: str | None = None, *, admitted: bool = False
+                    ) -> AsyncIterator[AsyncIterator[ReplyEvent]]:
         """As `generate`, parsed: reasoning, content and tool calls, then `ReplyDone`
         (`mlx_relay.chat.output`). A tool call that does not fit its schema raises
-        `ToolCallInvalid` from the stream."""
-        async with self._start(req, request_id) as (rendered, events):
+        `ToolCallInvalid` from the stream. `admitted`: the caller holds a slot (`admit`)."""
+        async with self._start(req, request_id, admitted) as (rendered, events):
             tools = req.tools if req.tool_choice != "none" else None
-            yield _parsed(events, ReplyParser(tools=tools, think_open=rendered.think_open))
+            parser = ReplyParser(tools=tools, tool_format=rendered.tool_format, think_open=rendered.think_open)
+            yield _parsed(events, parser)
 
     async def count_tokens(self, req: ChatRequest) -> int:
         """The prompt's length in tokens as `generate` would see it (media expanded); no slot,
@@ -161,21 +186,25 @@ class ChatService:
         return len(rendered.token_ids)
 
     def _render_msg(self, req: ChatRequest) -> Render:
+        constraint = None
+        if req.tool_choice not in ("auto", "none") or (req.response_format and req.response_format.type != "text"):
+            constraint = OutputConstraint(response_format=req.response_format, tools=req.tools,
+                                          tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
         if req.prompt is not None:
-            return Render([], raw_prompt=req.prompt)
+            return Render([], raw_prompt=req.prompt, constraint=constraint)
         kwargs = dict(req.template_kwargs)
         if req.enable_thinking is not None:
             kwargs["enable_thinking"] = req.enable_thinking
         tools = req.tools if req.tool_choice != "none" else None
-        return Render(req.messages, tools, kwargs)
+        return Render(req.messages, tools, kwargs, constraint=constraint)
 
     @asynccontextmanager
-    async def _start(self, req: ChatRequest, request_id: str | None
+    async def _start(self, req: ChatRequest, request_id: str | None, admitted: bool = False
                      ) -> AsyncIterator[tuple[RenderedPrompt, ReplyStream]]:
         rid = request_id or f"req-{next(self._ids)}"
-        async with self.admission.stream(Acquire(rid)) as lease:
-            granted = await anext(lease)
-            assert isinstance(granted, Granted)
+        async with AsyncExitStack() as stack:
+            if not admitted:
+                await stack.enter_async_context(self.admit(rid))
             rendered: RenderedPrompt = await self.normalizer.ask(self._render_msg(req))
             tokens, vision = rendered.token_ids, None
             if rendered.num_media:
@@ -183,7 +212,7 @@ class ChatService:
                     raise InvalidRequest("this model has no vision tower: send text only", param="messages")
                 routed: Routed = await self.media.ask(Route(rendered.messages, rendered.token_ids))
                 tokens, vision = routed.prompt_tokens, routed.vision
-            params = self.sampling_for(req, len(tokens))
+            params = self.sampling_for(req, len(tokens), rendered)
             plan = await self._plan(rid, tokens, vision, rendered)
             try:
                 async with self.gpu.stream(Generate(rid, tokens, params, vision, plan)) as events:
@@ -231,7 +260,7 @@ async def _parsed(events: ReplyStream, parser: ReplyParser) -> AsyncIterator[Rep
             for out in parser.feed(ev.text, ev.logprobs):
                 yield out
         elif isinstance(ev, Finished):
-            for out in parser.finish():
+            for out in parser.finish(ev.reason):
                 yield out
             reason = "tool_calls" if parser.calls else ev.reason
             yield ReplyDone(reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens,

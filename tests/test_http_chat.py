@@ -217,7 +217,7 @@ def test_agent_message_sequences_render(server: LiveServer) -> None:
         (b'{"model": "tiny", "messages": []}', 400, "messages"),
         (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}', 400, "temperature"),
         (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}', 400, "top_p"),
-        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}', 400, "n"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 99}', 400, "n"),
         (b'[1, 2, 3]', 422, None),
     ],
 )

@@ -18,7 +18,7 @@ from typing import Literal
 import msgspec
 
 from mlx_relay.config import AdmissionConfig
-from mlx_relay.errors import NotReady, Overloaded
+from mlx_relay.errors import InvalidRequest, NotReady, Overloaded
 from mlx_relay.runtime import Actor, ReplyStream
 
 State = Literal["loading", "warming", "ready", "failed", "draining"]
@@ -26,6 +26,7 @@ State = Literal["loading", "warming", "ready", "failed", "draining"]
 
 class Acquire(msgspec.Struct, frozen=True):
     request_id: str
+    slots: int = 1  # a request with n choices holds n slots, granted together (no partial holds)
 
 
 class Granted(msgspec.Struct, frozen=True):
@@ -61,8 +62,8 @@ class Admission(Actor):
         self.config = config
         self.state: State = "loading"
         self.detail = ""
-        self.running: dict[int, float] = {}  # stream id -> granted at
-        self.queue: OrderedDict[int, tuple[ReplyStream, float]] = OrderedDict()
+        self.running: dict[int, tuple[float, int]] = {}  # stream id -> (granted at, slots)
+        self.queue: OrderedDict[int, tuple[ReplyStream, float, int]] = OrderedDict()
         self.mean_hold_s = 2.0
         self.admitted = 0
         self.rejected_overloaded = 0
@@ -70,16 +71,16 @@ class Admission(Actor):
 
     async def receive(self, msg: Acquire | SetState | GetStats, stream: ReplyStream | None) -> object:
         match msg:
-            case Acquire():
+            case Acquire(slots=slots):
                 assert stream is not None
-                self._acquire(stream)
+                self._acquire(stream, slots)
             case SetState(state=state, detail=detail):
                 self.state, self.detail = state, detail
             case GetStats():
                 return AdmissionStats(
                     state=self.state,
                     detail=self.detail,
-                    running=len(self.running),
+                    running=self._used(),
                     queued=len(self.queue),
                     max_num_seqs=self.config.max_num_seqs,
                     max_queue=self.config.max_queue,
@@ -89,14 +90,20 @@ class Admission(Actor):
                 )
         return None
 
-    def _acquire(self, stream: ReplyStream) -> None:
+    def _used(self) -> int:
+        return sum(slots for _, slots in self.running.values())
+
+    def _acquire(self, stream: ReplyStream, slots: int) -> None:
         if self.state != "ready":
             self.rejected_not_ready += 1
             raise NotReady(f"the server is {self.state}" + (f": {self.detail}" if self.detail else ""))
-        if len(self.running) < self.config.max_num_seqs and not self.queue:
-            self._grant(stream, time.monotonic())
+        if not 1 <= slots <= self.config.max_num_seqs:
+            raise InvalidRequest(f"this server decodes at most {self.config.max_num_seqs} sequences at once; "
+                                 f"{slots} were asked for", param="n")
+        if self._used() + slots <= self.config.max_num_seqs and not self.queue:
+            self._grant(stream, time.monotonic(), slots)
         elif len(self.queue) < self.config.max_queue:
-            self.queue[stream.id] = (stream, time.monotonic())
+            self.queue[stream.id] = (stream, time.monotonic(), slots)
         else:
             self.rejected_overloaded += 1
             waves = (len(self.queue) + 1) / self.config.max_num_seqs
@@ -106,19 +113,25 @@ class Admission(Actor):
                 retry_after_s=retry,
             )
 
-    def _grant(self, stream: ReplyStream, since: float) -> None:
+    def _grant(self, stream: ReplyStream, since: float, slots: int) -> None:
         now = time.monotonic()
-        self.running[stream.id] = now
+        self.running[stream.id] = (now, slots)
         self.admitted += 1
         stream.send(Granted(waited_s=now - since))
 
     def on_cancel(self, stream: ReplyStream) -> None:
-        granted_at = self.running.pop(stream.id, None)
-        if granted_at is not None:
-            self.mean_hold_s = 0.9 * self.mean_hold_s + 0.1 * (time.monotonic() - granted_at)
+        granted = self.running.pop(stream.id, None)
+        if granted is not None:
+            self.mean_hold_s = 0.9 * self.mean_hold_s + 0.1 * (time.monotonic() - granted[0])
         else:
             self.queue.pop(stream.id, None)
-        while self.queue and len(self.running) < self.config.max_num_seqs:
-            _, (waiting, since) = self.queue.popitem(last=False)
-            if waiting.open:
-                self._grant(waiting, since)
+        # first come, first served: the head waits until its slots are free (no overtaking)
+        while self.queue:
+            head_id, (waiting, since, slots) = next(iter(self.queue.items()))
+            if not waiting.open:
+                del self.queue[head_id]
+                continue
+            if self._used() + slots > self.config.max_num_seqs:
+                break
+            del self.queue[head_id]
+            self._grant(waiting, since, slots)

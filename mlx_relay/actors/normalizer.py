@@ -17,12 +17,14 @@ import anyio
 import jinja2
 import msgspec
 
+from mlx_relay.chat.grammar import GrammarError, OutputConstraint, build_grammar, check_grammar
 from mlx_relay.chat.normalize import (
     NormalizationError,
     media_parts,
     normalize_messages,
     to_template_messages,
 )
+from mlx_relay.chat.reply_parser import tool_format_for_template
 from mlx_relay.chat.types import ChatMessage, ToolDef
 from mlx_relay.errors import InvalidRequest
 from mlx_relay.runtime import Actor, ReplyStream
@@ -36,6 +38,7 @@ class Render(msgspec.Struct, frozen=True):
     template_kwargs: dict[str, Any] = {}
     # /v1/completions: a raw prompt, tokenized as it is (no template, no normalization)
     raw_prompt: str | list[int] | None = None
+    constraint: OutputConstraint | None = None  # response_format / required tool calls
 
 
 class RenderedPrompt(msgspec.Struct, frozen=True):
@@ -51,6 +54,8 @@ class RenderedPrompt(msgspec.Struct, frozen=True):
     # the prompt ends inside an open thinking block (the template opened `<think>`): the reply
     # starts with reasoning
     think_open: bool = False
+    grammar: str | None = None  # llguidance grammar enforcing the request's constraint (validated)
+    tool_format: str | None = None  # the model's tool-call syntax (`reply_parser.TOOL_FORMATS`)
 
 
 def thinking_left_open(text: str, start: str = "<think>", end: str = "</think>") -> bool:
@@ -79,20 +84,47 @@ class Normalizer(Actor):
     #: rendered system prompts whose tokens are kept (an agent resends the same one every turn)
     system_cache_entries = 64
 
-    def __init__(self, model_path: Path) -> None:
+    def __init__(self, model_path: Path, tool_parser: str | None = None) -> None:
         self.model_path = model_path
+        self.tool_parser = tool_parser  # None: inferred from the chat template
         self.tokenizer: Any = None
+        self.tool_format: str | None = None
+        self._llg_tokenizer: Any = None
         self._system_ids: OrderedDict[str, list[int]] = OrderedDict()
 
     async def on_start(self) -> None:
         self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, self.model_path)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_format = self.tool_parser or tool_format_for_template(template if isinstance(template, str) else None)
 
     async def receive(self, msg: Render, stream: ReplyStream | None) -> RenderedPrompt:
         return await anyio.to_thread.run_sync(self._render, msg)
 
     def _render(self, msg: Render) -> RenderedPrompt:
-        if msg.raw_prompt is not None:
-            return self._raw(msg.raw_prompt)
+        rendered = self._raw(msg.raw_prompt) if msg.raw_prompt is not None else self._chat(msg)
+        grammar = self._grammar(msg.constraint) if msg.constraint is not None else None
+        return msgspec.structs.replace(rendered, grammar=grammar, tool_format=self.tool_format)
+
+    def _grammar(self, constraint: OutputConstraint) -> str | None:
+        c = msgspec.structs.replace(constraint, tool_format=self.tool_format)
+        param = "response_format" if c.tool_choice in ("auto", "none") else "tool_choice"
+        try:
+            special = frozenset(self.tokenizer.get_added_vocab())
+            grammar = build_grammar(c, special)
+            if grammar is not None:
+                check_grammar(grammar, self._llg())
+        except GrammarError as exc:
+            raise InvalidRequest(f"cannot enforce {param}: {exc}", param=param) from exc
+        return grammar
+
+    def _llg(self) -> Any:
+        if self._llg_tokenizer is None:
+            import llguidance.hf
+
+            self._llg_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
+        return self._llg_tokenizer
+
+    def _chat(self, msg: Render) -> RenderedPrompt:
         try:
             messages = normalize_messages(msg.messages)
             template_messages = to_template_messages(messages)

@@ -2,16 +2,66 @@
 
 Runs on the event loop side of `ChatService.reply` (pure Python, no MLX), one parser per reply.
 Text arrives in arbitrary pieces (an engine delta may end in the middle of a tag); the parser
-holds back any tail that could still become a tag, so no `<think>`, `</think>`, `<tool_call>` or
-`<function=` markup ever reaches a `ContentDelta`.
+holds back any tail that could still become a tag, so neither the tags of the thinking block nor
+anything of a `<tool_call>` block (`<function=`, `<parameter=`, JSON) ever reaches a `ContentDelta`.
+
+A reply reads as: an optional thinking block (open from the prompt when `think_open`, or opened by
+a leading `<think>`), then content with tool calls in it. A call is a `<tool_call>...</tool_call>`
+block holding either Qwen3-Coder XML (`<function=NAME><parameter=P>value</parameter></function>`)
+or a Hermes-style JSON object (`{"name": ..., "arguments": {...}}`); the block's shape decides
+which, whatever `tool_format` names (models trained on one sometimes write the other), and
+`tool_format=None` turns tool parsing off. Each call's arguments are checked against the tool's
+parameter schema (`mlx_relay.chat.tool_schema`); a call that cannot be delivered valid raises
+`ToolCallInvalid`.
+
+Every feed looks only at the text held back so far plus the new piece (a call block keeps its
+pieces in a list and only the last few characters are searched again), so feeding a long reply
+character by character stays linear.
 """
 
 from __future__ import annotations
 
-from mlx_relay.chat.output import ContentDelta, ReasoningDelta, ReplyEvent, TokenLogprob
+import enum
+import json
+import re
+import uuid
+from typing import Any
+
+import msgspec
+from mlx_lm.tool_parsers import json_tools, qwen3_coder
+
+from mlx_relay.chat import tool_schema
+from mlx_relay.chat.output import (
+    ContentDelta,
+    ReasoningDelta,
+    ReplyEvent,
+    TokenLogprob,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from mlx_relay.chat.types import ToolDef
+from mlx_relay.errors import ToolCallInvalid
 
 THINK_START, THINK_END = "<think>", "</think>"
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+FUNCTION_START = "<function="
+TOOL_FORMATS: tuple[str, ...] = ("qwen3_coder", "json")
+_NAME = re.compile(r"\s*([^\s<>]+)(?=[\s<>])")  # mlx-lm's function-name rule, once the name has ended
+_HEAD_LIMIT = 512  # a call block that names no function this early is left to the parse at its end
+_WHITESPACE = " \t\r\n"
+
+
+def tool_format_for_template(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template teaches: "qwen3_coder" for `<function=` blocks,
+    "json" for `<tool_call>` blocks holding a JSON object, None when it shows neither."""
+    if not chat_template:
+        return None
+    if FUNCTION_START in chat_template:
+        return "qwen3_coder"
+    if CALL_START in chat_template and ('"name"' in chat_template or "tool_call.name" in chat_template):
+        return "json"
+    return None
 
 
 def _partial_tail(buf: str, tags: tuple[str, ...]) -> int:
@@ -25,52 +75,261 @@ def _partial_tail(buf: str, tags: tuple[str, ...]) -> int:
     return keep
 
 
+def _new_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class _Mode(enum.Enum):
+    START = "start"  # nothing decided yet: the reply may still open with <think>
+    THINK = "think"
+    CONTENT = "content"
+    CALL = "call"  # inside <tool_call> ... </tool_call>
+
+
+class _Call:
+    """The tool call being read: its block text so far (in pieces), and its name and id once known."""
+
+    __slots__ = ("head", "id", "index", "name", "parts", "size", "tail")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.parts: list[str] = []
+        self.size = 0
+        self.tail = ""  # the block's last len(CALL_END) - 1 characters: where a split end tag may start
+        self.head: str | None = ""  # the block's start while the function name is still unread
+        self.name: str | None = None
+        self.id: str | None = None
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+        self.size += len(text)
+        self.tail = (self.tail + text)[-(len(CALL_END) - 1):]
+
+
 class ReplyParser:
+    """One reply's text in, `ReplyEvent`s out (see `mlx_relay.chat.output` for their order)."""
+
     def __init__(self, *, tools: list[ToolDef] | None = None, tool_format: str | None = "qwen3_coder",
                  think_open: bool = False) -> None:
+        if tool_format is not None and tool_format not in TOOL_FORMATS:
+            raise ValueError(f"unknown tool format {tool_format!r} (known: {', '.join(TOOL_FORMATS)})")
         self.tools = tools or []
         self.tool_format = tool_format if self.tools else None
-        self._thinking = think_open
-        self._started = False
-        self._buf = ""
+        self._defs = {t.function.name: t for t in self.tools}
+        self._keys = {t.function.name: tool_schema.schema_key(t.function.parameters) for t in self.tools}
+        self._dicts = {t.function.name: msgspec.to_builtins(t) for t in self.tools}  # OpenAI-style, for mlx-lm
+        self._mode = _Mode.THINK if think_open else _Mode.START
+        self._buf = ""  # text held back: it may still become a tag
+        self._skip = ""  # characters to drop from the start of what comes next
+        self._call: _Call | None = None
         self.calls = 0
 
-    def feed(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[ReplyEvent]:
-        self._buf += text
-        out: list[ReplyEvent] = []
-        while self._buf:
-            if self._thinking:
-                i = self._buf.find(THINK_END)
-                if i < 0:
-                    keep = _partial_tail(self._buf, (THINK_END,))
-                    emit, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-                    if emit:
-                        out.append(ReasoningDelta(emit))
-                    break
-                if i:
-                    out.append(ReasoningDelta(self._buf[:i]))
-                self._buf = self._buf[i + len(THINK_END):].lstrip("\n") if i + len(THINK_END) < len(self._buf) \
-                    else ""
-                self._thinking = False
-                continue
-            if not self._started and THINK_START.startswith(self._buf.lstrip()[:len(THINK_START)]) \
-                    and len(self._buf.lstrip()) < len(THINK_START):
-                break  # could still be an opening <think>
-            if not self._started and self._buf.lstrip().startswith(THINK_START):
-                self._buf = self._buf.lstrip()[len(THINK_START):]
-                self._thinking = True
-                self._started = True
-                continue
-            self._started = True
-            keep = _partial_tail(self._buf, ())
-            emit = self._buf[:len(self._buf) - keep]
-            self._buf = self._buf[len(self._buf) - keep:]
-            if emit:
-                out.append(ContentDelta(emit, logprobs))
-        return out
+    # -- the public side -------------------------------------------------------------------
 
-    def finish(self) -> list[ReplyEvent]:
+    def feed(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[ReplyEvent]:
+        """The events that `text` (the reply's next piece) completes. `logprobs` go on the first
+        `ContentDelta` among them (dropped when there is none)."""
+        out: list[ReplyEvent] = []
+        pending: str | None = text
+        while pending is not None:
+            if self._skip:
+                pending = pending.lstrip(self._skip)
+                if not pending:
+                    break
+                self._skip = ""
+            pending = self._step(pending, out)
+        return _with_logprobs(out, logprobs) if logprobs is not None else out
+
+    def finish(self, reason: str = "stop") -> list[ReplyEvent]:
+        """The reply ended (`reason`: the engine's "stop" or "length"): held text that never became
+        a tag is content (reasoning inside an unclosed thinking block); an unclosed tool call raises
+        `ToolCallInvalid`."""
+        if self._mode is _Mode.CALL:
+            assert self._call is not None
+            what = f"a tool call to {self._call.name}" if self._call.name else "a tool call"
+            why = "max_tokens reached?" if reason == "length" else f"no {CALL_END}"
+            raise ToolCallInvalid(f"the reply ended inside {what} ({why})")
         buf, self._buf = self._buf, ""
         if not buf:
             return []
-        return [ReasoningDelta(buf)] if self._thinking else [ContentDelta(buf)]
+        return [ReasoningDelta(buf)] if self._mode is _Mode.THINK else [ContentDelta(buf)]
+
+    # -- one step per mode: take text, return what is left for the next mode (None: wait) ------
+
+    def _step(self, text: str, out: list[ReplyEvent]) -> str | None:
+        if self._mode is _Mode.CALL:
+            return self._in_call(text, out)
+        if self._mode is _Mode.THINK:
+            return self._in_think(text, out)
+        if self._mode is _Mode.START:
+            return self._at_start(text)
+        return self._in_content(text, out)
+
+    def _at_start(self, text: str) -> str | None:
+        buf = self._buf + text
+        head = buf.lstrip()
+        if head.startswith(THINK_START):
+            self._buf, self._mode, self._skip = "", _Mode.THINK, "\n"
+            return head[len(THINK_START):]
+        if THINK_START.startswith(head):  # only whitespace or a partial "<think>" so far
+            self._buf = buf
+            return None
+        self._buf, self._mode = "", _Mode.CONTENT
+        return buf
+
+    def _in_think(self, text: str, out: list[ReplyEvent]) -> str | None:
+        buf = self._buf + text
+        i = buf.find(THINK_END)
+        if i < 0:
+            cut = len(buf) - _partial_tail(buf, (THINK_END,))
+            self._buf = buf[cut:]
+            _add(out, ReasoningDelta, buf[:cut])
+            return None
+        _add(out, ReasoningDelta, buf[:i])
+        self._buf, self._mode, self._skip = "", _Mode.CONTENT, "\n"
+        return buf[i + len(THINK_END):]
+
+    def _in_content(self, text: str, out: list[ReplyEvent]) -> str | None:
+        if self.tool_format is None:
+            _add(out, ContentDelta, text)
+            return None
+        buf = self._buf + text
+        i = buf.find(CALL_START)
+        if i < 0:
+            cut = len(buf) - _partial_tail(buf, (CALL_START,))
+            self._buf = buf[cut:]
+            _add(out, ContentDelta, buf[:cut])
+            return None
+        _add(out, ContentDelta, buf[:i])
+        self._buf, self._mode, self._call = "", _Mode.CALL, _Call(self.calls)
+        return buf[i + len(CALL_START):]
+
+    def _in_call(self, text: str, out: list[ReplyEvent]) -> str | None:
+        call = self._call
+        assert call is not None
+        i = (call.tail + text).find(CALL_END)
+        if i < 0:
+            call.add(text)
+            self._read_name(call, text, out)
+            return None
+        end = call.size - len(call.tail) + i  # where CALL_END starts in the whole block
+        whole = "".join(call.parts) + text
+        self._close_call(call, whole[:end], out)
+        self._mode, self._call, self._skip = _Mode.CONTENT, None, _WHITESPACE
+        return whole[end + len(CALL_END):]
+
+    # -- tool calls ---------------------------------------------------------------------------
+
+    def _read_name(self, call: _Call, text: str, out: list[ReplyEvent]) -> None:
+        """Start the call (`ToolCallStart`) as soon as an XML block's `<function=NAME>` is read."""
+        if call.head is None:
+            return
+        call.head += text
+        head = call.head.lstrip()
+        if head.startswith(("{", "[")) or len(call.head) > _HEAD_LIMIT:  # JSON, or no name early: read at the end
+            call.head = None
+            return
+        i = head.find(FUNCTION_START)
+        match = _NAME.match(head, i + len(FUNCTION_START)) if i >= 0 else None
+        if match is not None:
+            call.head = None
+            self._start_call(call, match.group(1), out)
+
+    def _check_declared(self, name: str) -> None:
+        if name not in self._defs:
+            declared = ", ".join(self._defs)
+            raise ToolCallInvalid(f"the model called {name!r}, which is not a declared tool (declared: {declared})")
+
+    def _start_call(self, call: _Call, name: str, out: list[ReplyEvent]) -> None:
+        self._check_declared(name)
+        call.name, call.id = name, _new_id()
+        out.append(ToolCallStart(call.index, call.id, name))
+
+    def _close_call(self, call: _Call, block: str, out: list[ReplyEvent]) -> None:
+        text = block.strip()
+        parsed = self._parse_json(text) if text.startswith(("{", "[")) else [self._parse_xml(text)]
+        if not parsed:
+            raise ToolCallInvalid(f"the tool call names no function: {text[:200]!r}")
+        for n, (name, arguments) in enumerate(parsed):
+            if n == 0 and call.name is not None:
+                if name != call.name:
+                    raise ToolCallInvalid(f"the tool call to {call.name} names a second function, {name!r}")
+                this = call
+            else:
+                this = _Call(self.calls)
+                self._start_call(this, name, out)
+            self._end_call(this, arguments, out)
+
+    def _end_call(self, call: _Call, arguments: Any, out: list[ReplyEvent]) -> None:
+        assert call.name is not None and call.id is not None
+        tool_schema.check_arguments(call.name, self._keys[call.name], arguments)
+        try:
+            args = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:  # NaN, or a Python value no JSON can hold
+            raise ToolCallInvalid(f"invalid arguments in the tool call to {call.name}: {e}") from e
+        out.append(ToolCallArguments(call.index, args))
+        out.append(ToolCallEnd(call.index, call.id, call.name, args))
+        self.calls += 1
+
+    def _parse_xml(self, text: str) -> tuple[str, Any]:
+        """A Qwen3-Coder block through mlx-lm's parser. mlx-lm converts each value by its property's
+        "type" alone (a "string" value stays text, "integer" goes through float(), no "type" keeps
+        text unless it is a JSON object or array), which misreads nullable types, anyOf and $ref;
+        so each value is also read as the raw text and as JSON, and the schema picks the reading."""
+        try:
+            raw = qwen3_coder.parse_tool_call(text)
+        except ValueError as e:
+            raise ToolCallInvalid(f"the tool call could not be read ({e}): {text[:200]!r}") from e
+        name = raw["name"]
+        self._check_declared(name)
+        try:
+            typed = qwen3_coder.parse_tool_call(text, [self._dicts[name]])["arguments"]
+        except ValueError:  # a value its "type" cannot hold, e.g. "abc" for an integer: the schema will say
+            typed = {}
+        candidates = {key: _readings(key, value, typed) for key, value in raw["arguments"].items()}
+        return name, tool_schema.choose_values(self._keys[name], candidates)
+
+    def _parse_json(self, text: str) -> list[tuple[str, Any]]:
+        """A Hermes-style block through mlx-lm's parser: an object (or a list of them) with a
+        "name" and "arguments" (an object, or a string holding one)."""
+        try:
+            parsed = json_tools.parse_tool_call(text)
+        except ValueError as e:
+            raise ToolCallInvalid(f"the tool call is not valid JSON ({e})") from e
+        calls = []
+        for item in parsed if isinstance(parsed, list) else [parsed]:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                raise ToolCallInvalid(f"the tool call has no function name: {text[:200]!r}")
+            arguments = item.get("arguments", item.get("parameters", {}))
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except ValueError as e:
+                    raise ToolCallInvalid(f"the arguments of the tool call to {item['name']} are not JSON ({e})") from e
+            calls.append((item["name"], arguments))
+        return calls
+
+
+def _readings(key: str, raw: Any, typed: dict[str, Any]) -> list[Any]:
+    """An XML argument's candidate values: mlx-lm's typed value, the raw text, the text as JSON."""
+    values = [typed[key]] if key in typed else []
+    values.append(raw)
+    if isinstance(raw, str):
+        try:
+            values.append(json.loads(raw))
+        except ValueError:
+            pass
+    return values
+
+
+def _add(out: list[ReplyEvent], kind: type[ReasoningDelta] | type[ContentDelta], text: str) -> None:
+    if text:
+        out.append(kind(text))
+
+
+def _with_logprobs(events: list[ReplyEvent], logprobs: list[TokenLogprob]) -> list[ReplyEvent]:
+    for i, ev in enumerate(events):
+        if isinstance(ev, ContentDelta):
+            events[i] = ContentDelta(ev.text, logprobs)
+            break
+    return events

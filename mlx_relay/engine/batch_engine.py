@@ -33,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.generate.ar import BatchGenerator
 
+from mlx_relay.chat.output import TokenLogprob
 from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.loader import LoadedModel
 from mlx_relay.engine.messages import (
@@ -47,6 +48,7 @@ from mlx_relay.engine.messages import (
 from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.mtp_lane import MTPLane, MTPRow
 from mlx_relay.engine.plain_lane import PlainLane, PlainRow
+from mlx_relay.engine.processors import GrammarMask, LogprobRecorder, Penalties, ThinkingBudget
 from mlx_relay.engine.sampling import RowSampler, needs_sampler
 from mlx_relay.engine.snapshots import Snapshot, SnapshotPool
 from mlx_relay.engine.vision import FeatureCache, vision_prompt_kwargs
@@ -74,6 +76,9 @@ class _Seq:
     pending_text: list[str] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)
     emitted_ids: list[int] = field(default_factory=list)
+    recorder: LogprobRecorder | None = None  # when the request asked for logprobs
+    grammar: GrammarMask | None = None  # when the request has a grammar
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class BatchEngine:
@@ -126,6 +131,7 @@ class BatchEngine:
             self._plain = PlainLane(self._model.language_model, prefill_step_size=prefill_step_size)
         self._mtp_totals = [0, 0, 0]  # rounds, drafted, accepted
         self._eos = frozenset(loaded.info.eos_token_ids)
+        self._llg_tokenizer: Any = None  # built on the first request with a grammar
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _new_generator(self) -> BatchGenerator:
@@ -369,7 +375,7 @@ class BatchEngine:
                 elif self._plain is not None:
                     seq.uid = self._insert_own_plain(seq)
                 else:
-                    seq.uid = self._insert(seq.req)
+                    seq.uid = self._insert(seq)
             except Exception as exc:
                 log.exception("request %s could not join the batch", seq.req.request_id)
                 self._finish_error(seq, GenerationFailed(f"could not start generation: {exc}"))
@@ -385,13 +391,52 @@ class BatchEngine:
                            mtp_drafted=drafted, mtp_accepted=accepted, snapshots=len(self._snapshots),
                            snapshot_bytes=self._snapshots.bytes)
 
+    def _sampler(self, params: SamplingParams) -> RowSampler | None:
+        if not needs_sampler(params):
+            return None
+        return RowSampler(params, params.seed if params.seed is not None else self._seeds.getrandbits(63))
+
+    def _processors(self, seq: _Seq) -> list[Any]:
+        """The row's logits processors, in order (`engine/processors.py`); the sampler last."""
+        p = seq.req.sampling
+        chain: list[Any] = []
+        if p.logprobs >= 0:
+            seq.recorder = LogprobRecorder(p.logprobs, self._token_text)
+            chain.append(seq.recorder)
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty not in (None, 1.0):
+            chain.append(Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
+        think_start, think_end = self._think_ids()
+        if p.grammar is not None:
+            import llguidance
+
+            if self._llg_tokenizer is None:
+                import llguidance.hf
+
+                self._llg_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer,
+                                                                   eos_token=self._loaded.info.eos_token_ids[0])
+            matcher = llguidance.LLMatcher(self._llg_tokenizer, p.grammar)
+            after = think_end if p.grammar_after_thinking else None
+            seq.grammar = GrammarMask(matcher, self._loaded.info.eos_token_ids[0], self._vocab_size, after)
+            chain.append(seq.grammar)
+        if p.thinking_budget is not None and think_end is not None:
+            close = list(self._tokenizer.encode("\n</think>\n\n", add_special_tokens=False))
+            chain.append(ThinkingBudget(p.thinking_budget, close, think_end, think_start, p.think_open))
+        sampler = self._sampler(p)
+        if sampler is not None:
+            chain.append(sampler)
+        return chain
+
+    def _think_ids(self) -> tuple[int | None, int | None]:
+        vocab = self._tokenizer.get_vocab()
+        return vocab.get("<think>"), vocab.get("</think>")
+
+    def _token_text(self, token: int) -> str:
+        return self._tokenizer.decode([token]) if 0 <= token < self._vocab_size else ""
+
     def _insert_own_plain(self, seq: _Seq) -> int:
         assert self._plain is not None
         req = seq.req
-        processors: list[Any] = []
-        if needs_sampler(req.sampling):
-            seed = req.sampling.seed if req.sampling.seed is not None else self._seeds.getrandbits(63)
-            processors.append(RowSampler(req.sampling, seed))
+        processors = self._processors(seq)
         uid = self._next_mtp_uid
         self._next_mtp_uid += 1
         restore, snapshot_at = self._restore(req.prefix)
@@ -410,15 +455,12 @@ class BatchEngine:
         # MTP pays only while the decode batch is small (a round costs more than a plain step,
         # and more so as the batch grows: benchmarks/bench_mtp.py); rows do not change lanes later.
         return (lane is not None and req.vision is None and req.sampling.mtp
-                and len(self._by_uid) < self._mtp_max_batch)
+                and not req.sampling.needs_processors and len(self._by_uid) < self._mtp_max_batch)
 
     def _insert_mtp(self, seq: _Seq) -> int:
         assert self._mtp is not None
         req = seq.req
-        sampler = None
-        if needs_sampler(req.sampling):
-            seed = req.sampling.seed if req.sampling.seed is not None else self._seeds.getrandbits(63)
-            sampler = RowSampler(req.sampling, seed)
+        sampler = self._sampler(req.sampling)
         uid = self._next_mtp_uid
         self._next_mtp_uid += 1
         seq.mtp = MTPRow(uid=uid, prompt=list(req.prompt_tokens), max_tokens=req.sampling.max_tokens, sampler=sampler)
@@ -426,16 +468,14 @@ class BatchEngine:
         self._mtp.add(seq.mtp, restore=restore, snapshot_at=snapshot_at)
         return uid
 
-    def _insert(self, req: Generate) -> int:
+    def _insert(self, seq: _Seq) -> int:
+        req = seq.req
         if req.vision is not None:  # the vision path: encode (or reuse) each image's features
             kwargs = vision_prompt_kwargs(self._model, req.prompt_tokens, req.vision, self._features)
         else:
             embed = self._model.get_input_embeddings(mx.array([req.prompt_tokens]), None)
             kwargs = {k: v for k, v in embed.to_dict().items() if v is not None}
-        processors: list[Any] = []
-        if needs_sampler(req.sampling):
-            seed = req.sampling.seed if req.sampling.seed is not None else self._seeds.getrandbits(63)
-            processors.append(RowSampler(req.sampling, seed))
+        processors = self._processors(seq)
         (uid,) = self._gen.insert(
             [req.prompt_tokens],
             max_tokens=[req.sampling.max_tokens],
@@ -452,6 +492,13 @@ class BatchEngine:
         seq.generated += 1
         seq.pending_ids.append(token)
         seq.emitted_ids.append(token)
+        if seq.recorder is not None:
+            lp = seq.recorder.take(token)
+            if lp is not None:
+                seq.pending_logprobs.append(lp)
+        if seq.grammar is not None and seq.grammar.error is not None:
+            self._finish_error(seq, GenerationFailed(f"the output grammar failed: {seq.grammar.error}"))
+            return
         try:
             text = seq.detok.step(token)
         except Exception as exc:
@@ -477,9 +524,11 @@ class BatchEngine:
 
     def _release_text(self, seq: _Seq) -> None:
         if seq.pending_ids:
-            self._events.append((seq.sid, TokenDelta("".join(seq.pending_text), seq.pending_ids)))
+            logprobs = seq.pending_logprobs if seq.recorder is not None else None
+            self._events.append((seq.sid, TokenDelta("".join(seq.pending_text), seq.pending_ids, logprobs)))
             seq.pending_text = []
             seq.pending_ids = []
+            seq.pending_logprobs = []
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         self._release_text(seq)

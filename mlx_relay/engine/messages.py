@@ -26,6 +26,21 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     mtp: bool = True  # MTP speculative decoding when the text path has it (per-request opt-out)
+    logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k most likely
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    grammar: str | None = None  # llguidance grammar (validated before the request was admitted)
+    grammar_after_thinking: bool = False  # the grammar applies once the thinking block is closed
+    think_open: bool = False  # the prompt leaves a thinking block open
+    thinking_budget: int | None = None  # at most this many thinking tokens (then the block is closed)
+
+    @property
+    def needs_processors(self) -> bool:
+        """Anything beyond plain sampling: such rows decode in the plain lane."""
+        return (self.logprobs >= 0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty not in (None, 1.0) or self.grammar is not None
+                or self.thinking_budget is not None)
 
 
 class PrefixPlan(msgspec.Struct, frozen=True):

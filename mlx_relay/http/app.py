@@ -11,8 +11,9 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TypeVar
 
 import anyio
 import msgspec
@@ -24,29 +25,18 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlx_relay.config import ServerConfig
-from mlx_relay.engine.messages import Finished, TokenDelta
-from mlx_relay.errors import InvalidRequest, ModelNotFound, NotFound, NotReady, RelayError, Unauthorized
+from mlx_relay.errors import ModelNotFound, NotFound, NotReady, RelayError, Unauthorized
 from mlx_relay.http.anthropic_routes import anthropic_routes
-from mlx_relay.http.errors import as_relay_error, decode_error, error_body, error_response, handle_exception
-from mlx_relay.http.openai_types import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Choice,
-    ChunkChoice,
-    Delta,
-    ModelCard,
-    ModelList,
-    ResponseMessage,
-    usage_of,
-)
+from mlx_relay.http.errors import decode_error, error_response, handle_exception
+from mlx_relay.http.fanout import choice_requests, open_replies
+from mlx_relay.http.openai_chat import collect_chat, stream_chat, to_chat_request
+from mlx_relay.http.openai_types import ChatCompletionRequest, ModelCard, ModelList
 from mlx_relay.http.responses_routes import responses_routes
 from mlx_relay.relay import Relay
-from mlx_relay.runtime import ReplyStream
-from mlx_relay.service import ChatRequest, ChatService
+from mlx_relay.service import ChatService
 
 JSON = "application/json"
-_TIMEOUT = object()
+T = TypeVar("T")
 
 
 def _json(obj: object, status: int = 200) -> Response:
@@ -98,32 +88,6 @@ class ScopedStreamingResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._stack.aclose()
-
-
-def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
-    if body.n != 1:
-        raise InvalidRequest("only n=1 is supported", param="n")
-    if not body.messages:
-        raise InvalidRequest("messages must not be empty", param="messages")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    stop: tuple[str, ...] = ()
-    if isinstance(body.stop, str):
-        stop = (body.stop,)
-    elif body.stop:
-        stop = tuple(body.stop)
-    return ChatRequest(
-        messages=body.messages,
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        seed=body.seed,
-        stop=stop,
-        tools=body.tools,
-        template_kwargs=body.chat_template_kwargs or {},
-        mtp=body.mtp is not False,
-    )
 
 
 async def _watch_disconnect(request: Request, scope: anyio.CancelScope) -> None:
@@ -203,77 +167,39 @@ class OpenAIRoutes:
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         stack = AsyncExitStack()
         try:
-            events = await stack.enter_async_context(service.generate(req, rid))
+            items = await open_replies(stack, service, choice_requests(req, body.n), rid)
         except BaseException:
             await stack.aclose()
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            sse = self._sse(events, rid, model, include_usage)
+            sse = stream_chat(items, body.n, rid, model, include_usage, body.logprobs, self.config.sse_keepalive_s)
             return ScopedStreamingResponse(sse, stack)
         async with stack:
-            completion = await self._collect(request, events, rid, model)
+            completion = await until_disconnect(request, collect_chat(items, body.n, rid, model, body.logprobs))
         return _json(completion)
 
-    async def _collect(self, request: Request, events: ReplyStream, rid: str, model: str) -> ChatCompletion:
-        parts: list[str] = []
-        finished: Finished | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_watch_disconnect, request, tg.cancel_scope)
-            async for ev in events:
-                if isinstance(ev, TokenDelta):
-                    parts.append(ev.text)
-                elif isinstance(ev, Finished):
-                    finished = ev
-            tg.cancel_scope.cancel()
-        if finished is None:  # the client went away; nobody reads this
-            raise RelayError("client disconnected")
-        usage = usage_of(finished)
-        return ChatCompletion(
-            id=rid,
-            created=int(time.time()),
-            model=model,
-            choices=[Choice(0, ResponseMessage("".join(parts)), finished.reason)],
-            usage=usage,
-        )
 
-    async def _sse(
-        self, events: ReplyStream, rid: str, model: str, include_usage: bool
-    ) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        encode = msgspec.json.encode
-        keepalive = self.config.sse_keepalive_s
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` unless the client goes away first (then the generation is cancelled)."""
+    result: list[T] = []
+    failed: list[Exception] = []
 
-        def chunk(delta: Delta, finish: str | None = None) -> bytes:
-            c = ChatCompletionChunk(rid, created, model, [ChunkChoice(0, delta, finish)])
-            return b"data: " + encode(c) + b"\n\n"
+    async def run(scope: anyio.CancelScope) -> None:
+        try:
+            result.append(await work)
+        except Exception as exc:  # re-raised as itself below, not inside an exception group
+            failed.append(exc)
+        scope.cancel()
 
-        yield chunk(Delta(role="assistant", content=""))
-        while True:
-            ev: object = _TIMEOUT
-            try:
-                with anyio.move_on_after(keepalive):
-                    ev = await anext(events, None)
-            except Exception as exc:  # the generation failed after the response started
-                yield b"data: " + error_body(as_relay_error(exc)) + b"\n\n"
-                yield b"data: [DONE]\n\n"
-                return
-            if ev is None:
-                return
-            if ev is _TIMEOUT:  # keep slow prefills alive for clients with read timeouts
-                yield b": keep-alive\n\n"
-                continue
-            if isinstance(ev, TokenDelta):
-                if ev.text:
-                    yield chunk(Delta(content=ev.text))
-            elif isinstance(ev, Finished):
-                yield chunk(Delta(), ev.reason)
-                if include_usage:
-                    usage = usage_of(ev)
-                    c = ChatCompletionChunk(rid, created, model, [], usage=usage)
-                    yield b"data: " + encode(c) + b"\n\n"
-                yield b"data: [DONE]\n\n"
-                return
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch_disconnect, request, tg.cancel_scope)
+        tg.start_soon(run, tg.cancel_scope)
+    if failed:
+        raise failed[0]
+    if not result:  # the client went away; nobody reads this
+        raise RelayError("client disconnected")
+    return result[0]
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

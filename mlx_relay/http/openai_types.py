@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from mlx_relay.chat.output import TokenLogprob
 from mlx_relay.chat.types import ChatMessage, ToolDef
 from mlx_relay.engine.messages import Finished
 
@@ -30,10 +31,40 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop: str | list[str] | None = None
     n: int = 1
     tools: list[ToolDef] | None = None
-    tool_choice: Any = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoiceWire | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormatWire | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None  # extension (vLLM's name)
+    reasoning_effort: str | None = None  # "none" / "minimal" turn thinking off, any other value on
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    thinking_budget: int | None = None  # extension: at most this many thinking tokens
     user: str | None = None
     mtp: bool | None = None  # mlx-relay extension: false turns MTP speculative decoding off for this request
+
+
+class FunctionName(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoiceWire(msgspec.Struct):
+    function: FunctionName
+    type: Literal["function"] = "function"
+
+
+class JSONSchemaWire(msgspec.Struct, omit_defaults=True):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormatWire(msgspec.Struct, omit_defaults=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaWire | None = None
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -66,16 +97,33 @@ def usage_of(finished: Finished) -> Usage:
                  PromptTokensDetails(cached_tokens=finished.cached_tokens), mtp)
 
 
-class ResponseMessage(msgspec.Struct):
+class ResponseFunctionCall(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(msgspec.Struct):
+    id: str
+    function: ResponseFunctionCall
+    type: Literal["function"] = "function"
+
+
+class ResponseMessage(msgspec.Struct, omit_defaults=True):
     content: str | None
-    role: Literal["assistant"] = "assistant"
+    role: Literal["assistant"]  # no default: omit_defaults would leave it out
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+
+class ChoiceLogprobs(msgspec.Struct):
+    content: list[TokenLogprob] | None
 
 
 class Choice(msgspec.Struct):
     index: int
     message: ResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -87,16 +135,33 @@ class ChatCompletion(msgspec.Struct):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class DeltaFunction(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A streamed tool call: the first chunk of a call has `id`, `type` and `function.name` (and
+    empty arguments), later chunks only `index` and argument fragments."""
+
+    index: int
+    function: DeltaFunction
+    id: str | None = None
+    type: Literal["function"] | None = None
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(msgspec.Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, omit_defaults=True, tag_field="object", tag="chat.completion.chunk"):

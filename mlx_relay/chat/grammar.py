@@ -1,0 +1,129 @@
+"""Output grammars for llguidance: `response_format` (JSON object / JSON schema) and tool calls
+the request requires (`tool_choice` "required" or a named function), in the model's own
+tool-call syntax.
+
+Built and validated by the Normalizer (it owns the tokenizer) before a request is admitted, so
+a schema llguidance cannot enforce exactly is a 400 ("fail closed"), never a 200 whose output
+might not match; the GPU thread then compiles the same grammar text into a matcher per row.
+Pure Python: grammars are llguidance's serialized text, built with `llguidance.grammar_from`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import msgspec
+
+from mlx_relay.chat.types import NamedToolChoice, ResponseFormat, ToolChoice, ToolDef
+
+
+class OutputConstraint(msgspec.Struct, frozen=True):
+    """What the reply must look like (travels in the Normalizer's Render message)."""
+
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    tool_format: str | None = "qwen3_coder"
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be enforced exactly (the message says why)."""
+
+
+def _lark_str(text: str) -> str:
+    return json.dumps(text)
+
+
+def _token_or_text(text: str, special: frozenset[str]) -> str:
+    """A tag that is one token of its own is named as a token (`<tool_call>`), else as text."""
+    return text if text in special else _lark_str(text)
+
+
+def _is_string_schema(schema: Any) -> bool:
+    return isinstance(schema, dict) and schema.get("type") in ("string", ["string"]) and len(schema) <= 3 \
+        and not ({"enum", "const", "pattern", "format", "minLength", "maxLength"} & set(schema))
+
+
+def _qwen_call_rule(i: int, tool: ToolDef, special: frozenset[str], rules: list[str]) -> str:
+    params = tool.function.parameters or {}
+    props: dict[str, Any] = params.get("properties") or {}
+    required = set(params.get("required") or [])
+    parts = [_token_or_text("<tool_call>", special), _lark_str(f"\n<function={tool.function.name}>\n")]
+    for j, (name, schema) in enumerate(props.items()):
+        rule = f"p{i}_{j}"
+        head = _lark_str(f"<parameter={name}>\n")
+        if _is_string_schema(schema):
+            # the value runs to the first closing tag: anything but the tag itself
+            rules.append(f"{rule}_v[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")
+            rules.append(f"{rule}: {head} {rule}_v")
+        else:
+            close = _lark_str("\n</parameter>\n")
+            rules.append(f"{rule}: {head} %json{json.dumps(schema or {})} {close}")
+        parts.append(rule if name in required else f"{rule}?")
+    parts += [_lark_str("</function>\n"), _token_or_text("</tool_call>", special)]
+    rules.append(f"call{i}: " + " ".join(parts))
+    return f"call{i}"
+
+
+def _json_call_rule(i: int, tool: ToolDef, special: frozenset[str], rules: list[str]) -> str:
+    schema = {"type": "object", "properties": {"name": {"const": tool.function.name},
+                                               "arguments": tool.function.parameters or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False}
+    rules.append(f"call{i}: {_token_or_text('<tool_call>', special)} {_lark_str(chr(10))} %json{json.dumps(schema)} "
+                 f"{_lark_str(chr(10))} {_token_or_text('</tool_call>', special)}")
+    return f"call{i}"
+
+
+def tool_call_grammar(tools: Sequence[ToolDef], choice: ToolChoice, parallel: bool, tool_format: str | None,
+                      special: frozenset[str]) -> str:
+    """The reply is one or more calls (one if not `parallel`) to the allowed tools, nothing else."""
+    if tool_format not in ("qwen3_coder", "json"):
+        raise GrammarError(f"tool_choice {choice!r} needs a known tool-call format; this model's is {tool_format!r}")
+    allowed = list(tools)
+    if isinstance(choice, NamedToolChoice):
+        allowed = [t for t in tools if t.function.name == choice.name]
+        if not allowed:
+            raise GrammarError(f"tool_choice names '{choice.name}', which is not among the declared tools")
+    rules: list[str] = []
+    build = _qwen_call_rule if tool_format == "qwen3_coder" else _json_call_rule
+    alternatives = [build(i, t, special, rules) for i, t in enumerate(allowed)]
+    rules.insert(0, "call: " + " | ".join(alternatives))
+    start = 'start: call ("\\n" call)*' if parallel and not isinstance(choice, NamedToolChoice) else "start: call"
+    return llguidance.grammar_from("lark", "\n".join([start, *rules]))
+
+
+def json_grammar(fmt: ResponseFormat) -> str:
+    if fmt.type == "json_object":
+        schema: dict[str, Any] = {"type": "object"}
+    else:
+        if not isinstance(fmt.schema, dict):
+            raise GrammarError("response_format json_schema needs a `schema` object")
+        schema = fmt.schema
+    try:
+        return llguidance.grammar_from("json_schema", json.dumps(schema))
+    except Exception as exc:  # llguidance reports schema problems as plain exceptions
+        raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from exc
+
+
+def build_grammar(c: OutputConstraint, special: frozenset[str]) -> str | None:
+    """The grammar for `c`, or None when the reply is unconstrained."""
+    forced_tools = c.tools and c.tool_choice not in ("auto", "none")
+    if c.tool_choice not in ("auto", "none") and not c.tools:
+        raise GrammarError("tool_choice requires tools")
+    if forced_tools:
+        assert c.tools is not None
+        return tool_call_grammar(c.tools, c.tool_choice, c.parallel_tool_calls, c.tool_format, special)
+    if c.response_format is not None and c.response_format.type != "text":
+        return json_grammar(c.response_format)
+    return None
+
+
+def check_grammar(grammar: str, llg_tokenizer: Any) -> None:
+    """Fail closed: an error or any warning (a keyword llguidance would ignore) refuses it."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llg_tokenizer)
+    if is_error or messages:
+        raise GrammarError("; ".join(messages) or "the grammar is invalid")

@@ -1,0 +1,173 @@
+"""Per-row logits processors (GPU thread only): logprobs, penalties, grammars, thinking budgets.
+
+mlx-vlm's `GenerationBatch` (our plain lane) and `BatchGenerator` apply a row's processors to
+that row's logits before sampling, calling `process_last_token(last_token, logits)` when a
+processor has it; our own prefill calls them the same way for a row's first token. The first
+call of a row sees the prompt's last token, every later call the token sampled just before.
+
+A row's chain is built by `build_processors` in this order: the logprob recorder (it sees the
+model's raw distribution), penalties, the grammar mask, the thinking budget, and last the
+`RowSampler` when the row samples. Rows with any of these decode in the plain lane, never in
+the MTP lane (whose verification would have to replay them for every drafted position).
+
+A processor never raises into the batch (that would fail every row of the step): a grammar
+that reaches an error state records it and forces end-of-sequence, and the engine ends that row
+with the error.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_relay.chat.output import TokenLogprob, TopLogprob
+
+
+class RowProcessor:
+    """Base: turns the `(tokens, logits)` call into `process_last_token(last, logits)`."""
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        return self.process_last_token(int(tokens[-1].item()), logits)
+
+    def process_last_token(self, last_token: int, logits: mx.array) -> mx.array:
+        raise NotImplementedError
+
+
+class LogprobRecorder(RowProcessor):
+    """Records each step's log-probabilities; the engine takes them, oldest first, as the
+    row's tokens come out (decode is double-buffered, so a step may be recorded before the
+    previous token is read)."""
+
+    def __init__(self, top: int, decode: Any) -> None:
+        self.top = top
+        self._decode = decode
+        self._pending: deque[mx.array] = deque()
+
+    def process_last_token(self, last_token: int, logits: mx.array) -> mx.array:
+        lp = logits.astype(mx.float32)
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        self._pending.append(lp.reshape(-1))
+        return logits
+
+    def take(self, token: int) -> TokenLogprob | None:
+        if not self._pending:
+            return None
+        lp = self._pending.popleft()
+        chosen = float(lp[token].item())
+        top: list[TopLogprob] = []
+        if self.top > 0:
+            k = min(self.top, lp.shape[0])
+            idx = mx.argpartition(-lp, k - 1)[:k]
+            vals = lp[idx]
+            order = mx.argsort(-vals)
+            for i, v in zip(idx[order].tolist(), vals[order].tolist(), strict=True):
+                text = self._decode(i)
+                top.append(TopLogprob(text, float(v), list(text.encode())))
+        text = self._decode(token)
+        return TokenLogprob(text, chosen, list(text.encode()), top)
+
+
+class Penalties(RowProcessor):
+    """OpenAI's presence and frequency penalties and a multiplicative repetition penalty, over
+    the tokens this row has generated (not the prompt)."""
+
+    def __init__(self, presence: float, frequency: float, repetition: float | None) -> None:
+        self.presence = presence
+        self.frequency = frequency
+        self.repetition = repetition
+        self._counts: dict[int, int] = {}
+        self._first = True
+
+    def process_last_token(self, last_token: int, logits: mx.array) -> mx.array:
+        if self._first:
+            self._first = False
+        else:
+            self._counts[last_token] = self._counts.get(last_token, 0) + 1
+        if not self._counts:
+            return logits
+        ids = mx.array(list(self._counts))
+        counts = mx.array(list(self._counts.values()), dtype=mx.float32)
+        picked = logits[..., ids]
+        if self.repetition is not None and self.repetition != 1.0:
+            picked = mx.where(picked > 0, picked / self.repetition, picked * self.repetition)
+        picked = picked - (self.presence + self.frequency * counts).astype(logits.dtype)
+        logits[..., ids] = picked
+        return logits
+
+
+def _only(token: int, logits: mx.array) -> mx.array:
+    vocab = mx.arange(logits.shape[-1])
+    return mx.where(vocab == token, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+class GrammarMask(RowProcessor):
+    """llguidance: only tokens the grammar allows next. With `activate_after` (the thinking
+    block's end token) the grammar starts after the model closes its thinking."""
+
+    def __init__(self, matcher: Any, eos: int, n_vocab: int, activate_after: int | None = None) -> None:
+        import llguidance.numpy
+
+        self._fill = llguidance.numpy.fill_next_token_bitmask
+        self.matcher = matcher
+        self.eos = eos
+        self.active = activate_after is None
+        self.activate_after = activate_after
+        self.error: str | None = None
+        self._first = True
+        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
+
+    def process_last_token(self, last_token: int, logits: mx.array) -> mx.array:
+        first, self._first = self._first, False
+        if not self.active:
+            if not first and last_token == self.activate_after:
+                self.active = True
+            else:
+                return logits
+        elif not first and self.error is None and not self.matcher.is_stopped():
+            if not self.matcher.consume_token(last_token):
+                self.error = self.matcher.get_error() or f"token {last_token} is not allowed by the grammar"
+        if self.error is not None or self.matcher.is_stopped():
+            return _only(self.eos, logits)
+        self._fill(self.matcher, self._bitmask, 0)
+        allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+        vocab = logits.shape[-1]
+        if allowed.shape[0] < vocab:
+            allowed = np.concatenate([allowed, np.zeros(vocab - allowed.shape[0], dtype=np.uint8)])
+        mask = mx.array(allowed[:vocab].astype(np.bool_))
+        return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+class ThinkingBudget(RowProcessor):
+    """Caps the thinking tokens: once `budget` tokens were generated inside the thinking block,
+    the block's end (`close`, e.g. the tokens of "\\n</think>\\n\\n") is forced token by token."""
+
+    def __init__(self, budget: int, close: list[int], end_token: int, start_token: int | None,
+                 thinking: bool) -> None:
+        self.budget = budget
+        self.close = close
+        self.end_token = end_token
+        self.start_token = start_token
+        self.thinking = thinking
+        self.used = 0
+        self._forcing: list[int] = []
+        self._first = True
+
+    def process_last_token(self, last_token: int, logits: mx.array) -> mx.array:
+        if self._first:
+            self._first = False
+        elif self.thinking:
+            if last_token == self.end_token:
+                self.thinking = False
+            else:
+                self.used += 1
+        elif last_token == self.start_token and self.used == 0:
+            self.thinking = True
+        if self._forcing:
+            return _only(self._forcing.pop(0), logits)
+        if self.thinking and self.used >= self.budget:
+            self._forcing = list(self.close)
+            return _only(self._forcing.pop(0), logits)
+        return logits

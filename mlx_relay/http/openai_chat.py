@@ -1,0 +1,227 @@
+"""OpenAI Chat Completions: the wire request into a `ChatRequest`, reply events into a
+`chat.completion` or a stream of `chat.completion.chunk`s.
+
+Streams follow the spec clients check: the first chunk carries the role; reasoning streams as
+`reasoning_content` deltas; each tool call's first chunk carries `index`, `id`, `type` and
+`function.name` (arguments ""), later chunks `index` and argument fragments; exactly one chunk
+per choice carries its `finish_reason` ("tool_calls" when the choice called tools); the usage
+chunk (with `stream_options.include_usage`) and `[DONE]` come last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from mlx_relay.chat.output import (
+    ContentDelta,
+    ReasoningDelta,
+    ReplyDone,
+    TokenLogprob,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from mlx_relay.chat.types import NamedToolChoice, ResponseFormat, ToolChoice
+from mlx_relay.errors import InvalidRequest, RelayError
+from mlx_relay.http.errors import as_relay_error, error_body
+from mlx_relay.http.fanout import Item
+from mlx_relay.http.openai_types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    DeltaFunction,
+    DeltaToolCall,
+    ResponseFormatWire,
+    ResponseFunctionCall,
+    ResponseMessage,
+    ResponseToolCall,
+    Usage,
+    usage_of,
+)
+from mlx_relay.service import ChatRequest
+
+MAX_N = 16
+_TIMEOUT = object()
+
+
+def tool_choice_of(wire: object) -> ToolChoice:
+    if wire is None:
+        return "auto"
+    if isinstance(wire, str):
+        return wire  # type: ignore[return-value]  # the wire type admits only the three literals
+    return NamedToolChoice(wire.function.name)  # type: ignore[attr-defined]
+
+
+def response_format_of(wire: ResponseFormatWire | None) -> ResponseFormat | None:
+    if wire is None or wire.type == "text":
+        return None
+    if wire.type == "json_schema":
+        if wire.json_schema is None or wire.json_schema.schema is None:
+            raise InvalidRequest("response_format json_schema needs json_schema.schema", param="response_format")
+        return ResponseFormat("json_schema", wire.json_schema.schema, wire.json_schema.name, wire.json_schema.strict)
+    return ResponseFormat("json_object")
+
+
+def thinking_of(body: ChatCompletionRequest) -> bool | None:
+    if body.reasoning_effort is None:
+        return None
+    return body.reasoning_effort not in ("none", "minimal")
+
+
+def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
+    if not 1 <= body.n <= MAX_N:
+        raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
+    if not body.messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+    choice = tool_choice_of(body.tool_choice)
+    if choice != "auto" and choice != "none" and not body.tools:
+        raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    stop: tuple[str, ...] = ()
+    if isinstance(body.stop, str):
+        stop = (body.stop,)
+    elif body.stop:
+        stop = tuple(body.stop)
+    return ChatRequest(
+        messages=body.messages,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=stop,
+        tools=body.tools,
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=response_format_of(body.response_format),
+        template_kwargs=body.chat_template_kwargs or {},
+        enable_thinking=thinking_of(body),
+        thinking_budget=body.thinking_budget,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        mtp=body.mtp is not False,
+    )
+
+
+def total_usage(dones: list[ReplyDone]) -> Usage:
+    """One request's usage over its choices: the prompt once, the completions summed."""
+    usage = usage_of(dones[0])
+    if len(dones) > 1:
+        completion = sum(d.completion_tokens for d in dones)
+        usage = msgspec.structs.replace(usage, completion_tokens=completion,
+                                        total_tokens=usage.prompt_tokens + completion)
+    return usage
+
+
+@dataclass
+class _ChoiceState:
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: list[ResponseToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    done: ReplyDone | None = None
+
+
+async def collect_chat(items: MemoryObjectReceiveStream[Item], n: int, rid: str, model: str,
+                       want_logprobs: bool) -> ChatCompletion:
+    states = [_ChoiceState() for _ in range(n)]
+    async for index, ev in items:
+        st = states[index]
+        if isinstance(ev, BaseException):
+            raise ev
+        if isinstance(ev, ContentDelta):
+            st.content.append(ev.text)
+            st.logprobs.extend(ev.logprobs or ())
+        elif isinstance(ev, ReasoningDelta):
+            st.reasoning.append(ev.text)
+        elif isinstance(ev, ToolCallEnd):
+            st.calls.append(ResponseToolCall(ev.id, ResponseFunctionCall(ev.name, ev.arguments)))
+        elif isinstance(ev, ReplyDone):
+            st.done = ev
+            if all(s.done is not None for s in states):
+                break
+    if any(s.done is None for s in states):
+        raise RelayError("the generation ended without finishing")
+    choices = []
+    for i, st in enumerate(states):
+        assert st.done is not None
+        message = ResponseMessage(
+            "".join(st.content) if st.content or not st.calls else None,
+            "assistant",
+            reasoning_content="".join(st.reasoning) if st.reasoning else None,
+            tool_calls=st.calls or None,
+        )
+        logprobs = ChoiceLogprobs(st.logprobs) if want_logprobs else None
+        choices.append(Choice(i, message, st.done.finish_reason, logprobs))
+    dones = [s.done for s in states if s.done is not None]
+    return ChatCompletion(id=rid, created=int(time.time()), model=model, choices=choices, usage=total_usage(dones))
+
+
+def _delta_of(ev: object) -> Delta | None:
+    if isinstance(ev, ContentDelta):
+        return Delta(content=ev.text) if ev.text else None
+    if isinstance(ev, ReasoningDelta):
+        return Delta(reasoning_content=ev.text) if ev.text else None
+    if isinstance(ev, ToolCallStart):
+        call = DeltaToolCall(ev.index, DeltaFunction(name=ev.name, arguments=""), id=ev.id, type="function")
+        return Delta(tool_calls=[call])
+    if isinstance(ev, ToolCallArguments):
+        return Delta(tool_calls=[DeltaToolCall(ev.index, DeltaFunction(arguments=ev.fragment))])
+    return None
+
+
+async def stream_chat(items: MemoryObjectReceiveStream[Item], n: int, rid: str, model: str, include_usage: bool,
+                      want_logprobs: bool, keepalive_s: float) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    encode = msgspec.json.encode
+
+    def frame(choice: ChunkChoice) -> bytes:
+        return b"data: " + encode(ChatCompletionChunk(rid, created, model, [choice])) + b"\n\n"
+
+    for i in range(n):
+        yield frame(ChunkChoice(i, Delta(role="assistant", content="")))
+    dones: list[ReplyDone] = []
+    open_choices = n
+    while open_choices:
+        item: object = _TIMEOUT
+        with anyio.move_on_after(keepalive_s):
+            item = await anext(aiter(items), None)
+        if item is _TIMEOUT:  # keep slow prefills alive for clients with read timeouts
+            yield b": keep-alive\n\n"
+            continue
+        if item is None:
+            break
+        index, ev = item  # type: ignore[misc]
+        if isinstance(ev, BaseException):  # the generation failed after the response started
+            yield b"data: " + error_body(as_relay_error(ev)) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            return
+        if isinstance(ev, ReplyDone):
+            dones.append(ev)
+            open_choices -= 1
+            yield frame(ChunkChoice(index, Delta(), ev.finish_reason))
+            continue
+        delta = _delta_of(ev)
+        if delta is not None:
+            logprobs = None
+            if want_logprobs and isinstance(ev, ContentDelta):
+                logprobs = ChoiceLogprobs(list(ev.logprobs or ()))
+            yield frame(ChunkChoice(index, delta, None, logprobs))
+    if include_usage and dones:
+        yield b"data: " + encode(ChatCompletionChunk(rid, created, model, [], usage=total_usage(dones))) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+

@@ -1,0 +1,444 @@
+"""Tests for mlx_relay.chat.reply_parser and mlx_relay.chat.tool_schema: reasoning, content, tool
+calls in both formats, schema checks, the mlx-lm parser behaviour we rely on, and split-invariance
+(one piece, character by character and random splits give the same reply)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from mlx_lm.tool_parsers import json_tools, qwen3_coder
+
+from mlx_relay.chat import tool_schema
+from mlx_relay.chat.output import (
+    ContentDelta,
+    ReasoningDelta,
+    ReplyEvent,
+    TokenLogprob,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from mlx_relay.chat.reply_parser import TOOL_FORMATS, ReplyParser, tool_format_for_template
+from mlx_relay.chat.types import FunctionDef, ToolDef
+from mlx_relay.errors import ToolCallInvalid
+
+TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "mlx_relay" / "testing" / "chat_template.jinja"
+MARKUP = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=")
+
+READ_FILE = ToolDef(FunctionDef(
+    name="read_file",
+    description="Read a file",
+    parameters={
+        "type": "object",
+        "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+        "required": ["path"],
+        "additionalProperties": False,
+    },
+))
+SEARCH = ToolDef(FunctionDef(
+    name="search",
+    parameters={
+        "type": "object",
+        "properties": {
+            "query": {"type": "string"},
+            "max_results": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            "tag": {"type": ["string", "null"]},
+            "filters": {"type": "object", "properties": {"lang": {"type": "string"}}},
+            "exact": {"type": "boolean"},
+        },
+        "required": ["query"],
+    },
+))
+NO_PARAMS = ToolDef(FunctionDef(name="now"))
+TOOLS = [READ_FILE, SEARCH, NO_PARAMS]
+
+
+def xml_call(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def json_call(name: str, arguments: Any) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+@dataclass
+class Reply:
+    """A parsed reply, merged: what a client would end up with."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    events: list[ReplyEvent] = field(default_factory=list)
+
+
+def merge(events: list[ReplyEvent], *, strict: bool = True) -> Reply:
+    """Merge events, checking the order rules of mlx_relay.chat.output on the way (`strict`: and
+    that no markup is in any text, for replies that write none outside their tags)."""
+    reply = Reply(events=events)
+    open_call: ToolCallStart | None = None
+    fragments = ""
+    for ev in events:
+        if isinstance(ev, ReasoningDelta | ContentDelta):
+            assert open_call is None, "text inside a tool call"
+            assert ev.text, "empty delta"
+            assert not (strict and any(tag in ev.text for tag in MARKUP)), ev
+            if isinstance(ev, ReasoningDelta):
+                reply.reasoning += ev.text
+            else:
+                reply.content += ev.text
+        elif isinstance(ev, ToolCallStart):
+            assert open_call is None
+            assert ev.index == len(reply.calls)
+            open_call, fragments = ev, ""
+        elif isinstance(ev, ToolCallArguments):
+            assert open_call is not None and ev.index == open_call.index
+            fragments += ev.fragment
+        else:
+            assert isinstance(ev, ToolCallEnd)
+            assert open_call is not None
+            assert (ev.index, ev.id, ev.name) == (open_call.index, open_call.id, open_call.name)
+            assert ev.arguments == fragments
+            reply.calls.append((ev.index, ev.name, json.loads(ev.arguments)))
+            reply.ids.append(ev.id)
+            open_call = None
+    assert open_call is None
+    return reply
+
+
+def parse(pieces: list[str] | str, *, tools: list[ToolDef] | None = TOOLS, think_open: bool = False,
+          tool_format: str | None = "qwen3_coder", reason: str = "stop", strict: bool = True) -> Reply:
+    parser = ReplyParser(tools=tools, tool_format=tool_format, think_open=think_open)
+    events: list[ReplyEvent] = []
+    for piece in [pieces] if isinstance(pieces, str) else pieces:
+        events += parser.feed(piece)
+    events += parser.finish(reason)
+    reply = merge(events, strict=strict)
+    assert parser.calls == len(reply.calls)
+    return reply
+
+
+def random_split(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(0, min(len(text) - 1, 40))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+# -- reasoning ------------------------------------------------------------------------------
+
+
+def test_think_open_reply_starts_in_reasoning_and_newlines_after_close_are_dropped() -> None:
+    reply = parse("Let me think.\nStep 2.</think>\n\nThe answer is 4.", think_open=True)
+    assert reply.reasoning == "Let me think.\nStep 2."
+    assert reply.content == "The answer is 4."
+
+
+def test_leading_think_tag_opens_reasoning_when_not_open_from_the_prompt() -> None:
+    for text in ("<think>\nhmm</think>\n\nHi", "  \n<think>hmm</think>Hi"):
+        reply = parse(text)
+        assert (reply.reasoning, reply.content) == ("hmm", "Hi")
+    # the same, split inside the tags and between the newlines
+    reply = parse(["<th", "ink>", "\nhm", "m</thi", "nk>\n", "\nHi"])
+    assert (reply.reasoning, reply.content) == ("hmm", "Hi")
+
+
+def test_think_tag_later_in_content_is_just_content() -> None:
+    reply = parse("Use <think> tags like <think>this</think>.", strict=False)
+    assert reply.reasoning == ""
+    assert reply.content == "Use <think> tags like <think>this</think>."
+
+
+def test_unclosed_thinking_block_is_reasoning_at_finish() -> None:
+    reply = parse(["still thinking", " </thi"], think_open=True, reason="length")
+    assert reply.reasoning == "still thinking </thi"
+    assert reply.content == ""
+
+
+def test_text_held_as_a_possible_tag_is_content_at_finish() -> None:
+    assert parse("  <thi").content == "  <thi"
+    assert parse("see <tool_ca").content == "see <tool_ca"
+
+
+def test_tool_markup_inside_reasoning_stays_reasoning() -> None:
+    reply = parse("maybe <tool_call> read_file?</think>ok", think_open=True, strict=False)
+    assert reply.reasoning == "maybe <tool_call> read_file?"
+    assert (reply.content, reply.calls) == ("ok", [])
+
+
+# -- tool calls ------------------------------------------------------------------------------
+
+
+def test_qwen3_coder_call_with_content_before_it() -> None:
+    text = "Let me look.\n\n" + xml_call("read_file", path="src/main.py", limit="20")
+    reply = parse(text)
+    assert reply.content == "Let me look.\n\n"
+    assert reply.calls == [(0, "read_file", {"path": "src/main.py", "limit": 20})]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", reply.ids[0])
+    args = [ev for ev in reply.events if isinstance(ev, ToolCallArguments)]
+    assert [a.fragment for a in args] == ['{"path":"src/main.py","limit":20}']  # one compact fragment
+
+
+def test_json_call_hermes_style() -> None:
+    text = 'Sure.<tool_call>\n{"name": "read_file", "arguments": {"path": "x"}}\n</tool_call>'
+    reply = parse(text, tool_format="json")
+    assert reply.content == "Sure."
+    assert reply.calls == [(0, "read_file", {"path": "x"})]
+
+
+def test_json_call_arguments_given_as_a_string_and_block_shape_decides_the_format() -> None:
+    text = '<tool_call>{"name": "read_file", "arguments": "{\\"path\\": \\"é.txt\\"}"}</tool_call>'
+    for fmt in TOOL_FORMATS:
+        reply = parse(text, tool_format=fmt)
+        assert reply.calls == [(0, "read_file", {"path": "é.txt"})]
+        end = reply.events[-1]
+        assert isinstance(end, ToolCallEnd) and end.arguments == '{"path":"é.txt"}'  # ensure_ascii=False
+    assert parse(xml_call("now"), tool_format="json").calls == [(0, "now", {})]
+
+
+def test_parallel_calls_are_numbered_whitespace_between_dropped_other_text_kept() -> None:
+    text = ("Two reads.\n" + xml_call("read_file", path="a") + "\n\n" + xml_call("read_file", path="b")
+            + "\n  Done reading.\n" + json_call("now", {}) + "\n\n")
+    reply = parse(text)
+    assert reply.content == "Two reads.\nDone reading.\n"
+    assert reply.calls == [(0, "read_file", {"path": "a"}), (1, "read_file", {"path": "b"}), (2, "now", {})]
+    assert len(set(reply.ids)) == 3
+
+
+def test_tool_call_start_is_emitted_as_soon_as_the_function_name_is_read() -> None:
+    parser = ReplyParser(tools=TOOLS)
+    assert parser.feed("<tool_call>\n<function=read_fi") == []
+    events = parser.feed("le>\n<parameter=path>\nsrc/")
+    assert len(events) == 1 and isinstance(events[0], ToolCallStart)
+    assert (events[0].index, events[0].name) == (0, "read_file")
+    assert parser.calls == 0
+    events = parser.feed("main.py\n</parameter>\n</function>\n</tool_")
+    assert events == []
+    events = parser.feed("call>")
+    assert [type(e) for e in events] == [ToolCallArguments, ToolCallEnd]
+    assert parser.calls == 1
+    assert parser.finish() == []
+
+
+def test_no_tools_means_tool_markup_is_plain_content() -> None:
+    text = "x " + xml_call("read_file", path="a")
+    assert parse(text, tools=None, strict=False).content == text
+    assert parse(text, tools=[], strict=False).content == text
+    assert parse(text, tool_format=None, strict=False).content == text  # tools given, but no tool format
+
+
+def test_unknown_tool_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown tool format"):
+        ReplyParser(tools=TOOLS, tool_format="pythonic")
+
+
+def test_undeclared_function_raises_as_soon_as_named() -> None:
+    parser = ReplyParser(tools=TOOLS)
+    with pytest.raises(ToolCallInvalid, match="'delete_all', which is not a declared tool"):
+        parser.feed("<tool_call>\n<function=delete_all>\n")
+    with pytest.raises(ToolCallInvalid, match="'delete_all'"):
+        parse(json_call("delete_all", {}), tool_format="json")
+
+
+def test_missing_required_argument_names_the_function_and_the_problem() -> None:
+    with pytest.raises(ToolCallInvalid, match="read_file: 'path' is a required property") as info:
+        parse(xml_call("read_file", limit="5"))
+    assert info.value.code == "invalid_tool_call"
+    with pytest.raises(ToolCallInvalid, match="read_file: 'path' is a required property"):
+        parse(json_call("read_file", {}), tool_format="json")
+
+
+def test_wrong_types_and_extra_arguments_are_invalid() -> None:
+    with pytest.raises(ToolCallInvalid, match=r"'abc' is not of type 'integer' \(at 'limit'\)"):
+        parse(xml_call("read_file", path="a", limit="abc"))  # mlx-lm's int() fails: the schema says why
+    with pytest.raises(ToolCallInvalid, match="Additional properties are not allowed"):
+        parse(xml_call("read_file", path="a", mode="rb"))
+    with pytest.raises(ToolCallInvalid, match="must be a JSON object"):
+        parse('<tool_call>{"name": "now", "arguments": [1]}</tool_call>')
+
+
+def test_unparsable_blocks_are_invalid() -> None:
+    with pytest.raises(ToolCallInvalid, match="not valid JSON"):
+        parse('<tool_call>{"name": "now", "arguments": {</tool_call>')
+    with pytest.raises(ToolCallInvalid, match="could not be read"):
+        parse("<tool_call>\nplease call read_file\n</tool_call>")
+    with pytest.raises(ToolCallInvalid, match="names no function"):
+        parse("<tool_call>[]</tool_call>")
+    with pytest.raises(ToolCallInvalid, match="Out of range float values are not JSON compliant"):
+        parse('<tool_call>{"name": "now", "arguments": {"x": NaN}}</tool_call>')
+
+
+def test_json_block_may_hold_a_list_of_calls() -> None:
+    text = '<tool_call>[{"name": "now"}, {"name": "read_file", "arguments": {"path": "a"}}]</tool_call>'
+    assert parse(text, tool_format="json").calls == [(0, "now", {}), (1, "read_file", {"path": "a"})]
+
+
+def test_unclosed_tool_call_at_finish_raises() -> None:
+    cut = xml_call("read_file", path="a")[:-20]
+    with pytest.raises(ToolCallInvalid, match=r"ended inside a tool call to read_file \(max_tokens reached\?\)"):
+        parse(cut, reason="length")
+    with pytest.raises(ToolCallInvalid, match="ended inside a tool call"):
+        parse("<tool_call>\n{\"name\"")
+
+
+def test_schema_picks_the_reading_of_xml_values() -> None:
+    text = xml_call("search", query="42", max_results="5", tag="123", filters='{"lang": "py"}', exact="true")
+    [(_, _, args)] = parse(text).calls
+    assert args == {"query": "42", "max_results": 5, "tag": "123", "filters": {"lang": "py"}, "exact": True}
+    # a multi-line string keeps its inner newlines; only the one after/before the tags goes
+    [(_, _, args)] = parse(xml_call("search", query="line 1\nline 2\n")).calls
+    assert args == {"query": "line 1\nline 2\n"}
+
+
+def test_logprobs_go_on_the_first_content_delta_of_their_feed() -> None:
+    lp = [TokenLogprob("a", -0.1, [97])]
+    parser = ReplyParser(tools=TOOLS)
+    events = parser.feed("a<tool_call>\n<function=now>\n</function>\n</tool_call>b", lp)
+    contents = [e for e in events if isinstance(e, ContentDelta)]
+    assert [(c.text, c.logprobs) for c in contents] == [("a", lp), ("b", None)]
+    assert parser.feed("<tool", lp) == []  # held back: no content, the logprobs are dropped
+    [ev] = parser.feed("s> x", lp)
+    assert ev == ContentDelta("<tools> x", lp)
+    assert parser.feed("y") == [ContentDelta("y")]
+
+
+# -- mlx-lm's parsers: the behaviour we build on --------------------------------------------
+
+
+def test_mlx_lm_qwen3_coder_parser_behaviour_we_rely_on() -> None:
+    block = "<function=search>\n<parameter=query>\n007\n</parameter>\n<parameter=tag>\n123\n</parameter>\n</function>"
+    raw = qwen3_coder.parse_tool_call(block)  # no tools: every value stays the text written
+    assert raw == {"name": "search", "arguments": {"query": "007", "tag": "123"}}
+    search = [msgspec.to_builtins(SEARCH)]
+    typed = qwen3_coder.parse_tool_call(block, search)
+    # by "type" alone: "string" keeps text, but a ["string", "null"] type goes through literal_eval
+    assert typed["arguments"] == {"query": "007", "tag": 123}
+    with pytest.raises(ValueError):  # an integer-typed value that is no number fails the whole call
+        qwen3_coder.parse_tool_call(block.replace("=tag", "=max_results").replace("123", "x"),
+                                    [{"function": {"name": "search", "parameters": {
+                                        "properties": {"max_results": {"type": "integer"}}}}}])
+    with pytest.raises(ValueError):  # the block must end with </function> (we strip it first)
+        qwen3_coder.parse_tool_call(block + "\n\n")
+    assert qwen3_coder.parse_tool_call(block + "\n")["name"] == "search"
+    assert json_tools.parse_tool_call('\n {"name": "now"} \n') == {"name": "now"}
+
+
+# -- tool_schema ----------------------------------------------------------------------------
+
+
+def test_validators_are_cached_per_schema() -> None:
+    key = tool_schema.schema_key({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert key == tool_schema.schema_key({"properties": {"a": {"type": "integer"}}, "type": "object"})
+    assert tool_schema.validator_for(key) is tool_schema.validator_for(key)
+
+
+def test_tool_without_parameters_or_with_a_broken_schema_accepts_any_object() -> None:
+    broken = [
+        None,
+        {},
+        {"type": "objekt"},
+        {"type": "object", "properties": {"a": {"pattern": "("}}},
+        {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+        {"$ref": "https://example.com/remote.json"},
+    ]
+    for schema in broken:
+        key = tool_schema.schema_key(schema)
+        assert tool_schema.argument_error(key, {"a": 1, "b": [2]}) is None, schema
+        assert tool_schema.argument_error(key, [1]) is not None
+    tools = [ToolDef(FunctionDef(name="odd", parameters={"type": "objekt"}))]
+    assert parse(xml_call("odd", x="1"), tools=tools).calls == [(0, "odd", {"x": "1"})]
+
+
+def test_schema_with_defs_and_refs_validates() -> None:
+    schema = {"type": "object", "$defs": {"n": {"type": "integer"}}, "properties": {"n": {"$ref": "#/$defs/n"}}}
+    tools = [ToolDef(FunctionDef(name="f", parameters=schema))]
+    assert parse(xml_call("f", n="3"), tools=tools).calls == [(0, "f", {"n": 3})]
+    with pytest.raises(ToolCallInvalid, match="f: 'x' is not of type 'integer'"):
+        parse(xml_call("f", n="x"), tools=tools)
+
+
+# -- split invariance -----------------------------------------------------------------------
+
+REPLIES: list[tuple[str, bool]] = [
+    ("I should read both files.\nThen compare.</think>\n\nReading them now.\n"
+     + xml_call("read_file", path="src/main.py", limit="20") + "\n"
+     + xml_call("search", query="def main", filters='{"lang": "py"}') + "\n", True),
+    ("<think>\nUnicode: 日本語 ✓ — naïve café 🙂</think>\n\nRésumé: ∑ x² ≥ 0 🙂 «ok»\n"
+     + json_call("read_file", {"path": "données/été.txt"}), False),
+    ("if a < b:\n    return a <= b\n<tools> are fine, <tool is fine, <tool_c too, </tool_ca alone\n"
+     + xml_call("search", query="a < b && <tool_call", tag="null") + " trailing text <", False),
+    ("   \n  plain answer with no calls and a < sign < <\n", False),
+    ("reasoning only, cut off <tool_ca <think </thin", True),
+]
+
+
+@pytest.mark.parametrize(("text", "think_open"), REPLIES)
+def test_same_reply_whatever_the_split(text: str, think_open: bool) -> None:
+    whole = parse(text, think_open=think_open)
+    by_char = parse(list(text), think_open=think_open)
+    assert (by_char.reasoning, by_char.content, by_char.calls) == (whole.reasoning, whole.content, whole.calls)
+    for seed in range(200):
+        reply = parse(random_split(text, random.Random(seed)), think_open=think_open)
+        assert (reply.reasoning, reply.content, reply.calls) == (whole.reasoning, whole.content, whole.calls), seed
+        assert len(set(reply.ids)) == len(reply.ids)
+
+
+def test_split_invariance_expected_values() -> None:
+    first = parse(REPLIES[0][0], think_open=True)
+    assert first.reasoning == "I should read both files.\nThen compare."
+    assert first.content == "Reading them now.\n"
+    assert first.calls == [(0, "read_file", {"path": "src/main.py", "limit": 20}),
+                           (1, "search", {"query": "def main", "filters": {"lang": "py"}})]
+    second = parse(REPLIES[1][0])
+    assert second.reasoning == "Unicode: 日本語 ✓ — naïve café 🙂"
+    assert second.content == "Résumé: ∑ x² ≥ 0 🙂 «ok»\n"
+    assert second.calls == [(0, "read_file", {"path": "données/été.txt"})]
+    third = parse(REPLIES[2][0])
+    assert third.content.startswith("if a < b:\n    return a <= b\n<tools> are fine, <tool is fine, <tool_c too, ")
+    assert third.content.endswith("trailing text <")
+    assert third.calls == [(0, "search", {"query": "a < b && <tool_call", "tag": None})]
+    assert parse(REPLIES[4][0], think_open=True).reasoning == REPLIES[4][0]
+
+
+# -- cost -----------------------------------------------------------------------------------
+
+
+def test_character_by_character_feeding_stays_linear() -> None:
+    def cost(n: int) -> float:
+        text = ("word < " * n) + xml_call("search", query="x" * (7 * n)) + ("tail " * n)
+        parser = ReplyParser(tools=TOOLS)
+        start = time.perf_counter()
+        for ch in text:
+            parser.feed(ch)
+        parser.finish()
+        assert parser.calls == 1
+        return time.perf_counter() - start
+
+    small, large = cost(2_500), cost(20_000)
+    assert large < 5.0
+    assert large / small < 16  # 8x the text: well under quadratic (64x)
+
+
+# -- tool_format_for_template -----------------------------------------------------------------
+
+HERMES_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\\n' }}"
+    "{%- for tool_call in message.tool_calls %}{{- '<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}"
+    "{{- '\", \"arguments\": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{%- endfor %}"
+)
+
+
+def test_tool_format_for_template() -> None:
+    assert tool_format_for_template(TEMPLATE_PATH.read_text("utf-8")) == "qwen3_coder"
+    assert tool_format_for_template(HERMES_TEMPLATE) == "json"
+    assert tool_format_for_template("{{ messages[0].content }}") is None
+    assert tool_format_for_template(None) is None
+    assert tool_format_for_template("") is None
