@@ -303,9 +303,9 @@ def test_logprobs_go_on_the_first_content_delta_of_their_feed() -> None:
     events = parser.feed("a<tool_call>\n<function=now>\n</function>\n</tool_call>b", lp)
     contents = [e for e in events if isinstance(e, ContentDelta)]
     assert [(c.text, c.logprobs) for c in contents] == [("a", lp), ("b", None)]
-    assert parser.feed("<tool", lp) == []  # held back: no content, the logprobs are dropped
+    assert parser.feed("<tool", lp) == []  # held back: the logprobs wait for the content
     [ev] = parser.feed("s> x", lp)
-    assert ev == ContentDelta("<tools> x", lp)
+    assert ev == ContentDelta("<tools> x", lp + lp)
     assert parser.feed("y") == [ContentDelta("y")]
 
 

@@ -43,9 +43,21 @@ def _token_or_text(text: str, special: frozenset[str]) -> str:
     return text if text in special else _lark_str(text)
 
 
+_PLAIN_STRING_KEYS = frozenset({"type", "description", "title", "default", "minLength", "maxLength", "examples"})
+
+
 def _is_string_schema(schema: Any) -> bool:
-    return isinstance(schema, dict) and schema.get("type") in ("string", ["string"]) and len(schema) <= 3 \
-        and not ({"enum", "const", "pattern", "format", "minLength", "maxLength"} & set(schema))
+    """A string parameter whose value Qwen's format writes raw (not JSON-quoted) and a regex can
+    bound exactly: no enum, pattern or format."""
+    return isinstance(schema, dict) and schema.get("type") in ("string", ["string"]) \
+        and set(schema) <= _PLAIN_STRING_KEYS
+
+
+def _raw_string_value(schema: dict[str, Any]) -> str:
+    """The value's terminal: raw text up to the first closing tag, within the length bounds."""
+    lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+    span = f"{{{lo},{int(hi)}}}" if hi is not None else f"{{{lo},}}"
+    return f"/(?s:.{span})\\n<\\/parameter>\\n/"
 
 
 def _qwen_call_rule(i: int, tool: ToolDef, special: frozenset[str], rules: list[str]) -> str:
@@ -57,8 +69,8 @@ def _qwen_call_rule(i: int, tool: ToolDef, special: frozenset[str], rules: list[
         rule = f"p{i}_{j}"
         head = _lark_str(f"<parameter={name}>\n")
         if _is_string_schema(schema):
-            # the value runs to the first closing tag: anything but the tag itself
-            rules.append(f"{rule}_v[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")
+            # the value runs (lazily) to the first closing tag
+            rules.append(f"{rule}_v[lazy]: {_raw_string_value(schema)}")
             rules.append(f"{rule}: {head} {rule}_v")
         else:
             close = _lark_str("\n</parameter>\n")

@@ -122,13 +122,15 @@ class ReplyParser:
         self._buf = ""  # text held back: it may still become a tag
         self._skip = ""  # characters to drop from the start of what comes next
         self._call: _Call | None = None
+        self._logprobs: list[TokenLogprob] = []  # of tokens whose text is still held back
         self.calls = 0
 
     # -- the public side -------------------------------------------------------------------
 
     def feed(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[ReplyEvent]:
         """The events that `text` (the reply's next piece) completes. `logprobs` go on the first
-        `ContentDelta` among them (dropped when there is none)."""
+        `ContentDelta` among them; while the text is held back (a possible tag) they wait for the
+        content it becomes; tokens that became reasoning or tool calls lose theirs."""
         out: list[ReplyEvent] = []
         pending: str | None = text
         while pending is not None:
@@ -138,7 +140,9 @@ class ReplyParser:
                     break
                 self._skip = ""
             pending = self._step(pending, out)
-        return _with_logprobs(out, logprobs) if logprobs is not None else out
+        if logprobs is not None:
+            self._logprobs.extend(logprobs)
+        return self._attach_logprobs(out)
 
     def finish(self, reason: str = "stop") -> list[ReplyEvent]:
         """The reply ended (`reason`: the engine's "stop" or "length"): held text that never became
@@ -152,7 +156,19 @@ class ReplyParser:
         buf, self._buf = self._buf, ""
         if not buf:
             return []
-        return [ReasoningDelta(buf)] if self._mode is _Mode.THINK else [ContentDelta(buf)]
+        return self._attach_logprobs([ReasoningDelta(buf)] if self._mode is _Mode.THINK else [ContentDelta(buf)])
+
+    def _attach_logprobs(self, out: list[ReplyEvent]) -> list[ReplyEvent]:
+        if not self._logprobs:
+            return out
+        for i, ev in enumerate(out):
+            if isinstance(ev, ContentDelta):
+                out[i] = ContentDelta(ev.text, self._logprobs)
+                self._logprobs = []
+                return out
+        if out and not self._buf:  # the tokens became reasoning or tool calls
+            self._logprobs = []
+        return out
 
     # -- one step per mode: take text, return what is left for the next mode (None: wait) ------
 
@@ -325,11 +341,3 @@ def _readings(key: str, raw: Any, typed: dict[str, Any]) -> list[Any]:
 def _add(out: list[ReplyEvent], kind: type[ReasoningDelta] | type[ContentDelta], text: str) -> None:
     if text:
         out.append(kind(text))
-
-
-def _with_logprobs(events: list[ReplyEvent], logprobs: list[TokenLogprob]) -> list[ReplyEvent]:
-    for i, ev in enumerate(events):
-        if isinstance(ev, ContentDelta):
-            events[i] = ContentDelta(ev.text, logprobs)
-            break
-    return events

@@ -406,6 +406,11 @@ class BatchEngine:
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty not in (None, 1.0):
             chain.append(Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
         think_start, think_end = self._think_ids()
+        if p.thinking_budget is not None and think_end is not None:
+            # a grammar that follows the thinking starts right after `</think>`
+            close = "\n</think>" if p.grammar is not None else "\n</think>\n\n"
+            ids = list(self._tokenizer.encode(close, add_special_tokens=False))
+            chain.append(ThinkingBudget(p.thinking_budget, ids, think_end, think_start, p.think_open))
         if p.grammar is not None:
             import llguidance
 
@@ -418,9 +423,6 @@ class BatchEngine:
             after = think_end if p.grammar_after_thinking else None
             seq.grammar = GrammarMask(matcher, self._loaded.info.eos_token_ids[0], self._vocab_size, after)
             chain.append(seq.grammar)
-        if p.thinking_budget is not None and think_end is not None:
-            close = list(self._tokenizer.encode("\n</think>\n\n", add_special_tokens=False))
-            chain.append(ThinkingBudget(p.thinking_budget, close, think_end, think_start, p.think_open))
         sampler = self._sampler(p)
         if sampler is not None:
             chain.append(sampler)

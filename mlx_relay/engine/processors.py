@@ -5,10 +5,11 @@ that row's logits before sampling, calling `process_last_token(last_token, logit
 processor has it; our own prefill calls them the same way for a row's first token. The first
 call of a row sees the prompt's last token, every later call the token sampled just before.
 
-A row's chain is built by `build_processors` in this order: the logprob recorder (it sees the
-model's raw distribution), penalties, the grammar mask, the thinking budget, and last the
-`RowSampler` when the row samples. Rows with any of these decode in the plain lane, never in
-the MTP lane (whose verification would have to replay them for every drafted position).
+A row's chain is built by `BatchEngine._processors` in this order: the logprob recorder (it sees
+the model's raw distribution), penalties, the thinking budget, the grammar mask (it starts after
+the thinking block when the prompt opened one), and last the `RowSampler` when the row samples.
+Rows with any of these decode in the plain lane, never in the MTP lane (whose verification would
+have to replay them for every drafted position).
 
 A processor never raises into the batch (that would fail every row of the step): a grammar
 that reaches an error state records it and forces end-of-sequence, and the engine ends that row

@@ -26,7 +26,16 @@ def decode_error(exc: msgspec.DecodeError) -> RelayError:
     return InvalidRequest(f"request body is not valid JSON: {exc}")
 
 
+def leaf_error(exc: BaseException) -> BaseException:
+    """The error inside task-group wrappers: the first RelayError, else the first leaf."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    leaves = [leaf_error(e) for e in exc.exceptions]
+    return next((e for e in leaves if isinstance(e, RelayError)), leaves[0] if leaves else exc)
+
+
 def as_relay_error(exc: BaseException) -> RelayError:
+    exc = leaf_error(exc)
     if isinstance(exc, RelayError):
         return exc
     if isinstance(exc, ActorStopped):

@@ -1,15 +1,712 @@
-"""OpenAI Responses API (`POST /v1/responses`, as Codex uses it) over `ChatService.reply`."""
+"""OpenAI Responses API (`POST /v1/responses`, as Codex uses it) over `ChatService.reply`.
+
+    POST   /v1/responses        input items -> ChatRequest -> reply events -> response / SSE events
+    GET    /v1/responses/{id}   a stored response
+    DELETE /v1/responses/{id}
+
+Input items become chat messages (`items_to_messages`): `instructions` a leading system message,
+`function_call` items assistant `tool_calls` (merged into the assistant turn before them),
+`function_call_output` items `tool` messages, reasoning items the next assistant turn's
+`reasoning_content`. `previous_response_id` prepends a stored conversation (that request's input
+without its instructions, as OpenAI does, then that response's output) from a bounded in-memory
+`ResponseStore` owned by the routes.
+
+`ResponseAssembler` turns reply events into output items and stream events; the same assembly
+serves streamed and non-streamed responses. Items never interleave: an item is closed
+(`*.done`, `output_item.done`) before the next one is added. As in `app.py`, everything that can
+refuse a request happens before the response starts; a streamed response owns its generation
+and a client disconnect cancels it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any, Literal
 
+import anyio
+import msgspec
+from anyio.abc import ObjectSendStream
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
+from mlx_relay.chat.output import (
+    ContentDelta,
+    ReasoningDelta,
+    ReplyDone,
+    ReplyEvent,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from mlx_relay.chat.types import (
+    ChatMessage,
+    ContentPart,
+    FunctionCall,
+    FunctionDef,
+    ImageUrl,
+    ImageUrlPart,
+    NamedToolChoice,
+    ResponseFormat,
+    TextPart,
+    ToolCall,
+    ToolChoice,
+    ToolDef,
+)
 from mlx_relay.config import ServerConfig
-from mlx_relay.service import ChatService
+from mlx_relay.errors import InvalidRequest, NotFound, RelayError
+from mlx_relay.http.errors import as_relay_error, decode_error
+from mlx_relay.http.response_store import ResponseStore
+from mlx_relay.http.responses_types import (
+    ContentPartAdded,
+    ContentPartDone,
+    DeletedResponse,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    FunctionToolChoice,
+    IncompleteDetails,
+    InputImagePart,
+    InputItem,
+    InputTextPart,
+    InputTokensDetails,
+    ItemStatus,
+    MessageItem,
+    OutputFunctionCall,
+    OutputItem,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputMessage,
+    OutputReasoning,
+    OutputText,
+    OutputTextDelta,
+    OutputTextDone,
+    OutputTokensDetails,
+    ReasoningConfig,
+    ReasoningItem,
+    ReasoningText,
+    ReasoningTextDelta,
+    ReasoningTextDone,
+    RefusalPart,
+    ResponseCompleted,
+    ResponseCreated,
+    ResponseError,
+    ResponseFailed,
+    ResponseIncomplete,
+    ResponseInProgress,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    StreamEvent,
+    TextConfig,
+    TextFormat,
+    event_name,
+)
+from mlx_relay.service import ChatRequest, ChatService
+
+JSON = "application/json"
+
+
+class PreviousResponseNotFound(RelayError):
+    """`previous_response_id` names a response that was never stored, was evicted or deleted."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "previous_response_not_found"
+
+
+class ResponseNotFound(NotFound):
+    """`GET`/`DELETE /v1/responses/{id}` for an id the store does not hold."""
+
+
+class StoredResponse(msgspec.Struct):
+    """What the store keeps per response: the response object and the whole conversation up to and
+    including its output (without instructions), ready to prepend to a continuation."""
+
+    response: ResponseObject
+    messages: list[ChatMessage]
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# --------------------------------------------------------------------------------------------
+# Request -> ChatRequest
+# --------------------------------------------------------------------------------------------
+
+_ITEM_TYPES: dict[str, type[InputItem]] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
+}
+
+_PART_TYPES: dict[str, type[InputTextPart | RefusalPart | InputImagePart]] = {
+    "input_text": InputTextPart,
+    "output_text": InputTextPart,
+    "text": InputTextPart,
+    "refusal": RefusalPart,
+    "input_image": InputImagePart,
+}
+
+
+def _convert(raw: object, cls: type[Any], where: str) -> Any:
+    """`raw` (a decoded JSON value) as `cls`; a mismatch is a 400 naming where it is."""
+    try:
+        return msgspec.convert(raw, type=cls)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"{where}: {exc}", param=where) from None
+
+
+def _type_of(raw: dict[str, Any], where: str, default: str | None = None) -> str:
+    kind = raw.get("type", default)
+    if not isinstance(kind, str):
+        raise InvalidRequest(f"{where}.type is missing or not a string", param=f"{where}.type")
+    return kind
+
+
+def parse_items(input: str | list[dict[str, Any]]) -> list[InputItem]:
+    """The request's `input` as typed items; a string is one user message."""
+    if isinstance(input, str):
+        return [MessageItem(role="user", content=input)]
+    items: list[InputItem] = []
+    for i, raw in enumerate(input):
+        where = f"input[{i}]"
+        kind = _type_of(raw, where, default="message")
+        cls = _ITEM_TYPES.get(kind)
+        if cls is None:
+            supported = ", ".join(_ITEM_TYPES)
+            raise InvalidRequest(f"{where}: input item type '{kind}' is not supported (supported: {supported})",
+                                 param=f"{where}.type")
+        items.append(_convert(raw, cls, where))
+    return items
+
+
+def _parts(raw: str | list[dict[str, Any]], where: str) -> str | list[ContentPart]:
+    """Message or tool-output content as chat content parts."""
+    if isinstance(raw, str):
+        return raw
+    parts: list[ContentPart] = []
+    for j, part in enumerate(raw):
+        at = f"{where}[{j}]"
+        kind = _type_of(part, at)
+        cls = _PART_TYPES.get(kind)
+        if cls is None:
+            supported = ", ".join(_PART_TYPES)
+            raise InvalidRequest(f"{at}: content part type '{kind}' is not supported (supported: {supported})",
+                                 param=f"{at}.type")
+        value = _convert(part, cls, at)
+        if isinstance(value, InputTextPart):
+            parts.append(TextPart(value.text))
+        elif isinstance(value, RefusalPart):
+            parts.append(TextPart(value.refusal))
+        elif value.image_url:
+            parts.append(ImageUrlPart(ImageUrl(value.image_url, value.detail)))
+        else:
+            raise InvalidRequest(f"{at}: input_image needs an image_url (a URL or a data URL); file_id is not "
+                                 "supported", param=f"{at}.image_url")
+    return parts
+
+
+def _reasoning_text(item: ReasoningItem) -> str:
+    texts = [p.text for p in item.content] if item.content else [p.text for p in item.summary]
+    return "\n\n".join(t for t in texts if t)
+
+
+def _join(left: str | None, right: str | None) -> str | None:
+    if not left or not right:
+        return left or right
+    return left + "\n\n" + right
+
+
+def items_to_messages(items: list[InputItem]) -> list[ChatMessage]:
+    """Chat messages for the items, in order. Function calls join the assistant turn right before
+    them (its text and earlier calls); reasoning text goes to the next assistant turn (dropped if
+    none follows)."""
+    messages: list[ChatMessage] = []
+    reasoning: str | None = None
+    for i, item in enumerate(items):
+        if isinstance(item, ReasoningItem):
+            reasoning = _join(reasoning, _reasoning_text(item))
+        elif isinstance(item, MessageItem):
+            content = _parts(item.content, f"input[{i}].content")
+            if item.role == "assistant":
+                messages.append(ChatMessage("assistant", content, reasoning_content=reasoning))
+                reasoning = None
+            else:
+                messages.append(ChatMessage(item.role, content))
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCall(item.call_id, FunctionCall(item.name, item.arguments))
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = [*(last.tool_calls or []), call]
+                last.reasoning_content = _join(last.reasoning_content, reasoning)
+            else:
+                messages.append(ChatMessage("assistant", None, tool_calls=[call], reasoning_content=reasoning))
+            reasoning = None
+        else:
+            output = _parts(item.output, f"input[{i}].output")
+            messages.append(ChatMessage("tool", output, tool_call_id=item.call_id))
+    return messages
+
+
+def output_messages(output: list[OutputItem]) -> list[ChatMessage]:
+    """A response's output as the assistant turn a continuation sees."""
+    turn = ChatMessage("assistant", "")
+    for item in output:
+        if isinstance(item, OutputReasoning):
+            turn.reasoning_content = _join(turn.reasoning_content, "".join(p.text for p in item.content))
+        elif isinstance(item, OutputMessage):
+            text = "".join(p.text for p in item.content)
+            turn.content = _join(turn.content if isinstance(turn.content, str) else None, text) or ""
+        else:
+            call = ToolCall(item.call_id, FunctionCall(item.name, item.arguments))
+            turn.tool_calls = [*(turn.tool_calls or []), call]
+    return [turn]
+
+
+def parse_tools(raw: list[dict[str, Any]] | None) -> list[FunctionTool]:
+    """Function tools only; the flat Responses shape, or the nested Chat Completions one."""
+    tools: list[FunctionTool] = []
+    for i, tool in enumerate(raw or []):
+        where = f"tools[{i}]"
+        kind = _type_of(tool, where)
+        if kind != "function":
+            raise InvalidRequest(f"{where}: tool type '{kind}' is not supported; only function tools are",
+                                 param=f"{where}.type")
+        if "name" not in tool and isinstance(tool.get("function"), dict):
+            tool = {**tool["function"], "type": "function"}
+        tools.append(_convert(tool, FunctionTool, where))
+    return tools
+
+
+def parse_tool_choice(raw: str | dict[str, Any] | None, tools: list[FunctionTool]
+                      ) -> tuple[ToolChoice, str | FunctionToolChoice]:
+    """`tool_choice` for the ChatRequest, and as the response echoes it."""
+    if raw is None:
+        return "auto", "auto"
+    if isinstance(raw, str):
+        if raw not in ("auto", "none", "required"):
+            raise InvalidRequest(f"tool_choice '{raw}' is not supported (auto, none, required or a function)",
+                                 param="tool_choice")
+        if raw == "required" and not tools:
+            raise InvalidRequest("tool_choice 'required' needs at least one tool", param="tool_choice")
+        return raw, raw  # type: ignore[return-value]
+    kind = _type_of(raw, "tool_choice")
+    if kind != "function":
+        raise InvalidRequest(f"tool_choice type '{kind}' is not supported; only function", param="tool_choice")
+    choice = _convert(raw, FunctionToolChoice, "tool_choice")
+    if choice.name not in {t.name for t in tools}:
+        raise InvalidRequest(f"tool_choice names the function '{choice.name}', which is not among the tools",
+                             param="tool_choice")
+    return NamedToolChoice(choice.name), choice
+
+
+def response_format(text: TextConfig | None) -> ResponseFormat | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_schema" and fmt.schema is None:
+        raise InvalidRequest("text.format of type json_schema needs a schema", param="text.format.schema")
+    return ResponseFormat(fmt.type, fmt.schema, fmt.name, fmt.strict)
+
+
+def _text_echo(text: TextConfig | None) -> TextConfig:
+    if text is None:
+        return TextConfig(TextFormat("text"))
+    return text if text.format is not None else msgspec.structs.replace(text, format=TextFormat("text"))
+
+
+def thinking(reasoning: ReasoningConfig | None) -> bool | None:
+    """`reasoning.effort` as the chat template's `enable_thinking`; no effort leaves its default."""
+    if reasoning is None or reasoning.effort is None:
+        return None
+    return reasoning.effort.lower() not in ("none", "minimal")
+
+
+def to_tool_defs(tools: list[FunctionTool]) -> list[ToolDef] | None:
+    if not tools:
+        return None
+    return [ToolDef(FunctionDef(t.name, t.description, t.parameters, t.strict)) for t in tools]
+
+
+def translate(body: ResponsesRequest, model: str, conversation: list[ChatMessage]
+              ) -> tuple[ChatRequest, ResponseObject]:
+    """The chat request for `conversation` (earlier turns and this input, as messages) under the
+    body's settings, and the response object that echoes them (`in_progress`, no output yet)."""
+    if not conversation:
+        raise InvalidRequest("input must not be empty", param="input")
+    tools = parse_tools(body.tools)
+    choice, choice_echo = parse_tool_choice(body.tool_choice, tools)
+    system = [ChatMessage("system", body.instructions)] if body.instructions else []
+    req = ChatRequest(
+        messages=system + conversation,
+        max_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        tools=to_tool_defs(tools),
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        response_format=response_format(body.text),
+        enable_thinking=thinking(body.reasoning),
+    )
+    response = ResponseObject(
+        id=_new_id("resp"), created_at=int(time.time()), status="in_progress", model=model, output=[],
+        parallel_tool_calls=req.parallel_tool_calls, tool_choice=choice_echo, tools=tools,
+        text=_text_echo(body.text), store=body.store is not False, instructions=body.instructions,
+        previous_response_id=body.previous_response_id, max_output_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, reasoning=body.reasoning,
+        metadata=body.metadata or {}, user=body.user, prompt_cache_key=body.prompt_cache_key,
+    )
+    return req, response
+
+
+# --------------------------------------------------------------------------------------------
+# Reply events -> output items and stream events
+# --------------------------------------------------------------------------------------------
+
+
+class _OpenItem:
+    """The output item being written: its kind, position, id and text so far."""
+
+    def __init__(self, kind: Literal["reasoning", "message", "function_call"], index: int, item_id: str,
+                 call_id: str = "", name: str = "") -> None:
+        self.kind = kind
+        self.index = index
+        self.id = item_id
+        self.call_id = call_id
+        self.name = name
+        self.parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class ResponseAssembler:
+    """Builds `response.output` from reply events and yields the stream events that go with it,
+    numbered in order. `response` starts `in_progress` with no output and is finished in place."""
+
+    def __init__(self, response: ResponseObject) -> None:
+        self.response = response
+        self.finished = False
+        self._seq = 0
+        self._open: _OpenItem | None = None
+
+    def start(self) -> list[StreamEvent]:
+        return self._numbered([ResponseCreated(response=self._snapshot()),
+                               ResponseInProgress(response=self._snapshot())])
+
+    def feed(self, ev: ReplyEvent) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        if isinstance(ev, ReasoningDelta):
+            if ev.text:
+                item = self._ensure(out, "reasoning")
+                item.parts.append(ev.text)
+                out.append(ReasoningTextDelta(item_id=item.id, output_index=item.index, content_index=0,
+                                              delta=ev.text))
+        elif isinstance(ev, ContentDelta):
+            if ev.text:
+                item = self._ensure(out, "message")
+                item.parts.append(ev.text)
+                out.append(OutputTextDelta(item_id=item.id, output_index=item.index, content_index=0,
+                                           delta=ev.text))
+        elif isinstance(ev, ToolCallStart):
+            self._open_call(out, ev.id, ev.name)
+        elif isinstance(ev, ToolCallArguments):
+            item = self._open if self._open is not None and self._open.kind == "function_call" else None
+            if item is not None and ev.fragment:
+                item.parts.append(ev.fragment)
+                out.append(FunctionCallArgumentsDelta(item_id=item.id, output_index=item.index, delta=ev.fragment))
+        elif isinstance(ev, ToolCallEnd):
+            item = self._open
+            if item is None or item.kind != "function_call" or item.call_id != ev.id:
+                item = self._open_call(out, ev.id, ev.name)
+            item.parts = [ev.arguments]
+            self._close(out)
+        elif isinstance(ev, ReplyDone):
+            out.extend(self._finish(ev))
+        return self._numbered(out)
+
+    def fail(self, err: RelayError) -> list[StreamEvent]:
+        """The reply broke off: the response fails with the items finished so far."""
+        self._open = None
+        self.response.status = "failed"
+        self.response.error = ResponseError(code=err.code or "server_error", message=err.message)
+        return self._numbered([ResponseFailed(response=self._snapshot())])
+
+    def _finish(self, done: ReplyDone) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        cut = done.finish_reason == "length"
+        self._close(out, "incomplete" if cut else "completed")
+        r = self.response
+        r.usage = ResponseUsage(
+            input_tokens=done.prompt_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=done.cached_tokens),
+            output_tokens=done.completion_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=done.reasoning_tokens),
+            total_tokens=done.prompt_tokens + done.completion_tokens,
+        )
+        if cut:
+            r.status = "incomplete"
+            r.incomplete_details = IncompleteDetails("max_output_tokens")
+            out.append(ResponseIncomplete(response=self._snapshot()))
+        else:
+            r.status = "completed"
+            out.append(ResponseCompleted(response=self._snapshot()))
+        self.finished = True
+        return out
+
+    def _numbered(self, events: list[StreamEvent]) -> list[StreamEvent]:
+        for ev in events:
+            ev.sequence_number = self._seq
+            self._seq += 1
+        return events
+
+    def _snapshot(self) -> ResponseObject:
+        return msgspec.structs.replace(self.response, output=list(self.response.output))
+
+    def _ensure(self, out: list[StreamEvent], kind: Literal["reasoning", "message"]) -> _OpenItem:
+        """The open item if it is of `kind`; otherwise close it and open one."""
+        if self._open is not None and self._open.kind == kind:
+            return self._open
+        self._close(out)
+        index = len(self.response.output)
+        if kind == "reasoning":
+            item = _OpenItem(kind, index, _new_id("rs"))
+            added: OutputItem = OutputReasoning(id=item.id, summary=[], content=[])
+            part: OutputText | ReasoningText = ReasoningText("")
+        else:
+            item = _OpenItem(kind, index, _new_id("msg"))
+            added = OutputMessage(id=item.id, status="in_progress", content=[])
+            part = OutputText("")
+        out.append(OutputItemAdded(output_index=index, item=added))
+        out.append(ContentPartAdded(item_id=item.id, output_index=index, content_index=0, part=part))
+        self._open = item
+        return item
+
+    def _open_call(self, out: list[StreamEvent], call_id: str, name: str) -> _OpenItem:
+        self._close(out)
+        index = len(self.response.output)
+        item = _OpenItem("function_call", index, _new_id("fc"), call_id, name)
+        added = OutputFunctionCall(id=item.id, call_id=call_id, name=name, arguments="", status="in_progress")
+        out.append(OutputItemAdded(output_index=index, item=added))
+        self._open = item
+        return item
+
+    def _close(self, out: list[StreamEvent], status: ItemStatus = "completed") -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        text, at = item.text, {"item_id": item.id, "output_index": item.index}
+        done: OutputItem
+        if item.kind == "reasoning":
+            out.append(ReasoningTextDone(**at, content_index=0, text=text))
+            out.append(ContentPartDone(**at, content_index=0, part=ReasoningText(text)))
+            done = OutputReasoning(id=item.id, summary=[], content=[ReasoningText(text)])
+        elif item.kind == "message":
+            out.append(OutputTextDone(**at, content_index=0, text=text))
+            out.append(ContentPartDone(**at, content_index=0, part=OutputText(text)))
+            done = OutputMessage(id=item.id, status=status, content=[OutputText(text)])
+        else:
+            out.append(FunctionCallArgumentsDone(**at, arguments=text, name=item.name))
+            done = OutputFunctionCall(id=item.id, call_id=item.call_id, name=item.name, arguments=text,
+                                      status=status)
+        self.response.output.append(done)
+        out.append(OutputItemDone(output_index=item.index, item=done))
+
+
+def sse_frame(ev: StreamEvent) -> bytes:
+    return b"event: " + event_name(ev).encode() + b"\ndata: " + msgspec.json.encode(ev) + b"\n\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming
+# --------------------------------------------------------------------------------------------
+
+
+async def _no_body() -> Any:
+    return
+    yield  # pragma: no cover
+
+
+class ReplySSE(StreamingResponse):
+    """An SSE response whose frames come from `produce`, run in its own task, so waiting for them
+    can time out into keep-alive comments without cancelling the reply's iterator. Owns an exit
+    stack (the admission slot and the generation) and closes it however the response ends:
+    finished, failed, or cancelled by a client disconnect (as `app.ScopedStreamingResponse`)."""
+
+    def __init__(self, produce: Callable[[ObjectSendStream[bytes]], Awaitable[None]], stack: AsyncExitStack,
+                 keepalive_s: float) -> None:
+        super().__init__(_no_body(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._produce = produce
+        self._stack = stack
+        self._keepalive_s = keepalive_s
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        tx, rx = anyio.create_memory_object_stream[bytes](max_buffer_size=64)
+        gone: OSError | None = None  # raised outside the task group, so Starlette sees it as such
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._produce, tx)
+            async with rx:
+                while gone is None:
+                    chunk = b": keep-alive\n\n"
+                    with anyio.move_on_after(self._keepalive_s):
+                        try:
+                            chunk = await rx.receive()
+                        except anyio.EndOfStream:
+                            break
+                    try:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    except OSError as exc:  # ASGI 2.4 servers: the client went away
+                        gone = exc
+            tg.cancel_scope.cancel()
+        if gone is not None:
+            raise gone
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stack.aclose()
+
+
+# --------------------------------------------------------------------------------------------
+# Routes
+# --------------------------------------------------------------------------------------------
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type=JSON)
+
+
+class ResponsesRoutes:
+    def __init__(self, config: ServerConfig, service: Callable[[], ChatService],
+                 check_model: Callable[[str | None], str], store: ResponseStore[StoredResponse] | None = None) -> None:
+        self.config = config
+        self._service = service
+        self._check_model = check_model
+        self.store: ResponseStore[StoredResponse] = store if store is not None else ResponseStore()
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/responses", self.create, methods=["POST"]),
+            Route("/responses", self.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
+            Route("/responses/{response_id}", self.retrieve, methods=["GET"]),
+            Route("/responses/{response_id}", self.delete, methods=["DELETE"]),
+        ]
+
+    async def retrieve(self, request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        stored = self.store.get(rid)
+        if stored is None:
+            raise ResponseNotFound(f"no stored response with id '{rid}'", param="response_id")
+        return _json(stored.response)
+
+    async def delete(self, request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        if not self.store.delete(rid):
+            raise ResponseNotFound(f"no stored response with id '{rid}'", param="response_id")
+        return _json(DeletedResponse(rid))
+
+    async def create(self, request: Request) -> Response:
+        try:
+            body = msgspec.json.decode(await request.body(), type=ResponsesRequest)
+        except msgspec.DecodeError as exc:
+            raise decode_error(exc) from None
+        model = self._check_model(body.model)
+        conversation = self._prior(body.previous_response_id) + items_to_messages(parse_items(body.input))
+        req, response = translate(body, model, conversation)
+        service = self._service()
+        stack = AsyncExitStack()
+        try:
+            events = await stack.enter_async_context(service.reply(req, response.id))
+        except BaseException:
+            await stack.aclose()
+            raise
+        assembler = ResponseAssembler(response)
+
+        def finished() -> None:
+            if response.store:
+                self._remember(response, conversation)
+
+        if body.stream:
+            produce = _producer(events, assembler, finished)
+            return ReplySSE(produce, stack, self.config.sse_keepalive_s)
+        async with stack:
+            await _collect(request, events, assembler)
+        finished()
+        return _json(response)
+
+    def _prior(self, previous_id: str | None) -> list[ChatMessage]:
+        if previous_id is None:
+            return []
+        stored = self.store.get(previous_id)
+        if stored is None:
+            raise PreviousResponseNotFound(
+                f"previous response with id '{previous_id}' not found (never stored, store=false, evicted or "
+                "deleted); send the whole conversation as input instead", param="previous_response_id")
+        return list(stored.messages)
+
+    def _remember(self, response: ResponseObject, conversation: list[ChatMessage]) -> None:
+        entry = StoredResponse(response, conversation + output_messages(response.output))
+        self.store.put(response.id, entry, len(msgspec.json.encode(entry)))
+
+
+async def _collect(request: Request, events: AsyncIterator[ReplyEvent], assembler: ResponseAssembler) -> None:
+    """Runs the reply to its end (or until the client goes away) into `assembler`."""
+    from mlx_relay.http.app import _watch_disconnect
+
+    failure: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch_disconnect, request, tg.cancel_scope)
+        try:
+            async for ev in events:
+                assembler.feed(ev)
+        except Exception as exc:  # raised below, outside the task group (not as an ExceptionGroup)
+            failure = exc
+        tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    if not assembler.finished:  # the client went away; nobody reads this
+        raise RelayError("client disconnected")
+
+
+def _producer(events: AsyncIterator[ReplyEvent], assembler: ResponseAssembler, finished: Callable[[], None]
+              ) -> Callable[[ObjectSendStream[bytes]], Awaitable[None]]:
+    async def produce(tx: ObjectSendStream[bytes]) -> None:
+        async with tx:
+            for ev in assembler.start():
+                await tx.send(sse_frame(ev))
+            try:
+                async for reply_event in events:
+                    frames = assembler.feed(reply_event)
+                    if assembler.finished:  # stored before the client hears of it
+                        finished()
+                    for ev in frames:
+                        await tx.send(sse_frame(ev))
+                if not assembler.finished:
+                    raise RelayError("the reply ended without finishing")
+            except Exception as exc:  # the generation failed after the response started
+                for ev in assembler.fail(as_relay_error(exc)):
+                    await tx.send(sse_frame(ev))
+
+    return produce
 
 
 def responses_routes(config: ServerConfig, service: Callable[[], ChatService],
                      check_model: Callable[[str | None], str]) -> list[Route]:
-    return []
+    return ResponsesRoutes(config, service, check_model).routes()
