@@ -28,7 +28,7 @@ from mlx_relay.actors.normalizer import Render, RenderedPrompt
 from mlx_relay.actors.prefix_cache_store import Lookup, Release
 from mlx_relay.cache.prefix_keys import MediaSpan
 from mlx_relay.chat.grammar import OutputConstraint
-from mlx_relay.chat.output import ReplyDone, ReplyEvent
+from mlx_relay.chat.output import ContentDelta, ReplyDone, ReplyEvent
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import ChatMessage, ResponseFormat, ToolChoice, ToolDef
 from mlx_relay.engine.messages import Finished, Generate, ModelInfo, PrefixPlan, SamplingParams, TokenDelta
@@ -164,14 +164,16 @@ class ChatService:
             yield
 
     @asynccontextmanager
-    async def reply(self, req: ChatRequest, request_id: str | None = None, *, admitted: bool = False
-                    ) -> AsyncIterator[AsyncIterator[ReplyEvent]]:
+    async def reply(self, req: ChatRequest, request_id: str | None = None, *, admitted: bool = False,
+                    raw: bool = False) -> AsyncIterator[AsyncIterator[ReplyEvent]]:
         """As `generate`, parsed: reasoning, content and tool calls, then `ReplyDone`
         (`mlx_relay.chat.output`). A tool call that does not fit its schema raises
-        `ToolCallInvalid` from the stream. `admitted`: the caller holds a slot (`admit`)."""
+        `ToolCallInvalid` from the stream. `admitted`: the caller holds a slot (`admit`).
+        `raw` (text completions): every piece of text is content, exactly as generated."""
         async with self._start(req, request_id, admitted) as (rendered, events):
             tools = req.tools if req.tool_choice != "none" else None
-            parser = ReplyParser(tools=tools, tool_format=rendered.tool_format, think_open=rendered.think_open)
+            parser = None if raw else ReplyParser(tools=tools, tool_format=rendered.tool_format,
+                                                  think_open=rendered.think_open)
             yield _parsed(events, parser)
 
     async def count_tokens(self, req: ChatRequest) -> int:
@@ -254,15 +256,19 @@ def validate_sampling(p: SamplingParams) -> None:
             raise InvalidRequest(message, param=param)
 
 
-async def _parsed(events: ReplyStream, parser: ReplyParser) -> AsyncIterator[ReplyEvent]:
+async def _parsed(events: ReplyStream, parser: ReplyParser | None) -> AsyncIterator[ReplyEvent]:
     async for ev in events:
         if isinstance(ev, TokenDelta):
+            if parser is None:
+                if ev.text or ev.logprobs:
+                    yield ContentDelta(ev.text, ev.logprobs)
+                continue
             for out in parser.feed(ev.text, ev.logprobs):
                 yield out
         elif isinstance(ev, Finished):
-            for out in parser.finish(ev.reason):
+            for out in parser.finish(ev.reason) if parser is not None else ():
                 yield out
-            reason = "tool_calls" if parser.calls else ev.reason
+            reason = "tool_calls" if parser is not None and parser.calls else ev.reason
             yield ReplyDone(reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens,
                             mtp_drafted=ev.mtp_drafted, mtp_accepted=ev.mtp_accepted)
             return

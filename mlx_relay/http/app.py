@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -30,6 +31,12 @@ from mlx_relay.http.anthropic_routes import anthropic_routes
 from mlx_relay.http.errors import decode_error, error_response, handle_exception
 from mlx_relay.http.fanout import choice_requests, open_replies
 from mlx_relay.http.openai_chat import collect_chat, stream_chat, to_chat_request
+from mlx_relay.http.openai_completions import (
+    CompletionRequest,
+    collect_completion,
+    stream_completion,
+    to_requests,
+)
 from mlx_relay.http.openai_types import ChatCompletionRequest, ModelCard, ModelList
 from mlx_relay.http.responses_routes import responses_routes
 from mlx_relay.relay import Relay
@@ -74,17 +81,23 @@ class ScopedStreamingResponse(StreamingResponse):
     """A StreamingResponse that owns an exit stack (the admission slot and the generation) and
     closes it however the response ends: finished, failed or cancelled by a disconnect."""
 
-    def __init__(self, content: AsyncIterator[bytes], stack: AsyncExitStack) -> None:
+    def __init__(self, content: AsyncIterator[bytes], stack: AsyncExitStack,
+                 background_task: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._stack = stack
+        self._feed = background_task  # e.g. the pumps feeding `content`, cancelled when it ends
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with anyio.create_task_group() as tg:
+                if self._feed is not None:
+                    tg.start_soon(self._feed)
+                await super().__call__(scope, receive, send)
+                tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await self._stack.aclose()
@@ -167,21 +180,50 @@ class OpenAIRoutes:
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         stack = AsyncExitStack()
         try:
-            items = await open_replies(stack, service, choice_requests(req, body.n), rid)
+            replies = await open_replies(stack, service, choice_requests(req, body.n), rid)
         except BaseException:
             await stack.aclose()
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            sse = stream_chat(items, body.n, rid, model, include_usage, body.logprobs, self.config.sse_keepalive_s)
-            return ScopedStreamingResponse(sse, stack)
+            sse = stream_chat(replies.receive, body.n, rid, model, include_usage, body.logprobs,
+                              self.config.sse_keepalive_s)
+            return ScopedStreamingResponse(sse, stack, replies.run)
         async with stack:
-            completion = await until_disconnect(request, collect_chat(items, body.n, rid, model, body.logprobs))
+            collect = collect_chat(replies.receive, body.n, rid, model, body.logprobs)
+            completion = await until_disconnect(request, collect, replies.run)
         return _json(completion)
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work` unless the client goes away first (then the generation is cancelled)."""
+async def completions_route(routes: OpenAIRoutes, request: Request) -> Response:
+    raw = await request.body()
+    try:
+        body = msgspec.json.decode(raw, type=CompletionRequest)
+    except msgspec.DecodeError as exc:
+        raise decode_error(exc) from None
+    model = routes._check_model(body.model)
+    reqs = to_requests(body)
+    service = routes._service()
+    rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+    stack = AsyncExitStack()
+    try:
+        replies = await open_replies(stack, service, reqs, rid, raw=True)
+    except BaseException:
+        await stack.aclose()
+        raise
+    if body.stream:
+        sse = stream_completion(replies.receive, reqs, body.n, rid, model, body, routes.config.sse_keepalive_s)
+        return ScopedStreamingResponse(sse, stack, replies.run)
+    async with stack:
+        done = await until_disconnect(request, collect_completion(replies.receive, reqs, body.n, rid, model, body),
+                                      replies.run)
+    return _json(done)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T],
+                           feed: Callable[[], Awaitable[None]] | None = None) -> T:
+    """Await `work` unless the client goes away first (then the generation is cancelled);
+    `feed` runs beside it (e.g. the pumps `work` reads from) and is cancelled with it."""
     result: list[T] = []
     failed: list[Exception] = []
 
@@ -194,6 +236,8 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(_watch_disconnect, request, tg.cancel_scope)
+        if feed is not None:
+            tg.start_soon(feed)
         tg.start_soon(run, tg.cancel_scope)
     if failed:
         raise failed[0]
@@ -243,6 +287,8 @@ def create_app(
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/completions", partial(completions_route, routes), methods=["POST"]),
+            Route("/completions", partial(completions_route, routes), methods=["POST"]),
             Route("/v1/cache/stats", routes.cache_stats, methods=["GET"]),
             Route("/v1/cache/flush", routes.cache_flush, methods=["POST"]),
             *anthropic_routes(config, routes._service, routes._check_model),

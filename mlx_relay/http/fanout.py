@@ -5,8 +5,9 @@ The request holds n admission slots, granted together (two requests holding part
 needs could otherwise wait on each other forever); each choice is its own `ChatService.reply`
 and engine row, so the choices decode together in the batch. All of them are entered before the HTTP response
 starts, so a refusal is a clean 4xx/429; a pump task per reply forwards its events, and an
-error ends that choice with the exception as its last item. Everything lives in the caller's
-exit stack: closing it (response done, client gone) cancels the pumps, then the generations.
+error ends that choice with the exception as its last item. The replies live in the caller's
+exit stack; the pumps in a task group of the reading task (`Replies.run`), cancelled before the
+stack closes (response done, client gone), which then ends the generations.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from contextlib import AsyncExitStack, suppress
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from mlx_relay.chat.output import ReplyEvent
 from mlx_relay.service import ChatRequest, ChatService
@@ -31,21 +32,28 @@ def choice_requests(req: ChatRequest, n: int) -> list[ChatRequest]:
     return [req if req.seed is None else msgspec.structs.replace(req, seed=req.seed + i) for i in range(n)]
 
 
+class Replies:
+    """The merged stream (`receive`) and the pumps that feed it (`run`: run it in a task group of
+    the task that reads, and cancel it when done)."""
+
+    def __init__(self, streams: list[AsyncIterator[ReplyEvent]]) -> None:
+        self.streams = streams
+        self._send, self.receive = anyio.create_memory_object_stream[Item](max_buffer_size=256)
+
+    async def run(self) -> None:
+        async with self._send, anyio.create_task_group() as tg:
+            for i, events in enumerate(self.streams):
+                tg.start_soon(_pump, i, events, self._send.clone())
+
+
 async def open_replies(stack: AsyncExitStack, service: ChatService, reqs: list[ChatRequest],
-                       rid: str) -> MemoryObjectReceiveStream[Item]:
+                       rid: str, *, raw: bool = False) -> Replies:
     await stack.enter_async_context(service.admit(rid, len(reqs)))
     streams: list[AsyncIterator[ReplyEvent]] = []
     for i, req in enumerate(reqs):
-        ctx = service.reply(req, rid if i == 0 else f"{rid}-{i}", admitted=True)
+        ctx = service.reply(req, rid if i == 0 else f"{rid}-{i}", admitted=True, raw=raw)
         streams.append(await stack.enter_async_context(ctx))
-    send, receive = anyio.create_memory_object_stream[Item](max_buffer_size=256)
-    stack.push_async_callback(receive.aclose)
-    tg = await stack.enter_async_context(anyio.create_task_group())
-    stack.callback(tg.cancel_scope.cancel)  # runs first on close: the pumps stop, then the replies end
-    async with send:
-        for i, events in enumerate(streams):
-            tg.start_soon(_pump, i, events, send.clone())
-    return receive
+    return Replies(streams)
 
 
 async def _pump(index: int, events: AsyncIterator[ReplyEvent], send: MemoryObjectSendStream[Item]) -> None:
