@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from mlx_relay.chat.types import TOOL_FORMATS
 from mlx_relay.config import AdmissionConfig, EngineConfig, MediaConfig, ServerConfig
 
 
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    serve.add_argument("--model-alias", action="append", default=None, metavar="NAME",
+                       help="another model name requests may use (repeatable; '*' accepts any name, "
+                            "e.g. for Claude Code's claude-* names)")
+    serve.add_argument("--tool-parser", choices=TOOL_FORMATS, default=None,
+                       help="the model's tool-call syntax (default: inferred from the chat template)")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting for a slot before new ones get 429 (default 64)")
@@ -156,6 +162,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         api_keys=tuple(keys),
+        model_aliases=tuple(args.model_alias or ()),
+        tool_parser=args.tool_parser,
         default_max_tokens=args.default_max_tokens,
         log_level=args.log_level,
     )

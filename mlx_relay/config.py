@@ -88,6 +88,10 @@ class ServerConfig(msgspec.Struct, frozen=True):
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
+    # other model names requests may use for the served model ("*": any), e.g. the claude-* names
+    # Claude Code sends unless told otherwise
+    model_aliases: tuple[str, ...] = ()
+    tool_parser: str | None = None  # the model's tool-call syntax; None: inferred from the chat template
     default_max_tokens: int = 4096
     sse_keepalive_s: float = 10.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"

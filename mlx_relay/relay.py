@@ -155,7 +155,7 @@ class Relay:
             engine_cfg = msgspec.structs.replace(cfg.engine, model_path=str(path))
             gpu = await self.system.spawn(lambda: GPUExecutor(engine_cfg, progress), name="gpu",
                                           accepts=GPUExecutor.accepts)
-            normalizer = await self.system.spawn(lambda: Normalizer(path), name="normalizer",
+            normalizer = await self.system.spawn(lambda: Normalizer(path, cfg.tool_parser), name="normalizer",
                                                  accepts=Normalizer.accepts)
             media = await self.system.spawn(lambda: MediaRouter(cfg.media, path), name="media",
                                             accepts=MediaRouter.accepts)

@@ -257,18 +257,21 @@ def validate_sampling(p: SamplingParams) -> None:
 
 
 async def _parsed(events: ReplyStream, parser: ReplyParser | None) -> AsyncIterator[ReplyEvent]:
+    reasoning = 0
     async for ev in events:
         if isinstance(ev, TokenDelta):
             if parser is None:
                 if ev.text or ev.logprobs:
                     yield ContentDelta(ev.text, ev.logprobs)
                 continue
+            if parser.thinking:  # the tokens up to and including `</think>` are reasoning
+                reasoning += len(ev.token_ids)
             for out in parser.feed(ev.text, ev.logprobs):
                 yield out
         elif isinstance(ev, Finished):
             for out in parser.finish(ev.reason) if parser is not None else ():
                 yield out
             reason = "tool_calls" if parser is not None and parser.calls else ev.reason
-            yield ReplyDone(reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens,
+            yield ReplyDone(reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, reasoning,
                             mtp_drafted=ev.mtp_drafted, mtp_accepted=ev.mtp_accepted)
             return

@@ -130,12 +130,14 @@ def test_reasoning_goes_to_reasoning_content_and_the_budget_closes_it(client: op
                                                extra_body=think)
     msg = unbounded.choices[0].message
     assert msg.model_extra.get("reasoning_content") and not msg.content  # never closed by a random model
+    assert unbounded.usage.completion_tokens_details.reasoning_tokens == 12
     bounded = client.chat.completions.create(model="tiny", messages=USER, max_tokens=24, temperature=0,
                                              extra_body={**think, "thinking_budget": 4})
     msg = bounded.choices[0].message
     assert msg.model_extra.get("reasoning_content")
     assert msg.content, "the budget closed the thinking block, the answer follows"
     assert "</think>" not in msg.content and "<think>" not in msg.model_extra["reasoning_content"]
+    assert 4 <= bounded.usage.completion_tokens_details.reasoning_tokens < 24
 
 
 def test_json_after_bounded_thinking(client: openai.OpenAI) -> None:

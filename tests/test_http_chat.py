@@ -270,7 +270,7 @@ def test_openai_sdk(server: LiveServer) -> None:
 @pytest.fixture(scope="module")
 def one_slot(fp32_model: Path):
     config = default_config(fp32_model, served_model_name="tiny", max_num_seqs=1, max_queue=0,
-                            api_keys=("sekret",))
+                            api_keys=("sekret", "second"), model_aliases=("claude-sonnet-4-5",))
     with LiveServer(config) as live:
         yield live
 
@@ -288,6 +288,22 @@ def test_api_key(one_slot: LiveServer) -> None:
     assert httpx.post(one_slot.url + "/v1/chat/completions", json=body, headers=AUTH).status_code == 200
     assert httpx.post(one_slot.url + "/v1/chat/completions", json=body,
                       headers={"x-api-key": "sekret"}).status_code == 200
+    # either header may carry a valid key (Claude Code sends x-api-key, some proxies add a Bearer)
+    assert httpx.post(one_slot.url + "/v1/chat/completions", json=body,
+                      headers={"x-api-key": "second", "Authorization": "Bearer stale"}).status_code == 200
+    for path in ("/v1/models", "/v1/completions", "/v1/responses", "/v1/messages/count_tokens", "/v1/cache/stats"):
+        assert httpx.request("GET" if "models" in path or "stats" in path else "POST", one_slot.url + path,
+                             json={}).status_code == 401, path
+
+
+def test_anthropic_clients_get_anthropic_shaped_401_and_model_aliases(one_slot: LiveServer) -> None:
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(one_slot.url + "/v1/messages", json=body, headers={"x-api-key": "nope"})
+    assert r.status_code == 401
+    assert r.json() == {"type": "error", "error": {"type": "authentication_error",
+                                                   "message": "missing or invalid API key"}}
+    r = httpx.post(one_slot.url + "/v1/messages", json=body, headers={"x-api-key": "sekret"}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] in ("tiny", "claude-sonnet-4-5")
 
 
 def _hold_stream(url: str, opened: threading.Event, release: threading.Event) -> None:

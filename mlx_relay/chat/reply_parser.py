@@ -40,13 +40,12 @@ from mlx_relay.chat.output import (
     ToolCallEnd,
     ToolCallStart,
 )
-from mlx_relay.chat.types import ToolDef
+from mlx_relay.chat.types import TOOL_FORMATS, ToolDef
 from mlx_relay.errors import ToolCallInvalid
 
 THINK_START, THINK_END = "<think>", "</think>"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION_START = "<function="
-TOOL_FORMATS: tuple[str, ...] = ("qwen3_coder", "json")
 _NAME = re.compile(r"\s*([^\s<>]+)(?=[\s<>])")  # mlx-lm's function-name rule, once the name has ended
 _HEAD_LIMIT = 512  # a call block that names no function this early is left to the parse at its end
 _WHITESPACE = " \t\r\n"
@@ -126,6 +125,11 @@ class ReplyParser:
         self.calls = 0
 
     # -- the public side -------------------------------------------------------------------
+
+    @property
+    def thinking(self) -> bool:
+        """Inside the thinking block (what comes next is reasoning, up to its `</think>`)."""
+        return self._mode is _Mode.THINK
 
     def feed(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[ReplyEvent]:
         """The events that `text` (the reply's next piece) completes. `logprobs` go on the first

@@ -10,6 +10,10 @@ from typing import Any, Literal
 
 import msgspec
 
+# tool-call syntaxes the reply parser and the grammars know: Qwen3-Coder / Qwen3.5 XML
+# (`<function=NAME><parameter=...>`) and Hermes-style JSON inside `<tool_call>`
+TOOL_FORMATS: tuple[str, ...] = ("qwen3_coder", "json")
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 

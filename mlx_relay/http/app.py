@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlx_relay.config import ServerConfig
 from mlx_relay.errors import ModelNotFound, NotFound, NotReady, RelayError, Unauthorized
 from mlx_relay.http.anthropic_routes import anthropic_routes
+from mlx_relay.http.anthropic_routes import error_response as anthropic_error_response
 from mlx_relay.http.errors import decode_error, error_response, handle_exception
 from mlx_relay.http.fanout import choice_requests, open_replies
 from mlx_relay.http.openai_chat import collect_chat, stream_chat, to_chat_request
@@ -63,17 +64,18 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        given = headers.get(b"x-api-key", b"")
         auth = headers.get(b"authorization", b"")
-        if auth[:7].lower() == b"bearer ":
-            given = auth[7:].strip()
+        offered = [headers.get(b"x-api-key", b""), auth[7:].strip() if auth[:7].lower() == b"bearer " else b""]
         ok = False
-        for key in self.keys:
-            ok |= hmac.compare_digest(given, key)
+        for given in offered:  # every comparison runs: the time does not depend on which matched
+            for key in self.keys:
+                ok |= hmac.compare_digest(given, key)
         if ok:
             await self.app(scope, receive, send)
             return
-        response = error_response(Unauthorized("missing or invalid API key"))
+        err = Unauthorized("missing or invalid API key")
+        anthropic = scope["path"].startswith(("/v1/messages", "/messages"))
+        response = anthropic_error_response(err) if anthropic else error_response(err)
         await response(scope, receive, send)
 
 
@@ -130,7 +132,8 @@ class OpenAIRoutes:
 
     def _check_model(self, model: str | None) -> str:
         served = self.config.served_model_name
-        if model is None or model in (served, self.config.model):
+        aliases = self.config.model_aliases
+        if model is None or model in (served, self.config.model) or model in aliases or "*" in aliases:
             return served
         raise ModelNotFound(f"the model '{model}' does not exist; this server serves '{served}'", param="model")
 

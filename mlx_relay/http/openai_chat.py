@@ -38,6 +38,7 @@ from mlx_relay.http.openai_types import (
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
+    CompletionTokensDetails,
     Delta,
     DeltaFunction,
     DeltaToolCall,
@@ -122,8 +123,11 @@ def total_usage(dones: list[ReplyDone]) -> Usage:
     usage = usage_of(dones[0])
     if len(dones) > 1:
         completion = sum(d.completion_tokens for d in dones)
+        reasoning = sum(d.reasoning_tokens for d in dones)
         usage = msgspec.structs.replace(usage, completion_tokens=completion,
-                                        total_tokens=usage.prompt_tokens + completion)
+                                        total_tokens=usage.prompt_tokens + completion,
+                                        completion_tokens_details=CompletionTokensDetails(reasoning) if reasoning
+                                        else None)
     return usage
 
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from mlx_relay.chat.output import TokenLogprob
+from mlx_relay.chat.output import ReplyDone, TokenLogprob
 from mlx_relay.chat.types import ChatMessage, ToolDef
 from mlx_relay.engine.messages import Finished
 
@@ -79,22 +79,29 @@ class MTPUsage(msgspec.Struct):
     acceptance_rate: float
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
 class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     mtp: MTPUsage | None = None  # present when the request decoded with MTP
+    completion_tokens_details: CompletionTokensDetails | None = None  # present when the reply reasoned
 
 
-def usage_of(finished: Finished) -> Usage:
+def usage_of(finished: Finished | ReplyDone) -> Usage:
     mtp = None
     if finished.mtp_drafted:
         rate = round(finished.mtp_accepted / finished.mtp_drafted, 4)
         mtp = MTPUsage(finished.mtp_drafted, finished.mtp_accepted, rate)
+    reasoning = finished.reasoning_tokens if isinstance(finished, ReplyDone) else 0
     return Usage(finished.prompt_tokens, finished.completion_tokens,
                  finished.prompt_tokens + finished.completion_tokens,
-                 PromptTokensDetails(cached_tokens=finished.cached_tokens), mtp)
+                 PromptTokensDetails(cached_tokens=finished.cached_tokens), mtp,
+                 CompletionTokensDetails(reasoning) if reasoning else None)
 
 
 class ResponseFunctionCall(msgspec.Struct):
