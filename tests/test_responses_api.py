@@ -8,6 +8,7 @@ assembler with synthetic reply events, and over HTTP only as input (a Codex-shap
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import time
@@ -34,7 +35,6 @@ from mlx_relay.chat.types import ImageUrlPart, NamedToolChoice, TextPart
 from mlx_relay.errors import InvalidRequest, ToolCallInvalid
 from mlx_relay.http.response_store import ResponseStore
 from mlx_relay.http.responses_routes import (
-    ReplySSE,
     ResponseAssembler,
     items_to_messages,
     output_messages,
@@ -51,6 +51,7 @@ from mlx_relay.http.responses_types import (
     TextConfig,
     TextFormat,
 )
+from mlx_relay.http.streaming import ScopedStreamingResponse, with_keepalives
 from mlx_relay.relay import default_config
 from mlx_relay.testing.live_server import LiveServer
 
@@ -524,8 +525,9 @@ def test_response_store_bounds() -> None:
 
 
 def _run_sse(spec: str, disconnect_after: float | None, fail_send: bool = False) -> tuple[list[bytes], list[str]]:
-    """Runs a ReplySSE whose producer sends three frames 50 ms apart (keep-alive every 10 ms);
-    returns the body chunks sent and what happened to the producer and the exit stack."""
+    """Runs a ScopedStreamingResponse over `with_keepalives` whose producer sends three frames 50 ms
+    apart (keep-alive every 10 ms); returns the body chunks sent and what happened to the producer
+    and the exit stack."""
     chunks: list[bytes] = []
     log: list[str] = []
 
@@ -553,7 +555,8 @@ def _run_sse(spec: str, disconnect_after: float | None, fail_send: bool = False)
     async def main() -> None:
         stack = AsyncExitStack()
         stack.callback(log.append, "stack closed")
-        response = ReplySSE(produce, stack, keepalive_s=0.01)
+        tx, rx = anyio.create_memory_object_stream[bytes](max_buffer_size=64)
+        response = ScopedStreamingResponse(with_keepalives(rx, 0.01), stack, functools.partial(produce, tx))
         try:
             await response({"type": "http", "asgi": {"spec_version": spec}}, receive, send)  # type: ignore[arg-type]
         except Exception as exc:

@@ -25,9 +25,8 @@ import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from mlx_relay.chat.output import (
     ContentDelta,
@@ -109,6 +108,7 @@ from mlx_relay.http.anthropic_types import (
     Usage,
 )
 from mlx_relay.http.errors import as_relay_error, decode_error
+from mlx_relay.http.streaming import ScopedStreamingResponse, until_disconnect
 from mlx_relay.service import ChatRequest, ChatService
 
 JSON = "application/json"
@@ -504,50 +504,6 @@ async def _forward(events: AsyncIterator[ReplyEvent], send: MemoryObjectSendStre
                 await send.send(exc)
 
 
-class ReplyStreamResponse(StreamingResponse):
-    """The SSE response for one reply. It owns the exit stack (the admission slot and the
-    generation) and closes it however the response ends: finished, failed or cancelled by a
-    disconnect. A task of its own reads the reply into a memory stream, and the SSE writer waits on
-    that with a timeout for keep-alives: cancelling such a wait is harmless, whereas cancelling
-    `anext` on the reply's async generator would end the generator."""
-
-    def __init__(self, events: AsyncIterator[ReplyEvent], stack: AsyncExitStack,
-                 write: Callable[[MemoryObjectReceiveStream[ReplyEvent | Exception]], AsyncIterator[bytes]]) -> None:
-        self._events = events
-        self._stack = stack
-        self._send, self._recv = anyio.create_memory_object_stream[ReplyEvent | Exception](0)
-        super().__init__(write(self._recv), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            failure: Exception | None = None
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_forward, self._events, self._send)
-                try:
-                    await super().__call__(scope, receive, send)
-                except Exception as exc:  # e.g. ClientDisconnect: raised as itself, not in a group
-                    failure = exc
-                tg.cancel_scope.cancel()
-            if failure is not None:
-                raise failure
-        finally:
-            self._recv.close()
-            with anyio.CancelScope(shield=True):
-                await self._stack.aclose()
-
-
-async def _watch_disconnect(request: Request, scope: anyio.CancelScope) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
-
-
-# -- routes -----------------------------------------------------------------------------------------
-
-
 class AnthropicRoutes:
     def __init__(self, config: ServerConfig, service: Callable[[], ChatService],
                  check_model: Callable[[str | None], str]) -> None:
@@ -565,8 +521,10 @@ class AnthropicRoutes:
         try:
             events = await stack.enter_async_context(service.reply(req, message_id))
             if body.stream:
-                return ReplyStreamResponse(events, stack, functools.partial(self._sse, message_id=message_id,
-                                                                            model=model))
+                send, recv = anyio.create_memory_object_stream[ReplyEvent | Exception](0)
+                stack.callback(recv.close)
+                return ScopedStreamingResponse(self._sse(recv, message_id=message_id, model=model), stack,
+                                               functools.partial(_forward, events, send))
         except BaseException:
             await stack.aclose()
             raise
@@ -584,14 +542,15 @@ class AnthropicRoutes:
     async def _collect(self, request: Request, events: AsyncIterator[ReplyEvent], message_id: str,
                        model: str) -> Message:
         builder = MessageBuilder()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_watch_disconnect, request, tg.cancel_scope)
+
+        async def run() -> ReplyDone | None:
             async for ev in events:
                 builder.feed(ev)
-            tg.cancel_scope.cancel()
-        done = builder.done
-        if done is None:  # the client went away; nobody reads this
-            raise RelayError("client disconnected")
+            return builder.done
+
+        done = await until_disconnect(request, run())
+        if done is None:
+            raise RelayError("the reply ended without finishing")
         stop = _stop(done)
         return Message(message_id, model, builder.blocks, stop.stop_reason, stop.stop_sequence, _usage(done))
 

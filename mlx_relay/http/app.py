@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from typing import TypeVar
@@ -21,7 +21,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -40,6 +40,7 @@ from mlx_relay.http.openai_completions import (
 )
 from mlx_relay.http.openai_types import ChatCompletionRequest, ModelCard, ModelList
 from mlx_relay.http.responses_routes import responses_routes
+from mlx_relay.http.streaming import ScopedStreamingResponse, until_disconnect
 from mlx_relay.relay import Relay
 from mlx_relay.service import ChatService
 
@@ -77,40 +78,6 @@ class AuthMiddleware:
         anthropic = scope["path"].startswith(("/v1/messages", "/messages"))
         response = anthropic_error_response(err) if anthropic else error_response(err)
         await response(scope, receive, send)
-
-
-class ScopedStreamingResponse(StreamingResponse):
-    """A StreamingResponse that owns an exit stack (the admission slot and the generation) and
-    closes it however the response ends: finished, failed or cancelled by a disconnect."""
-
-    def __init__(self, content: AsyncIterator[bytes], stack: AsyncExitStack,
-                 background_task: Callable[[], Awaitable[None]] | None = None) -> None:
-        super().__init__(
-            content,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self._stack = stack
-        self._feed = background_task  # e.g. the pumps feeding `content`, cancelled when it ends
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                if self._feed is not None:
-                    tg.start_soon(self._feed)
-                await super().__call__(scope, receive, send)
-                tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._stack.aclose()
-
-
-async def _watch_disconnect(request: Request, scope: anyio.CancelScope) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
 
 
 class OpenAIRoutes:
@@ -221,32 +188,6 @@ async def completions_route(routes: OpenAIRoutes, request: Request) -> Response:
         done = await until_disconnect(request, collect_completion(replies.receive, reqs, body.n, rid, model, body),
                                       replies.run)
     return _json(done)
-
-
-async def until_disconnect(request: Request, work: Awaitable[T],
-                           feed: Callable[[], Awaitable[None]] | None = None) -> T:
-    """Await `work` unless the client goes away first (then the generation is cancelled);
-    `feed` runs beside it (e.g. the pumps `work` reads from) and is cancelled with it."""
-    result: list[T] = []
-    failed: list[Exception] = []
-
-    async def run(scope: anyio.CancelScope) -> None:
-        try:
-            result.append(await work)
-        except Exception as exc:  # re-raised as itself below, not inside an exception group
-            failed.append(exc)
-        scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_watch_disconnect, request, tg.cancel_scope)
-        if feed is not None:
-            tg.start_soon(feed)
-        tg.start_soon(run, tg.cancel_scope)
-    if failed:
-        raise failed[0]
-    if not result:  # the client went away; nobody reads this
-        raise RelayError("client disconnected")
-    return result[0]
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -20,6 +20,7 @@ and a client disconnect cancels it.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,9 +31,8 @@ import anyio
 import msgspec
 from anyio.abc import ObjectSendStream
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from mlx_relay.chat.output import (
     ContentDelta,
@@ -108,6 +108,7 @@ from mlx_relay.http.responses_types import (
     TextFormat,
     event_name,
 )
+from mlx_relay.http.streaming import ScopedStreamingResponse, until_disconnect, with_keepalives
 from mlx_relay.service import ChatRequest, ChatService
 
 JSON = "application/json"
@@ -532,56 +533,6 @@ def sse_frame(ev: StreamEvent) -> bytes:
 # --------------------------------------------------------------------------------------------
 
 
-async def _no_body() -> Any:
-    return
-    yield  # pragma: no cover
-
-
-class ReplySSE(StreamingResponse):
-    """An SSE response whose frames come from `produce`, run in its own task, so waiting for them
-    can time out into keep-alive comments without cancelling the reply's iterator. Owns an exit
-    stack (the admission slot and the generation) and closes it however the response ends:
-    finished, failed, or cancelled by a client disconnect (as `app.ScopedStreamingResponse`)."""
-
-    def __init__(self, produce: Callable[[ObjectSendStream[bytes]], Awaitable[None]], stack: AsyncExitStack,
-                 keepalive_s: float) -> None:
-        super().__init__(_no_body(), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._produce = produce
-        self._stack = stack
-        self._keepalive_s = keepalive_s
-
-    async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        tx, rx = anyio.create_memory_object_stream[bytes](max_buffer_size=64)
-        gone: OSError | None = None  # raised outside the task group, so Starlette sees it as such
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._produce, tx)
-            async with rx:
-                while gone is None:
-                    chunk = b": keep-alive\n\n"
-                    with anyio.move_on_after(self._keepalive_s):
-                        try:
-                            chunk = await rx.receive()
-                        except anyio.EndOfStream:
-                            break
-                    try:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    except OSError as exc:  # ASGI 2.4 servers: the client went away
-                        gone = exc
-            tg.cancel_scope.cancel()
-        if gone is not None:
-            raise gone
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._stack.aclose()
-
-
 # --------------------------------------------------------------------------------------------
 # Routes
 # --------------------------------------------------------------------------------------------
@@ -645,7 +596,9 @@ class ResponsesRoutes:
 
         if body.stream:
             produce = _producer(events, assembler, finished)
-            return ReplySSE(produce, stack, self.config.sse_keepalive_s)
+            tx, rx = anyio.create_memory_object_stream[bytes](max_buffer_size=64)
+            return ScopedStreamingResponse(with_keepalives(rx, self.config.sse_keepalive_s), stack,
+                                           functools.partial(produce, tx))
         async with stack:
             await _collect(request, events, assembler)
         finished()
@@ -668,21 +621,14 @@ class ResponsesRoutes:
 
 async def _collect(request: Request, events: AsyncIterator[ReplyEvent], assembler: ResponseAssembler) -> None:
     """Runs the reply to its end (or until the client goes away) into `assembler`."""
-    from mlx_relay.http.app import _watch_disconnect
 
-    failure: Exception | None = None
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_watch_disconnect, request, tg.cancel_scope)
-        try:
-            async for ev in events:
-                assembler.feed(ev)
-        except Exception as exc:  # raised below, outside the task group (not as an ExceptionGroup)
-            failure = exc
-        tg.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
-    if not assembler.finished:  # the client went away; nobody reads this
-        raise RelayError("client disconnected")
+    async def run() -> bool:
+        async for ev in events:
+            assembler.feed(ev)
+        return assembler.finished
+
+    if not await until_disconnect(request, run()):
+        raise RelayError("the reply ended without finishing")
 
 
 def _producer(events: AsyncIterator[ReplyEvent], assembler: ResponseAssembler, finished: Callable[[], None]
