@@ -334,7 +334,7 @@ def test_max_output_tokens_cut_is_incomplete(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(("body", "named"), [
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input_file"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "web_search"),
+    ({"input": "hi", "tools": [{"type": "shell_v9"}]}, "shell_v9"),
     ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}, "tools": [SHELL_TOOL]}, "nope"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "image_url"),
@@ -436,8 +436,13 @@ def test_tools_choice_and_thinking() -> None:
     assert named == NamedToolChoice("shell") and echo == FunctionToolChoice("shell")
     with pytest.raises(InvalidRequest):
         parse_tool_choice("required", [])
-    with pytest.raises(InvalidRequest, match="custom"):
-        parse_tools([{"type": "custom", "name": "apply_patch"}])
+    # Codex's freeform tools become functions with one string input; hosted tools are left out;
+    # a namespace's tools are flattened
+    [patch] = parse_tools([{"type": "custom", "name": "apply_patch"}, {"type": "web_search"}])
+    assert patch.name == "apply_patch" and patch.parameters["required"] == ["input"]
+    assert [t.name for t in parse_tools([{"type": "namespace", "name": "ns", "tools": [SHELL_TOOL]}])] == ["shell"]
+    with pytest.raises(InvalidRequest, match="shell_v9"):
+        parse_tools([{"type": "shell_v9"}])
     assert thinking(None) is None and thinking(ReasoningConfig()) is None
     assert thinking(ReasoningConfig(effort="minimal")) is False and thinking(ReasoningConfig(effort="none")) is False
     assert thinking(ReasoningConfig(effort="low")) is True and thinking(ReasoningConfig(effort="high")) is True

@@ -268,11 +268,25 @@ def _assistant_message(blocks: list[InputBlock], names: dict[str, str], where: s
     )
 
 
+# Claude Code's first system block carries a per-request nonce ("...; cch=<nonce>;"); kept, it
+# would make every prompt's prefix new and defeat the prefix cache (vllm-mlx #522)
+_BILLING_HEADER = "x-anthropic-billing-header:"
+
+
 def _system_message(system: str | list[TextBlock] | None) -> list[ChatMessage]:
     if system is None:
         return []
-    text = system if isinstance(system, str) else "\n\n".join(b.text for b in system)
-    return [ChatMessage(role="system", content=text)]
+    if isinstance(system, str):
+        text = system
+    else:
+        text = "\n\n".join(b.text for b in system if not b.text.lstrip().startswith(_BILLING_HEADER))
+    return [ChatMessage(role="system", content=text)] if text else []
+
+
+def _system_text(content: str | list[InputBlock]) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n\n".join(b.text for b in content if isinstance(b, TextBlock))
 
 
 def to_messages(system: str | list[TextBlock] | None, messages: list[InputMessage]) -> list[ChatMessage]:
@@ -282,7 +296,9 @@ def to_messages(system: str | list[TextBlock] | None, messages: list[InputMessag
     names: dict[str, str] = {}  # tool_use id -> tool name, for the tool messages answering them
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if isinstance(message.content, str):
+        if message.role == "system":  # the normalizer merges it into the system prompt
+            out.append(ChatMessage(role="system", content=_system_text(message.content)))
+        elif isinstance(message.content, str):
             out.append(ChatMessage(role=message.role, content=message.content))
         elif message.role == "assistant":
             out.append(_assistant_message(message.content, names, where))

@@ -82,7 +82,7 @@ InputBlock = (
 
 
 class InputMessage(msgspec.Struct):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code sends mid-conversation system messages
     content: str | list[InputBlock]
 
 

@@ -21,6 +21,7 @@ and a client disconnect cancels it.
 from __future__ import annotations
 
 import functools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -173,6 +174,23 @@ def _type_of(raw: dict[str, Any], where: str, default: str | None = None) -> str
     return kind
 
 
+# history items of OpenAI's hosted tools: nothing a local model can continue from, so left out
+_HOSTED_CALL_ITEMS = frozenset({
+    "web_search_call", "file_search_call", "tool_search_call", "image_generation_call", "code_interpreter_call",
+    "computer_call", "computer_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
+    "mcp_approval_response", "local_shell_call", "local_shell_call_output",
+})
+
+
+def _custom_as_function(raw: dict[str, Any], where: str) -> InputItem:
+    """Codex's freeform tools (e.g. apply_patch) travel as function calls with one `input`."""
+    if raw.get("type") == "custom_tool_call":
+        args = json.dumps({"input": raw.get("input", "")}, ensure_ascii=False)
+        return _convert({"call_id": raw.get("call_id"), "name": raw.get("name"), "arguments": args},
+                        FunctionCallItem, where)
+    return _convert({"call_id": raw.get("call_id"), "output": raw.get("output", "")}, FunctionCallOutputItem, where)
+
+
 def parse_items(input: str | list[dict[str, Any]]) -> list[InputItem]:
     """The request's `input` as typed items; a string is one user message."""
     if isinstance(input, str):
@@ -181,6 +199,11 @@ def parse_items(input: str | list[dict[str, Any]]) -> list[InputItem]:
     for i, raw in enumerate(input):
         where = f"input[{i}]"
         kind = _type_of(raw, where, default="message")
+        if kind in _HOSTED_CALL_ITEMS:
+            continue
+        if kind in ("custom_tool_call", "custom_tool_call_output"):
+            items.append(_custom_as_function(raw, where))
+            continue
         cls = _ITEM_TYPES.get(kind)
         if cls is None:
             supported = ", ".join(_ITEM_TYPES)
@@ -273,12 +296,26 @@ def output_messages(output: list[OutputItem]) -> list[ChatMessage]:
     return [turn]
 
 
+_HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "image_generation", "code_interpreter",
+                           "computer_use_preview", "local_shell", "mcp", "tool_search"})
+
+
 def parse_tools(raw: list[dict[str, Any]] | None) -> list[FunctionTool]:
     """Function tools only; the flat Responses shape, or the nested Chat Completions one."""
     tools: list[FunctionTool] = []
     for i, tool in enumerate(raw or []):
         where = f"tools[{i}]"
         kind = _type_of(tool, where)
+        if kind == "namespace":  # Codex groups function tools under a namespace
+            tools.extend(parse_tools([t for t in tool.get("tools") or [] if isinstance(t, dict)]))
+            continue
+        if kind == "custom":  # a freeform tool: offered as a function with one string `input`
+            tool = {"type": "function", "name": tool.get("name"), "description": tool.get("description"),
+                    "parameters": {"type": "object", "properties": {"input": {"type": "string"}},
+                                   "required": ["input"]}}
+            kind = "function"
+        if kind in _HOSTED_TOOLS:  # OpenAI-hosted (web search, image generation, ...): not ours to run
+            continue
         if kind != "function":
             raise InvalidRequest(f"{where}: tool type '{kind}' is not supported; only function tools are",
                                  param=f"{where}.type")
