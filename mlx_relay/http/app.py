@@ -11,13 +11,13 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from functools import partial
 from typing import TypeVar
 
 import anyio
 import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -30,7 +30,7 @@ from mlx_relay.errors import ModelNotFound, NotFound, NotReady, RelayError, Unau
 from mlx_relay.http.anthropic_routes import anthropic_routes
 from mlx_relay.http.anthropic_routes import error_response as anthropic_error_response
 from mlx_relay.http.errors import decode_error, error_response, handle_exception
-from mlx_relay.http.fanout import choice_requests, open_replies
+from mlx_relay.http.fanout import Item, choice_requests, open_replies
 from mlx_relay.http.openai_chat import collect_chat, stream_chat, to_chat_request
 from mlx_relay.http.openai_completions import (
     CompletionRequest,
@@ -42,10 +42,10 @@ from mlx_relay.http.openai_types import ChatCompletionRequest, ModelCard, ModelL
 from mlx_relay.http.responses_routes import responses_routes
 from mlx_relay.http.streaming import ScopedStreamingResponse, until_disconnect
 from mlx_relay.relay import Relay
-from mlx_relay.service import ChatService
+from mlx_relay.service import ChatRequest, ChatService
 
 JSON = "application/json"
-T = TypeVar("T")
+B = TypeVar("B")
 
 
 def _json(obj: object, status: int = 200) -> Response:
@@ -139,55 +139,51 @@ class OpenAIRoutes:
         return _json({"flushed_entries": flushed.entries, "flushed_bytes": flushed.bytes})
 
     async def chat_completions(self, request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = msgspec.json.decode(raw, type=ChatCompletionRequest)
-        except msgspec.DecodeError as exc:
-            raise decode_error(exc) from None
+        body = _decode(await request.body(), ChatCompletionRequest)
         model = self._check_model(body.model)
         req = to_chat_request(body)
-        service = self._service()
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        stack = AsyncExitStack()
-        try:
-            replies = await open_replies(stack, service, choice_requests(req, body.n), rid)
-        except BaseException:
-            await stack.aclose()
-            raise
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            sse = stream_chat(replies.receive, body.n, rid, model, include_usage, body.logprobs,
-                              self.config.sse_keepalive_s)
-            return ScopedStreamingResponse(sse, stack, replies.run)
-        async with stack:
-            collect = collect_chat(replies.receive, body.n, rid, model, body.logprobs)
-            completion = await until_disconnect(request, collect, replies.run)
-        return _json(completion)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await _respond(
+            request, self._service(), choice_requests(req, body.n), rid, body.stream, False,
+            lambda items: stream_chat(items, body.n, rid, model, include_usage, body.logprobs,
+                                      self.config.sse_keepalive_s),
+            lambda items: collect_chat(items, body.n, rid, model, body.logprobs))
+
+    async def completions(self, request: Request) -> Response:
+        body = _decode(await request.body(), CompletionRequest)
+        model = self._check_model(body.model)
+        reqs = to_requests(body)
+        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        return await _respond(
+            request, self._service(), reqs, rid, body.stream, True,
+            lambda items: stream_completion(items, reqs, body.n, rid, model, body, self.config.sse_keepalive_s),
+            lambda items: collect_completion(items, reqs, body.n, rid, model, body))
 
 
-async def completions_route(routes: OpenAIRoutes, request: Request) -> Response:
-    raw = await request.body()
+def _decode(raw: bytes, body_type: type[B]) -> B:
     try:
-        body = msgspec.json.decode(raw, type=CompletionRequest)
+        return msgspec.json.decode(raw, type=body_type)
     except msgspec.DecodeError as exc:
         raise decode_error(exc) from None
-    model = routes._check_model(body.model)
-    reqs = to_requests(body)
-    service = routes._service()
-    rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+
+
+async def _respond(request: Request, service: ChatService, reqs: list[ChatRequest], rid: str, stream: bool,
+                   raw: bool, sse: Callable[[MemoryObjectReceiveStream[Item]], AsyncIterator[bytes]],
+                   collect: Callable[[MemoryObjectReceiveStream[Item]], Awaitable[msgspec.Struct]]) -> Response:
+    """Admit and start every choice (a refusal is a clean error before anything is sent), then
+    stream the merged replies or collect them into one body."""
     stack = AsyncExitStack()
     try:
-        replies = await open_replies(stack, service, reqs, rid, raw=True)
+        replies = await open_replies(stack, service, reqs, rid, raw=raw)
     except BaseException:
         await stack.aclose()
         raise
-    if body.stream:
-        sse = stream_completion(replies.receive, reqs, body.n, rid, model, body, routes.config.sse_keepalive_s)
-        return ScopedStreamingResponse(sse, stack, replies.run)
+    if stream:
+        return ScopedStreamingResponse(sse(replies.receive), stack, replies.run)
     async with stack:
-        done = await until_disconnect(request, collect_completion(replies.receive, reqs, body.n, rid, model, body),
-                                      replies.run)
-    return _json(done)
+        body = await until_disconnect(request, collect(replies.receive), replies.run)
+    return _json(body)
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -231,8 +227,8 @@ def create_app(
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/chat/completions", routes.chat_completions, methods=["POST"]),
-            Route("/v1/completions", partial(completions_route, routes), methods=["POST"]),
-            Route("/completions", partial(completions_route, routes), methods=["POST"]),
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/completions", routes.completions, methods=["POST"]),
             Route("/v1/cache/stats", routes.cache_stats, methods=["GET"]),
             Route("/v1/cache/flush", routes.cache_flush, methods=["POST"]),
             *anthropic_routes(config, routes._service, routes._check_model),
