@@ -132,6 +132,8 @@ class BatchEngine:
         self._mtp_totals = [0, 0, 0]  # rounds, drafted, accepted
         self._eos = frozenset(loaded.info.eos_token_ids)
         self._llg_tokenizer: Any = None  # built on the first request with a grammar
+        vocab = tok.get_vocab()  # once: the thinking block's tags, if the tokenizer has them
+        self._think: tuple[int | None, int | None] = (vocab.get("<think>"), vocab.get("</think>"))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _new_generator(self) -> BatchGenerator:
@@ -405,7 +407,7 @@ class BatchEngine:
             chain.append(seq.recorder)
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty not in (None, 1.0):
             chain.append(Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
-        think_start, think_end = self._think_ids()
+        think_start, think_end = self._think
         if p.thinking_budget is not None and think_end is not None:
             # a grammar that follows the thinking starts right after `</think>`
             close = "\n</think>" if p.grammar is not None else "\n</think>\n\n"
@@ -427,10 +429,6 @@ class BatchEngine:
         if sampler is not None:
             chain.append(sampler)
         return chain
-
-    def _think_ids(self) -> tuple[int | None, int | None]:
-        vocab = self._tokenizer.get_vocab()
-        return vocab.get("<think>"), vocab.get("</think>")
 
     def _token_text(self, token: int) -> str:
         return self._tokenizer.decode([token]) if 0 <= token < self._vocab_size else ""
