@@ -40,6 +40,23 @@ class EngineConfig(msgspec.Struct, frozen=True):
     cache_limit_bytes: int | None = None  # mx.set_cache_limit: freed buffers MLX keeps for reuse
 
 
+class SpecPrefillConfig(msgspec.Struct, frozen=True):
+    """SpecPrefill: a small draft model (same tokenizer) scores the uncached part of a long
+    prompt; only its most important chunks are prefilled by the target."""
+
+    draft_model: str | None = None  # None: SpecPrefill is off
+    threshold: int = 8192  # uncached prompt tokens from which it runs (unless a request says)
+    chunk_size: int = 64  # prompt tokens per selection chunk
+    keep_fraction: float = 0.3  # share of the scored chunks kept (the first and last always)
+    query_window: int = 16  # the last prompt positions whose attention scores the tokens
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.keep_fraction <= 1.0:
+            raise ValueError("SpecPrefillConfig.keep_fraction must be in (0, 1]")
+        if self.chunk_size < 1 or self.query_window < 1 or self.threshold < 1:
+            raise ValueError("SpecPrefillConfig.chunk_size, query_window and threshold must be at least 1")
+
+
 class AdmissionConfig(msgspec.Struct, frozen=True):
     max_num_seqs: int = 16
     max_queue: int = 64
@@ -85,6 +102,7 @@ class ServerConfig(msgspec.Struct, frozen=True):
     engine: EngineConfig
     admission: AdmissionConfig = AdmissionConfig()
     media: MediaConfig = MediaConfig()
+    specprefill: SpecPrefillConfig = SpecPrefillConfig()
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()

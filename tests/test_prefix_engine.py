@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from mlx_relay.engine.batch_engine import BatchEngine
 from mlx_relay.engine.loader import load_model
-from mlx_relay.engine.messages import Finished, Generate, PrefixPlan, SamplingParams, SnapshotTaken, TokenDelta
+from mlx_relay.engine.messages import Generate, PrefixPlan, SamplingParams
+from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.reference import greedy_reference
 
@@ -26,44 +26,6 @@ SUFFIXES = [list(range(100, 107)), list(range(200, 219)), [300, 301]]
 @pytest.fixture(scope="module")
 def bigram_model() -> Path:
     return fixture_path(FixtureSpec(variant="bigram", seed=0))
-
-
-class Driver:
-    """A BatchEngine with the prefix cache on, stepped by hand; collects each request's events."""
-
-    def __init__(self, loaded: Any, **kw: Any) -> None:
-        self.events: list[Any] = []
-        args = {"max_num_seqs": 8, "prefill_batch_size": 4, "prefill_step_size": 16, "seed": 0,
-                "mtp_max_batch": 8, "prefix_cache": True} | kw
-        self.engine = BatchEngine(loaded, emit=self.events.extend, **args)
-        self.tokens: dict[int, list[int]] = {}
-        self.finished: dict[int, Finished] = {}
-        self.snapshots: dict[int, list[SnapshotTaken]] = {}
-        self._sid = 0
-
-    def add(self, req: Generate) -> int:
-        sid = self._sid
-        self._sid += 1
-        self.tokens[sid], self.snapshots[sid] = [], []
-        self.engine.add(sid, req)
-        return sid
-
-    def run(self) -> None:
-        for _ in range(3000):
-            if not self.engine.has_work:
-                return
-            self.engine.step()
-            for sid, ev in self.events:
-                if isinstance(ev, TokenDelta):
-                    self.tokens[sid] += ev.token_ids
-                elif isinstance(ev, Finished):
-                    self.finished[sid] = ev
-                elif isinstance(ev, SnapshotTaken):
-                    self.snapshots[sid].append(ev)
-                else:
-                    raise ev
-            self.events.clear()
-        raise AssertionError("engine did not drain")
 
 
 @pytest.mark.parametrize("mtp", [True, False], ids=["mtp-lane", "plain-lane"])

@@ -12,7 +12,11 @@ One step is schedule, execute, update (vLLM v1's shape):
 Routing: text-only requests go to the MTP lane when the checkpoint has an MTP head, the request
 did not opt out and fewer than `mtp_max_batch` rows are running when it starts; everything else
 (images, video, opt-outs, a busy engine) goes to the plain batch. Both lanes share the same language-model
-weights and run in the same step.
+weights and run in the same step. SpecPrefill rows (a sparse selection of their prompt) always
+prefill in our own plain lane, which feeds the kept tokens at their original positions.
+
+SpecPrefill's draft scoring runs here too, one draft chunk of one job per step, so a long
+prompt being scored never holds the running rows for more than a chunk.
 
 A request that fails on its own (embedding, insertion, detokenization) ends with an error and
 the batch goes on. If the batched step itself fails, the rows in it end with an error and a
@@ -35,13 +39,17 @@ from mlx_vlm.generate.ar import BatchGenerator
 
 from mlx_relay.chat.output import TokenLogprob
 from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from mlx_relay.engine.draft_scorer import DraftScorer, ScoringFailed, ScoringJob
 from mlx_relay.engine.loader import LoadedModel
 from mlx_relay.engine.messages import (
+    DraftInfo,
     EngineStats,
     Finished,
     Generate,
     PrefixPlan,
+    PromptScored,
     SamplingParams,
+    ScorePrompt,
     SnapshotTaken,
     TokenDelta,
 )
@@ -49,6 +57,7 @@ from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.mtp_lane import MTPLane, MTPRow
 from mlx_relay.engine.plain_lane import PlainLane, PlainRow
 from mlx_relay.engine.processors import GrammarMask, LogprobRecorder, Penalties, ThinkingBudget
+from mlx_relay.engine.row_prefill import sparse_row
 from mlx_relay.engine.sampling import RowSampler, needs_sampler
 from mlx_relay.engine.snapshots import Snapshot, SnapshotPool
 from mlx_relay.engine.vision import FeatureCache, vision_prompt_kwargs
@@ -56,9 +65,10 @@ from mlx_relay.errors import GenerationFailed, InvalidRequest
 
 log = logging.getLogger(__name__)
 
-# (stream id, event); an event is a TokenDelta, a Finished or an exception for that stream, or a
-# SnapshotTaken for the prefix cache (not part of the stream).
-Event = tuple[int, TokenDelta | Finished | SnapshotTaken | BaseException]
+# (stream id, event); an event is a TokenDelta, a Finished or an exception for that stream, a
+# SnapshotTaken for the prefix cache or a PromptScored for the SpecPrefillScorer (neither is part
+# of a stream).
+Event = tuple[int, TokenDelta | Finished | SnapshotTaken | PromptScored | BaseException]
 
 
 @dataclass
@@ -127,8 +137,11 @@ class BatchEngine:
         self._next_mtp_uid = 1 << 48  # MTP rows get uids far from the generator's
         self._snapshots = SnapshotPool()
         self._plain: PlainLane | None = None
+        self._own_prefill = prefix_cache  # every non-MTP row prefills in our plain lane
         if prefix_cache:
             self._plain = PlainLane(self._model.language_model, prefill_step_size=prefill_step_size)
+        self._draft: DraftScorer | None = None  # SpecPrefill's draft model, once loaded
+        self._scoring: dict[str, tuple[ScoringJob, float]] = {}  # request id -> (job, started), FIFO
         self._mtp_totals = [0, 0, 0]  # rounds, drafted, accepted
         self._eos = frozenset(loaded.info.eos_token_ids)
         self._llg_tokenizer: Any = None  # built on the first request with a grammar
@@ -159,6 +172,8 @@ class BatchEngine:
             self._mtp.clear()
         if self._plain is not None:
             self._plain.clear()
+        for rid in list(self._scoring):
+            self.cancel_scoring(rid)
         self._snapshots.clear()
 
     @property
@@ -176,7 +191,7 @@ class BatchEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting) or bool(self._by_uid)
+        return bool(self._waiting) or bool(self._by_uid) or bool(self._scoring)
 
     @property
     def running(self) -> int:
@@ -238,9 +253,50 @@ class BatchEngine:
             self._emit = emit
         return time.perf_counter() - tic
 
+    # -- SpecPrefill's draft scoring ---------------------------------------------------------------
+    def load_draft(self, path: str) -> DraftInfo:
+        """Load the draft model SpecPrefill scores prompts with (its tokenizer must be ours)."""
+        self._draft = DraftScorer.load(Path(path), self._tokenizer)
+        return self._draft.info
+
+    def score(self, msg: ScorePrompt) -> None:
+        """Queue a scoring job; its chunks run between steps, its outcome is a PromptScored event."""
+        try:
+            if self._draft is None:
+                raise ScoringFailed("no SpecPrefill draft model is loaded")
+            job = self._draft.start(msg.tokens, chunk=self._prefill_step_size, window=msg.window)
+        except Exception as exc:
+            self._events.append((-1, PromptScored(msg.request_id, error=f"{type(exc).__name__}: {exc}")))
+            self._flush()
+            return
+        self._scoring[msg.request_id] = (job, time.perf_counter())
+
+    def cancel_scoring(self, request_id: str) -> None:
+        entry = self._scoring.pop(request_id, None)
+        if entry is not None:
+            entry[0].close()
+
+    def _score_step(self) -> None:
+        """One draft chunk of the oldest scoring job (the others wait: one chunk per step)."""
+        rid = next(iter(self._scoring))
+        job, started = self._scoring[rid]
+        try:
+            scores = job.step()
+        except Exception as exc:
+            log.warning("SpecPrefill scoring of %s failed: %s", rid, exc)
+            del self._scoring[rid]
+            job.close()
+            self._events.append((-1, PromptScored(rid, error=f"{type(exc).__name__}: {exc}")))
+            return
+        if scores is not None:
+            del self._scoring[rid]
+            self._events.append((-1, PromptScored(rid, scores, time.perf_counter() - started)))
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> None:
         self._schedule()
+        if self._scoring:
+            self._score_step()
         if any(seq.mtp is None and seq.plain is None for seq in self._by_uid.values()):
             self._plain_step()
         if self._plain is not None and self._plain.has_work:
@@ -265,8 +321,8 @@ class BatchEngine:
     def _turn_snapshot(self, seq: _Seq) -> None:
         """At a normal finish: the row's whole state (prompt + reply) for the conversation's next turn."""
         plan = seq.req.prefix
-        if plan is None or not plan.snapshot_turn or seq.uid is None:
-            return
+        if plan is None or not plan.snapshot_turn or seq.uid is None or seq.req.sparse is not None:
+            return  # a sparse prefill's state is not the prompt's exact state
         try:
             if seq.mtp is not None and self._mtp is not None:
                 if seq.mtp.emitted != seq.generated:  # finished inside a round: the state is past it
@@ -374,7 +430,7 @@ class BatchEngine:
             try:
                 if self._takes_mtp(seq.req):
                     seq.uid = self._insert_mtp(seq)
-                elif self._plain is not None:
+                elif self._own_prefill or seq.req.sparse is not None:
                     seq.uid = self._insert_own_plain(seq)
                 else:
                     seq.uid = self._insert(seq)
@@ -434,19 +490,23 @@ class BatchEngine:
         return self._tokenizer.decode([token]) if 0 <= token < self._vocab_size else ""
 
     def _insert_own_plain(self, seq: _Seq) -> int:
-        assert self._plain is not None
+        if self._plain is None:  # the first sparse row of an engine without the prefix cache
+            self._plain = PlainLane(self._model.language_model, prefill_step_size=self._prefill_step_size)
         req = seq.req
         processors = self._processors(seq)
         uid = self._next_mtp_uid
         self._next_mtp_uid += 1
         restore, snapshot_at = self._restore(req.prefix)
+        prompt = list(req.prompt_tokens)
         kw: dict[str, Any] = {}
         if req.vision is not None:
             vk = vision_prompt_kwargs(self._model, req.prompt_tokens, req.vision, self._features)
             deltas = vk.get("rope_deltas")
             kw = {"embeds": vk["inputs_embeds"], "positions": vk.get("position_ids"),
                   "rope_delta": int(deltas.reshape(-1)[0].item()) if deltas is not None else 0}
-        seq.plain = self._plain.add(uid, list(req.prompt_tokens), processors=processors, restore=restore,
+        elif req.sparse is not None:
+            prompt, kw, snapshot_at = sparse_row(prompt, req.sparse, restore.length if restore else 0, snapshot_at)
+        seq.plain = self._plain.add(uid, prompt, processors=processors, restore=restore,
                                     snapshot_at=snapshot_at, **kw)
         return uid
 
@@ -454,7 +514,7 @@ class BatchEngine:
         lane = self._mtp
         # MTP pays only while the decode batch is small (a round costs more than a plain step,
         # and more so as the batch grows: benchmarks/bench_mtp.py); rows do not change lanes later.
-        return (lane is not None and req.vision is None and req.sampling.mtp
+        return (lane is not None and req.vision is None and req.sampling.mtp and req.sparse is None
                 and not req.sampling.needs_processors and len(self._by_uid) < self._mtp_max_batch)
 
     def _insert_mtp(self, seq: _Seq) -> int:
@@ -547,6 +607,7 @@ class BatchEngine:
                     mtp_accepted=seq.mtp.accepted if seq.mtp is not None else 0,
                     cached_tokens=(seq.mtp.cached_tokens if seq.mtp is not None
                                    else seq.plain.cached_tokens if seq.plain is not None else 0),
+                    specprefill=seq.req.specprefill,
                 ),
             )
         )

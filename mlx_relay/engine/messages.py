@@ -11,6 +11,9 @@ import msgspec
 
 from mlx_relay.chat.output import TokenLogprob
 from mlx_relay.media.tensors import VisionInputs
+from mlx_relay.specprefill.report import SpecPrefillReport
+
+__all__ = ["SpecPrefillReport"]  # re-exported: engine messages carry it
 
 FinishReason = Literal["stop", "length"]
 
@@ -52,6 +55,17 @@ class PrefixPlan(msgspec.Struct, frozen=True):
     snapshot_turn: bool = False  # snapshot the whole state when the request finishes normally
 
 
+class SparsePrefill(msgspec.Struct, frozen=True):
+    """The prompt positions the target prefills: ascending, disjoint [start, end) ranges; every
+    position before `ranges[0][1]` (the cached prefix and any snapshot point) is kept."""
+
+    ranges: list[tuple[int, int]]
+
+    @property
+    def kept(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+
 class Generate(msgspec.Struct, frozen=True):
     """Stream request: generate from a tokenized prompt. Replies: TokenDelta..., Finished."""
 
@@ -60,6 +74,8 @@ class Generate(msgspec.Struct, frozen=True):
     sampling: SamplingParams = SamplingParams()
     vision: VisionInputs | None = None  # images / video, preprocessed off the GPU (vision path)
     prefix: PrefixPlan | None = None  # None: the prefix cache is off for this request
+    sparse: SparsePrefill | None = None  # SpecPrefill's selection (None: prefill every token)
+    specprefill: SpecPrefillReport | None = None  # echoed in Finished
 
 
 class SnapshotTaken(msgspec.Struct, frozen=True):
@@ -100,6 +116,46 @@ class Finished(msgspec.Struct, frozen=True):
     mtp_drafted: int = 0
     mtp_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache (not prefilled)
+    specprefill: SpecPrefillReport | None = None  # when SpecPrefill ran or was due for the request
+
+
+class LoadDraft(msgspec.Struct, frozen=True):
+    """Ask: load SpecPrefill's draft model on the GPU thread (its tokenizer must be the target's).
+    Reply: DraftInfo."""
+
+    path: str
+
+
+class DraftInfo(msgspec.Struct, frozen=True):
+    path: str
+    model_type: str
+    attention_layers: int  # layers whose attention the scores are read from
+    load_seconds: float
+
+
+class ScorePrompt(msgspec.Struct, frozen=True):
+    """Tell (SpecPrefillScorer -> GPUExecutor): score each token of `tokens` with the draft model
+    (the attention of the last `window` query positions), chunk by chunk between engine steps.
+    The result goes to the attached scorer as a PromptScored."""
+
+    request_id: str
+    tokens: list[int]
+    window: int = 16
+
+
+class CancelScoring(msgspec.Struct, frozen=True):
+    """Tell: the request left; drop its scoring job."""
+
+    request_id: str
+
+
+class PromptScored(msgspec.Struct, frozen=True):
+    """Engine event (GPUExecutor -> SpecPrefillScorer): one scoring job's outcome."""
+
+    request_id: str
+    scores: list[float] = []  # one per token, finite, >= 0 (empty on error)
+    seconds: float = 0.0  # on the GPU thread, from the first chunk to the scores
+    error: str | None = None  # why scoring failed (the request then prefills normally)
 
 
 class Describe(msgspec.Struct, frozen=True):

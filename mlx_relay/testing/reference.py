@@ -33,6 +33,33 @@ def greedy_reference(model_path: Path, prompts: list[list[int]], max_tokens: int
     return out
 
 
+def sparse_greedy_reference(model_path: Path, prompt: list[int], kept: list[int], max_tokens: int) -> list[int]:
+    """SpecPrefill's definition, written out plainly: one forward of the kept tokens at their
+    original positions (explicit M-RoPE triples), then greedy decoding one token at a time at
+    the prompt's true positions len(prompt), len(prompt) + 1, ..."""
+    import mlx.core as mx
+    import mlx_vlm
+
+    from mlx_relay.engine.loader import eos_token_ids, read_config
+
+    model, _processor = mlx_vlm.load(str(model_path))
+    lm = model.language_model
+    eos = set(eos_token_ids(read_config(model_path)))
+    cache = lm.make_cache()
+
+    def forward(tokens: list[int], positions: list[int]) -> int:
+        pos = mx.broadcast_to(mx.array(positions, dtype=mx.int32)[None, None, :], (3, 1, len(positions)))
+        out = lm(mx.array([tokens], dtype=mx.int32), cache=cache, position_ids=pos)
+        return int(mx.argmax(out.logits[0, -1]).item())
+
+    token = forward([prompt[p] for p in kept], kept)
+    out = [token]
+    while len(out) < max_tokens and token not in eos:
+        token = forward([token], [len(prompt) + len(out) - 1])
+        out.append(token)
+    return out
+
+
 def main() -> None:
     model, max_tokens = Path(sys.argv[1]), int(sys.argv[2])
     prompts = json.load(sys.stdin)
