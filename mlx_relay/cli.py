@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from mlx_relay.chat.types import TOOL_FORMATS
-from mlx_relay.config import AdmissionConfig, EngineConfig, MediaConfig, ServerConfig
+from mlx_relay.config import AdmissionConfig, EngineConfig, MediaConfig, ServerConfig, SpecPrefillConfig
 
 
 def _progress_printer() -> Callable[[str], None]:
@@ -100,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="byte budget (default: 20%% of the GPU's memory or working set, 10%% of RAM on CPU)")
     pc.add_argument("--prefix-min-snapshot-tokens", type=int, default=256,
                     help="system prompts shorter than this are not snapshotted (default 256)")
+    sp = serve.add_argument_group("SpecPrefill (a small draft model picks which tokens of a long prompt are prefilled)")
+    sp.add_argument("--specprefill-draft-model", default=None, metavar="MODEL",
+                    help="draft checkpoint with the served model's tokenizer (dir or Hub id); turns SpecPrefill on")
+    sp.add_argument("--specprefill-threshold", type=int, default=8192,
+                    help="uncached prompt tokens from which a request is prefilled sparsely (default 8192)")
+    sp.add_argument("--specprefill-keep", type=float, default=0.3,
+                    help="share of the scored prompt chunks kept (default 0.3; requests may set specprefill_keep)")
+    sp.add_argument("--specprefill-chunk-size", type=int, default=64, help="tokens per selection chunk (default 64)")
+    sp.add_argument("--specprefill-query-window", type=int, default=16,
+                    help="last prompt positions whose attention scores the tokens (default 16)")
     serve.add_argument("--memory-limit-gb", type=float, default=None,
                        help="MLX memory limit for this process (lets two servers share one GPU)")
     serve.add_argument("--cache-limit-gb", type=float, default=None,
@@ -151,6 +161,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             cache_limit_bytes=_gib(args.cache_limit_gb),
         ),
         admission=AdmissionConfig(max_num_seqs=args.max_num_seqs, max_queue=args.max_queue),
+        specprefill=SpecPrefillConfig(
+            draft_model=args.specprefill_draft_model,
+            threshold=args.specprefill_threshold,
+            chunk_size=args.specprefill_chunk_size,
+            keep_fraction=args.specprefill_keep,
+            query_window=args.specprefill_query_window,
+        ),
         media=MediaConfig(
             allowed_local_dir=args.allowed_local_media_dir,
             allow_remote=args.allow_remote_media,

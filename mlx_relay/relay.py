@@ -35,8 +35,9 @@ from mlx_relay.actors.prefix_cache_store import (
     PrefixCacheStore,
     PrefixStats,
 )
+from mlx_relay.actors.specprefill_scorer import GetSpecPrefillStats, SpecPrefillScorer
 from mlx_relay.chat.types import ChatMessage
-from mlx_relay.config import AdmissionConfig, EngineConfig, MediaConfig, ServerConfig
+from mlx_relay.config import AdmissionConfig, EngineConfig, MediaConfig, ServerConfig, SpecPrefillConfig
 from mlx_relay.engine.loader import resolve_model_path
 from mlx_relay.engine.messages import (
     Describe,
@@ -44,6 +45,7 @@ from mlx_relay.engine.messages import (
     Finished,
     GetEngineStats,
     ModelInfo,
+    SpecPrefillReport,
     TokenDelta,
     Warmup,
 )
@@ -63,6 +65,7 @@ class ChatResult(msgspec.Struct, frozen=True):
     mtp_drafted: int = 0  # MTP draft tokens proposed for this request (0: decoded without MTP)
     mtp_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    specprefill: SpecPrefillReport | None = None  # when SpecPrefill ran or was due
 
 
 def default_config(model: str | Path | None = None, **overrides: Any) -> ServerConfig:
@@ -76,6 +79,8 @@ def default_config(model: str | Path | None = None, **overrides: Any) -> ServerC
     admission_keys = set(AdmissionConfig.__struct_fields__)
     media_keys = set(MediaConfig.__struct_fields__)
     media_kw = {k: overrides.pop(k) for k in list(overrides) if k in media_keys}
+    sp_kw = {k.removeprefix("specprefill_"): overrides.pop(k) for k in list(overrides)
+             if k.startswith("specprefill_") and k.removeprefix("specprefill_") in SpecPrefillConfig.__struct_fields__}
     engine_kw = {k: overrides.pop(k) for k in list(overrides) if k in engine_keys}
     admission_kw = {k: overrides.pop(k) for k in list(overrides) if k in admission_keys and k != "max_num_seqs"}
     if "max_num_seqs" in engine_kw:
@@ -87,6 +92,7 @@ def default_config(model: str | Path | None = None, **overrides: Any) -> ServerC
         engine=EngineConfig(model_path=model, **engine_kw),
         admission=AdmissionConfig(**admission_kw),
         media=MediaConfig(**media_kw),
+        specprefill=SpecPrefillConfig(**sp_kw),
         **overrides,
     )
 
@@ -167,6 +173,12 @@ class Relay:
                 store = await self.system.spawn(lambda: PrefixCacheStore(store_cfg, gpu), name="prefix-cache",
                                                 accepts=PrefixCacheStore.accepts)
                 await gpu.tell(AttachPrefixStore(store))
+            scorer = None
+            if cfg.specprefill.draft_model is not None:
+                draft = await anyio.to_thread.run_sync(resolve_model_path, cfg.specprefill.draft_model)
+                sp_cfg = msgspec.structs.replace(cfg.specprefill, draft_model=str(draft))
+                scorer = await self.system.spawn(lambda: SpecPrefillScorer(sp_cfg, gpu), name="specprefill",
+                                                 accepts=SpecPrefillScorer.accepts)
             gen_cfg_path = path / "generation_config.json"
             gen_cfg = json.loads(gen_cfg_path.read_text()) if gen_cfg_path.exists() else {}
             self.service = ChatService(
@@ -178,6 +190,7 @@ class Relay:
                 defaults=SamplingDefaults.from_generation_config(gen_cfg),
                 default_max_tokens=cfg.default_max_tokens,
                 prefix_store=store,
+                scorer=scorer,
             )
             if cfg.engine.warmup:
                 await self._set_state("warming")
@@ -216,6 +229,13 @@ class Relay:
             body["prefix_cache"] = msgspec.to_builtins(stats)
         return body
 
+    async def specprefill_stats(self) -> dict[str, Any]:
+        """SpecPrefill's counters ({"enabled": False} without a draft model)."""
+        service = self._service()
+        if service.scorer is None:
+            return {"enabled": False}
+        return {"enabled": True, **msgspec.to_builtins(await service.scorer.ask(GetSpecPrefillStats()))}
+
     async def flush_prefix_cache(self) -> Flushed:
         """Drop every prefix-cache snapshot no request is using."""
         service = self._service()
@@ -235,7 +255,7 @@ class Relay:
                     ids.extend(ev.token_ids)
                 elif isinstance(ev, Finished):
                     return ChatResult("".join(parts), ev.reason, ev.prompt_tokens, ev.completion_tokens, ids,
-                                      ev.mtp_drafted, ev.mtp_accepted, ev.cached_tokens)
+                                      ev.mtp_drafted, ev.mtp_accepted, ev.cached_tokens, ev.specprefill)
         raise RuntimeError("generation ended without a finish event")
 
     async def stream_chat(

@@ -3,6 +3,7 @@
     Admission (slot lease) -> Normalizer (template + tokens, system-prompt boundary)
         -> MediaRouter (only for requests with images or video: fetch, decode, preprocess, expand)
         -> context check -> PrefixCacheStore (what to restore, what to snapshot)
+        -> SpecPrefillScorer (long text prompts: which uncached tokens the target prefills)
         -> GPUExecutor (stream of TokenDelta ..., Finished) -> PrefixCacheStore (release)
 
 Text-only requests never wait behind a media download: the routing decision (media parts or
@@ -26,12 +27,21 @@ from mlx_relay.actors.admission import Acquire, Granted
 from mlx_relay.actors.media_router import Route, Routed
 from mlx_relay.actors.normalizer import Render, RenderedPrompt
 from mlx_relay.actors.prefix_cache_store import Lookup, Release
+from mlx_relay.actors.specprefill_scorer import Select, Selection
 from mlx_relay.cache.prefix_keys import MediaSpan
 from mlx_relay.chat.grammar import OutputConstraint
 from mlx_relay.chat.output import ContentDelta, ReplyDone, ReplyEvent
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import ChatMessage, ResponseFormat, ToolChoice, ToolDef
-from mlx_relay.engine.messages import Finished, Generate, ModelInfo, PrefixPlan, SamplingParams, TokenDelta
+from mlx_relay.engine.messages import (
+    Finished,
+    Generate,
+    ModelInfo,
+    PrefixPlan,
+    SamplingParams,
+    SpecPrefillReport,
+    TokenDelta,
+)
 from mlx_relay.errors import ContextLengthExceeded, InvalidRequest
 from mlx_relay.media.tensors import VisionInputs
 from mlx_relay.runtime import ActorRef, ReplyStream
@@ -65,6 +75,10 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float | None = None  # multiplicative (> 1 discourages repeats)
     # /v1/completions: a raw prompt (text or token ids) instead of messages; no chat template
     prompt: str | list[int] | None = None
+    # SpecPrefill: None follows the server (on above its threshold when it has a draft model);
+    # True / False forces it on / off for this request; the keep fraction overrides the server's
+    specprefill: bool | None = None
+    specprefill_keep: float | None = None
 
 
 class SamplingDefaults(msgspec.Struct, frozen=True):
@@ -99,6 +113,7 @@ class ChatService:
         defaults: SamplingDefaults,
         default_max_tokens: int,
         prefix_store: ActorRef | None = None,
+        scorer: ActorRef | None = None,
     ) -> None:
         self.admission = admission
         self.normalizer = normalizer
@@ -108,6 +123,7 @@ class ChatService:
         self.defaults = defaults
         self.default_max_tokens = default_max_tokens
         self.prefix_store = prefix_store
+        self.scorer = scorer
         self._ids = itertools.count(1)
 
     def sampling_for(self, req: ChatRequest, prompt_tokens: int, rendered: RenderedPrompt | None = None
@@ -123,6 +139,8 @@ class ChatService:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         if req.thinking_budget is not None and req.thinking_budget < 0:
             raise InvalidRequest("the thinking budget must not be negative", param="thinking_budget")
+        if req.specprefill_keep is not None and not 0.0 < req.specprefill_keep <= 1.0:
+            raise InvalidRequest("specprefill_keep must be in (0, 1]", param="specprefill_keep")
         if req.logprobs and not 0 <= req.top_logprobs <= 20:
             raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
         think_open = rendered.think_open if rendered is not None else False
@@ -216,8 +234,10 @@ class ChatService:
                 tokens, vision = routed.prompt_tokens, routed.vision
             params = self.sampling_for(req, len(tokens), rendered)
             plan = await self._plan(rid, tokens, vision, rendered)
+            selection = await self._sparse(rid, req, tokens, vision, plan)
+            gen = Generate(rid, tokens, params, vision, plan, selection.sparse, selection.report)
             try:
-                async with self.gpu.stream(Generate(rid, tokens, params, vision, plan)) as events:
+                async with self.gpu.stream(gen) as events:
                     yield rendered, events
             finally:
                 if plan is not None and self.prefix_store is not None:
@@ -241,6 +261,28 @@ class ChatService:
         # the reply's start follows every message, so every expanded media item precedes it
         r = rendered.reply_start + len(tokens) - len(rendered.token_ids) if rendered.reply_start else 0
         return await self.prefix_store.ask(Lookup(rid, tokens, media, s, r))
+
+
+    async def _sparse(self, rid: str, req: ChatRequest, tokens: list[int], vision: VisionInputs | None,
+                      plan: PrefixPlan | None) -> Selection:
+        """SpecPrefill's selection for a text prompt (None: prefill every token). The scorer's
+        own failures come back as a fallback report; if the scorer cannot be reached at all the
+        request still goes on, prefilled normally."""
+        if req.specprefill is False:
+            return Selection(None, None)
+        asked = req.specprefill is True
+        if self.scorer is None or vision is not None:
+            why = ("this server has no SpecPrefill draft model (--specprefill-draft-model)" if self.scorer is None
+                   else "requests with images or video are prefilled in full")
+            return Selection(None, SpecPrefillReport(False, fallback=why) if asked else None)
+        # the restored prefix (and the snapshot points the scorer keeps) are never scored
+        restored, points = (plan.restore_length, plan.snapshot_at) if plan is not None else (0, [])
+        select = Select(rid, tokens, restored, points, req.specprefill, req.specprefill_keep)
+        try:
+            async with self.scorer.stream(select) as s:
+                return await anext(s)
+        except Exception as exc:  # the scorer crashed: this request prefills normally
+            return Selection(None, SpecPrefillReport(False, fallback=f"the scorer failed: {exc}"))
 
 
 def validate_sampling(p: SamplingParams) -> None:
@@ -273,5 +315,5 @@ async def _parsed(events: ReplyStream, parser: ReplyParser | None) -> AsyncItera
                 yield out
             reason = "tool_calls" if parser is not None and parser.calls else ev.reason
             yield ReplyDone(reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, reasoning,
-                            mtp_drafted=ev.mtp_drafted, mtp_accepted=ev.mtp_accepted)
+                            mtp_drafted=ev.mtp_drafted, mtp_accepted=ev.mtp_accepted, specprefill=ev.specprefill)
             return

@@ -22,12 +22,16 @@ from mlx_relay.engine.batch_engine import BatchEngine, Event
 from mlx_relay.engine.gpu_thread import GPUThread
 from mlx_relay.engine.loader import LoadedModel, apply_memory_limits, default_prefix_cache_bytes, load_model
 from mlx_relay.engine.messages import (
+    CancelScoring,
     Describe,
     Finished,
     FreeSnapshots,
     Generate,
     GetEngineStats,
+    LoadDraft,
     ModelInfo,
+    PromptScored,
+    ScorePrompt,
     SnapshotTaken,
     TokenDelta,
     Warmup,
@@ -43,8 +47,15 @@ class AttachPrefixStore(msgspec.Struct, frozen=True):
     store: ActorRef
 
 
+class AttachScorer(msgspec.Struct, frozen=True):
+    """Tell: where to report SpecPrefill scoring outcomes (the SpecPrefillScorer)."""
+
+    scorer: ActorRef
+
+
 class GPUExecutor(Actor):
-    accepts = (Generate, Describe, Warmup, GetEngineStats, FreeSnapshots, AttachPrefixStore)
+    accepts = (Generate, Describe, Warmup, GetEngineStats, FreeSnapshots, AttachPrefixStore, LoadDraft, ScorePrompt,
+               CancelScoring, AttachScorer)
     mailbox_capacity = 1024
 
     def __init__(self, config: EngineConfig, on_progress: Callable[[str], None] | None = None) -> None:
@@ -54,6 +65,7 @@ class GPUExecutor(Actor):
         self._thread: GPUThread | None = None
         self._engine: BatchEngine | None = None
         self._store: ActorRef | None = None
+        self._scorer: ActorRef | None = None
         self.info: ModelInfo | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -117,8 +129,7 @@ class GPUExecutor(Actor):
         self._streams.clear()
 
     # -- messages ----------------------------------------------------------------------------------
-    async def receive(self, msg: Generate | Describe | Warmup | GetEngineStats | FreeSnapshots | AttachPrefixStore,
-                      stream: ReplyStream | None) -> object:
+    async def receive(self, msg: object, stream: ReplyStream | None) -> object:
         assert self._thread is not None and self._engine is not None
         match msg:
             case Generate():
@@ -139,6 +150,18 @@ class GPUExecutor(Actor):
             case AttachPrefixStore():
                 self._store = msg.store
                 return None
+            case LoadDraft():
+                self._on_progress(f"loading the SpecPrefill draft {msg.path}")
+                return await asyncio.wrap_future(self._thread.submit(self._engine.load_draft, msg.path))
+            case ScorePrompt():
+                self._thread.submit(self._engine.score, msg)
+                return None
+            case CancelScoring():
+                self._thread.submit(self._engine.cancel_scoring, msg.request_id)
+                return None
+            case AttachScorer():
+                self._scorer = msg.scorer
+                return None
         raise TypeError(type(msg).__name__)
 
     def on_cancel(self, stream: ReplyStream) -> None:
@@ -150,6 +173,11 @@ class GPUExecutor(Actor):
         for sid, event in events:
             if isinstance(event, SnapshotTaken):
                 self._forward_snapshot(event)
+                continue
+            if isinstance(event, PromptScored):
+                # the scorer's mailbox holds far more than the requests that can be scoring at once
+                if self._scorer is None or not self._scorer.tell_nowait(event):
+                    log.error("SpecPrefill scores for %s could not be delivered", event.request_id)
                 continue
             stream = self._streams.get(sid)
             if stream is None:

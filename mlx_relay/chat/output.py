@@ -18,6 +18,8 @@ from typing import Literal
 
 import msgspec
 
+from mlx_relay.specprefill.report import SpecPrefillReport
+
 ReplyFinish = Literal["stop", "length", "tool_calls"]
 
 
@@ -87,6 +89,7 @@ class ReplyDone(msgspec.Struct, frozen=True):
     mtp_drafted: int = 0
     mtp_accepted: int = 0
     stop_sequence: str | None = None  # the stop string that ended the reply, if one did
+    specprefill: SpecPrefillReport | None = None  # when SpecPrefill ran or was due
 
 
 ReplyEvent = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArguments | ToolCallEnd | ReplyDone

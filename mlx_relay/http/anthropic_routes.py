@@ -363,6 +363,8 @@ def to_chat_request(body: CountTokensRequest) -> ChatRequest:
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
+            specprefill=body.specprefill,
+            specprefill_keep=body.specprefill_keep,
         )
     return ChatRequest(messages=to_messages(body.system, body.messages), tools=tools, **fields)  # type: ignore[arg-type]
 
@@ -391,6 +393,7 @@ def _usage(done: ReplyDone) -> Usage:
         input_tokens=done.prompt_tokens - done.cached_tokens,
         output_tokens=done.completion_tokens,
         cache_read_input_tokens=done.cached_tokens,
+        specprefill=done.specprefill if done.specprefill is not None else msgspec.UNSET,
     )
 
 

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from mlx_relay.specprefill.report import SpecPrefillReport
+
 # -- request: content blocks ----------------------------------------------------------------------
 
 
@@ -158,6 +160,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True, omit_defaults=True):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
+    specprefill: bool | None = None  # mlx-relay extension (the SDK's extra_body), as in chat completions
+    specprefill_keep: float | None = None
 
 
 # -- response -----------------------------------------------------------------------------------------
@@ -191,6 +195,8 @@ class Usage(msgspec.Struct):
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    # mlx-relay extension: present only when SpecPrefill ran or was due (UNSET: left out)
+    specprefill: SpecPrefillReport | msgspec.UnsetType = msgspec.UNSET
 
 
 class Message(msgspec.Struct, tag="message", tag_field="type"):

@@ -133,6 +133,10 @@ class OpenAIRoutes:
         self._service()
         return _json(await self.relay.prefix_cache_stats())
 
+    async def specprefill_stats(self, request: Request) -> Response:
+        self._service()
+        return _json(await self.relay.specprefill_stats())
+
     async def cache_flush(self, request: Request) -> Response:
         self._service()
         flushed = await self.relay.flush_prefix_cache()
@@ -231,6 +235,7 @@ def create_app(
             Route("/completions", routes.completions, methods=["POST"]),
             Route("/v1/cache/stats", routes.cache_stats, methods=["GET"]),
             Route("/v1/cache/flush", routes.cache_flush, methods=["POST"]),
+            Route("/v1/specprefill/stats", routes.specprefill_stats, methods=["GET"]),
             *anthropic_routes(config, routes._service, routes._check_model),
             *responses_routes(config, routes._service, routes._check_model),
         ],

@@ -115,6 +115,8 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         mtp=body.mtp is not False,
+        specprefill=body.specprefill,
+        specprefill_keep=body.specprefill_keep if body.specprefill_keep is not None else body.specprefill_keep_pct,
     )
 
 

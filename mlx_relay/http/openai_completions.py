@@ -51,6 +51,9 @@ class CompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     suffix: str | None = None
     user: str | None = None
     mtp: bool | None = None
+    specprefill: bool | None = None  # as in chat completions
+    specprefill_keep: float | None = None
+    specprefill_keep_pct: float | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -112,7 +115,8 @@ def to_requests(body: CompletionRequest) -> list[ChatRequest]:
             top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=stop, logprobs=body.logprobs is not None,
             top_logprobs=body.logprobs or 0, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-            mtp=body.mtp is not False)
+            mtp=body.mtp is not False, specprefill=body.specprefill,
+            specprefill_keep=body.specprefill_keep if body.specprefill_keep is not None else body.specprefill_keep_pct)
         out.extend(choice_requests(req, body.n))
     return out
 

@@ -10,6 +10,7 @@ import msgspec
 from mlx_relay.chat.output import ReplyDone, TokenLogprob
 from mlx_relay.chat.types import ChatMessage, ToolDef
 from mlx_relay.engine.messages import Finished
+from mlx_relay.specprefill.report import SpecPrefillReport
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -44,6 +45,11 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     thinking_budget: int | None = None  # extension: at most this many thinking tokens
     user: str | None = None
     mtp: bool | None = None  # mlx-relay extension: false turns MTP speculative decoding off for this request
+    # mlx-relay extension: SpecPrefill on / off for this request (None: the server's threshold) and
+    # its keep fraction (`specprefill_keep_pct` is vllm-mlx's name for the same fraction)
+    specprefill: bool | None = None
+    specprefill_keep: float | None = None
+    specprefill_keep_pct: float | None = None
 
 
 class FunctionName(msgspec.Struct):
@@ -89,6 +95,7 @@ class Usage(msgspec.Struct, omit_defaults=True):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     mtp: MTPUsage | None = None  # present when the request decoded with MTP
+    specprefill: SpecPrefillReport | None = None  # present when SpecPrefill ran or was due
     completion_tokens_details: CompletionTokensDetails | None = None  # present when the reply reasoned
 
 
@@ -100,7 +107,7 @@ def usage_of(finished: Finished | ReplyDone) -> Usage:
     reasoning = finished.reasoning_tokens if isinstance(finished, ReplyDone) else 0
     return Usage(finished.prompt_tokens, finished.completion_tokens,
                  finished.prompt_tokens + finished.completion_tokens,
-                 PromptTokensDetails(cached_tokens=finished.cached_tokens), mtp,
+                 PromptTokensDetails(cached_tokens=finished.cached_tokens), mtp, finished.specprefill,
                  CompletionTokensDetails(reasoning) if reasoning else None)
 
 

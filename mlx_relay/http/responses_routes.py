@@ -394,6 +394,8 @@ def translate(body: ResponsesRequest, model: str, conversation: list[ChatMessage
         parallel_tool_calls=body.parallel_tool_calls is not False,
         response_format=response_format(body.text),
         enable_thinking=thinking(body.reasoning),
+        specprefill=body.specprefill,
+        specprefill_keep=body.specprefill_keep,
     )
     response = ResponseObject(
         id=_new_id("resp"), created_at=int(time.time()), status="in_progress", model=model, output=[],
@@ -491,6 +493,7 @@ class ResponseAssembler:
             output_tokens=done.completion_tokens,
             output_tokens_details=OutputTokensDetails(reasoning_tokens=done.reasoning_tokens),
             total_tokens=done.prompt_tokens + done.completion_tokens,
+            specprefill=done.specprefill if done.specprefill is not None else msgspec.UNSET,
         )
         if cut:
             r.status = "incomplete"

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from mlx_relay.specprefill.report import SpecPrefillReport
+
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
 
@@ -68,6 +70,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     service_tier: str | None = None
     truncation: str | None = None
     include: list[str] | None = None
+    specprefill: bool | None = None  # mlx-relay extension (the SDK's extra_body), as in chat completions
+    specprefill_keep: float | None = None
 
 
 class FunctionTool(msgspec.Struct, kw_only=True):
@@ -200,6 +204,8 @@ class ResponseUsage(msgspec.Struct):
     output_tokens: int
     output_tokens_details: OutputTokensDetails
     total_tokens: int
+    # mlx-relay extension: present only when SpecPrefill ran or was due (UNSET: left out)
+    specprefill: SpecPrefillReport | msgspec.UnsetType = msgspec.UNSET
 
 
 class IncompleteDetails(msgspec.Struct):

@@ -1,0 +1,121 @@
+"""SpecPrefill through the actors (issue 7.1, 7.3, 7.4): the scorer's threshold and per-request
+overrides, composition with the prefix cache, the fallback on a broken draft, and the report on
+the wire. The draft is a real fixture with the target's tokenizer."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from mlx_relay.errors import InvalidRequest
+from mlx_relay.relay import Relay
+from mlx_relay.testing.live_server import LiveServer
+
+WORDS = ("alpha beta gamma delta kernel buffer thread socket parser module import return yield "
+         "lambda class object method value index offset stream cache token draft prompt").split()
+
+
+def text(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def user(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+SETTINGS = {"specprefill_threshold": 256, "specprefill_chunk_size": 16, "specprefill_keep_fraction": 0.3,
+            "prefill_step_size": 64, "max_num_seqs": 4, "warmup": False}
+
+
+async def test_threshold_overrides_and_exact_keep_all(fp32_model: Path) -> None:
+    # prefix cache off: the same prompt again would be restored, leaving too little to score
+    async with Relay.start(fp32_model, specprefill_draft_model=str(fp32_model), prefix_cache=False,
+                           **SETTINGS) as relay:
+        long_msg = user(text(400, 1))
+        plain = await relay.chat(long_msg, max_tokens=12, temperature=0.0, specprefill=False)
+        assert plain.specprefill is None and plain.prompt_tokens > 256
+
+        due = await relay.chat(long_msg, max_tokens=12, temperature=0.0)  # above the threshold
+        report = due.specprefill
+        assert report is not None and report.ran and report.keep_fraction == 0.3
+        assert report.scored_tokens == due.prompt_tokens == plain.prompt_tokens
+        assert 0.25 * report.scored_tokens <= report.kept_tokens <= 0.35 * report.scored_tokens + 32
+
+        full = await relay.chat(long_msg, max_tokens=12, temperature=0.0, specprefill_keep=1.0)
+        assert full.specprefill is not None and full.specprefill.ran
+        assert full.specprefill.kept_tokens == full.prompt_tokens
+        assert full.token_ids == plain.token_ids  # keep 1.0: the sparse path is normal prefill
+
+        short = await relay.chat(user("hi there"), max_tokens=4, temperature=0.0)
+        assert short.specprefill is None  # under the threshold, not asked: nothing to report
+        forced = await relay.chat(user("hi there"), max_tokens=4, temperature=0.0, specprefill=True)
+        assert forced.specprefill is not None and not forced.specprefill.ran
+        assert "two chunks" in (forced.specprefill.fallback or "")
+
+        with pytest.raises(InvalidRequest):
+            await relay.chat(long_msg, max_tokens=4, specprefill_keep=0.0)
+        stats = await relay.specprefill_stats()
+        assert stats["enabled"] and stats["sparse_requests"] == 2 and stats["fallbacks"] == 0
+        assert stats["tokens_kept"] == report.kept_tokens + full.prompt_tokens
+
+
+async def test_only_the_uncached_suffix_is_scored(fp32_model: Path) -> None:
+    system = {"role": "system", "content": text(350, 7)}  # above the prefix cache's 256-token minimum
+    async with Relay.start(fp32_model, specprefill_draft_model=str(fp32_model), **SETTINGS) as relay:
+        first = await relay.chat([system, *user(text(300, 8))], max_tokens=8, temperature=0.0)
+        second = await relay.chat([system, *user(text(320, 9))], max_tokens=8, temperature=0.0)
+    assert second.cached_tokens > 256  # the system prompt's snapshot was restored
+    for r in (first, second):
+        assert r.specprefill is not None and r.specprefill.ran
+        # the system prompt (a snapshot point, then restored) is prefilled exactly, never scored
+        assert r.specprefill.scored_tokens == r.prompt_tokens - second.cached_tokens
+
+
+def broken_draft(src: Path, dest: Path) -> Path:
+    """A copy of a checkpoint whose first layer norm is infinite: every score it gives is not
+    finite (what an overflowing low-precision draft does)."""
+    shutil.copytree(src, dest)
+    weights = load_file(str(dest / "model.safetensors"))
+    key = next(k for k in weights if k.endswith("layers.0.input_layernorm.weight"))
+    weights[key] = np.full_like(weights[key], np.inf)
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+async def test_a_failing_draft_falls_back_to_normal_prefill(fp32_model: Path, tmp_path: Path) -> None:
+    draft = broken_draft(fp32_model, tmp_path / "broken")
+    async with Relay.start(fp32_model, specprefill_draft_model=str(draft), prefix_cache=False, **SETTINGS) as relay:
+        msg = user(text(400, 3))
+        got = await relay.chat(msg, max_tokens=12, temperature=0.0)
+        plain = await relay.chat(msg, max_tokens=12, temperature=0.0, specprefill=False)
+        stats = await relay.specprefill_stats()
+    assert got.specprefill is not None and not got.specprefill.ran
+    assert "ScoringFailed" in (got.specprefill.fallback or "")
+    assert got.token_ids == plain.token_ids  # served in full, as if SpecPrefill were off
+    assert stats["fallbacks"] == 1 and stats["sparse_requests"] == 0 and stats["last_error"]
+
+
+def test_wire_reports_and_rejects(server: LiveServer) -> None:
+    """The shared server has no draft model: asking for SpecPrefill says so in the usage;
+    a keep fraction outside (0, 1] is a 400 in the OpenAI error shape."""
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"model": "tiny", "messages": user("hello"), "max_tokens": 2, "specprefill": True}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200
+        report = r.json()["usage"]["specprefill"]
+        assert report["ran"] is False and "draft model" in report["fallback"]
+        r = client.post("/v1/chat/completions", json={**body, "specprefill_keep": 1.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "specprefill_keep"
+        r = client.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": user("hello"),
+                                              "specprefill": True})
+        assert r.status_code == 200 and r.json()["usage"]["specprefill"]["ran"] is False
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": user("hello"), "max_tokens": 2})
+        assert "specprefill" not in r.json()["usage"]
+        assert client.get("/v1/specprefill/stats").json() == {"enabled": False}
