@@ -119,3 +119,24 @@ def test_wire_reports_and_rejects(server: LiveServer) -> None:
         r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": user("hello"), "max_tokens": 2})
         assert "specprefill" not in r.json()["usage"]
         assert client.get("/v1/specprefill/stats").json() == {"enabled": False}
+
+
+async def test_a_request_that_leaves_while_scored_frees_its_job(fp32_model: Path) -> None:
+    import anyio
+
+    from mlx_relay.engine.messages import EngineStats, GetEngineStats
+
+    async with Relay.start(fp32_model, specprefill_draft_model=str(fp32_model), prefix_cache=False,
+                           **{**SETTINGS, "prefill_step_size": 16}) as relay:
+        with anyio.move_on_after(0.3):  # the client leaves while its 3000-token prompt is scored
+            await relay.chat(user(text(1200, 4)), max_tokens=4, temperature=0.0)
+        service = relay.service
+        assert service is not None
+        with anyio.fail_after(30):
+            while True:
+                stats: EngineStats = await service.gpu.ask(GetEngineStats())
+                if stats.scoring == 0 and stats.running == 0:
+                    break
+                await anyio.sleep(0.05)
+        after = await relay.chat(user(text(400, 5)), max_tokens=4, temperature=0.0)
+        assert after.specprefill is not None and after.specprefill.ran

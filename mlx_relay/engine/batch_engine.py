@@ -447,7 +447,7 @@ class BatchEngine:
                            vision_cache_misses=f.misses, vision_cache_entries=f.entries, vision_cache_bytes=f.bytes,
                            mtp_running=len(self._mtp) if self._mtp is not None else 0, mtp_rounds=rounds,
                            mtp_drafted=drafted, mtp_accepted=accepted, snapshots=len(self._snapshots),
-                           snapshot_bytes=self._snapshots.bytes)
+                           snapshot_bytes=self._snapshots.bytes, scoring=len(self._scoring))
 
     def _sampler(self, params: SamplingParams) -> RowSampler | None:
         if not needs_sampler(params):

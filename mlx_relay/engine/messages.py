@@ -179,6 +179,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     mtp_accepted: int = 0
     snapshots: int = 0  # prefix-cache snapshots held on the GPU thread
     snapshot_bytes: int = 0
+    scoring: int = 0  # SpecPrefill scoring jobs queued or running
 
 
 class Warmup(msgspec.Struct, frozen=True):
