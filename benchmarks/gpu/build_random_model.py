@@ -4,7 +4,14 @@ shape (40 layers, 3 GatedDeltaNet : 1 gated attention, 256 experts with 8 active
 vision tower stays bf16), saved as an mlx-vlm checkpoint with the real Qwen3.5 vocabulary.
 No weights travel: the figures it gives are honest for speed, its text is noise.
 
-    python benchmarks/gpu/build_random_model.py OUT_DIR --tokenizer DIR [--tiny] [--seed 0]
+    python benchmarks/gpu/build_random_model.py OUT_DIR --tokenizer DIR [--shape 35b-a3b|draft] [--tiny] [--seed 0]
+
+`--shape draft` builds instead a small dense `qwen3_5` model with the same vocabulary and
+tokenizer, for SpecPrefill's draft (benchmarks/bench_specprefill.py): the text shape of
+Qwen3.5-0.8B (hidden 1024, 24 layers, 3 GatedDeltaNet : 1 gated attention, 8 attention heads /
+2 KV heads of 256, MLP 3584, linear-attention heads 16 key / 16 value of 128, tied embeddings),
+bf16 (not quantized), with the tiny vision tower of `--tiny` and no MTP head, about 0.75 B
+parameters (1.5 GB). `mlx_lm.load(OUT_DIR)` and `mlx_vlm.load(OUT_DIR)` both load it.
 
 Memory: every weight is drawn in bf16 one decoder layer at a time, evaluated and quantized
 before the next, with MLX's buffer cache off, so the peak stays near the final 8-bit size
@@ -79,6 +86,35 @@ TINY_OVERRIDES: dict[str, Any] = {
 TINY_VISION: dict[str, Any] = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                                "out_hidden_size": 64, "num_position_embeddings": 64}
 
+# SpecPrefill's draft: the text shape of the dense Qwen3.5-0.8B, the same vocabulary, no MoE, no MTP head.
+TEXT_DRAFT: dict[str, Any] = {
+    "model_type": "qwen3_5_text",
+    "hidden_size": 1024,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "intermediate_size": 3584,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "full_attention_interval": 4,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "rope_parameters": copy.deepcopy(TEXT_35B_A3B["rope_parameters"]),
+}
+DRAFT_TINY_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "intermediate_size": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "rope_parameters": copy.deepcopy(TINY_OVERRIDES["rope_parameters"]),
+}
+SHAPES = ("35b-a3b", "draft")
+
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -92,18 +128,37 @@ def special_ids(tokenizer_dir: Path) -> dict[str, int]:
     return {t["content"]: t["id"] for t in tok["added_tokens"]}
 
 
-def make_config(tokenizer_dir: Path, tiny: bool) -> dict[str, Any]:
+def make_config(tokenizer_dir: Path, tiny: bool, shape: str = "35b-a3b") -> dict[str, Any]:
+    if shape == "draft":
+        return make_draft_config(tokenizer_dir, tiny)
     text = copy.deepcopy(TEXT_35B_A3B)
     vision = copy.deepcopy(VISION_35B_A3B)
     if tiny:
         text.update(copy.deepcopy(TINY_OVERRIDES))
         vision.update(TINY_VISION)
+    return _full_config(tokenizer_dir, text, vision, "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")
+
+
+def make_draft_config(tokenizer_dir: Path, tiny: bool) -> dict[str, Any]:
+    """The draft: dense `qwen3_5`, tied embeddings, the tiny vision tower whatever `tiny` says."""
+    text = copy.deepcopy(TEXT_DRAFT)
+    if tiny:
+        text.update(copy.deepcopy(DRAFT_TINY_OVERRIDES))
+    vision = {**copy.deepcopy(VISION_35B_A3B), **TINY_VISION, "model_type": "qwen3_5",
+              "out_hidden_size": text["hidden_size"]}
+    config = _full_config(tokenizer_dir, text, vision, "qwen3_5", "Qwen3_5ForConditionalGeneration")
+    config["tie_word_embeddings"] = True
+    return config
+
+
+def _full_config(tokenizer_dir: Path, text: dict[str, Any], vision: dict[str, Any], model_type: str,
+                 architecture: str) -> dict[str, Any]:
     ids = special_ids(tokenizer_dir)
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     text["eos_token_id"] = eos
     return {
-        "model_type": "qwen3_5_moe",
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": model_type,
+        "architectures": [architecture],
         "text_config": text,
         "vision_config": vision,
         "image_token_id": ids["<|image_pad|>"],
@@ -158,6 +213,42 @@ def build_mtp_head(config: dict[str, Any], predicate: Any, group_size: int, bits
     return {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())}
 
 
+def copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, out / name)
+
+
+def build_draft(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Path:
+    """SpecPrefill's draft (`--shape draft`): random bf16 weights, drawn one layer at a time, not quantized."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models import qwen3_5
+    from mlx_vlm.utils import save_config, save_weights
+
+    tic = time.perf_counter()
+    mx.random.seed(seed)
+    mx.set_cache_limit(0)
+    config = make_draft_config(tokenizer_dir, tiny)
+    model = qwen3_5.Model(qwen3_5.ModelConfig.from_dict(copy.deepcopy(config)))
+    lm = model.language_model
+    for i, layer in enumerate(lm.model.layers):
+        randomize(layer, f"language_model.model.layers.{i}")
+    for name, sub in (("language_model.model.embed_tokens", lm.model.embed_tokens),
+                      ("language_model.model.norm", lm.model.norm)):
+        randomize(sub, name)
+    randomize(model.vision_tower, "vision_tower")
+    mx.eval(model.parameters())
+    n_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    out.mkdir(parents=True, exist_ok=True)
+    save_weights(out, model, donate_weights=True)
+    save_config(config, config_path=out / "config.json")
+    copy_tokenizer(tokenizer_dir, out)
+    print(f"built draft {out} ({n_bytes / 1e9:.2f} GB of bf16 weights) in {time.perf_counter() - tic:.1f}s",
+          flush=True)
+    return out
+
+
 def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Path:
     import mlx.core as mx
     import mlx.nn as nn
@@ -203,9 +294,7 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Path:
     mx.save_safetensors(str(out / "model-mtp.safetensors"), mtp, metadata={"format": "mlx"})
     n_bytes += sum(v.nbytes for v in mtp.values())
     save_config(config, config_path=out / "config.json")
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, out / name)
+    copy_tokenizer(tokenizer_dir, out)
     print(f"built {out} ({n_bytes / 1e9:.2f} GB of weights) in {time.perf_counter() - tic:.1f}s", flush=True)
     return out
 
@@ -216,9 +305,14 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, required=True,
                         help="dir with the real-vocab tokenizer + processor JSONs (mlx_relay.testing.qwen_vocab)")
     parser.add_argument("--tiny", action="store_true", help="same architecture at toy size (CPU check)")
+    parser.add_argument("--shape", choices=SHAPES, default="35b-a3b",
+                        help="35b-a3b: the 8-bit MoE target (default); draft: SpecPrefill's small dense bf16 draft")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    build(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed)
+    if args.shape == "draft":
+        build_draft(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed)
+    else:
+        build(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed)
 
 
 if __name__ == "__main__":

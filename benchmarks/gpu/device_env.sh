@@ -2,10 +2,10 @@
 # wheels stashed by the first call, the repo on PYTHONPATH, the tokenizer unpacked.
 set -euo pipefail
 source .device-kit/part2/setup.sh
-if [ ! -f /tmp/site/.extra-wheels-v3 ]; then
+if [ ! -f /tmp/site/.extra-wheels-v4 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stash/wheels/*.whl \
     .device-kit/extra/*.whl
-  touch /tmp/site/.extra-wheels-v3
+  touch /tmp/site/.extra-wheels-v4
 fi
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export MLX_RELAY_CACHE=/root/mlx-relay-cache
