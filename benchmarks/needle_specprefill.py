@@ -21,8 +21,10 @@ so the greedy continuation should copy the identifier: two words joined by `_` (
 almost letter by letter, and the model copied none of them in a first try). Prompts are exactly
 L tokens. Scores: `exact` (the continuation starts with the identifier, not followed by more
 identifier characters) and `chars` (the share of the identifier's characters matched before the
-first difference). `control` is the chance level: the same kind of prompt with a decoy needle
-(another identifier) planted, scored against the identifier that is not there.
+first difference); against the `off` run of the same prompt, `same_as_off` (the whole greedy
+continuation unchanged) and `first_same` (its first token). `control` is the chance level: the
+same kind of prompt with a decoy needle (another identifier) planted, scored against the
+identifier that is not there.
 
 1. Sweep (SpecPrefill off): every length of `--sweep-lengths` x depth, `--sweep-trials` trials,
    to see whether (and up to which length) the model retrieves at all.
@@ -185,8 +187,8 @@ async def run_prompt(relay: Any, p: Prompt, mode: str, max_tokens: int, specpref
     else:
         kw = {"specprefill": True, "specprefill_keep": float(mode.removeprefix("keep="))}
     res = await relay.chat([], prompt=p.ids, max_tokens=max_tokens, temperature=0.0, mtp=False, **kw)
-    row: dict[str, Any] = {"key": p.key, "mode": mode, "text": res.text, **score(res.text, p.answer),
-                           "prompt_tokens": res.prompt_tokens}
+    row: dict[str, Any] = {"key": p.key, "mode": mode, "text": res.text, "ids": list(res.token_ids),
+                           **score(res.text, p.answer), "prompt_tokens": res.prompt_tokens}
     report = getattr(res, "specprefill", None)
     if report is not None:
         row.update(ran=report.ran, scored_tokens=report.scored_tokens, kept_tokens=report.kept_tokens,
@@ -287,7 +289,9 @@ def summarize_main(rows: list[dict[str, Any]], kept: dict[str, dict[str, Any]]) 
         row: dict[str, Any] = {"length": n, "depth": d, "mode": m, "trials": len(rs),
                                "exact": round(mean(r["exact"] for r in rs), 3),
                                "chars": round(mean(r["chars"] for r in rs), 3),
-                               "same_as_off": round(mean(r["text"] == off[r["key"]]["text"] for r in rs), 3)
+                               "same_as_off": round(mean(r["ids"] == off[r["key"]]["ids"] for r in rs), 3)
+                               if m != "control" else "",
+                               "first_same": round(mean(r["ids"][:1] == off[r["key"]]["ids"][:1] for r in rs), 3)
                                if m != "control" else ""}
         if m.startswith("keep="):
             row["kept_share"] = round(mean(r.get("kept_tokens", 0) / r["prompt_tokens"] for r in rs), 3)
@@ -333,7 +337,8 @@ def verdict(sweep_rows: list[dict[str, Any]], main_rows: list[dict[str, Any]]) -
                              and o["mode"] == m) for m in ("off", "control"))
             lines.append(f"L={r['length']} {r['mode']}: exact {r['exact']} / chars {r['chars']}; off {off['exact']} / "
                          f"{off['chars']}; chance (control) {ctl['exact']} / {ctl['chars']}; needle kept "
-                         f"{r.get('needle_kept', '?')}; greedy output unchanged {r['same_as_off']}.")
+                         f"{r.get('needle_kept', '?')} (kept share {r.get('kept_share', '?')}); "
+                         f"greedy output unchanged {r['same_as_off']}, first token unchanged {r['first_same']}.")
     return "\n".join(f"- {x}" for x in lines)
 
 
