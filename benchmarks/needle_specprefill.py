@@ -38,8 +38,9 @@ identifier that is not there.
 3. Needle kept? The report gives only how many tokens were kept, not which. The draft's scores
    are recomputed offline for each main prompt (`mlx_relay.engine.draft_scorer`, the engine's
    own scorer, after the server is closed) and `select_chunks` applied: `needle_kept` means every
-   token of the needle line was in a kept chunk. The recomputed kept count is checked against
-   the server's report (`kept_match`).
+   token of the needle line was in a kept chunk (the line often straddles two chunks),
+   `needle_share_kept` is the mean share of its tokens kept. The recomputed kept count is
+   checked against the server's report (`kept_match`).
 
     python benchmarks/needle_specprefill.py [--sweep-trials 20] [--trials 40] [--out DIR]
     python benchmarks/needle_specprefill.py --no-specprefill      # the baseline sweep alone
@@ -301,6 +302,7 @@ def summarize_main(rows: list[dict[str, Any]], kept: dict[str, dict[str, Any]]) 
                 hit = [r for r in rs if r["key"] in kept and kept[r["key"]][m]["needle_kept"]]
                 miss = [r for r in rs if r["key"] in kept and not kept[r["key"]][m]["needle_kept"]]
                 row["needle_kept"] = round(mean(i["needle_kept"] for i in infos), 3)
+                row["needle_share_kept"] = round(mean(i["needle_share_kept"] for i in infos), 3)
                 row["exact_if_kept"] = round(mean(r["exact"] for r in hit), 3) if hit else ""
                 row["exact_if_dropped"] = round(mean(r["exact"] for r in miss), 3) if miss else ""
                 row["kept_match"] = round(mean(kept[r["key"]][m]["kept"] == r.get("kept_tokens") for r in rs
@@ -337,7 +339,8 @@ def verdict(sweep_rows: list[dict[str, Any]], main_rows: list[dict[str, Any]]) -
                              and o["mode"] == m) for m in ("off", "control"))
             lines.append(f"L={r['length']} {r['mode']}: exact {r['exact']} / chars {r['chars']}; off {off['exact']} / "
                          f"{off['chars']}; chance (control) {ctl['exact']} / {ctl['chars']}; needle kept "
-                         f"{r.get('needle_kept', '?')} (kept share {r.get('kept_share', '?')}); "
+                         f"{r.get('needle_kept', '?')}, its tokens {r.get('needle_share_kept', '?')} (prompt kept "
+                         f"{r.get('kept_share', '?')}); "
                          f"greedy output unchanged {r['same_as_off']}, first token unchanged {r['first_same']}.")
     return "\n".join(f"- {x}" for x in lines)
 
@@ -346,6 +349,33 @@ def verdict(sweep_rows: list[dict[str, Any]], main_rows: list[dict[str, Any]]) -
 
 def answer_tokens(maker: PromptMaker, p: Prompt) -> int:
     return len(maker.enc(p.answer + '"')) + 3
+
+
+def per_prompt(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows regrouped by prompt: its answer, the needle's token range, each mode's greedy text
+    and kept tokens (the scores follow from text and answer; keeps the JSON small)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        p = out.setdefault(r["key"], {"key": r["key"], "answer": r["answer"], "needle": r.get("needle"),
+                                      "text": {}, "kept_tokens": {}})
+        p["text"][r["mode"]] = r["text"]
+        if r.get("kept_tokens") is not None and r["mode"].startswith("keep="):
+            p["kept_tokens"][r["mode"]] = r["kept_tokens"]
+        if r.get("fallback"):
+            p.setdefault("fallback", {})[r["mode"]] = r["fallback"]
+    return list(out.values())
+
+
+def dump_json(body: dict[str, Any]) -> str:
+    """JSON with one line per list item at the top level."""
+    parts = []
+    for k, v in body.items():
+        if isinstance(v, list):
+            items = ",\n  ".join(json.dumps(x, default=str) for x in v)
+            parts.append(f"{json.dumps(k)}: [\n  {items}\n ]")
+        else:
+            parts.append(f"{json.dumps(k)}: {json.dumps(v, indent=1, default=str)}")
+    return "{\n " + ",\n ".join(parts) + "\n}\n"
 
 
 def file_sha256(path: Path) -> str:
@@ -433,9 +463,9 @@ async def amain(args: argparse.Namespace) -> None:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        body = {"meta": meta, "sweep": sweep_summary, "main": main_summary, "sweep_rows": sweep_rows,
-                "main_rows": main_rows, "kept": kept}
-        (args.out / "needle.json").write_text(json.dumps(body, indent=1, default=str))
+        body = {"meta": meta, "sweep": sweep_summary, "main": main_summary, "sweep_prompts": per_prompt(sweep_rows),
+                "main_prompts": per_prompt(main_rows), "needle_kept": kept}
+        (args.out / "needle.json").write_text(dump_json(body))
         (args.out / "needle.md").write_text(text)
         print(f"wrote {args.out}/needle.json and needle.md")
 

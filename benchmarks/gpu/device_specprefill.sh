@@ -8,8 +8,11 @@
 # Budget (one call, under 10 minutes on an H100): kit ~0.5 min, target build ~0.7 min, draft
 # ~0.2 min, load + warm-up ~1 min, then per length one unmeasured pass of every mode and
 # REPEATS measured ones, each pass about 1.5 full prefills of that length (the 8K full prefill
-# took 4.6 s on an H200): ~4 minutes. Results are rewritten after every length, so a call cut
-# short still brings back the lengths it finished.
+# took 4.6 s on an H200): ~4 minutes. Measured on an H200 (DRAFT_KIND=dense, both models built
+# in the call): models 64 s, server ready 162 s later (load + warm-up), 425 s in all; an H100
+# has slower memory, so there keep an eye on the margin (REPEATS=1 or LENGTHS split over calls).
+# Results are rewritten after every length, so a call cut short still brings back the lengths it
+# finished.
 source benchmarks/gpu/device_env.sh
 DRAFT=${DRAFT:-/root/qwen35-draft-random}
 t0=$(date +%s)
