@@ -33,6 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import mlx.core as mx
 
+from mlx_relay.bench.machine import library_versions
+from mlx_relay.bench.tables import rows_markdown
 from mlx_relay.engine.batch_engine import BatchEngine
 from mlx_relay.engine.loader import load_model
 from mlx_relay.engine.messages import Finished, Generate, SamplingParams, TokenDelta
@@ -166,12 +168,13 @@ def main() -> None:
         line = ", ".join(f"{v} {statistics.median(r['tok_s'] for r in per[v]):.1f} tok/s" for v in variants)
         print(f"B={b}: {line}", flush=True)
     rows = summarize(results)
-    table = markdown(rows)
+    table = rows_markdown(rows)
     print(table)
     if args.out is not None:
         meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "model": str(args.model),
                 "device": mx.default_device().__repr__(), "platform": platform.platform(), "python": sys.version,
-                "versions": versions(), "args": {k: str(v) for k, v in vars(args).items()}}
+                "versions": library_versions(("mlx", "mlx-lm", "mlx-vlm")),
+                "args": {k: str(v) for k, v in vars(args).items()}}
         args.out.write_text(json.dumps({"meta": meta, "rows": rows, "raw": results}, indent=1))
         args.out.with_suffix(".md").write_text(table + "\n")
 
@@ -215,17 +218,6 @@ def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> list[dic
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    return {p: version(p) for p in ("mlx", "mlx-lm", "mlx-vlm")}
 
 
 if __name__ == "__main__":

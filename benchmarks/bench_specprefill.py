@@ -41,7 +41,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import anyio
 
+from mlx_relay.bench.machine import library_versions
+from mlx_relay.bench.tables import rows_markdown
+
 REPO = Path(__file__).resolve().parent.parent
+LIBRARIES = ("mlx", "mlx-lm", "mlx-vlm", "transformers")
 SOURCE_DIRS = ("mlx_relay", "tests", "benchmarks", "tools")
 
 
@@ -175,23 +179,6 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[dict[
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for p in ("mlx", "mlx-lm", "mlx-vlm", "transformers"):
-        try:
-            out[p] = version(p)
-        except PackageNotFoundError:
-            out[p] = "absent"
-    return out
 
 
 def relay_overrides(args: argparse.Namespace, specprefill: bool, lengths: list[int]) -> dict[str, Any]:
@@ -228,7 +215,7 @@ async def amain(args: argparse.Namespace) -> None:
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "target": str(args.target),
             "draft": str(args.draft) if specprefill else None, "device": repr(mx.default_device()),
             "platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "python": sys.version, "versions": versions(), "relay_overrides": overrides,
+            "python": sys.version, "versions": library_versions(LIBRARIES), "relay_overrides": overrides,
             "args": {k: str(v) for k, v in vars(args).items()}}
     async with Relay.start(str(args.target), **overrides) as relay:
         meta["ready_s"] = round(time.perf_counter() - tic, 1)
@@ -246,7 +233,7 @@ def write_outputs(out: Path | None, meta: dict[str, Any], results: dict[str, dic
                   final: bool) -> str:
     """The markdown table; with `out`, also specprefill.json and specprefill.md there."""
     rows = summarize(results)
-    table = markdown(rows)
+    table = rows_markdown(rows)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         body = {"meta": {**meta, "complete": final}, "rows": rows, "raw": results}

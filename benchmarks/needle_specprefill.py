@@ -69,6 +69,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from mlx_relay.bench.tables import rows_markdown
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
@@ -311,14 +313,6 @@ def summarize_main(rows: list[dict[str, Any]], kept: dict[str, dict[str, Any]]) 
     return out
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return "(no rows)"
-    cols = list(dict.fromkeys(c for r in rows for c in r))
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
 
 def verdict(sweep_rows: list[dict[str, Any]], main_rows: list[dict[str, Any]]) -> str:
     best = max((r["exact"] for r in sweep_rows), default=0.0)
@@ -458,8 +452,9 @@ async def amain(args: argparse.Namespace) -> None:
             "relay_overrides": overrides, "main_lengths": main_lengths,
             "args": {k: str(v) for k, v in vars(args).items()}, "wall_s": round(time.perf_counter() - tic, 1)}
     text = (f"# Needle retrieval with and without SpecPrefill ({meta['date'][:10]}, {meta['device']})\n\n"
-            f"{verdict(sweep_summary, main_summary)}\n\n## Sweep (SpecPrefill off)\n\n{markdown(sweep_summary)}\n\n"
-            f"## Main (same prompts, every mode)\n\n{markdown(main_summary)}\n")
+            f"{verdict(sweep_summary, main_summary)}\n\n"
+            f"## Sweep (SpecPrefill off)\n\n{rows_markdown(sweep_summary)}\n\n"
+            f"## Main (same prompts, every mode)\n\n{rows_markdown(main_summary)}\n")
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
