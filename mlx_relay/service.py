@@ -233,7 +233,7 @@ class ChatService:
                 routed: Routed = await self.media.ask(Route(rendered.messages, rendered.token_ids))
                 tokens, vision = routed.prompt_tokens, routed.vision
             params = self.sampling_for(req, len(tokens), rendered)
-            plan = await self._plan(rid, tokens, vision, rendered)
+            plan = await self._plan(rid, req, tokens, vision, rendered)
             selection = await self._sparse(rid, req, tokens, vision, plan)
             gen = Generate(rid, tokens, params, vision, plan, selection.sparse, selection.report)
             try:
@@ -244,7 +244,7 @@ class ChatService:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                         await self.prefix_store.tell(Release(rid))
 
-    async def _plan(self, rid: str, tokens: list[int], vision: VisionInputs | None,
+    async def _plan(self, rid: str, req: ChatRequest, tokens: list[int], vision: VisionInputs | None,
                     rendered: RenderedPrompt) -> PrefixPlan | None:
         if self.prefix_store is None:
             return None
@@ -260,7 +260,10 @@ class ChatService:
             s = 0
         # the reply's start follows every message, so every expanded media item precedes it
         r = rendered.reply_start + len(tokens) - len(rendered.token_ids) if rendered.reply_start else 0
-        return await self.prefix_store.ask(Lookup(rid, tokens, media, s, r))
+        # what says a next turn is likely (the store decides whether to snapshot the turn)
+        multi_turn = any(m.role in ("assistant", "tool") for m in rendered.messages)
+        return await self.prefix_store.ask(Lookup(rid, tokens, media, s, r, multi_turn=multi_turn,
+                                                  has_tools=bool(req.tools)))
 
 
     async def _sparse(self, rid: str, req: ChatRequest, tokens: list[int], vision: VisionInputs | None,

@@ -1,12 +1,18 @@
 """The prefix cache index (issue 5): content keys with media, longest-prefix match, pins, the byte
-budget with LRU eviction, typed results."""
+budget with eviction (never-hit turn snapshots first, then LRU), typed results, per-kind counters;
+and the store's policy of taking a turn snapshot only where a next turn is likely (issue 15.8)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
-from mlx_relay.cache.prefix_index import Inserted, PrefixIndex, Rejected
+from mlx_relay.actors.prefix_cache_store import GetPrefixStats, Lookup, PrefixCacheConfig, PrefixCacheStore, PrefixStats
+from mlx_relay.cache.prefix_index import Inserted, KindStats, PrefixIndex, Rejected
 from mlx_relay.cache.prefix_keys import MediaSpan, PrefixKeys
+from mlx_relay.engine.messages import PrefixPlan
+from mlx_relay.runtime import ActorRef
 
 SYSTEM = list(range(100, 300))  # 200 tokens: three full blocks and a tail
 PAD = 9  # the image pad token id every image expands to
@@ -81,3 +87,55 @@ def test_duplicates_and_oversized_snapshots_are_refused_with_their_handle() -> N
     big = index.insert(k, 150, handle=3, nbytes=101, kind="system")
     assert isinstance(big, Rejected) and big.reason == "over_budget" and big.evicted == []
     assert index.stats().entries == 1
+
+
+def test_never_hit_turn_snapshots_go_first_then_lru_and_kinds_are_counted() -> None:
+    index = PrefixIndex(budget_bytes=400)
+    keys = [PrefixKeys([i] * 50 + [0]) for i in range(8)]
+    for handle, kind in ((0, "system"), (1, "media"), (2, "turn"), (3, "turn")):
+        assert isinstance(index.insert(keys[handle], 50, handle=handle, nbytes=100, kind=kind), Inserted)
+    hit = index.match(keys[2])  # turn 2 came back: it is no longer a cold turn
+    assert hit.entry is not None and hit.entry.handle == 2
+    index.release(2)
+    # turn 3 is more recent than the system and media entries, but was never hit: it goes first
+    result = index.insert(keys[4], 50, handle=4, nbytes=100, kind="system")
+    assert isinstance(result, Inserted) and [e.handle for e in result.evicted] == [3]
+    # no cold turn left: least recently used (the system entry 0)
+    result = index.insert(keys[5], 50, handle=5, nbytes=100, kind="turn")
+    assert isinstance(result, Inserted) and [e.handle for e in result.evicted] == [0]
+    # room for 200: the cold turn 5 first, then the least recently used (media 1), not the hit turn 2
+    result = index.insert(keys[6], 50, handle=6, nbytes=200, kind="media")
+    assert isinstance(result, Inserted) and [e.handle for e in result.evicted] == [5, 1]
+    by_kind = index.stats().by_kind
+    assert by_kind["turn"] == KindStats(entries=1, bytes=100, inserts=3, hits=1, hit_tokens=50, evictions=2,
+                                        evicted_bytes=200)
+    assert by_kind["system"] == KindStats(entries=1, bytes=100, inserts=2, hits=0, hit_tokens=0, evictions=1,
+                                          evicted_bytes=100)
+    assert (by_kind["media"].entries, by_kind["media"].bytes, by_kind["media"].inserts) == (1, 200, 2)
+    assert index.stats().evictions == 4
+
+
+class _NoGPU:
+    async def tell(self, msg: object) -> None:
+        raise AssertionError(f"nothing to free: {msg!r}")
+
+
+@pytest.mark.parametrize(("multi_turn", "has_tools", "taken"),
+                         [(False, False, False), (True, False, True), (False, True, True)],
+                         ids=["one-shot", "multi-turn", "tools"])
+async def test_store_plans_turn_snapshots_only_where_a_next_turn_is_likely(multi_turn: bool, has_tools: bool,
+                                                                           taken: bool) -> None:
+    store = PrefixCacheStore(PrefixCacheConfig(budget_bytes=1 << 20, min_snapshot_tokens=8),
+                             cast(ActorRef, _NoGPU()))
+    prompt = [*SYSTEM, *range(1, 20)]
+    # Qwen-style: the next turn repeats the prompt up to the reply's header (len - 3)
+    header = await store.receive(Lookup("a", prompt, system_end=200, reply_start=len(prompt) - 3,
+                                        multi_turn=multi_turn, has_tools=has_tools), None)
+    # exact history rendering: the whole state after the reply, taken by the engine at finish
+    whole = await store.receive(Lookup("b", [*prompt, 5], system_end=200, reply_start=len(prompt) + 1,
+                                       multi_turn=multi_turn, has_tools=has_tools), None)
+    assert isinstance(header, PrefixPlan) and isinstance(whole, PrefixPlan)
+    assert header.snapshot_at == ([200, len(prompt) - 3] if taken else [200])
+    assert whole.snapshot_turn is taken
+    stats = await store.receive(GetPrefixStats(), None)
+    assert isinstance(stats, PrefixStats) and stats.turns_skipped == (0 if taken else 2)

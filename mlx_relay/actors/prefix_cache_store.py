@@ -15,6 +15,14 @@ of each turn as the next turn will repeat it: the whole state (prompt + reply) w
 template renders past replies exactly as it prompted them, else the state up to the reply's
 header (Qwen templates drop a past reply's `<think>` block, so nothing past that header can be
 reused by turn N+1).
+
+The store owns the policy of what is worth keeping. A turn snapshot pays only if the
+conversation comes back, so it is taken only where a next turn is likely: the conversation is
+already multi-turn (an earlier assistant or tool message), or the request declares tools (an
+agent; a reply ending in tool calls implies declared tools, since undeclared ones are never
+parsed, so the Lookup-time signal covers it and the engine need not report how a reply ended).
+A one-shot chat gets none (counted in `turns_skipped`). Under pressure the index evicts turn
+snapshots that were never hit first. Stats are kept per snapshot kind (`by_kind`).
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ class Lookup(msgspec.Struct, frozen=True):
     media: list[MediaSpan] = []
     system_end: int = 0  # where the normalized system prompt ends in `tokens` (0: none)
     reply_start: int = 0  # how much of `tokens` the conversation's next turn will repeat
+    multi_turn: bool = False  # the conversation already has an assistant (or tool) message
+    has_tools: bool = False  # the request declares tools (an agent)
 
 
 class Insert(msgspec.Struct, frozen=True):
@@ -71,7 +81,7 @@ class GetPrefixStats(msgspec.Struct, frozen=True):
 
 
 class PrefixStats(IndexStats, frozen=True):
-    """The index's counters, and what the store itself counts."""
+    """The index's counters (`by_kind`: per snapshot kind), and what the store itself counts."""
 
     enabled: bool
     inserts: int
@@ -79,6 +89,7 @@ class PrefixStats(IndexStats, frozen=True):
     system_entries: int
     media_entries: int
     turn_entries: int
+    turns_skipped: int  # turn snapshots not taken: a one-shot chat, no next turn likely
 
 
 class _Pending(msgspec.Struct):
@@ -98,7 +109,7 @@ class PrefixCacheStore(Actor):
         self.gpu = gpu
         self.index = PrefixIndex(config.budget_bytes)
         self._pending: dict[str, _Pending] = {}
-        self._inserts = self._rejected = 0
+        self._inserts = self._rejected = self._turns_skipped = 0
 
     async def receive(self, msg: Lookup | Insert | Release | Flush | GetPrefixStats,
                       stream: ReplyStream | None) -> object:
@@ -139,18 +150,29 @@ class PrefixCacheStore(Actor):
         # asked about again: everything up to it is reused, the vision tower is skipped)
         # and where the next turn's prompt stops repeating this one (the reply's header, for
         # templates that render past replies differently from the generation prompt)
+        # (a turn snapshot only where a next turn is likely)
         whole_turn = self.config.snapshot_turns and msg.reply_start >= len(msg.tokens)
         candidates: dict[int, SnapshotKind] = {}
         if self.config.snapshot_turns and not whole_turn:
             candidates[msg.reply_start] = "turn"
         candidates[max((m.end for m in msg.media), default=0)] = "media"
         candidates[msg.system_end] = "system"
-        pending.planned = {s: kind for s, kind in candidates.items()
-                           if done < s < len(msg.tokens) and s >= self.config.min_snapshot_tokens
-                           and not self.index.has(keys, s)}
-        want = sorted(pending.planned)
-        return PrefixPlan(restore=entry.handle if entry else None, restore_length=done, snapshot_at=want,
+        planned = {s: kind for s, kind in candidates.items()
+                   if done < s < len(msg.tokens) and s >= self.config.min_snapshot_tokens
+                   and not self.index.has(keys, s)}
+        if not self._next_turn_likely(msg):
+            if whole_turn or "turn" in planned.values():
+                self._turns_skipped += 1
+            whole_turn = False
+            planned = {s: kind for s, kind in planned.items() if kind != "turn"}
+        pending.planned = planned
+        return PrefixPlan(restore=entry.handle if entry else None, restore_length=done, snapshot_at=sorted(planned),
                           snapshot_turn=whole_turn)
+
+    @staticmethod
+    def _next_turn_likely(msg: Lookup) -> bool:
+        """Whether the conversation is likely to come back with this turn as its prefix."""
+        return msg.multi_turn or msg.has_tools
 
     def _insert(self, snap: SnapshotTaken) -> Sequence[Entry | int]:
         pending = self._pending.get(snap.request_id)
@@ -177,7 +199,9 @@ class PrefixCacheStore(Actor):
             await self.gpu.tell(FreeSnapshots(handles))
 
     def _stats(self) -> PrefixStats:
-        kinds = self.index.kinds()
-        return PrefixStats(**msgspec.structs.asdict(self.index.stats()), enabled=True, inserts=self._inserts,
-                           rejected=self._rejected, system_entries=kinds.get("system", 0),
-                           media_entries=kinds.get("media", 0), turn_entries=kinds.get("turn", 0))
+        stats = self.index.stats()
+        kinds = stats.by_kind
+        return PrefixStats(**msgspec.structs.asdict(stats), enabled=True, inserts=self._inserts,
+                           rejected=self._rejected, system_entries=kinds["system"].entries,
+                           media_entries=kinds["media"].entries, turn_entries=kinds["turn"].entries,
+                           turns_skipped=self._turns_skipped)

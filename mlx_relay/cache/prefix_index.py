@@ -5,10 +5,12 @@ Hybrid models (GatedDeltaNet + attention) cannot trim recurrent state, so a snap
 only for prompts that start with exactly its prefix: an entry is (prefix key, length, handle,
 bytes). `match` returns the longest entry that is a proper prefix of the prompt (at least one
 prompt token must remain to be prefilled, which yields the first logits) and pins it; `release`
-unpins. Eviction is least-recently-used over unpinned entries only, so a snapshot a request is
-being restored from is never freed under it. Results are typed, as in SGLang's radix cache:
-`Match`, `Inserted`, `Rejected`, `Evicted`; every handle leaving the index is reported exactly
-once in an `evicted` list so the owner frees it.
+unpins. Eviction never frees a pinned entry (a snapshot a request is being restored from) and
+goes in two tiers: first turn snapshots that were never hit (a conversation that did not come
+back; least recently used first), then least-recently-used over every other unpinned entry.
+Results are typed, as in SGLang's radix cache: `Match`, `Inserted`, `Rejected`, `Evicted`; every
+handle leaving the index is reported exactly once in an `evicted` list so the owner frees it.
+Counters are kept per snapshot kind too (`KindStats`: held, inserted, hit, evicted).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import msgspec
 
 from mlx_relay.cache.prefix_keys import PrefixKeys
 
-__all__ = ["Entry", "Evicted", "IndexStats", "Inserted", "Match", "PrefixIndex", "Rejected", "SnapshotKind"]
+__all__ = ["KINDS", "Entry", "Evicted", "IndexStats", "Inserted", "KindStats", "Match", "PrefixIndex", "Rejected",
+           "SnapshotKind"]
 
 SnapshotKind = Literal["system", "media", "turn"]
+KINDS: tuple[SnapshotKind, ...] = ("system", "media", "turn")
 
 
 class Entry(msgspec.Struct, frozen=True):
@@ -62,6 +66,26 @@ class Evicted(msgspec.Struct, frozen=True):
         return sum(e.nbytes for e in self.entries)
 
 
+class KindStats(msgspec.Struct, frozen=True):
+    """One snapshot kind's share: held now, and counted since start."""
+
+    entries: int
+    bytes: int
+    inserts: int
+    hits: int  # lookups restored from a snapshot of this kind
+    hit_tokens: int
+    evictions: int  # flushes included
+    evicted_bytes: int
+
+
+class _KindCounters(msgspec.Struct):
+    inserts: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+
+
 class IndexStats(msgspec.Struct, frozen=True):
     entries: int
     bytes: int
@@ -72,6 +96,7 @@ class IndexStats(msgspec.Struct, frozen=True):
     hit_tokens: int
     evictions: int
     evicted_bytes: int
+    by_kind: dict[str, KindStats]
 
 
 class PrefixIndex:
@@ -83,6 +108,8 @@ class PrefixIndex:
         self._by_handle: dict[int, Entry] = {}
         self._pins: dict[int, int] = {}
         self._lengths: dict[int, int] = {}  # length -> entries with that length
+        self._hit: set[int] = set()  # handles of held entries some lookup restored from
+        self._kind: dict[str, _KindCounters] = {k: _KindCounters() for k in KINDS}
         self._bytes = 0
         self._hits = self._misses = self._hit_tokens = self._evictions = self._evicted_bytes = 0
 
@@ -94,8 +121,12 @@ class PrefixIndex:
             if entry is not None:
                 self._lru.move_to_end(entry.key)
                 self._pins[entry.handle] = self._pins.get(entry.handle, 0) + 1
+                self._hit.add(entry.handle)
                 self._hits += 1
                 self._hit_tokens += entry.length
+                counters = self._kind[entry.kind]
+                counters.hits += 1
+                counters.hit_tokens += entry.length
                 return Match(entry)
         self._misses += 1
         return Match(None)
@@ -103,12 +134,6 @@ class PrefixIndex:
     def has(self, keys: PrefixKeys, length: int) -> bool:
         """Whether the prompt's first `length` tokens already have a snapshot (no hit counted)."""
         return length in self._lengths and keys.key(length) in self._lru
-
-    def kinds(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for e in self._lru.values():
-            out[e.kind] = out.get(e.kind, 0) + 1
-        return out
 
     def release(self, handle: int) -> None:
         n = self._pins.get(handle, 0)
@@ -134,10 +159,12 @@ class PrefixIndex:
         self._by_handle[handle] = entry
         self._lengths[length] = self._lengths.get(length, 0) + 1
         self._bytes += nbytes
+        self._kind[kind].inserts += 1
         return Inserted(entry, evicted)
 
     def evict(self, nbytes: int) -> Evicted:
-        """Free at least `nbytes` (fewer if the rest is pinned), oldest unpinned first."""
+        """Free at least `nbytes` (fewer if the rest is pinned), never-hit turn snapshots first,
+        then the least recently used."""
         return Evicted(self._evict_until(max(self._bytes - nbytes, 0)))
 
     def flush(self) -> Evicted:
@@ -146,21 +173,33 @@ class PrefixIndex:
 
     def _evict_until(self, target_bytes: int) -> list[Entry]:
         out: list[Entry] = []
-        for key in list(self._lru):
-            if self._bytes <= target_bytes:
-                break
-            entry = self._lru[key]
-            if self._pins.get(entry.handle):
-                continue
-            self._remove(entry)
-            out.append(entry)
+        if self._bytes <= target_bytes:
+            return out
+        # tier 1: turn snapshots no lookup ever restored from (the conversation did not come
+        # back); tier 2: everything else unpinned. Least recently used first within each.
+        for cold_only in (True, False):
+            for entry in list(self._lru.values()):
+                if self._bytes <= target_bytes:
+                    break
+                if self._pins.get(entry.handle) or (cold_only and not self._cold(entry)):
+                    continue
+                self._remove(entry)
+                out.append(entry)
         self._evictions += len(out)
         self._evicted_bytes += sum(e.nbytes for e in out)
+        for e in out:
+            counters = self._kind[e.kind]
+            counters.evictions += 1
+            counters.evicted_bytes += e.nbytes
         return out
+
+    def _cold(self, entry: Entry) -> bool:
+        return entry.kind == "turn" and entry.handle not in self._hit
 
     def _remove(self, entry: Entry) -> None:
         del self._lru[entry.key]
         del self._by_handle[entry.handle]
+        self._hit.discard(entry.handle)
         self._bytes -= entry.nbytes
         n = self._lengths[entry.length] - 1
         if n:
@@ -169,7 +208,14 @@ class PrefixIndex:
             del self._lengths[entry.length]
 
     def stats(self) -> IndexStats:
+        held = {k: [0, 0] for k in KINDS}
+        for e in self._lru.values():
+            held[e.kind][0] += 1
+            held[e.kind][1] += e.nbytes
+        by_kind = {k: KindStats(entries=held[k][0], bytes=held[k][1], inserts=c.inserts, hits=c.hits,
+                                hit_tokens=c.hit_tokens, evictions=c.evictions, evicted_bytes=c.evicted_bytes)
+                   for k, c in self._kind.items()}
         return IndexStats(entries=len(self._lru), bytes=self._bytes, budget_bytes=self.budget_bytes,
                           pinned=sum(1 for h in self._pins if h in self._by_handle), hits=self._hits,
                           misses=self._misses, hit_tokens=self._hit_tokens, evictions=self._evictions,
-                          evicted_bytes=self._evicted_bytes)
+                          evicted_bytes=self._evicted_bytes, by_kind=by_kind)
