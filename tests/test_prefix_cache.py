@@ -1,7 +1,9 @@
 """The prefix cache end to end (issue 5), on the float32 tiny VLM: agent-shaped conversations hit
 (system prompt, previous turn, the same image again), hits return exactly what a server without
 the cache returns, concurrent conversations on one snapshot stay apart, and the counters, the
-byte budget and the flush endpoint say what happened."""
+byte budget and the flush endpoint say what happened. A turn is snapshotted only where a next
+turn is likely (a multi-turn conversation, or declared tools), and hits are counted per kind
+(issue 15.8)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from tests.test_vision_path import image_message, png_data_url
 SYSTEM = ("You are a careful coding agent. Follow the repository's conventions, keep changes small, "
           "run the tests before you answer, and explain what you changed and why. ") * 3
 OPTS: dict[str, Any] = {"max_tokens": 10, "temperature": 0}
+TOOLS = [{"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
+                                           "parameters": {"type": "object", "properties": {}}}}]
 CACHE: dict[str, Any] = {"prefix_min_snapshot_tokens": 8, "max_num_seqs": 8}
 
 
@@ -38,6 +42,8 @@ async def test_agent_turns_hit_and_equal_the_uncached_server(fp32_model: Path) -
             r = await relay.chat(conversation(q, turns), **OPTS)
             cached.append(r)
             turns.append((q, r.text))
+            if len(turns) == 1:
+                one_shot = (await relay.prefix_cache_stats())["prefix_cache"]
         stats = await relay.prefix_cache_stats()
     async with Relay.start(fp32_model, prefix_cache=False, **CACHE) as relay:
         plain = []
@@ -53,9 +59,16 @@ async def test_agent_turns_hit_and_equal_the_uncached_server(fp32_model: Path) -
     assert cached[1].cached_tokens > 0
     assert cached[2].cached_tokens > cached[1].cached_tokens
     assert all(r.cached_tokens == 0 for r in plain)
+    # turn 1 is a one-shot chat (no earlier reply, no tools): its turn is not snapshotted
+    assert one_shot["turn_entries"] == 0 and one_shot["turns_skipped"] == 1
+    assert one_shot["by_kind"]["system"]["inserts"] == 1
     pc = stats["prefix_cache"]
-    assert pc["hits"] == 2 and pc["misses"] == 1 and pc["system_entries"] == 1 and pc["turn_entries"] >= 2
-    assert pc["bytes"] == stats["snapshots"]["bytes"] > 0
+    assert pc["hits"] == 2 and pc["misses"] == 1 and pc["system_entries"] == 1 and pc["turn_entries"] == 2
+    assert pc["turns_skipped"] == 1
+    kinds = pc["by_kind"]
+    assert (kinds["system"]["hits"], kinds["turn"]["hits"], kinds["media"]["hits"]) == (1, 1, 0)
+    assert kinds["turn"]["hit_tokens"] == cached[2].cached_tokens
+    assert pc["bytes"] == stats["snapshots"]["bytes"] == sum(k["bytes"] for k in kinds.values()) > 0
     assert off["prefix_cache"] == {"enabled": False}
 
 
@@ -101,13 +114,24 @@ async def test_same_image_twice_hits_a_different_image_never(fp32_model: Path) -
 
 
 async def test_budget_evicts_least_recent_and_flush_empties(fp32_model: Path) -> None:
-    async with Relay.start(fp32_model, prefix_cache=True, prefix_cache_bytes=1 << 20, **CACHE) as relay:
+    """Agents (declared tools) get turn snapshots from their first turn; under the budget the
+    turns that did not come back go, the system prompt every chat hit stays; the next turn of
+    the last chat restores its turn."""
+    budget = 4 << 20  # the system prompt (with the tools) and two turns, about 1 MiB each
+    async with Relay.start(fp32_model, prefix_cache=True, prefix_cache_bytes=budget, **CACHE) as relay:
         for i in range(6):
-            await relay.chat(conversation(f"question {i}"), **OPTS)
+            r = await relay.chat(conversation(f"question {i}"), tools=TOOLS, **OPTS)
         stats = (await relay.prefix_cache_stats())["prefix_cache"]
-        assert stats["budget_bytes"] == 1 << 20
-        assert 0 < stats["bytes"] <= 1 << 20
+        assert stats["budget_bytes"] == budget
+        assert 0 < stats["bytes"] <= budget
         assert stats["evictions"] > 0 and stats["evicted_bytes"] > 0
+        kinds = stats["by_kind"]
+        assert kinds["turn"]["inserts"] == 6 and stats["turns_skipped"] == 0
+        assert kinds["turn"]["evictions"] == stats["evictions"] and kinds["system"]["entries"] == 1
+        nxt = await relay.chat(conversation("go on", [("question 5", r.text)]), tools=TOOLS, **OPTS)
+        assert nxt.cached_tokens > kinds["system"]["hit_tokens"] // kinds["system"]["hits"]
+        stats = (await relay.prefix_cache_stats())["prefix_cache"]
+        assert stats["by_kind"]["turn"]["hits"] == 1
         flushed = await relay.flush_prefix_cache()
         assert flushed.entries == stats["entries"] and flushed.bytes == stats["bytes"]
         after = await relay.prefix_cache_stats()
