@@ -15,6 +15,9 @@ from mlx_relay.runtime import (
     Rejection,
     ReplyStream,
 )
+from mlx_relay.runtime.supervision import RestartPolicy
+
+FAST = RestartPolicy(backoff_initial_s=0.001, backoff_max_s=0.01, max_start_failures=3)
 
 
 class Add(msgspec.Struct):
@@ -26,6 +29,14 @@ class Get(msgspec.Struct):
 
 
 class Boom(msgspec.Struct):
+    pass
+
+
+class Panic(msgspec.Struct):
+    """Raise what a Rust panic arrives as through pyo3: a BaseException, not an Exception."""
+
+
+class FakePanicException(BaseException):  # pyo3_runtime.PanicException's shape
     pass
 
 
@@ -55,7 +66,7 @@ class Nope(Rejection):
 
 
 class Counter(Actor):
-    accepts = (Add, Get, Boom, Refuse, Sleep, Count)
+    accepts = (Add, Get, Boom, Panic, Refuse, Sleep, Count)
     mailbox_capacity = 2
 
     def __init__(self, log: list[str]) -> None:
@@ -78,6 +89,8 @@ class Counter(Actor):
                 return self.total
             case Boom():
                 raise RuntimeError("boom")
+            case Panic():
+                raise FakePanicException("end byte index 100 is not a char boundary")
             case Refuse():
                 raise Nope("refused")
             case Sleep(seconds=s):
@@ -162,16 +175,70 @@ async def test_crash_restarts_and_fails_only_held_requests() -> None:
     assert log == ["start", "stop", "start", "stop"]
 
 
-async def test_restart_intensity_stops_the_actor() -> None:
-    async with ActorSystem() as system:
-        ref = await system.spawn(
-            lambda: Counter([]), name="c", accepts=Counter.accepts, max_restarts=2
-        )
-        for _ in range(3):
+async def test_crash_loops_back_off_but_never_stop_the_actor() -> None:
+    async with ActorSystem(policy=FAST) as system:
+        ref = await system.spawn(lambda: Counter([]), name="c", accepts=Counter.accepts)
+        for _ in range(12):  # far past any intensity limit
             with pytest.raises(ActorCrashed):
                 await ref.ask(Boom())
+        assert await ref.ask(Add(2)) == 2
+        assert system.cell("c").state == "running" and system.cell("c").restarts == 12
+        assert not system.failed.is_set() and system.down() == {}
+
+
+async def test_a_native_panic_is_a_crash_of_one_actor_not_of_the_system() -> None:
+    """A BaseException from a native library (pyo3's PanicException) fails the request that
+    raised it and restarts the actor; the system and its other actors carry on."""
+    log: list[str] = []
+    async with ActorSystem(policy=FAST) as system:
+        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
+        other = await system.spawn(lambda: Counter([]), name="other", accepts=Counter.accepts)
+        await ref.ask(Add(3))
+        with pytest.raises(ActorCrashed) as info:
+            await ref.ask(Panic())
+        assert isinstance(info.value.cause, FakePanicException)
+        assert await ref.ask(Add(1)) == 1  # a fresh actor
+        assert await other.ask(Add(5)) == 5
+        assert not system.failed.is_set()
+    assert log == ["start", "stop", "start", "stop"]
+
+
+class StartsOnce(Counter):
+    """Starts the first time only: a restart after a crash cannot bring it back."""
+
+    def __init__(self, starts: list[int]) -> None:
+        super().__init__([])
+        self.starts = starts
+
+    async def on_start(self) -> None:
+        self.starts.append(1)
+        if len(self.starts) > 1:
+            raise OSError("the model file is gone")
+
+
+async def test_an_actor_that_cannot_restart_fails_and_the_system_says_so() -> None:
+    starts: list[int] = []
+    async with ActorSystem(policy=FAST) as system:
+        ref = await system.spawn(lambda: StartsOnce(starts), name="gpu", accepts=Counter.accepts)
+        with pytest.raises(ActorCrashed):
+            await ref.ask(Boom())
+        with anyio.fail_after(5):
+            await system.failed.wait()
+        assert len(starts) == 1 + FAST.max_start_failures
+        assert system.down() == {"gpu": "failed"} and "gpu" in (system.failure or "")
         with pytest.raises(ActorStopped):
             await ref.ask(Get())
+
+
+async def test_a_restarting_actor_is_reported_down() -> None:
+    slow = RestartPolicy(backoff_initial_s=0.3, backoff_max_s=0.3)
+    async with ActorSystem(policy=slow) as system:
+        ref = await system.spawn(lambda: Counter([]), name="c", accepts=Counter.accepts)
+        with pytest.raises(ActorCrashed):
+            await ref.ask(Boom())
+        assert system.down() == {"c": "restarting"}
+        assert await ref.ask(Get()) == 0  # queued meanwhile, answered by the fresh actor
+        assert system.down() == {}
 
 
 async def test_stream_and_early_exit_cancels() -> None:
@@ -221,3 +288,61 @@ async def test_orderly_shutdown() -> None:
         with pytest.raises(ActorStopped):
             await ref.tell(Add(1))
     assert log == ["start", "stop"]
+
+
+class SlowJob(msgspec.Struct):
+    seconds: float
+    fail: bool = False
+
+
+class Worker(Actor):
+    """Answers SlowJob off its mailbox (`start_job`), Get at once."""
+
+    accepts = (SlowJob, Get)
+
+    def __init__(self) -> None:
+        self.cancelled = 0
+
+    async def receive(self, msg, stream):
+        match msg:
+            case SlowJob(seconds=s, fail=fail):
+                assert stream is not None
+
+                async def job() -> Item:
+                    try:
+                        await anyio.sleep(s)
+                    except anyio.get_cancelled_exc_class():
+                        self.cancelled += 1
+                        raise
+                    if fail:
+                        raise FakePanicException("a native panic inside a job")
+                    return Item(int(s * 1000))
+
+                self.start_job(stream, job)
+            case Get():
+                return self.cancelled
+
+
+async def test_jobs_run_beside_the_mailbox_and_fail_alone() -> None:
+    async with ActorSystem(policy=FAST) as system:
+        ref = await system.spawn(Worker, name="w", accepts=Worker.accepts)
+        results: list[int] = []
+
+        async def one(s: float) -> None:
+            results.append((await ref.request(SlowJob(s))).i)
+
+        with anyio.fail_after(2):
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(one, 0.3)  # together: ~0.3 s, not 0.9 s
+                await anyio.sleep(0.05)
+                assert await ref.ask(Get()) == 0  # answered while the jobs run
+        assert results == [300, 300, 300]
+        with pytest.raises(ActorCrashed):  # a failing job fails its own request ...
+            await ref.request(SlowJob(0.0, fail=True))
+        assert system.cell("w").restarts == 0  # ... and nothing else
+        with anyio.move_on_after(0.05):  # the caller leaves: the job is cancelled
+            await ref.request(SlowJob(5.0))
+        with anyio.fail_after(1):
+            while await ref.ask(Get()) != 1:
+                await anyio.sleep(0.01)

@@ -3,9 +3,10 @@
 An actor owns its state and sees one message at a time. Others reach it only through its
 `ActorRef`: `tell` (fire and forget), `ask` (one reply, optional timeout) or `stream` (many
 replies, consumed in `async with`). The cell runs the actor's loop; when a handler raises
-something that is not a `Rejection`, the cell fails every request the actor held with
-`ActorCrashed`, builds a fresh actor from its factory and carries on with the mailbox
-(one-for-one restart, bounded by an intensity limit).
+anything that is not a `Rejection` (native panics included: `supervision.is_failure`), the cell
+fails every request the actor held with `ActorCrashed`, builds a fresh actor from its factory
+after a backoff and carries on with the mailbox (one-for-one restart, `RestartPolicy`). Only an
+actor that cannot start again is declared failed; the cell then reports it to its system.
 """
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import anyio
 import msgspec
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 
 from mlx_relay.runtime.errors import ActorCrashed, ActorStopped, AskTimeout, Rejection
 from mlx_relay.runtime.mailbox import Envelope, Mailbox
 from mlx_relay.runtime.replies import ReplyFuture, ReplyStream
+from mlx_relay.runtime.supervision import RestartPolicy, is_failure
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,13 @@ class Actor:
     def on_cancel(self, stream: ReplyStream) -> None:
         """The consumer of `stream` left early: stop the work behind it and free its slot."""
 
+    def start_job(self, stream: ReplyStream, job: Callable[[], Awaitable[msgspec.Struct]]) -> None:
+        """Answer `stream` later, off the mailbox: `job` runs as a task of the cell beside the
+        actor's loop (so the next messages are handled meanwhile); its result is the stream's
+        one item, a `Rejection` it raises is the reply, any other failure fails this request
+        only (`ActorCrashed`). The consumer leaving cancels the job."""
+        self.cell.start_job(stream, job)
+
     @property
     def ref(self) -> ActorRef:
         return self.cell.ref
@@ -106,6 +115,14 @@ class ActorRef(Generic[A]):
                 raise
             raise AskTimeout(self.name, timeout or 0.0) from None
 
+    async def request(self, msg: msgspec.Struct) -> Any:
+        """A stream request answered by one item (e.g. a job's result): that item. Cancelling the
+        caller cancels the work (unlike `ask`, whose work runs on when its asker is gone)."""
+        async with self.stream(msg) as replies:
+            async for item in replies:
+                return item
+        raise ActorStopped(self.name)
+
     @asynccontextmanager
     async def stream(self, msg: msgspec.Struct) -> AsyncIterator[ReplyStream]:
         self._cell.mailbox.check(msg)
@@ -121,6 +138,9 @@ class ActorRef(Generic[A]):
         self._cell.mailbox.put_control(Envelope(Crash(reason)))
 
 
+CellState = Literal["starting", "running", "restarting", "failed", "stopped"]
+
+
 class ActorCell:
     """Runs one actor: its loop, its held streams, its restarts."""
 
@@ -130,8 +150,8 @@ class ActorCell:
         name: str,
         accepts: tuple[type[msgspec.Struct], ...],
         capacity: int,
-        max_restarts: int = 5,
-        restart_window_s: float = 60.0,
+        policy: RestartPolicy = RestartPolicy(),
+        on_failed: Callable[[ActorCell], None] | None = None,
     ) -> None:
         self.factory = factory
         self.name = name
@@ -140,11 +160,47 @@ class ActorCell:
         self.stream_ids = itertools.count(1)
         self.held: dict[int, ReplyStream] = {}
         self.restarts = 0
-        self.max_restarts = max_restarts
-        self.restart_window_s = restart_window_s
-        self._recent_crashes: list[float] = []
+        self.policy = policy
+        self.state: CellState = "starting"
+        self.failure: str | None = None  # why the actor was declared failed
+        self._on_failed = on_failed
+        self._consecutive = 0  # crashes in the current series (backoff exponent)
+        self._last_crash = -float("inf")
         self.actor: Actor | None = None
         self.stopped = anyio.Event()
+        self._jobs: TaskGroup | None = None
+        self._job_scopes: dict[int, anyio.CancelScope] = {}
+
+    def start_job(self, stream: ReplyStream, job: Callable[[], Awaitable[msgspec.Struct]]) -> None:
+        assert self._jobs is not None, "jobs run while the cell runs"
+        scope = anyio.CancelScope()
+        self._job_scopes[stream.id] = scope
+        self._jobs.start_soon(self._run_job, stream, job, scope)
+
+    async def _run_job(self, stream: ReplyStream, job: Callable[[], Awaitable[msgspec.Struct]],
+                       scope: anyio.CancelScope) -> None:
+        try:
+            with scope:
+                try:
+                    result = await job()
+                except Rejection as exc:
+                    stream.fail(exc)
+                except BaseException as exc:
+                    if not is_failure(exc):
+                        raise
+                    log.error("actor %s: a job failed", self.name, exc_info=exc)
+                    stream.fail(ActorCrashed(self.name, exc))
+                else:
+                    stream.send(result)
+                    stream.close()
+        finally:
+            self._job_scopes.pop(stream.id, None)
+            if stream.finished:
+                self.held.pop(stream.id, None)
+
+    def _cancel_jobs(self) -> None:
+        for scope in self._job_scopes.values():
+            scope.cancel()
 
     def stream_cancelled(self, stream: ReplyStream) -> None:
         self.mailbox.put_control(Envelope(StreamCancelled(stream.id)))
@@ -160,12 +216,17 @@ class ActorCell:
             await self._start_actor()
         except BaseException:
             self.mailbox.close()
+            self.state = "stopped"
             self.stopped.set()
             raise
+        self.state = "running"
         task_status.started()
         try:
-            await self._loop()
+            async with anyio.create_task_group() as self._jobs:
+                await self._loop()
+                self._cancel_jobs()
         finally:
+            self._jobs = None
             with anyio.CancelScope(shield=True):
                 await self._finish()
 
@@ -176,6 +237,8 @@ class ActorCell:
             if isinstance(msg, Stop):
                 return
             if isinstance(msg, StreamCancelled):
+                if (job := self._job_scopes.get(msg.stream_id)) is not None:
+                    job.cancel()
                 stream = self.held.pop(msg.stream_id, None)
                 if stream is not None and self.actor is not None:
                     await self._guard(lambda a=self.actor, s=stream: _sync(a.on_cancel, s), None)
@@ -207,14 +270,20 @@ class ActorCell:
                 reply.fail(exc)
                 if isinstance(reply, ReplyStream):
                     self.held.pop(reply.id, None)
-        except Exception as exc:
-            log.exception("actor %s crashed", self.name)
+        except BaseException as exc:
+            if not is_failure(exc):
+                raise
+            log.error("actor %s crashed", self.name, exc_info=exc)
             if reply is not None:
                 reply.fail(ActorCrashed(self.name, exc))
             return await self._restart(exc)
         return True
 
     async def _restart(self, cause: BaseException) -> bool:
+        """Fail what the crashed actor held, then start a fresh one after the backoff; False if
+        it cannot be started again (the actor is then failed and its system told)."""
+        self.state = "restarting"
+        self._cancel_jobs()
         for stream in self.held.values():
             stream.fail(ActorCrashed(self.name, cause))
         self.held.clear()
@@ -222,27 +291,38 @@ class ActorCell:
             with anyio.CancelScope(shield=True):
                 try:
                     await self.actor.on_stop()
-                except Exception:
-                    log.exception("actor %s failed in on_stop during restart", self.name)
+                except BaseException as exc:
+                    if not is_failure(exc):
+                        raise
+                    log.error("actor %s failed in on_stop during restart", self.name, exc_info=exc)
             self.actor = None
         now = time.monotonic()
-        self._recent_crashes = [t for t in self._recent_crashes if now - t < self.restart_window_s]
-        self._recent_crashes.append(now)
-        if len(self._recent_crashes) > self.max_restarts:
-            log.error("actor %s crashed %d times in %.0fs; stopping it",
-                      self.name, len(self._recent_crashes), self.restart_window_s)
-            return False
-        while True:
+        quiet = now - self._last_crash > self.policy.quiet_after_s
+        self._consecutive = 1 if quiet else self._consecutive + 1
+        self._last_crash = now
+        delay = self.policy.delay(self._consecutive)
+        for attempt in range(1, self.policy.max_start_failures + 1):
+            await anyio.sleep(delay)
             self.restarts += 1
             try:
                 await self._start_actor()
-                log.warning("actor %s restarted (%d restarts)", self.name, self.restarts)
-                return True
-            except Exception:
-                log.exception("actor %s failed to restart", self.name)
-                self._recent_crashes.append(time.monotonic())
-                if len(self._recent_crashes) > self.max_restarts:
-                    return False
+            except BaseException as exc:
+                if not is_failure(exc):
+                    raise
+                log.error("actor %s failed to restart (attempt %d)", self.name, attempt, exc_info=exc)
+                self.actor = None
+                delay = self.policy.delay(self._consecutive + attempt)
+                continue
+            log.warning("actor %s restarted (%d restarts) after %s", self.name, self.restarts,
+                        type(cause).__name__)
+            self.state = "running"
+            return True
+        self.state = "failed"
+        self.failure = f"could not be restarted after {type(cause).__name__}"
+        log.critical("actor %s %s; giving up", self.name, self.failure)
+        if self._on_failed is not None:
+            self._on_failed(self)
+        return False
 
     def _prune(self) -> None:
         if self.held:
@@ -262,9 +342,13 @@ class ActorCell:
         if self.actor is not None:
             try:
                 await self.actor.on_stop()
-            except Exception:
-                log.exception("actor %s failed in on_stop", self.name)
+            except BaseException as exc:
+                if not is_failure(exc):
+                    raise
+                log.error("actor %s failed in on_stop", self.name, exc_info=exc)
             self.actor = None
+        if self.state != "failed":
+            self.state = "stopped"
         self.stopped.set()
 
     def request_stop(self) -> None:
