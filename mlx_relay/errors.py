@@ -77,6 +77,37 @@ class NotReady(RelayError):
         self.retry_after_s = retry_after_s
 
 
+class ServerShuttingDown(NotReady):
+    """The server is draining (SIGTERM) and this request could not finish in time: retry."""
+
+    code = "server_shutting_down"
+
+
+class RequestTimeout(RelayError):
+    """The client did not send its request (headers and body) within the read timeout."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class PayloadTooLarge(RelayError):
+    """The request body is larger than `--max-request-bytes`."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class InternalError(RelayError):
+    """Something failed inside the server while handling this request. The message names an
+    incident id that the server logged with the details; it never carries internal text."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
 class GenerationFailed(RelayError):
     """The engine failed while generating this request; other requests are unaffected."""
 

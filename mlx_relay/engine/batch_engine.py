@@ -62,6 +62,7 @@ from mlx_relay.engine.sampling import RowSampler, needs_sampler
 from mlx_relay.engine.snapshots import Snapshot, SnapshotPool
 from mlx_relay.engine.vision import FeatureCache, vision_prompt_kwargs
 from mlx_relay.errors import GenerationFailed, InvalidRequest
+from mlx_relay.runtime.supervision import is_failure
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,9 @@ class BatchEngine:
             if self._draft is None:
                 raise ScoringFailed("no SpecPrefill draft model is loaded")
             job = self._draft.start(msg.tokens, chunk=self._prefill_step_size, window=msg.window)
-        except Exception as exc:
+        except BaseException as exc:
+            if not is_failure(exc):  # native panics are failures too; control flow is not
+                raise
             self._events.append((-1, PromptScored(msg.request_id, error=f"{type(exc).__name__}: {exc}")))
             self._flush()
             return
@@ -282,7 +285,9 @@ class BatchEngine:
         job, started = self._scoring[rid]
         try:
             scores = job.step()
-        except Exception as exc:
+        except BaseException as exc:
+            if not is_failure(exc):  # native panics are failures too; control flow is not
+                raise
             log.warning("SpecPrefill scoring of %s failed: %s", rid, exc)
             del self._scoring[rid]
             job.close()
@@ -357,7 +362,9 @@ class BatchEngine:
         try:
             out = lane.step()
             lane.prefill_step()
-        except Exception as exc:
+        except BaseException as exc:
+            if not is_failure(exc):  # native panics are failures too; control flow is not
+                raise
             self._fail_rows([seq for seq in self._by_uid.values() if seq.plain is not None], exc, "plain lane")
             lane.clear()
             return
@@ -369,17 +376,19 @@ class BatchEngine:
             if seq.plain is not None and seq.plain.snapshots:
                 self._report_snapshots(seq, seq.plain.snapshots)
 
-    def _fail_rows(self, rows: list[_Seq], exc: Exception, what: str) -> None:
+    def _fail_rows(self, rows: list[_Seq], exc: BaseException, what: str) -> None:
         """A lane's step failed: its rows end with an error; the other lanes go on."""
         log.exception("%s step failed; failing its %d rows", what, len(rows))
         for seq in rows:
             self._by_uid.pop(seq.uid, None)  # type: ignore[arg-type]
-            self._finish_error(seq, GenerationFailed(f"batched step failed: {exc}"))
+            self._finish_error(seq, GenerationFailed("the batched decode step failed"))
 
     def _plain_step(self) -> None:
         try:
             _, responses = self._gen.next()
-        except Exception as exc:  # the broken generator is dropped whole
+        except BaseException as exc:  # the broken generator is dropped whole
+            if not is_failure(exc):  # native panics are failures too; control flow is not
+                raise
             self._fail_rows([seq for seq in self._by_uid.values() if seq.mtp is None and seq.plain is None], exc,
                             "batched")
             self._gen.close()
@@ -394,7 +403,9 @@ class BatchEngine:
         try:
             result = lane.round() if lane.rows else None
             joined = lane.prefill_step()
-        except Exception as exc:
+        except BaseException as exc:
+            if not is_failure(exc):  # native panics are failures too; control flow is not
+                raise
             self._fail_rows([seq for seq in self._by_uid.values() if seq.mtp is not None], exc, "MTP")
             lane.clear()
             return
@@ -434,9 +445,11 @@ class BatchEngine:
                     seq.uid = self._insert_own_plain(seq)
                 else:
                     seq.uid = self._insert(seq)
-            except Exception as exc:
+            except BaseException as exc:
+                if not is_failure(exc):  # native panics are failures too; control flow is not
+                    raise
                 log.exception("request %s could not join the batch", seq.req.request_id)
-                self._finish_error(seq, GenerationFailed(f"could not start generation: {exc}"))
+                self._finish_error(seq, GenerationFailed("could not start the generation"))
                 continue
             self._by_uid[seq.uid] = seq
 
@@ -561,8 +574,10 @@ class BatchEngine:
             return
         try:
             text = seq.detok.step(token)
-        except Exception as exc:
-            self._finish_error(seq, GenerationFailed(f"could not detokenize token {token}: {exc}"))
+        except BaseException as exc:
+            if not is_failure(exc):  # native panics are failures too; control flow is not
+                raise
+            self._finish_error(seq, GenerationFailed(f"could not detokenize token {token}"))
             return
         safe, hit = seq.stops.feed(text)
         if safe:

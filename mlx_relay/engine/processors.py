@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_relay.chat.output import TokenLogprob, TopLogprob
+from mlx_relay.runtime.supervision import is_failure
 
 
 class RowProcessor:
@@ -122,17 +123,27 @@ class GrammarMask(RowProcessor):
 
     def process_last_token(self, last_token: int, logits: mx.array) -> mx.array:
         first, self._first = self._first, False
+        consume = not first  # the token sampled before this call (none on a row's first call)
         if not self.active:
-            if not first and last_token == self.activate_after:
-                self.active = True
+            if consume and last_token == self.activate_after:
+                self.active, consume = True, False  # the block's end is not the grammar's
             else:
                 return logits
-        elif not first and self.error is None and not self.matcher.is_stopped():
-            if not self.matcher.consume_token(last_token):
-                self.error = self.matcher.get_error() or f"token {last_token} is not allowed by the grammar"
-        if self.error is not None or self.matcher.is_stopped():
+        try:  # llguidance is native code: a panic (a BaseException) is this row's error, not the batch's
+            if consume and self.error is None and not self.matcher.is_stopped():
+                if not self.matcher.consume_token(last_token):
+                    self.error = self.matcher.get_error() or f"token {last_token} is not allowed by the grammar"
+            if self.error is not None or self.matcher.is_stopped():
+                return _only(self.eos, logits)
+            self._fill(self.matcher, self._bitmask, 0)
+            if self.matcher.is_error():
+                self.error = self.matcher.get_error() or "the grammar failed"
+        except BaseException as exc:
+            if not is_failure(exc):
+                raise
+            self.error = f"the grammar engine failed ({type(exc).__name__})"
+        if self.error is not None:
             return _only(self.eos, logits)
-        self._fill(self.matcher, self._bitmask, 0)
         allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
         vocab = logits.shape[-1]
         if allowed.shape[0] < vocab:

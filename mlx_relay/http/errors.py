@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from mlx_relay.errors import InvalidRequest, NotReady, Overloaded, RelayError, UnprocessableRequest
+from mlx_relay.errors import InternalError, InvalidRequest, NotReady, Overloaded, RelayError, UnprocessableRequest
 from mlx_relay.http.openai_types import ErrorBody, ErrorDetail
-from mlx_relay.runtime import ActorCrashed, ActorStopped, AskTimeout, RuntimeFault
+from mlx_relay.runtime import ActorStopped
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +36,16 @@ def leaf_error(exc: BaseException) -> BaseException:
 
 
 def as_relay_error(exc: BaseException) -> RelayError:
+    """What the client is told: a RelayError as itself; anything else an `InternalError` whose
+    message names an incident id logged here with the details (no internal text leaves)."""
     exc = leaf_error(exc)
     if isinstance(exc, RelayError):
         return exc
     if isinstance(exc, ActorStopped):
         return NotReady("the server is shutting down")
-    if isinstance(exc, ActorCrashed | AskTimeout | RuntimeFault):
-        err = RelayError(f"internal error: {exc}")
-        return err
-    log.error("unexpected error", exc_info=exc)
-    return RelayError(f"internal error: {type(exc).__name__}")
+    incident = uuid.uuid4().hex[:12]
+    log.error("incident %s: %s", incident, type(exc).__name__, exc_info=exc)
+    return InternalError(f"the server failed while handling this request (incident {incident})")
 
 
 def error_body(err: RelayError) -> bytes:
