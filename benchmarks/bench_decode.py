@@ -139,7 +139,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         assert relay.service is not None
         from mlx_relay.actors.normalizer import Render
 
-        prompt_ids = (await relay.service.normalizer.ask(Render([ChatMessage(role="user", content=PROMPT)]))).token_ids
+        rendered = await relay.service.normalizer.request(Render([ChatMessage(role="user", content=PROMPT)]))
+        prompt_ids = rendered.token_ids
         info = relay.info
         await in_process(relay, args.max_tokens)  # warm
         inproc = []

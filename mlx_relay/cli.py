@@ -15,7 +15,15 @@ import time
 from collections.abc import Callable, Sequence
 
 from mlx_relay.chat.types import TOOL_FORMATS
-from mlx_relay.config import AdmissionConfig, EngineConfig, MediaConfig, ServerConfig, SpecPrefillConfig
+from mlx_relay.config import (
+    AdmissionConfig,
+    EngineConfig,
+    MediaConfig,
+    PromptConfig,
+    RequestLimits,
+    ServerConfig,
+    SpecPrefillConfig,
+)
 
 
 def _progress_printer() -> Callable[[str], None]:
@@ -73,6 +81,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="max_tokens when a request gives none (default 4096)")
     serve.add_argument("--api-key", action="append", default=None,
                        help="require this API key (repeatable; also MLX_RELAY_API_KEY)")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="cap the context length (default: the checkpoint's)")
+    lim = serve.add_argument_group("limits per request (bad or slow clients get a 4xx, never the server's time)")
+    lim.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024,
+                     help="request body size; larger is a 413 (default 64 MiB)")
+    lim.add_argument("--request-read-timeout", type=float, default=30.0,
+                     help="seconds a client may take to send a request's headers and body (default 30)")
+    lim.add_argument("--client-stall-timeout", type=float, default=60.0,
+                     help="seconds a response write may wait for a client that does not read (default 60)")
+    lim.add_argument("--max-tokens-policy", choices=("error", "clamp"), default="error",
+                     help="max_tokens beyond what the context leaves: a 400 (error, as OpenAI) or cut at the "
+                          "context's end (clamp)")
+    lim.add_argument("--render-timeout", type=float, default=60.0,
+                     help="seconds to template and tokenize one prompt before it is refused (default 60)")
+    lim.add_argument("--allow-request-chat-template", action="store_true",
+                     help="accept a request's own chat_template (rendered in a sandboxed process, time-limited)")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT: seconds running requests may finish before they are ended "
+                            "(a second signal exits at once; default 30)")
     media = serve.add_argument_group("image and video inputs (data: URLs are always accepted)")
     media.add_argument("--allowed-local-media-dir", default=None, metavar="DIR",
                        help="accept local file paths / file:// URLs, only under DIR")
@@ -157,6 +184,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             prefix_cache=not args.no_prefix_cache,
             prefix_cache_bytes=_gib(args.prefix_cache_gb),
             prefix_min_snapshot_tokens=args.prefix_min_snapshot_tokens,
+            max_model_len=args.max_model_len,
             memory_limit_bytes=_gib(args.memory_limit_gb),
             cache_limit_bytes=_gib(args.cache_limit_gb),
         ),
@@ -176,12 +204,23 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_image_pixels=args.max_image_pixels,
             max_video_frames=args.max_video_frames,
         ),
+        prompts=PromptConfig(
+            tool_parser=args.tool_parser,
+            render_timeout_s=args.render_timeout,
+            allow_request_chat_template=args.allow_request_chat_template,
+        ),
+        limits=RequestLimits(
+            max_request_bytes=args.max_request_bytes,
+            read_timeout_s=args.request_read_timeout,
+            stall_timeout_s=args.client_stall_timeout,
+            max_tokens_policy=args.max_tokens_policy,
+        ),
         host=args.host,
         port=args.port,
         api_keys=tuple(keys),
         model_aliases=tuple(args.model_alias or ()),
-        tool_parser=args.tool_parser,
         default_max_tokens=args.default_max_tokens,
+        drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
     )
 

@@ -36,6 +36,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None  # byte budget; None: a share of the device's memory
     prefix_min_snapshot_tokens: int = 256  # shorter system prompts are not snapshotted
+    max_model_len: int | None = None  # caps the context length the checkpoint declares (None: as declared)
     memory_limit_bytes: int | None = None  # mx.set_memory_limit (None: MLX's default)
     cache_limit_bytes: int | None = None  # mx.set_cache_limit: freed buffers MLX keeps for reuse
 
@@ -60,7 +61,46 @@ class SpecPrefillConfig(msgspec.Struct, frozen=True):
 class AdmissionConfig(msgspec.Struct, frozen=True):
     max_num_seqs: int = 16
     max_queue: int = 64
-    max_prompt_bytes: int = 32 * 1024 * 1024
+
+
+class PromptConfig(msgspec.Struct, frozen=True):
+    """How the Normalizer prepares prompts: in worker threads, two lanes (a large prompt never
+    queues a small one), each render with a deadline; client-supplied chat templates only when
+    the operator allows them, then sandboxed in a process of their own with a time limit."""
+
+    tool_parser: str | None = None  # the model's tool-call syntax; None: inferred from the chat template
+    small_workers: int = 4  # renders of prompts up to `large_prompt_bytes` at once
+    large_workers: int = 1  # renders of larger prompts at once (each holds a CPU core while tokenizing)
+    large_prompt_bytes: int = 256 * 1024
+    render_timeout_s: float = 60.0  # one prompt's template + tokenization; past it the request is a 400
+    allow_request_chat_template: bool = False  # a request's own `chat_template`
+    template_timeout_s: float = 2.0  # a client template's render, in its sandbox process
+    template_memory_bytes: int = 1 << 30  # the sandbox process's address-space limit
+
+    def __post_init__(self) -> None:
+        if self.small_workers < 1 or self.large_workers < 1:
+            raise ValueError("PromptConfig workers must be at least 1")
+        if not self.render_timeout_s > 0 or not self.template_timeout_s > 0:
+            raise ValueError("PromptConfig timeouts must be positive")
+
+
+class RequestLimits(msgspec.Struct, frozen=True):
+    """What one HTTP request may cost before any work is done for it, and how long a client may
+    take to send it or to read the answer."""
+
+    max_request_bytes: int = 64 * 1024 * 1024  # the body; larger is a 413 before it is read whole
+    max_json_depth: int = 64  # nesting of free-form JSON (schemas, tool arguments, template kwargs)
+    read_timeout_s: float = 30.0  # a request's headers and body must arrive within this (408 / closed)
+    stall_timeout_s: float = 60.0  # a response write the client does not take within this ends it
+    # max_tokens beyond what the context leaves after the prompt: "error" answers 400 (OpenAI's
+    # behaviour), "clamp" cuts the reply at the context's end
+    max_tokens_policy: Literal["error", "clamp"] = "error"
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1024 or self.max_json_depth < 4:
+            raise ValueError("RequestLimits.max_request_bytes >= 1024 and max_json_depth >= 4")
+        if not self.read_timeout_s > 0 or not self.stall_timeout_s > 0:
+            raise ValueError("RequestLimits timeouts must be positive")
 
 
 class MediaConfig(msgspec.Struct, frozen=True):
@@ -103,13 +143,15 @@ class ServerConfig(msgspec.Struct, frozen=True):
     admission: AdmissionConfig = AdmissionConfig()
     media: MediaConfig = MediaConfig()
     specprefill: SpecPrefillConfig = SpecPrefillConfig()
+    prompts: PromptConfig = PromptConfig()
+    limits: RequestLimits = RequestLimits()
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
     # other model names requests may use for the served model ("*": any), e.g. the claude-* names
     # Claude Code sends unless told otherwise
     model_aliases: tuple[str, ...] = ()
-    tool_parser: str | None = None  # the model's tool-call syntax; None: inferred from the chat template
     default_max_tokens: int = 4096
     sse_keepalive_s: float = 10.0
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long running requests may finish before they are ended
     log_level: Literal["debug", "info", "warning", "error"] = "info"

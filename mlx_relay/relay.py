@@ -9,12 +9,18 @@
 loads; then the GPUExecutor, which loads the model on its thread; the Normalizer), warms the
 kernels and marks the server ready. `wait_ready=False` returns at once and boots in the
 background (what the HTTP server does, so `/health` reports loading/warming).
+
+`health()` tells the truth about the actors: crashed ones restart on their own (the server is
+"degraded" meanwhile); if one cannot be restarted the relay is "failed" and `failed` is set (the
+HTTP server then exits non-zero). `drain()` is the graceful stop: no new requests, the running
+ones finish within a deadline, the rest are ended with a retryable error.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,8 +29,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from mlx_relay.actors.admission import Admission, AdmissionStats, GetStats, SetState
-from mlx_relay.actors.gpu_executor import AttachPrefixStore, GPUExecutor
+from mlx_relay.actors.admission import Admission, AdmissionStats, GetStats, SetState, WhenIdle
+from mlx_relay.actors.gpu_executor import AbortAll, AttachPrefixStore, GPUExecutor
 from mlx_relay.actors.media_router import MediaRouter
 from mlx_relay.actors.normalizer import Normalizer
 from mlx_relay.actors.prefix_cache_store import (
@@ -37,7 +43,15 @@ from mlx_relay.actors.prefix_cache_store import (
 )
 from mlx_relay.actors.specprefill_scorer import GetSpecPrefillStats, SpecPrefillScorer
 from mlx_relay.chat.types import ChatMessage
-from mlx_relay.config import AdmissionConfig, EngineConfig, MediaConfig, ServerConfig, SpecPrefillConfig
+from mlx_relay.config import (
+    AdmissionConfig,
+    EngineConfig,
+    MediaConfig,
+    PromptConfig,
+    RequestLimits,
+    ServerConfig,
+    SpecPrefillConfig,
+)
 from mlx_relay.engine.loader import resolve_model_path
 from mlx_relay.engine.messages import (
     Describe,
@@ -49,11 +63,26 @@ from mlx_relay.engine.messages import (
     TokenDelta,
     Warmup,
 )
-from mlx_relay.errors import NotReady
+from mlx_relay.errors import NotReady, UnprocessableRequest
 from mlx_relay.runtime import ActorRef, ActorSystem
 from mlx_relay.service import ChatRequest, ChatService, SamplingDefaults
 
 log = logging.getLogger(__name__)
+
+
+class SystemFailure(Exception):
+    """An actor could not be restarted: the relay cannot serve any more."""
+
+
+class Health(msgspec.Struct, frozen=True):
+    status: str
+    down: dict[str, str]  # actors not running now: name -> restarting / failed
+    ready: bool
+
+
+class DrainReport(msgspec.Struct, frozen=True):
+    seconds: float
+    ended: int  # generations ended by the deadline (their streams got a retryable error)
 
 
 class ChatResult(msgspec.Struct, frozen=True):
@@ -69,20 +98,23 @@ class ChatResult(msgspec.Struct, frozen=True):
 
 
 def default_config(model: str | Path | None = None, **overrides: Any) -> ServerConfig:
-    """A ServerConfig for `model` (default: the embedded tiny model), with field overrides."""
+    """A ServerConfig for `model` (default: the embedded tiny model), with field overrides: a
+    name of a nested struct's field (EngineConfig, AdmissionConfig, MediaConfig, PromptConfig,
+    RequestLimits; SpecPrefillConfig's with a `specprefill_` prefix) sets it there."""
     if model is None:
         from mlx_relay.testing.fixtures import default_model_path
 
         model = default_model_path()
     model = str(model)
-    engine_keys = set(EngineConfig.__struct_fields__) - {"model_path"}
-    admission_keys = set(AdmissionConfig.__struct_fields__)
-    media_keys = set(MediaConfig.__struct_fields__)
-    media_kw = {k: overrides.pop(k) for k in list(overrides) if k in media_keys}
-    sp_kw = {k.removeprefix("specprefill_"): overrides.pop(k) for k in list(overrides)
-             if k.startswith("specprefill_") and k.removeprefix("specprefill_") in SpecPrefillConfig.__struct_fields__}
-    engine_kw = {k: overrides.pop(k) for k in list(overrides) if k in engine_keys}
-    admission_kw = {k: overrides.pop(k) for k in list(overrides) if k in admission_keys and k != "max_num_seqs"}
+
+    def take(struct: type[msgspec.Struct], prefix: str = "", skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+        fields = set(struct.__struct_fields__) - skip
+        return {k.removeprefix(prefix): overrides.pop(k) for k in list(overrides)
+                if k.startswith(prefix) and k.removeprefix(prefix) in fields}
+
+    sp_kw = take(SpecPrefillConfig, "specprefill_")
+    engine_kw = take(EngineConfig, skip=frozenset({"model_path"}))
+    admission_kw = take(AdmissionConfig, skip=frozenset({"max_num_seqs"}))
     if "max_num_seqs" in engine_kw:
         admission_kw["max_num_seqs"] = engine_kw["max_num_seqs"]
     name = overrides.pop("served_model_name", None) or _display_name(model)
@@ -91,8 +123,10 @@ def default_config(model: str | Path | None = None, **overrides: Any) -> ServerC
         served_model_name=name,
         engine=EngineConfig(model_path=model, **engine_kw),
         admission=AdmissionConfig(**admission_kw),
-        media=MediaConfig(**media_kw),
+        media=MediaConfig(**take(MediaConfig)),
         specprefill=SpecPrefillConfig(**sp_kw),
+        prompts=PromptConfig(**take(PromptConfig)),
+        limits=RequestLimits(**take(RequestLimits)),
         **overrides,
     )
 
@@ -100,10 +134,6 @@ def default_config(model: str | Path | None = None, **overrides: Any) -> ServerC
 def _display_name(model: str) -> str:
     p = Path(model)
     return p.name if p.is_dir() else model
-
-
-def _to_messages(messages: Sequence[ChatMessage | dict[str, Any]]) -> list[ChatMessage]:
-    return [m if isinstance(m, ChatMessage) else msgspec.convert(m, ChatMessage) for m in messages]
 
 
 class Relay:
@@ -116,6 +146,8 @@ class Relay:
         self.state = "loading"
         self.error: BaseException | None = None
         self.ready = anyio.Event()  # set when ready or failed
+        self.failed = anyio.Event()  # set when booting failed or an actor could not be restarted
+        self.gpu: ActorRef | None = None
 
     # -- assembly ----------------------------------------------------------------------------------
     @classmethod
@@ -137,6 +169,7 @@ class Relay:
             relay = cls(cfg, system, admission)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(relay._boot, on_progress or (lambda m: log.info("%s", m)))
+                tg.start_soon(relay._watch_actors)
                 if wait_ready:
                     await relay.ready.wait()
                     failed = relay.error
@@ -159,10 +192,10 @@ class Relay:
         try:
             path = await anyio.to_thread.run_sync(resolve_model_path, cfg.model)
             engine_cfg = msgspec.structs.replace(cfg.engine, model_path=str(path))
-            gpu = await self.system.spawn(lambda: GPUExecutor(engine_cfg, progress), name="gpu",
-                                          accepts=GPUExecutor.accepts)
-            normalizer = await self.system.spawn(lambda: Normalizer(path, cfg.tool_parser), name="normalizer",
-                                                 accepts=Normalizer.accepts)
+            gpu = self.gpu = await self.system.spawn(lambda: GPUExecutor(engine_cfg, progress), name="gpu",
+                                                     accepts=GPUExecutor.accepts)
+            normalizer = await self.system.spawn(lambda: Normalizer(path, cfg.prompts), name="normalizer",
+                                                 accepts=Normalizer.accepts, capacity=Normalizer.mailbox_capacity)
             media = await self.system.spawn(lambda: MediaRouter(cfg.media, path), name="media",
                                             accepts=MediaRouter.accepts)
             self.info = await gpu.ask(Describe())
@@ -189,6 +222,7 @@ class Relay:
                 info=self.info,
                 defaults=SamplingDefaults.from_generation_config(gen_cfg),
                 default_max_tokens=cfg.default_max_tokens,
+                max_tokens_policy=cfg.limits.max_tokens_policy,
                 prefix_store=store,
                 scorer=scorer,
             )
@@ -202,8 +236,42 @@ class Relay:
             log.exception("boot failed")
             self.error = exc
             await self._set_state("failed", f"{type(exc).__name__}: {exc}")
+            self.failed.set()
         finally:
             self.ready.set()
+
+    async def _watch_actors(self) -> None:
+        """An actor that cannot be restarted fails the whole relay (a supervisor restarts it)."""
+        await self.system.failed.wait()
+        self.error = SystemFailure(self.system.failure or "an actor failed")
+        log.critical("%s; the server cannot recover", self.error)
+        await self._set_state("failed", str(self.error))
+        self.failed.set()
+
+    # -- health and drain -----------------------------------------------------------------------------
+    def health(self) -> Health:
+        """loading / warming / ready / degraded (an actor is restarting) / draining / failed."""
+        down = self.system.down()
+        status = self.state
+        if status == "ready" and down:
+            status = "degraded"
+        return Health(status, down, status == "ready")
+
+    async def drain(self, timeout_s: float) -> DrainReport:
+        """Stop admitting (new and queued requests get 503 + Retry-After), let the running ones
+        finish for up to `timeout_s`, then end the rest with `ServerShuttingDown` (every stream
+        still gets its terminal event)."""
+        tic = time.monotonic()
+        await self._set_state("draining")
+        ended = 0
+        with anyio.move_on_after(timeout_s):
+            await self.admission.request(WhenIdle())
+        if (await self.stats()).running and self.gpu is not None:
+            ended = await self.gpu.ask(AbortAll(f"the server is shutting down: the request could not finish "
+                                                f"within the {timeout_s:g}s drain"))
+            with anyio.move_on_after(5.0):  # their responses write the terminal events and let go
+                await self.admission.request(WhenIdle())
+        return DrainReport(seconds=round(time.monotonic() - tic, 3), ended=ended)
 
     # -- the API -------------------------------------------------------------------------------------
     def _service(self) -> ChatService:
@@ -245,7 +313,7 @@ class Relay:
 
     async def chat(self, messages: Sequence[ChatMessage | dict[str, Any]], **params: Any) -> ChatResult:
         """Complete a chat; params are ChatRequest fields (max_tokens, temperature, stop, ...)."""
-        req = ChatRequest(messages=_to_messages(messages), **_coerce(params))
+        req = _request(messages, params)
         parts: list[str] = []
         ids: list[int] = []
         async with self._service().generate(req) as events:
@@ -262,18 +330,18 @@ class Relay:
         self, messages: Sequence[ChatMessage | dict[str, Any]], **params: Any
     ) -> AsyncIterator[str]:
         """Yield text deltas as they are generated."""
-        req = ChatRequest(messages=_to_messages(messages), **_coerce(params))
+        req = _request(messages, params)
         async with self._service().generate(req) as events:
             async for ev in events:
                 if isinstance(ev, TokenDelta) and ev.text:
                     yield ev.text
 
 
-def _coerce(params: dict[str, Any]) -> dict[str, Any]:
-    out = dict(params)
-    stop = out.get("stop")
-    if isinstance(stop, str):
-        out["stop"] = (stop,)
-    elif stop is not None:
-        out["stop"] = tuple(stop)
-    return out
+def _request(messages: Sequence[ChatMessage | dict[str, Any]], params: dict[str, Any]) -> ChatRequest:
+    """A ChatRequest from the API's arguments (dicts or structs, checked like an HTTP body's)."""
+    stop = params.get("stop")
+    fields = {**params, "messages": list(messages), "stop": (stop,) if isinstance(stop, str) else tuple(stop or ())}
+    try:
+        return msgspec.convert(fields, ChatRequest)
+    except msgspec.ValidationError as exc:
+        raise UnprocessableRequest(str(exc)) from None

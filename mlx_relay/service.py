@@ -30,7 +30,7 @@ from mlx_relay.actors.prefix_cache_store import Lookup, Release
 from mlx_relay.actors.specprefill_scorer import Select, Selection
 from mlx_relay.cache.prefix_keys import MediaSpan
 from mlx_relay.chat.grammar import OutputConstraint
-from mlx_relay.chat.output import ContentDelta, ReplyDone, ReplyEvent
+from mlx_relay.chat.output import ContentDelta, ReplyDone, ReplyEvent, ReplyStarted
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import ChatMessage, ResponseFormat, ToolChoice, ToolDef
 from mlx_relay.engine.messages import (
@@ -79,6 +79,7 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     # True / False forces it on / off for this request; the keep fraction overrides the server's
     specprefill: bool | None = None
     specprefill_keep: float | None = None
+    chat_template: str | None = None  # the request's own template (refused unless the server allows it)
 
 
 class SamplingDefaults(msgspec.Struct, frozen=True):
@@ -112,6 +113,7 @@ class ChatService:
         info: ModelInfo,
         defaults: SamplingDefaults,
         default_max_tokens: int,
+        max_tokens_policy: str = "error",
         prefix_store: ActorRef | None = None,
         scorer: ActorRef | None = None,
     ) -> None:
@@ -122,6 +124,7 @@ class ChatService:
         self.info = info
         self.defaults = defaults
         self.default_max_tokens = default_max_tokens
+        self.max_tokens_policy = max_tokens_policy
         self.prefix_store = prefix_store
         self.scorer = scorer
         self._ids = itertools.count(1)
@@ -135,15 +138,22 @@ class ChatService:
                 f"the prompt has {prompt_tokens} tokens",
                 param="messages",
             )
-        if req.max_tokens is not None and req.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-        if req.thinking_budget is not None and req.thinking_budget < 0:
-            raise InvalidRequest("the thinking budget must not be negative", param="thinking_budget")
-        if req.specprefill_keep is not None and not 0.0 < req.specprefill_keep <= 1.0:
-            raise InvalidRequest("specprefill_keep must be in (0, 1]", param="specprefill_keep")
-        if req.logprobs and not 0 <= req.top_logprobs <= 20:
-            raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
+        validate_request(req)
+        if req.max_tokens is not None and req.max_tokens > room and self.max_tokens_policy == "error":
+            raise ContextLengthExceeded(
+                f"max_tokens is {req.max_tokens}, but this model's maximum context length is "
+                f"{self.info.context_length} tokens and the prompt has {prompt_tokens}: at most {room} can be "
+                "generated", param="max_tokens")
         think_open = rendered.think_open if rendered is not None else False
+        grammar = rendered.grammar if rendered is not None else None
+        # the reply may run to the context's end, never past it; a request without max_tokens
+        # gets the server's default (cut at the context's end)
+        max_tokens = min(req.max_tokens or self.default_max_tokens, room)
+        budget = req.thinking_budget
+        if grammar is not None and think_open and forced_tools(req):
+            # a forced call must fit after the thinking: leave it half the tokens (at most 1024)
+            left_for_call = max(1, min(max_tokens // 2, 1024))
+            budget = min(budget if budget is not None else max_tokens, max(0, max_tokens - left_for_call))
         d = self.defaults
         params = SamplingParams(
             temperature=d.temperature if req.temperature is None else req.temperature,
@@ -151,18 +161,17 @@ class ChatService:
             top_k=d.top_k if req.top_k is None else req.top_k,
             min_p=d.min_p if req.min_p is None else req.min_p,
             seed=req.seed,
-            # The reply is cut at the context's end (finish_reason "length"), never refused for it.
-            max_tokens=min(req.max_tokens or self.default_max_tokens, room),
+            max_tokens=max_tokens,
             stop=req.stop,
             mtp=req.mtp,
             logprobs=req.top_logprobs if req.logprobs else -1,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
-            grammar=rendered.grammar if rendered is not None else None,
+            grammar=grammar,
             grammar_after_thinking=think_open,
             think_open=think_open,
-            thinking_budget=req.thinking_budget,
+            thinking_budget=budget,
         )
         validate_sampling(params)
         return params
@@ -170,7 +179,7 @@ class ChatService:
     @asynccontextmanager
     async def generate(self, req: ChatRequest, request_id: str | None = None) -> AsyncIterator[ReplyStream]:
         """Admit, render and start generating; yields the engine's stream of TokenDelta ... Finished."""
-        async with self._start(req, request_id) as (_, events):
+        async with self._start(req, request_id) as (_, _started, events):
             yield events
 
     @asynccontextmanager
@@ -188,57 +197,69 @@ class ChatService:
         (`mlx_relay.chat.output`). A tool call that does not fit its schema raises
         `ToolCallInvalid` from the stream. `admitted`: the caller holds a slot (`admit`).
         `raw` (text completions): every piece of text is content, exactly as generated."""
-        async with self._start(req, request_id, admitted) as (rendered, events):
+        async with self._start(req, request_id, admitted) as (rendered, started, events):
             tools = req.tools if req.tool_choice != "none" else None
             parser = None if raw else ReplyParser(tools=tools, tool_format=rendered.tool_format,
                                                   think_open=rendered.think_open)
-            yield _parsed(events, parser)
+            yield _parsed(started, events, parser)
 
     async def count_tokens(self, req: ChatRequest) -> int:
         """The prompt's length in tokens as `generate` would see it (media expanded); no slot,
-        no GPU."""
-        rendered: RenderedPrompt = await self.normalizer.ask(self._render_msg(req))
+        no GPU. Prompts beyond four times the context are refused rather than counted."""
+        rendered: RenderedPrompt = await self.normalizer.request(self._render_msg(req, 4 * self.info.context_length))
         if rendered.num_media:
-            if not self.info.has_vision:
-                raise InvalidRequest("this model has no vision tower: send text only", param="messages")
+            self._check_vision()
             routed: Routed = await self.media.ask(Route(rendered.messages, rendered.token_ids))
             return len(routed.prompt_tokens)
         return len(rendered.token_ids)
 
-    def _render_msg(self, req: ChatRequest) -> Render:
+    def _check_vision(self) -> None:
+        if not self.info.has_vision:
+            raise InvalidRequest("this model has no vision tower: send text only", param="messages")
+
+    def _render_msg(self, req: ChatRequest, max_prompt_tokens: int) -> Render:
         constraint = None
-        if req.tool_choice not in ("auto", "none") or (req.response_format and req.response_format.type != "text"):
+        if forced_tools(req) or (req.response_format and req.response_format.type != "text"):
             constraint = OutputConstraint(response_format=req.response_format, tools=req.tools,
                                           tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
         if req.prompt is not None:
-            return Render([], raw_prompt=req.prompt, constraint=constraint)
+            return Render([], raw_prompt=req.prompt, constraint=constraint, max_prompt_tokens=max_prompt_tokens)
         kwargs = dict(req.template_kwargs)
+        template = req.chat_template
+        if "chat_template" in kwargs:  # where vLLM's clients put it
+            given = kwargs.pop("chat_template")
+            if not isinstance(given, str):
+                raise InvalidRequest("chat_template must be a string", param="chat_template_kwargs")
+            template = template or given
         if req.enable_thinking is not None:
             kwargs["enable_thinking"] = req.enable_thinking
         tools = req.tools if req.tool_choice != "none" else None
-        return Render(req.messages, tools, kwargs, constraint=constraint)
+        return Render(req.messages, tools, kwargs, constraint=constraint, max_prompt_tokens=max_prompt_tokens,
+                      chat_template=template)
 
     @asynccontextmanager
     async def _start(self, req: ChatRequest, request_id: str | None, admitted: bool = False
-                     ) -> AsyncIterator[tuple[RenderedPrompt, ReplyStream]]:
+                     ) -> AsyncIterator[tuple[RenderedPrompt, ReplyStarted, ReplyStream]]:
         rid = request_id or f"req-{next(self._ids)}"
         async with AsyncExitStack() as stack:
             if not admitted:
                 await stack.enter_async_context(self.admit(rid))
-            rendered: RenderedPrompt = await self.normalizer.ask(self._render_msg(req))
+            # the prompt must leave room for at least one generated token
+            rendered: RenderedPrompt = await self.normalizer.request(
+                self._render_msg(req, self.info.context_length - 1))
             tokens, vision = rendered.token_ids, None
             if rendered.num_media:
-                if not self.info.has_vision:
-                    raise InvalidRequest("this model has no vision tower: send text only", param="messages")
+                self._check_vision()
                 routed: Routed = await self.media.ask(Route(rendered.messages, rendered.token_ids))
                 tokens, vision = routed.prompt_tokens, routed.vision
             params = self.sampling_for(req, len(tokens), rendered)
             plan = await self._plan(rid, req, tokens, vision, rendered)
             selection = await self._sparse(rid, req, tokens, vision, plan)
             gen = Generate(rid, tokens, params, vision, plan, selection.sparse, selection.report)
+            started = ReplyStarted(len(tokens), plan.restore_length if plan is not None else 0)
             try:
                 async with self.gpu.stream(gen) as events:
-                    yield rendered, events
+                    yield rendered, started, events
             finally:
                 if plan is not None and self.prefix_store is not None:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(5):
@@ -288,6 +309,35 @@ class ChatService:
             return Selection(None, SpecPrefillReport(False, fallback=f"the scorer failed: {exc}"))
 
 
+def forced_tools(req: ChatRequest) -> bool:
+    """The reply must be tool calls (`required` or a named function)."""
+    return (bool(req.tools) and req.tool_choice not in ("auto", "none")) or \
+        (req.tool_choice not in ("auto", "none") and not req.tools)
+
+
+_SEED_LIMIT = 2**63  # seeds are 63-bit (numpy's and MLX's generators take them)
+
+
+def validate_request(req: ChatRequest) -> None:
+    """The request's own numbers, each a 400 naming its parameter (OpenAI's ranges)."""
+    checks: list[tuple[bool, str, str]] = [
+        (req.max_tokens is None or req.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
+        (req.seed is None or 0 <= req.seed < _SEED_LIMIT, "seed", "seed must be in [0, 2^63)"),
+        (-2.0 <= req.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be between -2 and 2"),
+        (-2.0 <= req.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be between -2 and 2"),
+        (req.repetition_penalty is None or 0.0 < req.repetition_penalty <= 1000.0, "repetition_penalty",
+         "repetition_penalty must be in (0, 1000]"),
+        (req.thinking_budget is None or req.thinking_budget >= 0, "thinking_budget",
+         "the thinking budget must not be negative"),
+        (req.specprefill_keep is None or 0.0 < req.specprefill_keep <= 1.0, "specprefill_keep",
+         "specprefill_keep must be in (0, 1]"),
+        (not req.logprobs or 0 <= req.top_logprobs <= 20, "top_logprobs", "top_logprobs must be between 0 and 20"),
+    ]
+    for ok, param, message in checks:
+        if not ok:
+            raise InvalidRequest(message, param=param)
+
+
 def validate_sampling(p: SamplingParams) -> None:
     checks: list[tuple[bool, str, str]] = [
         (0.0 <= p.temperature <= 100.0, "temperature", "temperature must be between 0 and 100"),
@@ -301,7 +351,9 @@ def validate_sampling(p: SamplingParams) -> None:
             raise InvalidRequest(message, param=param)
 
 
-async def _parsed(events: ReplyStream, parser: ReplyParser | None) -> AsyncIterator[ReplyEvent]:
+async def _parsed(started: ReplyStarted, events: ReplyStream, parser: ReplyParser | None
+                  ) -> AsyncIterator[ReplyEvent]:
+    yield started
     reasoning = 0
     async for ev in events:
         if isinstance(ev, TokenDelta):
@@ -316,7 +368,8 @@ async def _parsed(events: ReplyStream, parser: ReplyParser | None) -> AsyncItera
         elif isinstance(ev, Finished):
             for out in parser.finish(ev.reason) if parser is not None else ():
                 yield out
-            reason = "tool_calls" if parser is not None and parser.calls else ev.reason
+            # a reply cut by max_tokens ends "length", whatever calls came before the cut
+            reason = "tool_calls" if parser is not None and parser.calls and ev.reason != "length" else ev.reason
             yield ReplyDone(reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, reasoning,
                             mtp_drafted=ev.mtp_drafted, mtp_accepted=ev.mtp_accepted, specprefill=ev.specprefill)
             return

@@ -33,9 +33,9 @@ from mlx_relay.chat.output import (
     ToolCallStart,
 )
 from mlx_relay.chat.types import ImageUrlPart, NamedToolChoice, TextPart
-from mlx_relay.errors import GenerationFailed, ModelNotFound, NotReady, Overloaded
+from mlx_relay.errors import GenerationFailed, InvalidRequest, ModelNotFound, NotReady, Overloaded
 from mlx_relay.http.anthropic_routes import anthropic_routes, to_chat_request
-from mlx_relay.http.anthropic_types import CountTokensRequest, MessagesRequest
+from mlx_relay.http.anthropic_types import CountTokensRequest, MessagesRequest, ThinkingEnabled
 from mlx_relay.relay import default_config
 from mlx_relay.service import ChatRequest
 from mlx_relay.testing.live_server import LiveServer
@@ -562,7 +562,7 @@ def test_request_conversion() -> None:
     body = msgspec.json.decode(json.dumps(message_body(
         CLAUDE_CODE_MESSAGES, system=SYSTEM_BLOCKS, tools=[*TOOLS, {"type": "web_search_20250305", "name": "web"}],
         tool_choice={"type": "tool", "name": "bash", "disable_parallel_tool_use": True},
-        thinking={"type": "enabled", "budget_tokens": 2048}, stop_sequences=["###"], top_k=5,
+        stop_sequences=["###"], top_k=5,
     )), type=MessagesRequest)
     req = to_chat_request(body)
     roles = [m.role for m in req.messages]
@@ -578,7 +578,11 @@ def test_request_conversion() -> None:
     assert [t.function.name for t in req.tools or []] == ["read_file", "bash"]  # the server tool is left out
     assert req.tools and req.tools[0].function.parameters == TOOLS[0]["input_schema"]
     assert req.tool_choice == NamedToolChoice("bash") and req.parallel_tool_calls is False
-    assert (req.enable_thinking, req.thinking_budget) == (True, 2048)
+    assert (req.enable_thinking, req.thinking_budget) == (False, None)  # forced tool use: no extended thinking
+    thinking = msgspec.structs.replace(body, tool_choice=None, thinking=ThinkingEnabled(budget_tokens=2048))
+    assert (to_chat_request(thinking).enable_thinking, to_chat_request(thinking).thinking_budget) == (True, 2048)
+    with pytest.raises(InvalidRequest, match="forces tool use"):  # Anthropic's rule
+        to_chat_request(msgspec.structs.replace(thinking, tool_choice=body.tool_choice))
     assert (req.stop, req.top_k, req.max_tokens, req.temperature) == (("###",), 5, 12, 0)
     image = msgspec.json.decode(json.dumps({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "see"},

@@ -34,7 +34,7 @@ def user(text: str) -> list[dict[str, str]]:
 
 async def prompt_ids(relay: Relay, text: str) -> list[int]:
     assert relay.service is not None
-    rendered = await relay.service.normalizer.ask(Render([ChatMessage(role="user", content=text)]))
+    rendered = await relay.service.normalizer.request(Render([ChatMessage(role="user", content=text)]))
     return rendered.token_ids
 
 

@@ -280,10 +280,12 @@ def test_json_block_may_hold_a_list_of_calls() -> None:
     assert parse(text, tool_format="json").calls == [(0, "now", {}), (1, "read_file", {"path": "a"})]
 
 
-def test_unclosed_tool_call_at_finish_raises() -> None:
-    cut = xml_call("read_file", path="a")[:-20]
-    with pytest.raises(ToolCallInvalid, match=r"ended inside a tool call to read_file \(max_tokens reached\?\)"):
-        parse(cut, reason="length")
+def test_a_call_cut_by_max_tokens_is_dropped_and_an_unclosed_one_raises() -> None:
+    cut = "Let me look.\n" + xml_call("read_file", path="a")[:-20]
+    parser = ReplyParser(tools=TOOLS, tool_format="qwen3_coder")
+    events = [*parser.feed(cut), *parser.finish("length")]
+    assert not any(isinstance(e, ToolCallEnd) for e in events)  # no broken call is delivered
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)).strip() == "Let me look."
     with pytest.raises(ToolCallInvalid, match="ended inside a tool call"):
         parse("<tool_call>\n{\"name\"")
 

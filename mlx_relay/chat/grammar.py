@@ -6,18 +6,32 @@ Built and validated by the Normalizer (it owns the tokenizer) before a request i
 a schema llguidance cannot enforce exactly is a 400 ("fail closed"), never a 200 whose output
 might not match; the GPU thread then compiles the same grammar text into a matcher per row.
 Pure Python: grammars are llguidance's serialized text, built with `llguidance.grammar_from`.
+
+Validation is three checks: every schema is a valid JSON Schema (its meta-schema: a `minimum`
+that is a string, `properties` that is not an object), llguidance accepts the grammar without a
+warning, and a matcher walks a few seeded random paths from the start without hitting one of its
+resource limits (a schema with thousands of optional properties blows the parser's row limit at
+the first `{`). llguidance is native code: a Rust panic (a `BaseException`) anywhere in it is a
+`GrammarError` here, never a crash. Forced tool calls end after at most one call per declared
+tool (with parallel calls), so a reply cannot call on until max_tokens.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+import jsonschema
 import llguidance
+import llguidance.numpy
 import msgspec
+import numpy as np
 
 from mlx_relay.chat.types import NamedToolChoice, ResponseFormat, ToolChoice, ToolDef
+from mlx_relay.runtime.supervision import is_failure
 
 
 class OutputConstraint(msgspec.Struct, frozen=True):
@@ -32,6 +46,37 @@ class OutputConstraint(msgspec.Struct, frozen=True):
 
 class GrammarError(ValueError):
     """The constraint cannot be enforced exactly (the message says why)."""
+
+
+@contextmanager
+def _native(what: str) -> Iterator[None]:
+    """llguidance's panics and exceptions as a GrammarError."""
+    try:
+        yield
+    except GrammarError:
+        raise
+    except BaseException as exc:
+        if not is_failure(exc):
+            raise
+        raise GrammarError(f"{what}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def check_schema(schema: Any, where: str) -> None:
+    """A valid JSON Schema (by its declared `$schema`, else draft 2020-12), or GrammarError."""
+    if not isinstance(schema, dict | bool):
+        raise GrammarError(f"{where} must be a JSON Schema object")
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        at = "/".join(str(p) for p in exc.absolute_path)
+        raise GrammarError(f"{where} is not a valid JSON Schema{f' at {at}' if at else ''}: {exc.message[:300]}") \
+            from None
+    except RecursionError:
+        raise GrammarError(f"{where} is nested too deeply") from None
 
 
 def _lark_str(text: str) -> str:
@@ -104,8 +149,11 @@ def tool_call_grammar(tools: Sequence[ToolDef], choice: ToolChoice, parallel: bo
     build = _qwen_call_rule if tool_format == "qwen3_coder" else _json_call_rule
     alternatives = [build(i, t, special, rules) for i, t in enumerate(allowed)]
     rules.insert(0, "call: " + " | ".join(alternatives))
-    start = 'start: call ("\\n" call)*' if parallel and not isinstance(choice, NamedToolChoice) else "start: call"
-    return llguidance.grammar_from("lark", "\n".join([start, *rules]))
+    # with parallel calls: at most one per declared tool, then the reply ends
+    most = len(allowed) if parallel and not isinstance(choice, NamedToolChoice) else 1
+    start = f'start: call ("\\n" call){{0,{most - 1}}}' if most > 1 else "start: call"
+    with _native("the tool-call grammar cannot be built"):
+        return llguidance.grammar_from("lark", "\n".join([start, *rules]))
 
 
 def json_grammar(fmt: ResponseFormat) -> str:
@@ -115,10 +163,9 @@ def json_grammar(fmt: ResponseFormat) -> str:
         if not isinstance(fmt.schema, dict):
             raise GrammarError("response_format json_schema needs a `schema` object")
         schema = fmt.schema
-    try:
+        check_schema(schema, "the response_format schema")
+    with _native("the JSON schema cannot be compiled"):
         return llguidance.grammar_from("json_schema", json.dumps(schema))
-    except Exception as exc:  # llguidance reports schema problems as plain exceptions
-        raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from exc
 
 
 def build_grammar(c: OutputConstraint, special: frozenset[str]) -> str | None:
@@ -134,8 +181,28 @@ def build_grammar(c: OutputConstraint, special: frozenset[str]) -> str | None:
     return None
 
 
-def check_grammar(grammar: str, llg_tokenizer: Any) -> None:
-    """Fail closed: an error or any warning (a keyword llguidance would ignore) refuses it."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llg_tokenizer)
+def check_grammar(grammar: str, llg_tokenizer: Any, walks: int = 4, steps: int = 12, seed: int = 0) -> None:
+    """Fail closed: an error or any warning (a keyword llguidance would ignore) refuses it, and so
+    does a matcher that hits a resource limit on one of `walks` seeded random paths of `steps`
+    tokens from the start."""
+    with _native("the grammar is invalid"):
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llg_tokenizer)
     if is_error or messages:
-        raise GrammarError("; ".join(messages) or "the grammar is invalid")
+        raise GrammarError("; ".join(m.splitlines()[0] for m in messages if m) or "the grammar is invalid")
+    rng = random.Random(seed)
+    n_vocab = llg_tokenizer.vocab_size
+    with _native("the grammar fails when generating"):
+        bitmask = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
+        for _ in range(walks):
+            matcher = llguidance.LLMatcher(llg_tokenizer, grammar)
+            for _ in range(steps):
+                llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, 0)
+                if matcher.is_error() or matcher.is_stopped():
+                    break
+                allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:n_vocab])
+                if not len(allowed):
+                    break
+                matcher.consume_token(int(allowed[rng.randrange(len(allowed))]))
+            if matcher.is_error():
+                first = (matcher.get_error().strip().splitlines() or ["a parser limit"])[0][:300]
+                raise GrammarError(f"the grammar fails when generating: {first}")

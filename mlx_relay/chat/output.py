@@ -6,7 +6,8 @@ text into reasoning, visible content and tool calls, and `ChatService.reply` end
 `ReplyDone`. Wire formats never look at raw model text, so no tool markup and no `<think>` block
 can reach a client's `content` through any of them.
 
-Order within one reply: `ReasoningDelta`s and `ContentDelta`s in the order the model wrote them;
+Order within one reply: `ReplyStarted` first (the prompt's size, known before the first token:
+Anthropic's `message_start` reports it); `ReasoningDelta`s and `ContentDelta`s in the order the model wrote them;
 each tool call as `ToolCallStart`, then one or more `ToolCallArguments` (JSON text fragments whose
 concatenation is the call's arguments object), then `ToolCallEnd`; calls are numbered 0, 1, ... in
 order; `ReplyDone` last.
@@ -36,6 +37,13 @@ class TokenLogprob(msgspec.Struct, frozen=True):
     logprob: float
     bytes: list[int]
     top_logprobs: list[TopLogprob] = []
+
+
+class ReplyStarted(msgspec.Struct, frozen=True):
+    """The generation started: the prompt's tokens, of which `cached_tokens` are restored."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
 
 
 class ReasoningDelta(msgspec.Struct, frozen=True):
@@ -92,4 +100,4 @@ class ReplyDone(msgspec.Struct, frozen=True):
     specprefill: SpecPrefillReport | None = None  # when SpecPrefill ran or was due
 
 
-ReplyEvent = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArguments | ToolCallEnd | ReplyDone
+ReplyEvent = ReplyStarted | ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArguments | ToolCallEnd | ReplyDone

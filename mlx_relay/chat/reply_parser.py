@@ -150,13 +150,16 @@ class ReplyParser:
 
     def finish(self, reason: str = "stop") -> list[ReplyEvent]:
         """The reply ended (`reason`: the engine's "stop" or "length"): held text that never became
-        a tag is content (reasoning inside an unclosed thinking block); an unclosed tool call raises
-        `ToolCallInvalid`."""
+        a tag is content (reasoning inside an unclosed thinking block). A tool call cut by
+        max_tokens is dropped (the reply ends "length" with what came before it); one the model
+        left unclosed otherwise raises `ToolCallInvalid`."""
+        if self._mode is _Mode.CALL and reason == "length":
+            self._buf = ""
+            return []
         if self._mode is _Mode.CALL:
             assert self._call is not None
             what = f"a tool call to {self._call.name}" if self._call.name else "a tool call"
-            why = "max_tokens reached?" if reason == "length" else f"no {CALL_END}"
-            raise ToolCallInvalid(f"the reply ended inside {what} ({why})")
+            raise ToolCallInvalid(f"the reply ended inside {what} (no {CALL_END})")
         buf, self._buf = self._buf, ""
         if not buf:
             return []

@@ -1,0 +1,261 @@
+"""PromptRenderer: one chat request into prompt tokens (the Normalizer's work, done in its worker
+threads; no MLX, no event loop).
+
+Messages are normalized (`chat.normalize`), rendered by the checkpoint's chat template (or, only
+when the operator allows it, the request's own template in `TemplateSandbox`) and tokenized; the
+output grammar (`chat.grammar`) is built and validated. Bad input is an `InvalidRequest` here,
+never an exception the actor does not expect: template kwargs that collide with the template
+call's own parameters are refused before rendering, anything the template raises while
+rendering the client's data is the client's 400, and a prompt that cannot fit the context is
+refused as early as its length tells: by a character count before anything is rendered, then by
+the tokenizer's count before token lists are built.
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import jinja2
+import msgspec
+
+from mlx_relay.chat.grammar import GrammarError, OutputConstraint, build_grammar, check_grammar, check_schema
+from mlx_relay.chat.normalize import NormalizationError, media_parts, normalize_messages, to_template_messages
+from mlx_relay.chat.template_sandbox import TemplateFailed, TemplateSandbox
+from mlx_relay.chat.types import ChatMessage, TextPart, ToolDef
+from mlx_relay.errors import ContextLengthExceeded, InvalidRequest
+
+
+class Render(msgspec.Struct, frozen=True):
+    """Normalize, apply the chat template, tokenize. Reply: RenderedPrompt."""
+
+    messages: list[ChatMessage]
+    tools: list[ToolDef] | None = None
+    template_kwargs: dict[str, Any] = {}
+    # /v1/completions: a raw prompt, tokenized as it is (no template, no normalization)
+    raw_prompt: str | list[int] | None = None
+    constraint: OutputConstraint | None = None  # response_format / required tool calls
+    # a prompt longer than this is ContextLengthExceeded, found before tokenizing where the text
+    # alone proves it (None: no bound)
+    max_prompt_tokens: int | None = None
+    chat_template: str | None = None  # the request's own template (only if the server allows it)
+
+
+class RenderedPrompt(msgspec.Struct, frozen=True):
+    token_ids: list[int]
+    num_media: int
+    messages: list[ChatMessage]  # normalized: the MediaRouter reads the media parts from these
+    # where the (normalized, hoisted, merged) system prompt ends in `token_ids`: the prefix every
+    # turn of an agent's conversation shares (0: no system prompt before other messages)
+    system_end: int = 0
+    # how many leading tokens the next turn's prompt repeats (this prompt and its reply rendered
+    # as history): the conversation's state there is what turn N+1 restores
+    reply_start: int = 0
+    # the prompt ends inside an open thinking block (the template opened `<think>`): the reply
+    # starts with reasoning
+    think_open: bool = False
+    grammar: str | None = None  # llguidance grammar enforcing the request's constraint (validated)
+    tool_format: str | None = None  # the model's tool-call syntax (`reply_parser.TOOL_FORMATS`)
+
+
+# what a template raises on data it cannot render (a missing key, a wrong type, its own
+# raise_exception): the client's input is at fault
+_TEMPLATE_INPUT_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                          RecursionError)
+
+
+def thinking_left_open(text: str, start: str = "<think>", end: str = "</think>") -> bool:
+    """Whether `text` ends inside a thinking block (its last `<think>` is not closed)."""
+    opened = text.rfind(start)
+    return opened >= 0 and text.rfind(end) < opened
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any], chunk: int = 4096) -> int:
+    """The length of the longest common prefix; compares chunks at C speed (12 MB in ms)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i + chunk <= n and a[i:i + chunk] == b[i:i + chunk]:
+        i += chunk
+    end = min(n, i + chunk)
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prompt_chars(messages: Sequence[ChatMessage], raw: str | None = None) -> int:
+    """Characters of the text a prompt carries (its messages' texts and tool-call arguments)."""
+    total = len(raw or "")
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content is not None:
+            total += sum(len(p.text) for p in m.content if isinstance(p, TextPart))
+        total += len(m.reasoning_content or "")
+        total += sum(len(c.function.arguments) + len(c.function.name) for c in m.tool_calls or ())
+    return total
+
+
+class PromptRenderer:
+    """Owns the tokenizer; renders `Render`s (thread-safe: tokenizers encode concurrently, the
+    caches below are small and tolerate races)."""
+
+    #: rendered system prompts whose tokens are kept (an agent resends the same one every turn)
+    system_cache_entries = 64
+    #: text normalizers may compose characters (NFC: up to 3 into 1): the character bound's slack
+    normalizer_slack = 4
+
+    def __init__(self, tokenizer: Any, tool_format: str | None, sandbox: TemplateSandbox | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.tool_format = tool_format
+        self.sandbox = sandbox
+        self._backend = tokenizer.backend_tokenizer
+        self._special = frozenset(tokenizer.get_added_vocab())
+        # the most characters one token can stand for (byte-level vocab strings have one character per byte)
+        self.max_token_chars = max(len(k) for k in tokenizer.get_vocab())
+        own = inspect.signature(tokenizer.apply_chat_template).parameters
+        self.reserved_kwargs = frozenset(n for n, p in own.items() if p.kind is not p.VAR_KEYWORD) | {"messages"}
+        self._llg_tokenizer: Any = None
+        self._system_ids: OrderedDict[str, list[int]] = OrderedDict()
+
+    # -- cheap checks (on the event loop, before a worker is taken) ---------------------------------
+    def check(self, msg: Render) -> None:
+        for key in msg.template_kwargs:
+            if key in self.reserved_kwargs or key.startswith("_") or not key.isidentifier():
+                raise InvalidRequest(f"chat_template_kwargs may not set '{key}'", param="chat_template_kwargs")
+        if msg.chat_template is not None and self.sandbox is None:
+            raise InvalidRequest("this server does not accept a request's own chat template "
+                                 "(--allow-request-chat-template)", param="chat_template")
+        if msg.max_prompt_tokens is None:
+            return
+        if isinstance(msg.raw_prompt, list):
+            at_least = len(msg.raw_prompt)
+        else:
+            chars = prompt_chars(msg.messages, msg.raw_prompt)
+            at_least = chars // (self.max_token_chars * self.normalizer_slack)
+        if at_least > msg.max_prompt_tokens:
+            raise ContextLengthExceeded(f"the prompt has at least {at_least} tokens; this server's context allows "
+                                        f"{msg.max_prompt_tokens}", param="messages")
+
+    # -- rendering (worker threads) ---------------------------------------------------------------------
+    def render(self, msg: Render) -> RenderedPrompt:
+        for tool in msg.tools or ():  # the template and the reply parser read these schemas
+            try:
+                check_schema(tool.function.parameters or {}, f"the parameters of tool '{tool.function.name}'")
+            except GrammarError as exc:
+                raise InvalidRequest(str(exc), param="tools") from None
+        rendered = self._raw(msg) if msg.raw_prompt is not None else self._chat(msg)
+        grammar = self._grammar(msg.constraint) if msg.constraint is not None else None
+        return msgspec.structs.replace(rendered, grammar=grammar, tool_format=self.tool_format)
+
+    def _encode(self, text: str, limit: int | None) -> Any:
+        """The tokenizer's Encoding; ContextLengthExceeded before any token list is built."""
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        if limit is not None and len(encoding) > limit:
+            raise ContextLengthExceeded(f"this model's maximum context length is {limit} tokens for the prompt; "
+                                        f"the prompt has {len(encoding)} tokens", param="messages")
+        return encoding
+
+    def _grammar(self, constraint: OutputConstraint) -> str | None:
+        c = msgspec.structs.replace(constraint, tool_format=self.tool_format)
+        param = "response_format" if c.tool_choice in ("auto", "none") else "tool_choice"
+        try:
+            grammar = build_grammar(c, self._special)
+            if grammar is not None:
+                check_grammar(grammar, self._llg())
+        except GrammarError as exc:
+            raise InvalidRequest(f"cannot enforce {param}: {exc}", param=param) from exc
+        return grammar
+
+    def _llg(self) -> Any:
+        if self._llg_tokenizer is None:
+            import llguidance.hf
+
+            self._llg_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
+        return self._llg_tokenizer
+
+    def _template(self, messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any],
+                  generation: bool = True) -> str:
+        return str(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation,
+                                                      tokenize=False, **kwargs))
+
+    def _chat(self, msg: Render) -> RenderedPrompt:
+        try:
+            messages = normalize_messages(msg.messages)
+            template_messages = to_template_messages(messages)
+        except NormalizationError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+        media = media_parts(messages)
+        tools = [msgspec.to_builtins(t) for t in msg.tools] if msg.tools else None
+        kwargs = msg.template_kwargs
+        try:
+            if msg.chat_template is not None:
+                assert self.sandbox is not None
+                text = self.sandbox.render(msg.chat_template, template_messages, tools, kwargs)
+            else:
+                text = self._template(template_messages, tools, kwargs)
+        except TemplateFailed as exc:
+            raise InvalidRequest(str(exc), param="chat_template") from exc
+        except _TEMPLATE_INPUT_ERRORS as exc:
+            raise InvalidRequest(f"the chat template rejected the conversation: {str(exc)[:300]}",
+                                 param="messages") from exc
+        encoding = self._encode(text, msg.max_prompt_tokens)
+        ids = list(encoding.ids)
+        system_end = reply_start = 0
+        if msg.chat_template is None:  # the boundaries need more renders: not of a client's template
+            if len(template_messages) > 1 and template_messages[0].get("role") == "system":
+                system_end = self._system_end(template_messages[0], tools, kwargs, ids)
+            reply_start = self._reply_start(template_messages, tools, kwargs, text, encoding)
+        return RenderedPrompt(token_ids=ids, num_media=len(media), messages=messages, system_end=system_end,
+                              reply_start=reply_start, think_open=thinking_left_open(text))
+
+    def _raw(self, msg: Render) -> RenderedPrompt:
+        prompt = msg.raw_prompt
+        if isinstance(prompt, str):
+            ids = list(self._encode(prompt, msg.max_prompt_tokens).ids)
+            return RenderedPrompt(token_ids=ids, num_media=0, messages=[], think_open=thinking_left_open(prompt))
+        assert prompt is not None
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return RenderedPrompt(token_ids=list(prompt), num_media=0, messages=[])
+
+    def _reply_start(self, template_messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any], text: str,
+                     encoding: Any) -> int:
+        """How much of this prompt the next turn's prompt will repeat: the conversation with a
+        reply and a next user turn appended is rendered (templates render a reply after the last
+        user turn differently from one before it), and the tokens wholly inside the text both
+        renderings share are counted. Templates that render history differently from the
+        generation prompt (Qwen's drop the `<think>` block of past replies) stop it at the
+        reply's header; others reach the prompt's end."""
+        probe = [*template_messages, {"role": "assistant", "content": "\u2063"}, {"role": "user", "content": "\u2063"}]
+        try:
+            history = self._template(probe, tools, kwargs, generation=False)
+        except _TEMPLATE_INPUT_ERRORS:
+            return 0
+        shared = common_prefix(text, history)
+        return bisect.bisect_right(encoding.offsets, shared, key=lambda span: span[1])
+
+    def _system_end(self, system: dict[str, Any], tools: Any, kwargs: dict[str, Any], ids: list[int]) -> int:
+        """Where the system prompt's tokens end, whatever the template puts around it: the system
+        message followed by two different probe user turns is rendered twice, and where the two
+        renderings part is where a user turn's content starts (many templates refuse a system
+        message alone). Both renderings are kept for the next request with this system prompt."""
+        probes: list[list[int]] = []
+        for probe in ("x", "y"):
+            try:
+                text = self._template([system, {"role": "user", "content": probe}], tools, kwargs, generation=False)
+            except _TEMPLATE_INPUT_ERRORS:  # a template that cannot render it: no boundary
+                return 0
+            cached = self._system_ids.get(text)
+            if cached is None:
+                cached = list(self._backend.encode(text, add_special_tokens=False).ids)
+                self._system_ids[text] = cached
+                while len(self._system_ids) > self.system_cache_entries:
+                    self._system_ids.popitem(last=False)
+            else:
+                self._system_ids.move_to_end(text)
+            probes.append(cached)
+        return min(common_prefix(probes[0], probes[1]), common_prefix(probes[0], ids))
