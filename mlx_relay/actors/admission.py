@@ -5,7 +5,9 @@ A request asks for a slot with an `Acquire` *stream*: the reply `Granted` arrive
 past that it is refused with `Overloaded` (HTTP 429 + Retry-After). The slot is the lifetime of
 the stream: when the requester leaves its `async with` (done, failed or disconnected) the
 runtime's cancellation frees the slot and the next queued request is granted. Before the model
-is ready every request gets `NotReady` (HTTP 503 + Retry-After).
+is ready every request gets `NotReady` (HTTP 503 + Retry-After); so does every new and every
+queued request once the server drains (SIGTERM), while the running ones finish. `WhenIdle`
+answers when no slot is held (the drain waits on it; nothing polls).
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ class GetStats(msgspec.Struct, frozen=True):
     pass
 
 
+class WhenIdle(msgspec.Struct, frozen=True):
+    """Stream request: one `Idle` as soon as no slot is held (at once if none is)."""
+
+
+class Idle(msgspec.Struct, frozen=True):
+    pass
+
+
 class AdmissionStats(msgspec.Struct, frozen=True):
     state: State
     detail: str
@@ -55,7 +65,7 @@ class AdmissionStats(msgspec.Struct, frozen=True):
 
 
 class Admission(Actor):
-    accepts = (Acquire, SetState, GetStats)
+    accepts = (Acquire, SetState, GetStats, WhenIdle)
     mailbox_capacity = 4096
 
     def __init__(self, config: AdmissionConfig) -> None:
@@ -68,14 +78,21 @@ class Admission(Actor):
         self.admitted = 0
         self.rejected_overloaded = 0
         self.rejected_not_ready = 0
+        self.idle_waiters: list[ReplyStream] = []
 
-    async def receive(self, msg: Acquire | SetState | GetStats, stream: ReplyStream | None) -> object:
+    async def receive(self, msg: Acquire | SetState | GetStats | WhenIdle, stream: ReplyStream | None) -> object:
         match msg:
             case Acquire(slots=slots):
                 assert stream is not None
                 self._acquire(stream, slots)
             case SetState(state=state, detail=detail):
                 self.state, self.detail = state, detail
+                if state != "ready":  # nothing queued will be granted: refuse it now (503)
+                    self._refuse_queued()
+            case WhenIdle():
+                assert stream is not None
+                self.idle_waiters.append(stream)
+                self._notify_idle()
             case GetStats():
                 return AdmissionStats(
                     state=self.state,
@@ -92,6 +109,20 @@ class Admission(Actor):
 
     def _used(self) -> int:
         return sum(slots for _, slots in self.running.values())
+
+    def _refuse_queued(self) -> None:
+        for waiting, _, _ in self.queue.values():
+            self.rejected_not_ready += 1
+            waiting.fail(NotReady(f"the server is {self.state}"))
+        self.queue.clear()
+
+    def _notify_idle(self) -> None:
+        if self.running:
+            return
+        for waiter in self.idle_waiters:
+            waiter.send(Idle())
+            waiter.close()
+        self.idle_waiters.clear()
 
     def _acquire(self, stream: ReplyStream, slots: int) -> None:
         if self.state != "ready":
@@ -120,6 +151,9 @@ class Admission(Actor):
         stream.send(Granted(waited_s=now - since))
 
     def on_cancel(self, stream: ReplyStream) -> None:
+        if stream in self.idle_waiters:
+            self.idle_waiters.remove(stream)
+            return
         granted = self.running.pop(stream.id, None)
         if granted is not None:
             self.mean_hold_s = 0.9 * self.mean_hold_s + 0.1 * (time.monotonic() - granted[0])
@@ -135,3 +169,4 @@ class Admission(Actor):
                 break
             del self.queue[head_id]
             self._grant(waiting, since, slots)
+        self._notify_idle()

@@ -36,6 +36,7 @@ from mlx_relay.engine.messages import (
     TokenDelta,
     Warmup,
 )
+from mlx_relay.errors import ServerShuttingDown
 from mlx_relay.runtime import Actor, ActorRef, ReplyStream
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,13 @@ class AttachPrefixStore(msgspec.Struct, frozen=True):
     store: ActorRef
 
 
+class AbortAll(msgspec.Struct, frozen=True):
+    """Ask (the drain's deadline): end every generation with `ServerShuttingDown(reason)` and
+    refuse new ones the same way. Reply: how many were ended."""
+
+    reason: str
+
+
 class AttachScorer(msgspec.Struct, frozen=True):
     """Tell: where to report SpecPrefill scoring outcomes (the SpecPrefillScorer)."""
 
@@ -55,7 +63,7 @@ class AttachScorer(msgspec.Struct, frozen=True):
 
 class GPUExecutor(Actor):
     accepts = (Generate, Describe, Warmup, GetEngineStats, FreeSnapshots, AttachPrefixStore, LoadDraft, ScorePrompt,
-               CancelScoring, AttachScorer)
+               CancelScoring, AttachScorer, AbortAll)
     mailbox_capacity = 1024
 
     def __init__(self, config: EngineConfig, on_progress: Callable[[str], None] | None = None) -> None:
@@ -66,6 +74,7 @@ class GPUExecutor(Actor):
         self._engine: BatchEngine | None = None
         self._store: ActorRef | None = None
         self._scorer: ActorRef | None = None
+        self._aborting: str | None = None  # the drain's deadline passed: every generation ends
         self.info: ModelInfo | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -91,7 +100,10 @@ class GPUExecutor(Actor):
             budget = self.config.prefix_cache_bytes
             if budget is None:
                 budget = await asyncio.wrap_future(self._thread.submit(default_prefix_cache_bytes))
-        self.info = msgspec.structs.replace(loaded.info, prefix_cache_bytes=budget)
+        context = loaded.info.context_length
+        if self.config.max_model_len is not None:
+            context = min(context, self.config.max_model_len)
+        self.info = msgspec.structs.replace(loaded.info, prefix_cache_bytes=budget, context_length=context)
         self._engine = await asyncio.wrap_future(
             self._thread.submit(
                 lambda: BatchEngine(
@@ -134,6 +146,8 @@ class GPUExecutor(Actor):
         match msg:
             case Generate():
                 assert stream is not None
+                if self._aborting is not None:
+                    raise ServerShuttingDown(self._aborting)
                 self._streams[stream.id] = stream
                 self._thread.submit(self._engine.add, stream.id, msg)
                 return None
@@ -162,6 +176,14 @@ class GPUExecutor(Actor):
             case AttachScorer():
                 self._scorer = msg.scorer
                 return None
+            case AbortAll(reason=reason):
+                self._aborting = reason
+                ended = list(self._streams.items())
+                self._streams.clear()
+                for sid, open_stream in ended:
+                    open_stream.fail(ServerShuttingDown(reason))
+                    self._thread.submit(self._engine.cancel, sid)
+                return len(ended)
         raise TypeError(type(msg).__name__)
 
     def on_cancel(self, stream: ReplyStream) -> None:

@@ -33,6 +33,7 @@ from mlx_relay.chat.output import (
     ReasoningDelta,
     ReplyDone,
     ReplyEvent,
+    ReplyStarted,
     ToolCallArguments,
     ToolCallEnd,
     ToolCallStart,
@@ -107,7 +108,8 @@ from mlx_relay.http.anthropic_types import (
     UrlSource,
     Usage,
 )
-from mlx_relay.http.errors import as_relay_error, decode_error
+from mlx_relay.http.body import decode_body
+from mlx_relay.http.errors import as_relay_error
 from mlx_relay.http.streaming import ScopedStreamingResponse, until_disconnect
 from mlx_relay.service import ChatRequest, ChatService
 
@@ -168,12 +170,11 @@ def _anthropic_errors(handler: Handler) -> Handler:
     return wrapped
 
 
-def _decode(raw: bytes, body_type: type[BodyT]) -> BodyT:
+def _decode(raw: bytes, body_type: type[BodyT], max_depth: int) -> BodyT:
     """A body that is not JSON or does not fit the schema is a 400 (`invalid_request_error`)."""
     try:
-        return msgspec.json.decode(raw, type=body_type)
-    except msgspec.DecodeError as exc:
-        err = decode_error(exc)
+        return decode_body(raw, body_type, max_depth)
+    except UnprocessableRequest as err:
         raise InvalidRequest(err.message, param=err.param) from None
 
 
@@ -353,9 +354,15 @@ def _thinking(body: CountTokensRequest) -> dict[str, object]:
 
 
 def to_chat_request(body: CountTokensRequest) -> ChatRequest:
-    """The prompt side of a request (all that `count_tokens` needs); `MessagesRequest` adds sampling."""
+    """The prompt side of a request (all that `count_tokens` needs); `MessagesRequest` adds sampling.
+    Anthropic's rule: a tool_choice that forces tool use (`any`, `tool`) excludes extended
+    thinking (asking for both is a 400; forcing alone turns the template's thinking off)."""
     tools = _tool_defs(body.tools)
     fields: dict[str, object] = {**_tool_choice(body, tools), **_thinking(body)}
+    if isinstance(body.tool_choice, ToolChoiceAny | ToolChoiceTool):
+        if fields.get("enable_thinking"):
+            raise InvalidRequest("thinking may not be enabled when tool_choice forces tool use", param="thinking")
+        fields["enable_thinking"] = False
     if isinstance(body, MessagesRequest):
         fields.update(
             max_tokens=body.max_tokens,
@@ -455,8 +462,12 @@ class StreamBlocks:
     def feed(self, ev: ReplyEvent) -> Iterator[StreamEvent]:
         if not self.started:
             self.started = True
-            # the prompt's figures arrive with ReplyDone; message_delta carries them (totals)
-            usage = _usage(ev) if isinstance(ev, ReplyDone) else Usage(0, 0)
+            # the prompt's size is known when the generation starts (ReplyStarted comes first):
+            # clients such as Claude Code account the context from message_start
+            if isinstance(ev, ReplyStarted):
+                usage = Usage(ev.prompt_tokens - ev.cached_tokens, 0, cache_read_input_tokens=ev.cached_tokens)
+            else:
+                usage = _usage(ev) if isinstance(ev, ReplyDone) else Usage(0, 0)
             yield MessageStart(Message(self.message_id, self.model, [], None, None, usage))
             yield Ping()
         if isinstance(ev, ReasoningDelta) and ev.text:
@@ -531,7 +542,7 @@ class AnthropicRoutes:
         self._check_model = check_model
 
     async def messages(self, request: Request) -> Response:
-        body = _decode(await request.body(), MessagesRequest)
+        body = _decode(await request.body(), MessagesRequest, self.config.limits.max_json_depth)
         model = self._check_model(body.model)
         req = to_chat_request(body)
         service = self._service()
@@ -552,7 +563,7 @@ class AnthropicRoutes:
         return Response(msgspec.json.encode(message), media_type=JSON)
 
     async def count_tokens(self, request: Request) -> Response:
-        body = _decode(await request.body(), CountTokensRequest)
+        body = _decode(await request.body(), CountTokensRequest, self.config.limits.max_json_depth)
         self._check_model(body.model)
         req = to_chat_request(body)
         count = await self._service().count_tokens(req)

@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TypeVar
 
 import anyio
 import msgspec
@@ -26,11 +25,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlx_relay.config import ServerConfig
-from mlx_relay.errors import ModelNotFound, NotFound, NotReady, RelayError, Unauthorized
+from mlx_relay.errors import ModelLoadError, ModelNotFound, NotFound, NotReady, RelayError, Unauthorized
 from mlx_relay.http.anthropic_routes import anthropic_routes
 from mlx_relay.http.anthropic_routes import error_response as anthropic_error_response
-from mlx_relay.http.errors import decode_error, error_response, handle_exception
+from mlx_relay.http.body import decode_body
+from mlx_relay.http.errors import as_relay_error, error_response
 from mlx_relay.http.fanout import Item, choice_requests, open_replies
+from mlx_relay.http.guard import RequestGuard
 from mlx_relay.http.openai_chat import collect_chat, stream_chat, to_chat_request
 from mlx_relay.http.openai_completions import (
     CompletionRequest,
@@ -40,12 +41,12 @@ from mlx_relay.http.openai_completions import (
 )
 from mlx_relay.http.openai_types import ChatCompletionRequest, ModelCard, ModelList
 from mlx_relay.http.responses_routes import responses_routes
+from mlx_relay.http.server import Lifecycle
 from mlx_relay.http.streaming import ScopedStreamingResponse, until_disconnect
 from mlx_relay.relay import Relay
 from mlx_relay.service import ChatRequest, ChatService
 
 JSON = "application/json"
-B = TypeVar("B")
 
 
 def _json(obj: object, status: int = 200) -> Response:
@@ -74,10 +75,7 @@ class AuthMiddleware:
         if ok:
             await self.app(scope, receive, send)
             return
-        err = Unauthorized("missing or invalid API key")
-        anthropic = scope["path"].startswith(("/v1/messages", "/messages"))
-        response = anthropic_error_response(err) if anthropic else error_response(err)
-        await response(scope, receive, send)
+        await _respond_error(scope["path"], Unauthorized("missing or invalid API key"))(scope, receive, send)
 
 
 class OpenAIRoutes:
@@ -105,15 +103,21 @@ class OpenAIRoutes:
         raise ModelNotFound(f"the model '{model}' does not exist; this server serves '{served}'", param="model")
 
     async def health(self, request: Request) -> Response:
+        """200 only when ready; 503 + Retry-After while loading, warming, degraded (an actor is
+        restarting), draining or failed, with what is down."""
         relay = self.relay
-        body: dict[str, object] = {"status": relay.state, "model": relay.config.served_model_name}
+        health = relay.health()
+        body: dict[str, object] = {"status": health.status, "model": relay.config.served_model_name}
         if relay.info is not None:
             body["backend"] = relay.info.backend
-        if relay.error is not None:
-            body["error"] = f"{type(relay.error).__name__}: {relay.error}"
-        if relay.state == "ready":
+        if health.down:
+            body["down"] = health.down
+        if relay.error is not None:  # the operator's view: what failed, never a traceback
+            body["error"] = str(relay.error) if isinstance(relay.error, ModelLoadError) else type(relay.error).__name__
+        if health.status in ("ready", "degraded", "draining"):
             stats = await relay.stats()
             body["running"], body["queued"] = stats.running, stats.queued
+        if health.ready:
             return _json(body)
         response = _json(body, 503)
         response.headers["Retry-After"] = "5"
@@ -143,7 +147,7 @@ class OpenAIRoutes:
         return _json({"flushed_entries": flushed.entries, "flushed_bytes": flushed.bytes})
 
     async def chat_completions(self, request: Request) -> Response:
-        body = _decode(await request.body(), ChatCompletionRequest)
+        body = decode_body(await request.body(), ChatCompletionRequest, self.config.limits.max_json_depth)
         model = self._check_model(body.model)
         req = to_chat_request(body)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -155,7 +159,7 @@ class OpenAIRoutes:
             lambda items: collect_chat(items, body.n, rid, model, body.logprobs))
 
     async def completions(self, request: Request) -> Response:
-        body = _decode(await request.body(), CompletionRequest)
+        body = decode_body(await request.body(), CompletionRequest, self.config.limits.max_json_depth)
         model = self._check_model(body.model)
         reqs = to_requests(body)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
@@ -163,13 +167,6 @@ class OpenAIRoutes:
             request, self._service(), reqs, rid, body.stream, True,
             lambda items: stream_completion(items, reqs, body.n, rid, model, body, self.config.sse_keepalive_s),
             lambda items: collect_completion(items, reqs, body.n, rid, model, body))
-
-
-def _decode(raw: bytes, body_type: type[B]) -> B:
-    try:
-        return msgspec.json.decode(raw, type=body_type)
-    except msgspec.DecodeError as exc:
-        raise decode_error(exc) from None
 
 
 async def _respond(request: Request, service: ChatService, reqs: list[ChatRequest], rid: str, stream: bool,
@@ -190,37 +187,55 @@ async def _respond(request: Request, service: ChatService, reqs: list[ChatReques
     return _json(body)
 
 
-async def _not_found(request: Request, exc: Exception) -> Response:
+def _respond_error(path: str, err: RelayError) -> Response:
+    """An error in the route's own shape: Anthropic's on /v1/messages*, else OpenAI's."""
+    return anthropic_error_response(err) if _is_anthropic(path) else error_response(err)
+
+
+def _is_anthropic(path: str) -> bool:
+    return path.startswith(("/v1/messages", "/messages"))
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (no route) and 405 (wrong method), in the route's error shape."""
     if isinstance(exc, HTTPException):
         if exc.status_code == 404:
-            return error_response(NotFound(f"no route {request.method} {request.url.path}"))
-        err = RelayError(exc.detail or "error")
-        err.status = exc.status_code
-        err.type = "invalid_request_error"
-        return error_response(err)
+            err: RelayError = NotFound(f"no route {request.method} {request.url.path}")
+        else:
+            err = RelayError(exc.detail or "error")
+            err.status = exc.status_code
+            err.type = "invalid_request_error"
+        response = _respond_error(request.url.path, err)
+        if exc.headers:
+            response.headers.update(exc.headers)  # e.g. Allow on a 405
+        return response
     return error_response(exc)
+
+
+async def _any_exception(request: Request, exc: Exception) -> Response:
+    return _respond_error(request.url.path, as_relay_error(exc))
 
 
 def create_app(
     config: ServerConfig,
     relay: Relay | None = None,
     *,
-    on_progress: Callable[[str], None] | None = None,
-    on_ready: Callable[[Relay], None] | None = None,
+    lifecycle: Lifecycle | None = None,
 ) -> Starlette:
     """The app. Without a `relay`, the app's lifespan boots one (in the background, so `/health`
-    answers 503 loading/warming until it is ready) and shuts it down with the server."""
+    answers 503 loading/warming until it is ready), runs the `lifecycle` beside it (ready,
+    failure, drain) and shuts it down with the server."""
     routes = OpenAIRoutes(config, relay)
     lifespan = None
     if relay is None:
+        life = lifecycle or Lifecycle()
 
         @asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
-            async with Relay.start(config=config, wait_ready=False, on_progress=on_progress) as booted:
+            async with Relay.start(config=config, wait_ready=False, on_progress=life.on_progress) as booted:
                 routes._relay = booted
                 async with anyio.create_task_group() as tg:
-                    if on_ready is not None:
-                        tg.start_soon(_announce, booted, on_ready)
+                    tg.start_soon(life.run, booted, config.drain_timeout_s)
                     yield
                     tg.cancel_scope.cancel()
 
@@ -239,13 +254,9 @@ def create_app(
             *anthropic_routes(config, routes._service, routes._check_model),
             *responses_routes(config, routes._service, routes._check_model),
         ],
-        exception_handlers={HTTPException: _not_found, RelayError: handle_exception, Exception: handle_exception},
+        exception_handlers={HTTPException: _http_exception, RelayError: _any_exception, Exception: _any_exception},
         lifespan=lifespan,
     )
     app.add_middleware(AuthMiddleware, keys=config.api_keys)
+    app.add_middleware(RequestGuard, limits=config.limits, respond=_respond_error)  # outermost
     return app
-
-
-async def _announce(relay: Relay, on_ready: Callable[[Relay], None]) -> None:
-    await relay.ready.wait()
-    on_ready(relay)

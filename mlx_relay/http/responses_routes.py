@@ -60,7 +60,8 @@ from mlx_relay.chat.types import (
 )
 from mlx_relay.config import ServerConfig
 from mlx_relay.errors import InvalidRequest, NotFound, RelayError
-from mlx_relay.http.errors import as_relay_error, decode_error
+from mlx_relay.http.body import decode_body
+from mlx_relay.http.errors import as_relay_error
 from mlx_relay.http.response_store import ResponseStore
 from mlx_relay.http.responses_types import (
     ContentPartAdded,
@@ -614,10 +615,7 @@ class ResponsesRoutes:
         return _json(DeletedResponse(rid))
 
     async def create(self, request: Request) -> Response:
-        try:
-            body = msgspec.json.decode(await request.body(), type=ResponsesRequest)
-        except msgspec.DecodeError as exc:
-            raise decode_error(exc) from None
+        body = decode_body(await request.body(), ResponsesRequest, self.config.limits.max_json_depth)
         model = self._check_model(body.model)
         conversation = self._prior(body.previous_response_id) + items_to_messages(parse_items(body.input))
         req, response = translate(body, model, conversation)

@@ -1,29 +1,140 @@
 """Runs the HTTP front end: uvicorn serving the Starlette app, whose lifespan boots the Relay
-core (so `/health` answers 503 loading/warming until the model is ready)."""
+core (so `/health` answers 503 loading/warming until the model is ready).
+
+The process's lifetime, in one place (`Lifecycle`): boot progress, ready, failure (an actor that
+cannot be restarted: the process exits 1 so a supervisor restarts it) and the graceful drain.
+The first SIGTERM or SIGINT drains (`Relay.drain`: new requests get 503 while the running ones
+finish within `--drain-timeout`, the rest end with a retryable error as their terminal event),
+then the server exits 0; a second signal exits at once. uvicorn's own handling (close the
+listener, wait, then cut every stream) is replaced by `RelayServer.handle_exit`.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import sys
 from collections.abc import Callable
+from types import FrameType
 
+import anyio
 import uvicorn
 
 from mlx_relay.config import ServerConfig
-from mlx_relay.http.app import create_app
+from mlx_relay.http.guard import HeaderDeadlineProtocol
 from mlx_relay.relay import Relay
+
+log = logging.getLogger(__name__)
+
+
+class Lifecycle:
+    """What the process around the app hears from it, and how it asks the app to drain."""
+
+    def __init__(
+        self,
+        *,
+        on_progress: Callable[[str], None] | None = None,
+        on_ready: Callable[[Relay], None] | None = None,
+        on_failed: Callable[[str], None] | None = None,
+        on_drained: Callable[[], None] | None = None,
+    ) -> None:
+        self.on_progress = on_progress
+        self.on_ready = on_ready
+        self.on_failed = on_failed
+        self.on_drained = on_drained
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Event | None = None
+        self._drain_asked = False
+
+    def request_drain(self) -> None:
+        """From any thread or a signal handler."""
+        self._drain_asked = True
+        if self._loop is not None and self._drain is not None:
+            self._loop.call_soon_threadsafe(self._drain.set)
+
+    async def run(self, relay: Relay, drain_timeout_s: float) -> None:
+        """In the app's lifespan, beside the relay: announce, watch for failure, drain on request."""
+        self._loop, self._drain = asyncio.get_running_loop(), asyncio.Event()
+        if self._drain_asked:
+            self._drain.set()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._announce, relay)
+            tg.start_soon(self._watch_failure, relay)
+            await self._drain.wait()
+            report = await relay.drain(drain_timeout_s)
+            log.warning("drained in %.1fs (%d requests ended at the deadline)", report.seconds, report.ended)
+            if self.on_drained is not None:
+                self.on_drained()
+            tg.cancel_scope.cancel()
+
+    async def _announce(self, relay: Relay) -> None:
+        await relay.ready.wait()
+        if self.on_ready is not None and relay.error is None:
+            self.on_ready(relay)
+
+    async def _watch_failure(self, relay: Relay) -> None:
+        await relay.failed.wait()
+        if self.on_failed is not None:
+            self.on_failed(f"{type(relay.error).__name__}: {relay.error}" if relay.error else "failed")
+
+
+class RelayServer(uvicorn.Server):
+    """uvicorn's server with the relay's signal handling (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        self.draining = False
+        self.forced = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.draining:  # a second signal: exit at once
+            self.forced = True
+            self.should_exit = self.force_exit = True
+            return
+        self.draining = True
+        self.lifecycle.request_drain()
+
+
+def build_server(config: ServerConfig, lifecycle: Lifecycle, relay: Relay | None = None) -> RelayServer:
+    """The server `mlx-relay serve` runs (tests run the same one on a free port)."""
+    from mlx_relay.http.app import create_app
+
+    lifecycle.on_drained = _chain(lifecycle.on_drained, lambda: setattr(server, "should_exit", True))
+    app = create_app(config, relay, lifecycle=lifecycle)
+    server = RelayServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            http=HeaderDeadlineProtocol.with_header_timeout(config.limits.read_timeout_s),
+            log_level=config.log_level,
+            access_log=config.log_level == "debug",
+            lifespan="on",
+            timeout_graceful_shutdown=5,  # after the drain, only idle connections are left
+        ),
+        lifecycle,
+    )
+    return server
+
+
+def _chain(first: Callable[[], None] | None, then: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        if first is not None:
+            first()
+        then()
+
+    return both
 
 
 def serve(config: ServerConfig, progress: Callable[[str], None] | None = None) -> int:
-    """Serve until interrupted; returns the process exit code (1 if the model failed to load)."""
+    """Serve until drained (exit code 0), failed (1: the model did not load, or an actor could not
+    be restarted) or stopped at once by a second signal (1)."""
     failed: list[str] = []
-    holder: dict[str, uvicorn.Server] = {}
+    served: list[bool] = []
 
     def on_ready(relay: Relay) -> None:
-        if relay.error is not None:
-            failed.append(str(relay.error))
-            print(f"mlx-relay: could not load {config.model}: {relay.error}", file=sys.stderr, flush=True)
-            holder["server"].should_exit = True
-            return
+        served.append(True)
         info = relay.info
         assert info is not None
         print(
@@ -32,20 +143,16 @@ def serve(config: ServerConfig, progress: Callable[[str], None] | None = None) -
             flush=True,
         )
 
-    app = create_app(config, on_progress=progress, on_ready=on_ready)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            access_log=config.log_level == "debug",
-            timeout_graceful_shutdown=30,
-        )
-    )
-    holder["server"] = server
+    def on_failed(reason: str) -> None:
+        failed.append(reason)
+        what = "stopped serving" if served else "could not load"
+        print(f"mlx-relay: {what} {config.model}: {reason}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    lifecycle = Lifecycle(on_progress=progress, on_ready=on_ready, on_failed=on_failed)
+    server = build_server(config, lifecycle)
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its orderly shutdown
-        pass
-    return 1 if failed else 0
+    except KeyboardInterrupt:  # a Ctrl-C outside uvicorn's handlers (e.g. during start-up)
+        return 1
+    return 1 if failed or server.forced else 0

@@ -3,8 +3,10 @@
     with LiveServer(config) as server:
         httpx.get(server.url + "/health")
 
-The server thread runs its own event loop (uvicorn + the app's lifespan, which boots the Relay
-and its GPU thread); `__enter__` returns once `/health` says ready.
+The server thread runs its own event loop with the server `mlx-relay serve` runs
+(`http.server.build_server`: uvicorn, the app's lifespan booting the Relay and its GPU thread,
+the same timeouts and drain); `__enter__` returns once `/health` says ready. `drain()` does what
+SIGTERM does to the real process.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from types import TracebackType
 
 import httpx
 import msgspec
-import uvicorn
 
 from mlx_relay.config import ServerConfig
-from mlx_relay.http.app import create_app
+from mlx_relay.http.server import Lifecycle, build_server
 
 
 def free_port() -> int:
@@ -36,10 +37,8 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.config.port}"
         self.wait_ready = wait_ready
         self.timeout_s = timeout_s
-        self._server = uvicorn.Server(
-            uvicorn.Config(create_app(self.config), host="127.0.0.1", port=self.config.port,
-                           log_level="warning", lifespan="on")
-        )
+        self.lifecycle = Lifecycle()
+        self._server = build_server(msgspec.structs.replace(self.config, log_level="warning"), self.lifecycle)
         self._thread = threading.Thread(target=self._run, name="live-server", daemon=True)
 
     def _run(self) -> None:
@@ -61,6 +60,15 @@ class LiveServer:
                 pass
             time.sleep(0.02)
         raise TimeoutError(f"server not ready within {self.timeout_s}s")
+
+    def drain(self) -> None:
+        """Start the graceful drain (as the first SIGTERM does); the server stops once drained."""
+        self._server.handle_exit(15, None)
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the server to stop; True if it did."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
