@@ -151,12 +151,27 @@ class PromptRenderer:
         return msgspec.structs.replace(rendered, grammar=grammar, tool_format=self.tool_format)
 
     def _encode(self, text: str, limit: int | None) -> Any:
-        """The tokenizer's Encoding; ContextLengthExceeded before any token list is built."""
-        encoding = self._backend.encode(text, add_special_tokens=False)
+        """The tokenizer's Encoding (ids and offsets); ContextLengthExceeded before it is built
+        for a text the limit cannot hold. `encode_batch*` release the GIL while they work
+        (`encode` holds it: a 10 MB prompt would stop the event loop and the GPU thread for
+        seconds); a text longer than the limit in characters is first counted without offsets,
+        because a full Encoding of millions of tokens takes most of a second to free, holding
+        the GIL."""
+        if limit is not None and len(text) > limit:
+            count = len(self._backend.encode_batch_fast([text], add_special_tokens=False)[0])
+            if count > limit:
+                raise self._too_long(count, limit)
+        encoding = self._backend.encode_batch([text], add_special_tokens=False)[0]
         if limit is not None and len(encoding) > limit:
-            raise ContextLengthExceeded(f"this model's maximum context length is {limit} tokens for the prompt; "
-                                        f"the prompt has {len(encoding)} tokens", param="messages")
+            count = len(encoding)
+            del encoding  # not kept alive by the traceback
+            raise self._too_long(count, limit)
         return encoding
+
+    @staticmethod
+    def _too_long(count: int, limit: int) -> ContextLengthExceeded:
+        return ContextLengthExceeded(f"this model's maximum context length is {limit} tokens for the prompt; "
+                                     f"the prompt has {count} tokens", param="messages")
 
     def _grammar(self, constraint: OutputConstraint) -> str | None:
         c = msgspec.structs.replace(constraint, tool_format=self.tool_format)
@@ -251,7 +266,7 @@ class PromptRenderer:
                 return 0
             cached = self._system_ids.get(text)
             if cached is None:
-                cached = list(self._backend.encode(text, add_special_tokens=False).ids)
+                cached = list(self._backend.encode_batch([text], add_special_tokens=False)[0].ids)
                 self._system_ids[text] = cached
                 while len(self._system_ids) > self.system_cache_entries:
                     self._system_ids.popitem(last=False)
