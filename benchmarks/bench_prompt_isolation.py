@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
+from mlx_relay.bench.machine import environment
 from mlx_relay.bench.tables import rows_markdown
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import free_port
@@ -184,8 +186,10 @@ def main() -> int:
         finally:
             server.stop()
     memory["rss_after_vs_warmup"] = round(memory["after_large_mb"] / memory["after_warmup_mb"], 3)
-    report = {"rows": rows, "memory": memory, "repeats": args.repeats}
-    md = rows_markdown(rows) + "\n\n" + rows_markdown([{k: v for k, v in memory.items()}])
+    env = environment()
+    report = {"rows": rows, "memory": memory, "repeats": args.repeats, "environment": msgspec.to_builtins(env)}
+    md = (f"commit {env.commit}, {env.date}, {env.machine.processor} ({env.machine.cpu_count} cores)\n\n"
+          + rows_markdown(rows) + "\n\n" + rows_markdown([{k: v for k, v in memory.items()}]))
     print(md)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,11 @@
-"""Where and with what a run ran: machine facts, library versions, the date (for the report)."""
+"""Where and with what a run ran: machine facts, library versions, the commit, the date (for the
+report: every figure names the commit it measured)."""
 
 from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 from datetime import UTC, datetime
 from importlib import metadata
@@ -27,6 +29,18 @@ class Environment(msgspec.Struct, frozen=True):
     date: str  # ISO 8601, UTC
     machine: MachineInfo
     versions: dict[str, str | None]  # None: not installed
+    commit: str | None = None  # mlx-relay's git commit ("-dirty": with uncommitted changes); None: not a checkout
+
+
+def source_commit() -> str | None:
+    """The checkout's commit, as `git describe` would name it for a figure."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty", "--abbrev=7"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def memory_gb() -> float | None:
@@ -70,4 +84,4 @@ def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str | None
 
 def environment() -> Environment:
     return Environment(date=datetime.now(UTC).isoformat(timespec="seconds"), machine=machine_info(),
-                       versions=library_versions())
+                       versions=library_versions(), commit=source_commit())
