@@ -306,7 +306,7 @@ class ChatService:
             async with self.scorer.stream(select) as s:
                 return await anext(s)
         except Exception as exc:  # the scorer crashed: this request prefills normally
-            return Selection(None, SpecPrefillReport(False, fallback=f"the scorer failed: {exc}"))
+            return Selection(None, SpecPrefillReport(False, fallback=f"the scorer failed ({type(exc).__name__})"))
 
 
 def forced_tools(req: ChatRequest) -> bool:
