@@ -159,7 +159,7 @@ class GPUExecutor(Actor):
             case GetEngineStats():
                 return await asyncio.wrap_future(self._thread.submit(self._engine.stats))
             case FreeSnapshots():
-                self._thread.submit(self._engine.free_snapshots, msg.handles)
+                self._thread.submit(self._engine.free_snapshots, msg.handles, msg.release_memory)
                 return None
             case AttachPrefixStore():
                 self._store = msg.store

@@ -126,7 +126,8 @@ class PrefixCacheStore(Actor):
                 return None
             case Flush():
                 evicted = self.index.flush()
-                await self._free(evicted.entries)
+                handles = [e.handle for e in evicted.entries]
+                await self.gpu.tell(FreeSnapshots(handles, release_memory=True))
                 return Flushed(len(evicted.entries), evicted.nbytes)
             case GetPrefixStats():
                 return self._stats()

@@ -62,6 +62,7 @@ from mlx_relay.engine.sampling import RowSampler, needs_sampler
 from mlx_relay.engine.snapshots import Snapshot, SnapshotPool
 from mlx_relay.engine.vision import FeatureCache, vision_prompt_kwargs
 from mlx_relay.errors import GenerationFailed, InvalidRequest
+from mlx_relay.memory import release_freed_memory
 from mlx_relay.runtime.supervision import is_failure
 
 log = logging.getLogger(__name__)
@@ -313,8 +314,13 @@ class BatchEngine:
         self._flush()
 
     # -- prefix-cache snapshots ---------------------------------------------------------------------
-    def free_snapshots(self, handles: list[int]) -> int:
-        return self._snapshots.free(handles)
+    def free_snapshots(self, handles: list[int], release_memory: bool = False) -> int:
+        """Drop snapshots; `release_memory` (a flush) also returns MLX's freed buffers to the system."""
+        freed = self._snapshots.free(handles)
+        if release_memory:
+            mx.clear_cache()
+            release_freed_memory(collect=False)
+        return freed
 
     def _report_snapshots(self, seq: _Seq, snaps: list[Snapshot]) -> None:
         for snap in snaps:

@@ -91,9 +91,11 @@ class SnapshotTaken(msgspec.Struct, frozen=True):
 
 
 class FreeSnapshots(msgspec.Struct, frozen=True):
-    """Tell: drop these snapshots (evicted or rejected by the PrefixCacheStore)."""
+    """Tell: drop these snapshots (evicted or rejected by the PrefixCacheStore). `release_memory`
+    (a flush): also hand MLX's cache of freed buffers back (otherwise kept for reuse)."""
 
     handles: list[int]
+    release_memory: bool = False
 
 
 class TokenDelta(msgspec.Struct, frozen=True):

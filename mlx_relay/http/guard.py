@@ -19,10 +19,7 @@ error handling as typed `RelayError`s.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,25 +32,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlx_relay.config import RequestLimits
 from mlx_relay.errors import PayloadTooLarge, RelayError, RequestTimeout
+from mlx_relay.memory import release_freed_memory
 
 log = logging.getLogger(__name__)
 
 
 TRIM_AFTER_BYTES = 1 << 20  # a request body this large is worth a malloc_trim once it has ended
 TRIM_DELAY_S = 0.5
-
-
-def release_freed_memory() -> None:
-    """Free what the request left in reference cycles (an exception and the frames it holds, with
-    the request's text in their locals: a full collection, ~40 ms here), then glibc's
-    malloc_trim(0): hand freed heap pages (every arena's) back to the OS; elsewhere only the
-    collection."""
-    gc.collect()
-    if not sys.platform.startswith("linux"):
-        return
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own libc
-    if trim is not None:
-        trim(0)
 
 
 class ClientStalled(Exception):
