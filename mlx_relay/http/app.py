@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from importlib.metadata import version
 
 import anyio
 import msgspec
@@ -39,7 +40,8 @@ from mlx_relay.http.openai_completions import (
     stream_completion,
     to_requests,
 )
-from mlx_relay.http.openai_types import ChatCompletionRequest, ModelCard, ModelList
+from mlx_relay.http.openai_types import ChatCompletionRequest, FlushBody, HealthBody, ModelCard, ModelList
+from mlx_relay.http.openapi import build_openapi
 from mlx_relay.http.responses_routes import responses_routes
 from mlx_relay.http.server import Lifecycle
 from mlx_relay.http.streaming import ScopedStreamingResponse, until_disconnect
@@ -83,6 +85,8 @@ class OpenAIRoutes:
         self.config = config
         self._relay = relay
         self.created = int(time.time())
+        doc = build_openapi("mlx-relay", version("mlx-relay"), with_auth=bool(config.api_keys))
+        self._openapi = Response(msgspec.json.encode(doc), media_type=JSON)
 
     @property
     def relay(self) -> Relay:
@@ -107,21 +111,22 @@ class OpenAIRoutes:
         restarting), draining or failed, with what is down."""
         relay = self.relay
         health = relay.health()
-        body: dict[str, object] = {"status": health.status, "model": relay.config.served_model_name}
-        if relay.info is not None:
-            body["backend"] = relay.info.backend
-        if health.down:
-            body["down"] = health.down
+        body = HealthBody(health.status, relay.config.served_model_name,  # type: ignore[arg-type]
+                          backend=relay.info.backend if relay.info is not None else None,
+                          down=health.down or None)
         if relay.error is not None:  # the operator's view: what failed, never a traceback
-            body["error"] = str(relay.error) if isinstance(relay.error, ModelLoadError) else type(relay.error).__name__
+            body.error = str(relay.error) if isinstance(relay.error, ModelLoadError) else type(relay.error).__name__
         if health.status in ("ready", "degraded", "draining"):
             stats = await relay.stats()
-            body["running"], body["queued"] = stats.running, stats.queued
+            body.running, body.queued = stats.running, stats.queued
         if health.ready:
             return _json(body)
         response = _json(body, 503)
         response.headers["Retry-After"] = "5"
         return response
+
+    async def openapi(self, request: Request) -> Response:
+        return self._openapi
 
     async def models(self, request: Request) -> Response:
         ctx = self.relay.info.context_length if self.relay.info else None
@@ -144,7 +149,7 @@ class OpenAIRoutes:
     async def cache_flush(self, request: Request) -> Response:
         self._service()
         flushed = await self.relay.flush_prefix_cache()
-        return _json({"flushed_entries": flushed.entries, "flushed_bytes": flushed.bytes})
+        return _json(FlushBody(flushed.entries, flushed.bytes))
 
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await request.body(), ChatCompletionRequest, self.config.limits.max_json_depth)
@@ -242,6 +247,7 @@ def create_app(
     app = Starlette(
         routes=[
             Route("/health", routes.health, methods=["GET"]),
+            Route("/openapi.json", routes.openapi, methods=["GET"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),

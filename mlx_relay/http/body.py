@@ -5,6 +5,10 @@ recursion limit is a 400, JSON of the wrong shape a 422 (msgspec's path names th
 free-form JSON inside the struct (schemas, tool arguments, template kwargs: the `Any` fields)
 deeper than `RequestLimits.max_json_depth` a 400, before any of it reaches code that recurses.
 The body's size and read time are bounded earlier, by `http.guard.RequestGuard`.
+
+Decoding is msgspec's lax mode, which is what the OpenAPI document promises: an integral float
+is an integer (JSON Schema's `integer` includes `3.0`, which some clients send) and numeric or
+boolean strings are read as numbers and booleans, as pydantic-based servers read them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ B = TypeVar("B")
 
 def decode_body(raw: bytes, body_type: type[B], max_depth: int) -> B:
     try:
-        body = msgspec.json.decode(raw, type=body_type)
+        body = msgspec.json.decode(raw, type=body_type, strict=False)
     except msgspec.DecodeError as exc:
         raise decode_error(exc) from None
     except UnicodeDecodeError as exc:

@@ -200,6 +200,25 @@ class ModelList(msgspec.Struct):
     object: Literal["list"] = "list"
 
 
+class HealthBody(msgspec.Struct, omit_defaults=True):
+    """`GET /health`: 200 only when ready."""
+
+    status: Literal["loading", "warming", "ready", "degraded", "draining", "failed"]
+    model: str
+    backend: str | None = None
+    running: int | None = None
+    queued: int | None = None
+    down: dict[str, str] | None = None  # actors not running now: name -> restarting / failed
+    error: str | None = None  # why the server failed
+
+
+class FlushBody(msgspec.Struct):
+    """`POST /v1/cache/flush`."""
+
+    flushed_entries: int
+    flushed_bytes: int
+
+
 class ErrorDetail(msgspec.Struct):
     message: str
     type: str
