@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 import anyio
 import msgspec
@@ -85,7 +85,7 @@ class OpenAIRoutes:
         self.config = config
         self._relay = relay
         self.created = int(time.time())
-        doc = build_openapi("mlx-relay", version("mlx-relay"), with_auth=bool(config.api_keys))
+        doc = build_openapi("mlx-relay", _own_version(), with_auth=bool(config.api_keys))
         self._openapi = Response(msgspec.json.encode(doc), media_type=JSON)
 
     @property
@@ -190,6 +190,13 @@ async def _respond(request: Request, service: ChatService, reqs: list[ChatReques
     async with stack:
         body = await until_disconnect(request, collect(replies.receive), replies.run)
     return _json(body)
+
+
+def _own_version() -> str:
+    try:
+        return version("mlx-relay")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+source"
 
 
 def _respond_error(path: str, err: RelayError) -> Response:
