@@ -25,8 +25,9 @@ for name in $SERVERS; do
     target=(--raw-loop "$MODEL")
   else
     if [ "$name" = ours ]; then
+      # OURS_FLAGS: e.g. --no-mtp (a random-weight head is never right: MTP would only cost)
       python3 -m mlx_relay.cli serve "$MODEL" --port 8000 --served-model-name qwen35-moe --max-num-seqs 64 \
-        --max-queue 512 > "/tmp/$name.log" 2>&1 &
+        --max-queue 512 ${OURS_FLAGS:-} > "/tmp/$name.log" 2>&1 &
       pid=$!; health=http://127.0.0.1:8000/health
     else
       python3 -m mlx_vlm.server --model "$MODEL" --host 127.0.0.1 --port 8000 --max-num-seqs 64 \
