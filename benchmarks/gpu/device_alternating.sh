@@ -8,10 +8,11 @@ scenario=$1; shift
 MEM_GB=${MEM_GB:-60}; CACHE_GB=${CACHE_GB:-4}
 t0=$(date +%s)
 python3 -m mlx_relay.cli serve "$MODEL" --port 8000 --served-model-name qwen35-moe --max-num-seqs 64 \
-  --max-queue 512 --memory-limit-gb "$MEM_GB" --cache-limit-gb "$CACHE_GB" > /tmp/ours.log 2>&1 &
+  --max-queue 512 --memory-limit-gb "$MEM_GB" --cache-limit-gb "$CACHE_GB" ${OURS_FLAGS:-} > /tmp/ours.log 2>&1 &
 ours=$!
-python3 benchmarks/gpu/mlx_vlm_server_capped.py "$MEM_GB" "$CACHE_GB" -- --model "$MODEL" --host 127.0.0.1 \
-  --port 8001 --max-num-seqs 64 > /tmp/mlx_vlm.log 2>&1 &
+# the peer with its prefix cache (APC) on unless PEER_APC=0: both servers reuse prefixes
+APC_ENABLED=${PEER_APC:-1} APC_DISK_ENABLED=0 python3 benchmarks/gpu/mlx_vlm_server_capped.py "$MEM_GB" "$CACHE_GB" \
+  -- --model "$MODEL" --host 127.0.0.1 --port 8001 --max-num-seqs 64 > /tmp/mlx_vlm.log 2>&1 &
 peer=$!
 trap 'kill $ours $peer 2>/dev/null || true' EXIT
 ready() {  # url

@@ -281,6 +281,7 @@ def start_server(model: str | None) -> tuple[subprocess.Popen[str], str]:
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    env = environment()  # the checkout the server runs, taken before it starts
     proc = None
     if args.target is None:
         proc, url = start_server(args.model)
@@ -315,7 +316,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             "rss_mb": {"after_warmup": after_warmup, "max": max(v for _, v in curve), "at_end": at_end,
                        "end_vs_warmup": round(at_end / after_warmup, 3)},
             "rss_curve": curve, "prefix_cache_before_flush": cache.get("prefix_cache"), "health_after": health,
-            "environment": msgspec.to_builtins(environment()), "seed": args.seed}
+            "environment": msgspec.to_builtins(env), "seed": args.seed}
 
 
 def markdown(report: dict[str, Any]) -> str:
