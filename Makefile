@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?=
+TEST_WORKERS ?= 2
 
 .PHONY: install serve test lint bench clean
 
@@ -23,10 +24,10 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/mlx-relay serve $(MODEL) --host $(HOST) --port $(PORT)
 
-## Lint, then run the whole test suite on the tiny models.
+## Lint, then run the whole test suite on the tiny models (TEST_WORKERS processes, a file each at a time).
 test: install
 	$(PY) -m ruff check mlx_relay tests benchmarks tools
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(PY) -m ruff check mlx_relay tests benchmarks tools

@@ -187,10 +187,10 @@ def test_mtp_speculative_sampling_keeps_the_target_distribution(gpu: Callable, v
 
     def run() -> tuple[Any, ...]:
         loaded = load_model(path)
-        plan = [(i // 8, Generate(f"s{i}", prompt, SamplingParams(temperature=temperature, top_k=4, max_tokens=2,
+        plan = [(i // 16, Generate(f"s{i}", prompt, SamplingParams(temperature=temperature, top_k=4, max_tokens=2,
                                                                   seed=i)))
                 for i in range(n)]
-        tokens, _finished, stats = run_engine(loaded, plan, max_num_seqs=8, mtp_block_size=2)
+        tokens, _finished, stats = run_engine(loaded, plan, max_num_seqs=16, mtp_max_batch=16, mtp_block_size=2)
         return tokens, stats, _exact_two_token_distribution(path, prompt, params)
 
     tokens, stats, exact = gpu(run)
