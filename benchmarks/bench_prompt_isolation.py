@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from mlx_relay.bench.machine import environment
+from mlx_relay.bench.machine import environment, process_rss_mb
 from mlx_relay.bench.tables import rows_markdown
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import free_port
@@ -52,26 +52,6 @@ def long_context_copy(dest: Path, context: int) -> Path:
             section["max_position_embeddings"] = context
     (dest / "config.json").write_text(json.dumps(config))
     return dest
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of `pid` and its children (the template sandbox, if any), in MB."""
-    total = 0
-    for p in [pid, *_children(pid)]:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total / 1024
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 class Server:
@@ -157,7 +137,7 @@ def main() -> int:
         server = Server(long_context_copy(Path(tmp) / "long", 1 << 20))
         try:
             measure(server.url, 3)  # warm
-            memory["after_warmup_mb"] = rss_mb(server.proc.pid)
+            memory["after_warmup_mb"] = process_rss_mb(server.proc.pid)
             alone = measure(server.url, args.repeats)
             rows.append(row("alone", alone, None))
             statuses: list[int] = []
@@ -173,7 +153,7 @@ def main() -> int:
                 rows.append(row(f"round {round_ + 1}: two {args.mb:g} MB prompts being prepared ({large_s:.1f} s)",
                                 during, alone))
                 time.sleep(1.0)
-                memory[f"after_round_{round_ + 1}_mb"] = rss_mb(server.proc.pid)
+                memory[f"after_round_{round_ + 1}_mb"] = process_rss_mb(server.proc.pid)
             memory["after_large_mb"] = memory[f"after_round_{args.rounds}_mb"]
             memory["large_statuses"] = statuses  # type: ignore[assignment]
         finally:

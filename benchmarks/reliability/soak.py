@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from mlx_relay.bench.machine import environment
+from mlx_relay.bench.machine import environment, process_rss_mb
 from mlx_relay.bench.tables import rows_markdown
 from mlx_relay.testing.live_server import free_port
 
@@ -196,29 +196,9 @@ def _error_type(lines: list[str]) -> str:
         return "not_json"
 
 
-def rss_mb(pid: int) -> float:
-    total = 0
-    for p in [pid, *_descendants(pid)]:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return round(total / 1024, 1)
-
-
-def _descendants(pid: int) -> list[int]:
-    try:
-        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-    return kids + [g for k in kids for g in _descendants(k)]
-
-
 async def sample_rss(pid: int, curve: list[tuple[float, float]], t0: float, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        curve.append((round(time.perf_counter() - t0, 1), rss_mb(pid)))
+        curve.append((round(time.perf_counter() - t0, 1), process_rss_mb(pid)))
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
         except TimeoutError:
@@ -292,7 +272,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         await drive(url, plan(args.warmup, args.seed + 1), args.concurrency, args.timeout)
         await flush(url)
         await asyncio.sleep(2.0)
-        after_warmup = rss_mb(pid)
+        after_warmup = process_rss_mb(pid)
         curve: list[tuple[float, float]] = []
         stop = asyncio.Event()
         t0 = time.perf_counter()
@@ -304,7 +284,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             health = (await client.get(url + "/health")).json()
         await flush(url)
         await asyncio.sleep(2.0)
-        at_end = rss_mb(pid)
+        at_end = process_rss_mb(pid)
         stop.set()
         await sampler
     finally:

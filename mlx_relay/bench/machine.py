@@ -9,6 +9,7 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 from importlib import metadata
+from pathlib import Path
 
 import msgspec
 
@@ -70,6 +71,28 @@ def machine_info() -> MachineInfo:
     return MachineInfo(system=uname.system, release=uname.release, machine=uname.machine,
                        processor=cpu_model(), cpu_count=os.cpu_count(),
                        memory_gb=memory_gb(), python=sys.version.split()[0])
+
+
+def process_rss_mb(pid: int) -> float:
+    """Resident memory of process `pid` and all its descendants (e.g. a server and its template
+    sandbox), in MB, from /proc (Linux); 0 where /proc has no such process."""
+    total = 0
+    for p in [pid, *_descendants(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return round(total / 1024, 1)
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in _descendants(k)]
 
 
 def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str | None]:
