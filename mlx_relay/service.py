@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -113,7 +113,7 @@ class ChatService:
         info: ModelInfo,
         defaults: SamplingDefaults,
         default_max_tokens: int,
-        max_tokens_policy: str = "error",
+        max_tokens_policy: Literal["error", "clamp"] = "error",
         prefix_store: ActorRef | None = None,
         scorer: ActorRef | None = None,
     ) -> None:
@@ -310,9 +310,8 @@ class ChatService:
 
 
 def forced_tools(req: ChatRequest) -> bool:
-    """The reply must be tool calls (`required` or a named function)."""
-    return (bool(req.tools) and req.tool_choice not in ("auto", "none")) or \
-        (req.tool_choice not in ("auto", "none") and not req.tools)
+    """The reply must be tool calls (`required` or a named function; without tools a 400)."""
+    return req.tool_choice not in ("auto", "none")
 
 
 _SEED_LIMIT = 2**63  # seeds are 63-bit (numpy's and MLX's generators take them)
