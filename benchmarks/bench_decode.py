@@ -84,13 +84,13 @@ def raw_loops(model_dir: Path, prompt_ids: list[int], max_tokens: int, rounds: i
 async def in_process(relay: Relay, max_tokens: int) -> tuple[float, int]:
     """Through the same actors as a request (admission, normalizer, GPU executor), counting the
     token ids each event carries."""
-    from mlx_relay.engine.messages import TokenDelta
+    from mlx_relay.messages.gpu import TokenDelta
     from mlx_relay.service import ChatRequest
 
     assert relay.service is not None
     req = ChatRequest(messages=[ChatMessage(role="user", content=PROMPT)], max_tokens=max_tokens, temperature=0.0)
     first_t, first_n, last_t, total = 0.0, 0, 0.0, 0
-    async with relay.service.generate(req) as events:
+    async with relay.generate(req) as events:
         async for ev in events:
             if isinstance(ev, TokenDelta):
                 now = time.perf_counter()
@@ -137,9 +137,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     model = Path(args.model) if args.model else fixture_path(FixtureSpec("bf16", 0))
     async with Relay.start(model, max_num_seqs=16) as relay:
         assert relay.service is not None
-        from mlx_relay.actors.normalizer import Render
+        from mlx_relay.messages.prompt import Render
 
-        rendered = await relay.service.normalizer.request(Render([ChatMessage(role="user", content=PROMPT)]))
+        rendered = await relay.service.actors.normalizer.request(Render([ChatMessage(role="user", content=PROMPT)]))
         prompt_ids = rendered.token_ids
         info = relay.info
         await in_process(relay, args.max_tokens)  # warm

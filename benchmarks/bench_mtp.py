@@ -32,12 +32,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import mlx.core as mx
+from mlx_relay.engine.batch_engine import BatchEngine
 
 from mlx_relay.bench.machine import library_versions
 from mlx_relay.bench.tables import rows_markdown
-from mlx_relay.engine.batch_engine import BatchEngine
 from mlx_relay.engine.loader import load_model
-from mlx_relay.engine.messages import Finished, Generate, SamplingParams, TokenDelta
+from mlx_relay.messages.gpu import Finished, Generate, SamplingParams, TokenDelta
 
 TEXT = (Path(__file__).resolve().parent.parent / "mlx_relay" / "engine" / "mtp_lane.py").read_text()
 

@@ -14,16 +14,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from mlx_relay.bench.cli import add_parser as add_bench_parser
+from mlx_relay.bench.cli import run_from_args as run_bench
 from mlx_relay.chat.types import TOOL_FORMATS
-from mlx_relay.config import (
-    AdmissionConfig,
-    EngineConfig,
-    MediaConfig,
-    PromptConfig,
-    RequestLimits,
-    ServerConfig,
-    SpecPrefillConfig,
-)
+from mlx_relay.config import ServerConfig, build_config
+from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
 
 
 def _progress_printer() -> Callable[[str], None]:
@@ -143,8 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="freed buffers MLX keeps for reuse (default: MLX's own, up to the memory limit)")
     serve.add_argument("--no-warmup", action="store_true", help="skip kernel warm-up before taking traffic")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from mlx_relay.bench.cli import add_parser as add_bench_parser
-
     add_bench_parser(sub)
     return parser
 
@@ -154,67 +147,53 @@ def _gib(value: float | None) -> int | None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The flags as `build_config` overrides (the same builder as the in-process API)."""
     model = args.model
     default_name = None
     if model is None:
-        from mlx_relay.testing.fixtures import default_model_path
-
-        model, default_name = str(default_model_path()), "relay-tiny-coder"
+        model, default_name = str(default_model_path()), DEFAULT_MODEL_NAME
     keys = list(args.api_key or [])
     if env_key := os.environ.get("MLX_RELAY_API_KEY"):
         keys.append(env_key)
     if os.path.isdir(model):
         # A local checkpoint needs nothing from the Hub; never let a library go looking there.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    local_name = os.path.basename(model.rstrip("/")) if os.path.isdir(model) else model
-    name = args.served_model_name or default_name or local_name
-    return ServerConfig(
-        model=model,
-        served_model_name=name,
-        engine=EngineConfig(
-            model_path=model,
-            max_num_seqs=args.max_num_seqs,
-            prefill_batch_size=args.prefill_batch_size,
-            prefill_step_size=args.prefill_step_size,
-            warmup=not args.no_warmup,
-            mtp=not args.no_mtp,
-            mtp_block_size=args.mtp_block_size,
-            mtp_max_batch=args.mtp_max_batch,
-            mtp_verify=args.mtp_verify,
-            prefix_cache=not args.no_prefix_cache,
-            prefix_cache_bytes=_gib(args.prefix_cache_gb),
-            prefix_min_snapshot_tokens=args.prefix_min_snapshot_tokens,
-            max_model_len=args.max_model_len,
-            memory_limit_bytes=_gib(args.memory_limit_gb),
-            cache_limit_bytes=_gib(args.cache_limit_gb),
-        ),
-        admission=AdmissionConfig(max_num_seqs=args.max_num_seqs, max_queue=args.max_queue),
-        specprefill=SpecPrefillConfig(
-            draft_model=args.specprefill_draft_model,
-            threshold=args.specprefill_threshold,
-            chunk_size=args.specprefill_chunk_size,
-            keep_fraction=args.specprefill_keep,
-            query_window=args.specprefill_query_window,
-        ),
-        media=MediaConfig(
-            allowed_local_dir=args.allowed_local_media_dir,
-            allow_remote=args.allow_remote_media,
-            allow_private_networks=args.allow_private_media_hosts,
-            max_media_bytes=args.max_media_bytes,
-            max_image_pixels=args.max_image_pixels,
-            max_video_frames=args.max_video_frames,
-        ),
-        prompts=PromptConfig(
-            tool_parser=args.tool_parser,
-            render_timeout_s=args.render_timeout,
-            allow_request_chat_template=args.allow_request_chat_template,
-        ),
-        limits=RequestLimits(
-            max_request_bytes=args.max_request_bytes,
-            read_timeout_s=args.request_read_timeout,
-            stall_timeout_s=args.client_stall_timeout,
-            max_tokens_policy=args.max_tokens_policy,
-        ),
+    return build_config(
+        model,
+        served_model_name=args.served_model_name or default_name,
+        max_num_seqs=args.max_num_seqs,
+        prefill_batch_size=args.prefill_batch_size,
+        prefill_step_size=args.prefill_step_size,
+        warmup=not args.no_warmup,
+        mtp=not args.no_mtp,
+        mtp_block_size=args.mtp_block_size,
+        mtp_max_batch=args.mtp_max_batch,
+        mtp_verify=args.mtp_verify,
+        prefix_cache=not args.no_prefix_cache,
+        prefix_cache_bytes=_gib(args.prefix_cache_gb),
+        prefix_min_snapshot_tokens=args.prefix_min_snapshot_tokens,
+        max_model_len=args.max_model_len,
+        memory_limit_bytes=_gib(args.memory_limit_gb),
+        cache_limit_bytes=_gib(args.cache_limit_gb),
+        max_queue=args.max_queue,
+        specprefill_draft_model=args.specprefill_draft_model,
+        specprefill_threshold=args.specprefill_threshold,
+        specprefill_chunk_size=args.specprefill_chunk_size,
+        specprefill_keep_fraction=args.specprefill_keep,
+        specprefill_query_window=args.specprefill_query_window,
+        allowed_local_dir=args.allowed_local_media_dir,
+        allow_remote=args.allow_remote_media,
+        allow_private_networks=args.allow_private_media_hosts,
+        max_media_bytes=args.max_media_bytes,
+        max_image_pixels=args.max_image_pixels,
+        max_video_frames=args.max_video_frames,
+        tool_parser=args.tool_parser,
+        render_timeout_s=args.render_timeout,
+        allow_request_chat_template=args.allow_request_chat_template,
+        max_request_bytes=args.max_request_bytes,
+        read_timeout_s=args.request_read_timeout,
+        stall_timeout_s=args.client_stall_timeout,
+        max_tokens_policy=args.max_tokens_policy,
         host=args.host,
         port=args.port,
         api_keys=tuple(keys),
@@ -233,9 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve(config_from_args(args), _progress_printer())
     if args.command == "bench":
-        from mlx_relay.bench.cli import run_from_args
-
-        return run_from_args(args)
+        return run_bench(args)
     return 2
 
 

@@ -1,11 +1,13 @@
-"""Typed configuration: built once from the CLI (or the in-process API) and passed down.
+"""Typed configuration: built once (`build_config`, from the CLI's flags or the in-process API's
+keyword arguments) and passed down.
 
-Nothing reads the environment or module globals later; each actor gets the struct it needs.
+Nothing reads the environment or module globals later; each actor gets the struct it needs, whole.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import msgspec
 
@@ -59,7 +61,9 @@ class SpecPrefillConfig(msgspec.Struct, frozen=True):
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):
-    max_num_seqs: int = 16
+    """Requests waiting for a slot (one slot per sequence: `EngineConfig.max_num_seqs`) before new
+    ones are refused with 429."""
+
     max_queue: int = 64
 
 
@@ -155,3 +159,31 @@ class ServerConfig(msgspec.Struct, frozen=True):
     sse_keepalive_s: float = 10.0
     drain_timeout_s: float = 30.0  # on SIGTERM: how long running requests may finish before they are ended
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+# nested structs whose fields `build_config` takes by name (SpecPrefillConfig's with a prefix)
+_SECTIONS: dict[str, tuple[type[msgspec.Struct], str]] = {
+    "engine": (EngineConfig, ""),
+    "admission": (AdmissionConfig, ""),
+    "media": (MediaConfig, ""),
+    "specprefill": (SpecPrefillConfig, "specprefill_"),
+    "prompts": (PromptConfig, ""),
+    "limits": (RequestLimits, ""),
+}
+
+
+def build_config(model: str | Path, *, served_model_name: str | None = None, **overrides: Any) -> ServerConfig:
+    """The one config builder (the CLI and `Relay.start` both use it): a ServerConfig for `model`
+    with field overrides by name. A name of a nested struct's field (EngineConfig, AdmissionConfig,
+    MediaConfig, PromptConfig, RequestLimits; SpecPrefillConfig's with a `specprefill_` prefix)
+    sets it there; the rest are ServerConfig's own. An unknown name is a TypeError."""
+    model = str(model)
+    sections: dict[str, Any] = {}
+    for name, (struct, prefix) in _SECTIONS.items():
+        fields = set(struct.__struct_fields__) - {"model_path"}
+        taken = {k.removeprefix(prefix): overrides.pop(k) for k in list(overrides)
+                 if k.startswith(prefix) and k.removeprefix(prefix) in fields}
+        sections[name] = struct(model_path=model, **taken) if struct is EngineConfig else struct(**taken)
+    path = Path(model)
+    name = served_model_name or (path.name if path.is_dir() else model)
+    return ServerConfig(model=model, served_model_name=name, **sections, **overrides)

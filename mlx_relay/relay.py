@@ -29,43 +29,36 @@ from typing import Any
 import anyio
 import msgspec
 
-from mlx_relay.actors.admission import Admission, AdmissionStats, GetStats, SetState, WhenIdle
-from mlx_relay.actors.gpu_executor import AbortAll, AttachPrefixStore, GPUExecutor
+from mlx_relay.actors.admission import Admission
+from mlx_relay.actors.gpu_executor import GPUExecutor, GPUPeers
 from mlx_relay.actors.media_router import MediaRouter
 from mlx_relay.actors.normalizer import Normalizer
-from mlx_relay.actors.prefix_cache_store import (
-    Flush,
-    Flushed,
-    GetPrefixStats,
-    PrefixCacheConfig,
-    PrefixCacheStore,
-    PrefixStats,
-)
-from mlx_relay.actors.specprefill_scorer import GetSpecPrefillStats, SpecPrefillScorer
+from mlx_relay.actors.prefix_cache_store import PrefixCacheConfig, PrefixCacheStore
+from mlx_relay.actors.specprefill_scorer import SpecPrefillScorer
+from mlx_relay.actors.text_mtp_executor import TextMTPExecutor
+from mlx_relay.actors.vision_executor import VisionExecutor
 from mlx_relay.chat.types import ChatMessage
-from mlx_relay.config import (
-    AdmissionConfig,
-    EngineConfig,
-    MediaConfig,
-    PromptConfig,
-    RequestLimits,
-    ServerConfig,
-    SpecPrefillConfig,
-)
+from mlx_relay.config import ServerConfig, build_config
+from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
 from mlx_relay.engine.loader import resolve_model_path
-from mlx_relay.engine.messages import (
+from mlx_relay.errors import NotReady, UnprocessableRequest
+from mlx_relay.messages.admission import AdmissionStats, GetStats, SetState, WhenIdle
+from mlx_relay.messages.gpu import (
+    AbortAll,
     Describe,
     EngineStats,
     Finished,
     GetEngineStats,
     ModelInfo,
-    SpecPrefillReport,
     TokenDelta,
     Warmup,
 )
-from mlx_relay.errors import NotReady, UnprocessableRequest
-from mlx_relay.runtime import ActorRef, ActorSystem
-from mlx_relay.service import ChatRequest, ChatService, SamplingDefaults
+from mlx_relay.messages.prefix_cache import Flush, Flushed, GetPrefixStats, PrefixStats
+from mlx_relay.messages.specprefill import GetSpecPrefillStats, SpecPrefillReport
+from mlx_relay.messages.text_mtp import GetMTPStats
+from mlx_relay.messages.vision import GetVisionStats, VisionStats
+from mlx_relay.runtime import ActorRef, ActorSystem, ReplyStream
+from mlx_relay.service import Actors, ChatRequest, ChatService, SamplingDefaults
 
 log = logging.getLogger(__name__)
 
@@ -98,42 +91,11 @@ class ChatResult(msgspec.Struct, frozen=True):
 
 
 def default_config(model: str | Path | None = None, **overrides: Any) -> ServerConfig:
-    """A ServerConfig for `model` (default: the embedded tiny model), with field overrides: a
-    name of a nested struct's field (EngineConfig, AdmissionConfig, MediaConfig, PromptConfig,
-    RequestLimits; SpecPrefillConfig's with a `specprefill_` prefix) sets it there."""
+    """`config.build_config` for `model` (default: the embedded model, served as its name)."""
     if model is None:
-        from mlx_relay.testing.fixtures import default_model_path
-
+        overrides.setdefault("served_model_name", DEFAULT_MODEL_NAME)
         model = default_model_path()
-    model = str(model)
-
-    def take(struct: type[msgspec.Struct], prefix: str = "", skip: frozenset[str] = frozenset()) -> dict[str, Any]:
-        fields = set(struct.__struct_fields__) - skip
-        return {k.removeprefix(prefix): overrides.pop(k) for k in list(overrides)
-                if k.startswith(prefix) and k.removeprefix(prefix) in fields}
-
-    sp_kw = take(SpecPrefillConfig, "specprefill_")
-    engine_kw = take(EngineConfig, skip=frozenset({"model_path"}))
-    admission_kw = take(AdmissionConfig, skip=frozenset({"max_num_seqs"}))
-    if "max_num_seqs" in engine_kw:
-        admission_kw["max_num_seqs"] = engine_kw["max_num_seqs"]
-    name = overrides.pop("served_model_name", None) or _display_name(model)
-    return ServerConfig(
-        model=model,
-        served_model_name=name,
-        engine=EngineConfig(model_path=model, **engine_kw),
-        admission=AdmissionConfig(**admission_kw),
-        media=MediaConfig(**take(MediaConfig)),
-        specprefill=SpecPrefillConfig(**sp_kw),
-        prompts=PromptConfig(**take(PromptConfig)),
-        limits=RequestLimits(**take(RequestLimits)),
-        **overrides,
-    )
-
-
-def _display_name(model: str) -> str:
-    p = Path(model)
-    return p.name if p.is_dir() else model
+    return build_config(model, **overrides)
 
 
 class Relay:
@@ -164,8 +126,7 @@ class Relay:
         cfg = config or default_config(model, **overrides)
         failed: BaseException | None = None
         async with ActorSystem() as system:
-            admission = await system.spawn(lambda: Admission(cfg.admission), name="admission",
-                                           accepts=Admission.accepts)
+            admission = await system.spawn(Admission, cfg.admission, cfg.engine.max_num_seqs, name="admission")
             relay = cls(cfg, system, admission)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(relay._boot, on_progress or (lambda m: log.info("%s", m)))
@@ -188,44 +149,37 @@ class Relay:
         await self.admission.tell(SetState(state, detail))  # type: ignore[arg-type]
 
     async def _boot(self, progress: Callable[[str], None]) -> None:
-        cfg = self.config
+        """The actor graph, in dependency order. The GPUExecutor reports to the policy actors and
+        they tell it what to free, so their references are reserved before it starts."""
+        cfg, system = self.config, self.system
         try:
             path = await anyio.to_thread.run_sync(resolve_model_path, cfg.model)
             engine_cfg = msgspec.structs.replace(cfg.engine, model_path=str(path))
-            gpu = self.gpu = await self.system.spawn(lambda: GPUExecutor(engine_cfg, progress), name="gpu",
-                                                     accepts=GPUExecutor.accepts)
-            normalizer = await self.system.spawn(lambda: Normalizer(path, cfg.prompts), name="normalizer",
-                                                 accepts=Normalizer.accepts, capacity=Normalizer.mailbox_capacity)
-            media = await self.system.spawn(lambda: MediaRouter(cfg.media, path), name="media",
-                                            accepts=MediaRouter.accepts)
-            self.info = await gpu.ask(Describe())
-            store = None
-            if self.info.prefix_cache_bytes > 0:
-                store_cfg = PrefixCacheConfig(budget_bytes=self.info.prefix_cache_bytes,
-                                              min_snapshot_tokens=cfg.engine.prefix_min_snapshot_tokens)
-                store = await self.system.spawn(lambda: PrefixCacheStore(store_cfg, gpu), name="prefix-cache",
-                                                accepts=PrefixCacheStore.accepts)
-                await gpu.tell(AttachPrefixStore(store))
-            scorer = None
-            if cfg.specprefill.draft_model is not None:
-                draft = await anyio.to_thread.run_sync(resolve_model_path, cfg.specprefill.draft_model)
-                sp_cfg = msgspec.structs.replace(cfg.specprefill, draft_model=str(draft))
-                scorer = await self.system.spawn(lambda: SpecPrefillScorer(sp_cfg, gpu), name="specprefill",
-                                                 accepts=SpecPrefillScorer.accepts)
+            sp_cfg = cfg.specprefill
+            if sp_cfg.draft_model is not None:
+                draft = await anyio.to_thread.run_sync(resolve_model_path, sp_cfg.draft_model)
+                sp_cfg = msgspec.structs.replace(sp_cfg, draft_model=str(draft))
+            store = system.reserve(PrefixCacheStore, name="prefix-cache") if engine_cfg.prefix_cache else None
+            scorer = system.reserve(SpecPrefillScorer, name="specprefill") if sp_cfg.draft_model else None
+            text = system.reserve(TextMTPExecutor, name="text-mtp")
+            vision = system.reserve(VisionExecutor, name="vision")
+            gpu = self.gpu = await system.spawn(GPUExecutor, engine_cfg, sp_cfg, GPUPeers(store, scorer, text, vision),
+                                                progress, name="gpu")
+            info = self.info = await gpu.ask(Describe())
+            await system.start(text, engine_cfg, info)
+            await system.start(vision, engine_cfg, gpu)
+            if store is not None:
+                await system.start(store, PrefixCacheConfig(info.prefix_cache_bytes, cfg.engine.prefix_min_snapshot_tokens), gpu)
+            if scorer is not None:
+                await system.start(scorer, sp_cfg)
+            media = await system.spawn(MediaRouter, cfg.media, path, name="media")
+            normalizer = await system.spawn(Normalizer, path, cfg.prompts, media, name="normalizer")
             gen_cfg_path = path / "generation_config.json"
             gen_cfg = json.loads(gen_cfg_path.read_text()) if gen_cfg_path.exists() else {}
-            self.service = ChatService(
-                admission=self.admission,
-                normalizer=normalizer,
-                media=media,
-                gpu=gpu,
-                info=self.info,
-                defaults=SamplingDefaults.from_generation_config(gen_cfg),
-                default_max_tokens=cfg.default_max_tokens,
-                max_tokens_policy=cfg.limits.max_tokens_policy,
-                prefix_store=store,
-                scorer=scorer,
-            )
+            actors = Actors(self.admission, normalizer, gpu, text, vision if info.has_vision else None, store, scorer)
+            self.service = ChatService(actors, info, SamplingDefaults.from_generation_config(gen_cfg),
+                                       default_max_tokens=cfg.default_max_tokens,
+                                       max_tokens_policy=cfg.limits.max_tokens_policy)
             if cfg.engine.warmup:
                 await self._set_state("warming")
                 progress("warming kernels")
@@ -284,25 +238,38 @@ class Relay:
 
     async def prefix_cache_stats(self) -> dict[str, Any]:
         """The prefix cache's counters (index and snapshot memory) and the vision feature cache's."""
-        service = self._service()
-        engine: EngineStats = await service.gpu.ask(GetEngineStats())
+        actors = self._service().actors
+        engine: EngineStats = await actors.gpu.ask(GetEngineStats())
         body: dict[str, Any] = {
             "prefix_cache": {"enabled": False},
             "snapshots": {"held": engine.snapshots, "bytes": engine.snapshot_bytes},
-            "vision_cache": {"hits": engine.vision_cache_hits, "misses": engine.vision_cache_misses,
-                             "entries": engine.vision_cache_entries, "bytes": engine.vision_cache_bytes},
+            "vision_cache": {"hits": 0, "misses": 0, "entries": 0, "bytes": 0},
         }
-        if service.prefix_store is not None:
-            stats: PrefixStats = await service.prefix_store.ask(GetPrefixStats())
+        if actors.vision is not None:
+            vision: VisionStats = await actors.vision.ask(GetVisionStats())
+            body["vision_cache"] = {"hits": vision.hits, "misses": vision.misses, "entries": vision.entries,
+                                    "bytes": vision.bytes}
+        if actors.prefix_store is not None:
+            stats: PrefixStats = await actors.prefix_store.ask(GetPrefixStats())
             body["prefix_cache"] = msgspec.to_builtins(stats)
         return body
 
+    async def mtp_stats(self) -> dict[str, Any]:
+        """MTP speculative decoding's counters (the TextMTPExecutor's)."""
+        stats = await self._service().actors.text.ask(GetMTPStats())
+        return {**msgspec.to_builtins(stats), "acceptance": round(stats.acceptance, 4)}
+
+    async def engine_stats(self) -> EngineStats:
+        """What the GPU thread holds and has counted."""
+        stats: EngineStats = await self._service().actors.gpu.ask(GetEngineStats())
+        return stats
+
     async def specprefill_stats(self) -> dict[str, Any]:
         """SpecPrefill's counters ({"enabled": False} without a draft model)."""
-        service = self._service()
-        if service.scorer is None:
+        scorer = self._service().scorer
+        if scorer is None:
             return {"enabled": False}
-        return {"enabled": True, **msgspec.to_builtins(await service.scorer.ask(GetSpecPrefillStats()))}
+        return {"enabled": True, **msgspec.to_builtins(await scorer.ask(GetSpecPrefillStats()))}
 
     async def flush_prefix_cache(self) -> Flushed:
         """Drop every prefix-cache snapshot no request is using."""
@@ -311,12 +278,18 @@ class Relay:
             return Flushed(0, 0)
         return await service.prefix_store.ask(Flush())
 
+    @asynccontextmanager
+    async def generate(self, request: ChatRequest, request_id: str | None = None) -> AsyncIterator[ReplyStream]:
+        """Admit and start one request: its stream of TokenDelta ..., Finished (the harness's way in)."""
+        async with self._service().generate(request, request_id) as events:
+            yield events
+
     async def chat(self, messages: Sequence[ChatMessage | dict[str, Any]], **params: Any) -> ChatResult:
         """Complete a chat; params are ChatRequest fields (max_tokens, temperature, stop, ...)."""
         req = _request(messages, params)
         parts: list[str] = []
         ids: list[int] = []
-        async with self._service().generate(req) as events:
+        async with self.generate(req) as events:
             async for ev in events:
                 if isinstance(ev, TokenDelta):
                     parts.append(ev.text)
@@ -331,7 +304,7 @@ class Relay:
     ) -> AsyncIterator[str]:
         """Yield text deltas as they are generated."""
         req = _request(messages, params)
-        async with self._service().generate(req) as events:
+        async with self.generate(req) as events:
             async for ev in events:
                 if isinstance(ev, TokenDelta) and ev.text:
                     yield ev.text

@@ -1,13 +1,18 @@
 """ChatService: walks one chat request through the actors; shared by HTTP and the in-process API.
 
-    Admission (slot lease) -> Normalizer (template + tokens, system-prompt boundary)
-        -> MediaRouter (only for requests with images or video: fetch, decode, preprocess, expand)
-        -> context check -> PrefixCacheStore (what to restore, what to snapshot)
-        -> SpecPrefillScorer (long text prompts: which uncached tokens the target prefills)
-        -> GPUExecutor (stream of TokenDelta ..., Finished) -> PrefixCacheStore (release)
+    Admission (slot lease)
+    -> Normalizer (template + tokens; a request with media goes on to the MediaRouter from
+       there: fetch, decode, preprocess, expand) -> Prompt
+    -> PrefixCacheStore (what to restore, what to snapshot) -> PrefixPlan
+    -> text:   SpecPrefillScorer (a long prompt: score it on the GPU? how much to keep)
+               TextMTPExecutor (MTP or plain, block size)
+       vision: VisionExecutor (which image features are reused, pinned)
+    -> GPUExecutor (Generate carrying every plan; stream of TokenDelta ..., Finished)
+    -> PrefixCacheStore / VisionExecutor (release)
 
-Text-only requests never wait behind a media download: the routing decision (media parts or
-none) is already known after normalization, and only the vision path asks the MediaRouter.
+Each hop either answers a decision or does the work; nothing comes back only to be sent on.
+`prepare` (the front half: render, route, context check) is shared with `count_tokens`.
+Text-only requests never wait behind a media download: only the vision path asks the MediaRouter.
 
 Everything is scoped: leaving `generate`'s `async with` (done, error, client gone) cancels the
 generation and frees the admission slot through the runtime's structured cancellation.
@@ -18,32 +23,24 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
 import msgspec
 
-from mlx_relay.actors.admission import Acquire, Granted
-from mlx_relay.actors.media_router import Route, Routed
-from mlx_relay.actors.normalizer import Render, RenderedPrompt
-from mlx_relay.actors.prefix_cache_store import Lookup, Release
-from mlx_relay.actors.specprefill_scorer import Select, Selection
-from mlx_relay.cache.prefix_keys import MediaSpan
 from mlx_relay.chat.grammar import OutputConstraint
 from mlx_relay.chat.output import ContentDelta, ReplyDone, ReplyEvent, ReplyStarted
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import ChatMessage, ResponseFormat, ToolChoice, ToolDef
-from mlx_relay.engine.messages import (
-    Finished,
-    Generate,
-    ModelInfo,
-    PrefixPlan,
-    SamplingParams,
-    SpecPrefillReport,
-    TokenDelta,
-)
 from mlx_relay.errors import ContextLengthExceeded, InvalidRequest
-from mlx_relay.media.tensors import VisionInputs
+from mlx_relay.messages.admission import Acquire, Granted
+from mlx_relay.messages.gpu import Finished, Generate, ModelInfo, SamplingParams, TokenDelta
+from mlx_relay.messages.prefix_cache import Lookup, PrefixPlan, Release
+from mlx_relay.messages.prompt import Prompt, Render
+from mlx_relay.messages.specprefill import PlanSpecPrefill, SpecPrefillDecision, SpecPrefillReport
+from mlx_relay.messages.text_mtp import PlanText, TextPlan
+from mlx_relay.messages.vision import PlanVision, ReleaseVision
 from mlx_relay.runtime import ActorRef, ReplyStream
 
 
@@ -102,35 +99,33 @@ class SamplingDefaults(msgspec.Struct, frozen=True):
         )
 
 
+@dataclass(frozen=True)
+class Actors:
+    """The actors a request walks through (None: that feature is off)."""
+
+    admission: ActorRef
+    normalizer: ActorRef
+    gpu: ActorRef
+    text: ActorRef
+    vision: ActorRef | None = None
+    prefix_store: ActorRef | None = None
+    scorer: ActorRef | None = None
+
+
 class ChatService:
-    def __init__(
-        self,
-        *,
-        admission: ActorRef,
-        normalizer: ActorRef,
-        media: ActorRef,
-        gpu: ActorRef,
-        info: ModelInfo,
-        defaults: SamplingDefaults,
-        default_max_tokens: int,
-        max_tokens_policy: Literal["error", "clamp"] = "error",
-        prefix_store: ActorRef | None = None,
-        scorer: ActorRef | None = None,
-    ) -> None:
-        self.admission = admission
-        self.normalizer = normalizer
-        self.media = media
-        self.gpu = gpu
+    def __init__(self, actors: Actors, info: ModelInfo, defaults: SamplingDefaults, *, default_max_tokens: int,
+                 max_tokens_policy: Literal["error", "clamp"] = "error") -> None:
+        self.actors = actors
+        self.gpu = actors.gpu
+        self.prefix_store = actors.prefix_store
+        self.scorer = actors.scorer
         self.info = info
         self.defaults = defaults
         self.default_max_tokens = default_max_tokens
         self.max_tokens_policy = max_tokens_policy
-        self.prefix_store = prefix_store
-        self.scorer = scorer
         self._ids = itertools.count(1)
 
-    def sampling_for(self, req: ChatRequest, prompt_tokens: int, rendered: RenderedPrompt | None = None
-                     ) -> SamplingParams:
+    def sampling_for(self, req: ChatRequest, prompt_tokens: int, prompt: Prompt | None = None) -> SamplingParams:
         room = self.info.context_length - prompt_tokens
         if room <= 0:
             raise ContextLengthExceeded(
@@ -144,8 +139,8 @@ class ChatService:
                 f"max_tokens is {req.max_tokens}, but this model's maximum context length is "
                 f"{self.info.context_length} tokens and the prompt has {prompt_tokens}: at most {room} can be "
                 "generated", param="max_tokens")
-        think_open = rendered.think_open if rendered is not None else False
-        grammar = rendered.grammar if rendered is not None else None
+        think_open = prompt.think_open if prompt is not None else False
+        grammar = prompt.grammar if prompt is not None else None
         # the reply may run to the context's end, never past it; a request without max_tokens
         # gets the server's default (cut at the context's end)
         max_tokens = min(req.max_tokens or self.default_max_tokens, room)
@@ -185,7 +180,7 @@ class ChatService:
     @asynccontextmanager
     async def admit(self, request_id: str, slots: int = 1) -> AsyncIterator[None]:
         """Hold `slots` admission slots (granted together) for replies started with `admitted=True`."""
-        async with self.admission.stream(Acquire(request_id, slots)) as lease:
+        async with self.actors.admission.stream(Acquire(request_id, slots)) as lease:
             granted = await anext(lease)
             assert isinstance(granted, Granted)
             yield
@@ -197,25 +192,21 @@ class ChatService:
         (`mlx_relay.chat.output`). A tool call that does not fit its schema raises
         `ToolCallInvalid` from the stream. `admitted`: the caller holds a slot (`admit`).
         `raw` (text completions): every piece of text is content, exactly as generated."""
-        async with self._start(req, request_id, admitted) as (rendered, started, events):
+        async with self._start(req, request_id, admitted) as (prompt, started, events):
             tools = req.tools if req.tool_choice != "none" else None
-            parser = None if raw else ReplyParser(tools=tools, tool_format=rendered.tool_format,
-                                                  think_open=rendered.think_open)
+            parser = None if raw else ReplyParser(tools=tools, tool_format=prompt.tool_format,
+                                                  think_open=prompt.think_open)
             yield _parsed(started, events, parser)
 
     async def count_tokens(self, req: ChatRequest) -> int:
         """The prompt's length in tokens as `generate` would see it (media expanded); no slot,
         no GPU. Prompts beyond four times the context are refused rather than counted."""
-        rendered: RenderedPrompt = await self.normalizer.request(self._render_msg(req, 4 * self.info.context_length))
-        if rendered.num_media:
-            self._check_vision()
-            routed: Routed = await self.media.ask(Route(rendered.messages, rendered.token_ids))
-            return len(routed.prompt_tokens)
-        return len(rendered.token_ids)
+        return len((await self.prepare(req, 4 * self.info.context_length)).token_ids)
 
-    def _check_vision(self) -> None:
-        if not self.info.has_vision:
-            raise InvalidRequest("this model has no vision tower: send text only", param="messages")
+    async def prepare(self, req: ChatRequest, max_prompt_tokens: int) -> Prompt:
+        """The front half of every request: rendered, tokenized, media routed and expanded."""
+        prompt: Prompt = await self.actors.normalizer.request(self._render_msg(req, max_prompt_tokens))
+        return prompt
 
     def _render_msg(self, req: ChatRequest, max_prompt_tokens: int) -> Render:
         constraint = None
@@ -239,74 +230,71 @@ class ChatService:
 
     @asynccontextmanager
     async def _start(self, req: ChatRequest, request_id: str | None, admitted: bool = False
-                     ) -> AsyncIterator[tuple[RenderedPrompt, ReplyStarted, ReplyStream]]:
+                     ) -> AsyncIterator[tuple[Prompt, ReplyStarted, ReplyStream]]:
         rid = request_id or f"req-{next(self._ids)}"
         async with AsyncExitStack() as stack:
             if not admitted:
                 await stack.enter_async_context(self.admit(rid))
             # the prompt must leave room for at least one generated token
-            rendered: RenderedPrompt = await self.normalizer.request(
-                self._render_msg(req, self.info.context_length - 1))
-            tokens, vision = rendered.token_ids, None
-            if rendered.num_media:
-                self._check_vision()
-                routed: Routed = await self.media.ask(Route(rendered.messages, rendered.token_ids))
-                tokens, vision = routed.prompt_tokens, routed.vision
-            params = self.sampling_for(req, len(tokens), rendered)
-            plan = await self._plan(rid, req, tokens, vision, rendered)
-            selection = await self._sparse(rid, req, tokens, vision, plan)
-            gen = Generate(rid, tokens, params, vision, plan, selection.sparse, selection.report)
-            started = ReplyStarted(len(tokens), plan.restore_length if plan is not None else 0)
-            try:
-                async with self.gpu.stream(gen) as events:
-                    yield rendered, started, events
-            finally:
-                if plan is not None and self.prefix_store is not None:
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                        await self.prefix_store.tell(Release(rid))
+            prompt = await self.prepare(req, self.info.context_length - 1)
+            params = self.sampling_for(req, len(prompt.token_ids), prompt)
+            plan = await self._plan_prefix(rid, req, prompt, stack)
+            gen = await self._plan_decode(rid, req, prompt, params, plan, stack)
+            started = ReplyStarted(len(prompt.token_ids), plan.restore_length if plan is not None else 0)
+            async with self.gpu.stream(gen) as events:
+                yield prompt, started, events
 
-    async def _plan(self, rid: str, req: ChatRequest, tokens: list[int], vision: VisionInputs | None,
-                    rendered: RenderedPrompt) -> PrefixPlan | None:
-        if self.prefix_store is None:
-            return None
-        media: list[MediaSpan] = []
-        if vision is not None:
-            if len(vision.spans) != len(vision.content_hashes):  # cannot key its media: no reuse
-                return None
-            media = [MediaSpan(a, b, h) for (a, b), h in zip(vision.spans, vision.content_hashes, strict=True)]
-        # the system prompt's end in the rendered tokens holds in the routed ones if no media
-        # placeholder was expanded before it
-        s = rendered.system_end
-        if media and s > media[0].start:
-            s = 0
-        # the reply's start follows every message, so every expanded media item precedes it
-        r = rendered.reply_start + len(tokens) - len(rendered.token_ids) if rendered.reply_start else 0
-        # what says a next turn is likely (the store decides whether to snapshot the turn)
-        multi_turn = any(m.role in ("assistant", "tool") for m in rendered.messages)
-        return await self.prefix_store.ask(Lookup(rid, tokens, media, s, r, multi_turn=multi_turn,
-                                                  has_tools=bool(req.tools)))
+    async def _plan_prefix(self, rid: str, req: ChatRequest, prompt: Prompt, stack: AsyncExitStack
+                           ) -> PrefixPlan | None:
+        store = self.prefix_store
+        if store is None or self.info.prefix_cache_bytes <= 0 or prompt.media is None:
+            return None  # off, or media that cannot be keyed
+        stack.push_async_callback(_tell_shielded, store, Release(rid))
+        return await store.ask(Lookup(rid, prompt.token_ids, prompt.media, prompt.system_end, prompt.reply_start,
+                                      multi_turn=prompt.multi_turn, has_tools=bool(req.tools)))
 
+    async def _plan_decode(self, rid: str, req: ChatRequest, prompt: Prompt, params: SamplingParams,
+                           plan: PrefixPlan | None, stack: AsyncExitStack) -> Generate:
+        """The vision path asks the VisionExecutor (features reused, pinned); the text path the
+        SpecPrefillScorer (sparse prefill?) and the TextMTPExecutor (MTP?)."""
+        tokens = prompt.token_ids
+        if prompt.vision is not None:
+            if self.actors.vision is not None:
+                stack.push_async_callback(_tell_shielded, self.actors.vision, ReleaseVision(rid))
+                await self.actors.vision.ask(PlanVision(rid, list(prompt.vision.content_hashes)))
+            report = None
+            if req.specprefill is True:
+                report = SpecPrefillReport(False, fallback="requests with images or video are prefilled in full")
+            return Generate(rid, tokens, params, prompt.vision, plan, specprefill=report)
+        decision = await self._specprefill(rid, req, len(tokens), plan)
+        text: TextPlan = await self.actors.text.ask(PlanText(rid, params, sparse=decision.score is not None
+                                                             or decision.sparse is not None))
+        return Generate(rid, tokens, params, None, plan, text.mtp.block_size if text.mtp else None, decision.score,
+                        decision.sparse, decision.report)
 
-    async def _sparse(self, rid: str, req: ChatRequest, tokens: list[int], vision: VisionInputs | None,
-                      plan: PrefixPlan | None) -> Selection:
-        """SpecPrefill's selection for a text prompt (None: prefill every token). The scorer's
-        own failures come back as a fallback report; if the scorer cannot be reached at all the
-        request still goes on, prefilled normally."""
+    async def _specprefill(self, rid: str, req: ChatRequest, n: int, plan: PrefixPlan | None) -> SpecPrefillDecision:
+        """SpecPrefill's decision for a text prompt. If the scorer cannot be reached the request
+        still goes on, prefilled normally."""
         if req.specprefill is False:
-            return Selection(None, None)
-        asked = req.specprefill is True
-        if self.scorer is None or vision is not None:
-            why = ("this server has no SpecPrefill draft model (--specprefill-draft-model)" if self.scorer is None
-                   else "requests with images or video are prefilled in full")
-            return Selection(None, SpecPrefillReport(False, fallback=why) if asked else None)
+            return SpecPrefillDecision()
+        if self.scorer is None:
+            why = "this server has no SpecPrefill draft model (--specprefill-draft-model)"
+            return SpecPrefillDecision(report=SpecPrefillReport(False, fallback=why) if req.specprefill else None)
         # the restored prefix (and the snapshot points the scorer keeps) are never scored
         restored, points = (plan.restore_length, plan.snapshot_at) if plan is not None else (0, [])
-        select = Select(rid, tokens, restored, points, req.specprefill, req.specprefill_keep)
         try:
-            async with self.scorer.stream(select) as s:
-                return await anext(s)
+            decision: SpecPrefillDecision = await self.scorer.ask(
+                PlanSpecPrefill(rid, n, restored, points, req.specprefill, req.specprefill_keep))
+            return decision
         except Exception as exc:  # the scorer crashed: this request prefills normally
-            return Selection(None, SpecPrefillReport(False, fallback=f"the scorer failed ({type(exc).__name__})"))
+            return SpecPrefillDecision(report=SpecPrefillReport(
+                False, fallback=f"the scorer failed ({type(exc).__name__})"))
+
+
+async def _tell_shielded(ref: ActorRef, msg: msgspec.Struct) -> None:
+    """A release that must reach its actor however the request ends (cancelled included)."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+        await ref.tell(msg)
 
 
 def forced_tools(req: ChatRequest) -> bool:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlx_relay.actors.media_router import MediaRouter, Route, Routed
+from mlx_relay.actors.media_router import MediaRouter
 from mlx_relay.bench.images import image_pixels, png_bytes, png_data_url
 from mlx_relay.chat.normalize import normalize_messages, to_template_messages
 from mlx_relay.chat.types import ChatMessage, ImageUrl, ImageUrlPart, TextPart, VideoUrlPart
@@ -22,6 +22,7 @@ from mlx_relay.media.expand import MediaSlot, PromptVocab, expand_prompt, video_
 from mlx_relay.media.items import FetchedMedia
 from mlx_relay.media.pipeline import prepare_vision
 from mlx_relay.media.preprocess import VisionProcessor, load_vision_processor
+from mlx_relay.messages.prompt import Route, Routed
 from mlx_relay.runtime import ActorSystem
 
 
@@ -137,7 +138,7 @@ def test_expand_prompt_rules() -> None:
 async def test_router_end_to_end(fp32_model: Path, vision: VisionProcessor, reference: Any, tmp_path: Path) -> None:
     config = MediaConfig(max_images_per_request=2)
     async with ActorSystem() as system:
-        router = await system.spawn(lambda: MediaRouter(config, fp32_model), name="media", accepts=MediaRouter.accepts)
+        router = await system.spawn(MediaRouter, config, fp32_model, name="media")
 
         text_messages = [ChatMessage(role="user", content="Hello!")]
         _, text_prompt = render(vision, text_messages)

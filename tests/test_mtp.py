@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from mlx_relay.engine.batch_engine import BatchEngine
 from mlx_relay.engine.loader import load_model
-from mlx_relay.engine.messages import Finished, Generate, SamplingParams, TokenDelta
+from mlx_relay.messages.gpu import Finished, Generate, SamplingParams
+from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.reference import greedy_reference
 
@@ -31,32 +31,19 @@ def bigram_model() -> Path:
 
 def run_engine(loaded: Any, plan: list[tuple[int, Generate]], **engine_kw: Any) -> tuple[dict[int, list[int]],
                                                                                     dict[int, Finished], Any]:
-    """Feed `plan` (step at which each request arrives) through a BatchEngine; collect tokens."""
-    events: list[Any] = []
-    kw = {"max_num_seqs": 8, "prefill_batch_size": 4, "prefill_step_size": 16, "seed": 0,
-          "mtp_max_batch": 8} | engine_kw
-    engine = BatchEngine(loaded, emit=events.extend, **kw)
-    tokens: dict[int, list[int]] = {sid: [] for sid in range(len(plan))}
-    finished: dict[int, Finished] = {}
+    """Feed `plan` (step at which each request arrives) through an EngineCore; collect tokens."""
+    d = Driver(loaded, prefix_cache=False, **engine_kw)
     step = 0
-    while len(finished) < len(plan):
-        for sid, (at, req) in enumerate(plan):
+    while len(d.finished) < len(plan):
+        for at, req in plan:
             if at == step:
-                engine.add(sid, req)
-        engine.step()
+                d.add(req)
+        d.step()
         step += 1
-        for sid, ev in events:
-            if isinstance(ev, TokenDelta):
-                tokens[sid] += ev.token_ids
-            elif isinstance(ev, Finished):
-                finished[sid] = ev
-            else:
-                raise ev
-        events.clear()
         assert step < 2000
-    stats = engine.stats()
-    engine.close()
-    return tokens, finished, stats
+    stats = d.engine.stats()
+    d.engine.close()
+    return d.tokens, d.finished, stats
 
 
 PROMPTS = [list(range(5, 5 + n)) for n in (7, 20, 33, 3, 12)]
@@ -124,18 +111,15 @@ def test_mtp_off_for_the_whole_engine(gpu: Callable, bigram_model: Path) -> None
 def test_mtp_row_cancelled_mid_flight(gpu: Callable, bigram_model: Path) -> None:
     def run() -> tuple[Any, ...]:
         loaded = load_model(bigram_model)
-        events: list[Any] = []
-        engine = BatchEngine(loaded, max_num_seqs=4, prefill_batch_size=2, prefill_step_size=16, seed=0,
-                             emit=events.extend)
-        engine.add(0, Generate("a", PROMPTS[0], SamplingParams(max_tokens=30)))
-        engine.add(1, Generate("b", PROMPTS[1], SamplingParams(max_tokens=30)))
+        d = Driver(loaded, prefix_cache=False, max_num_seqs=4, prefill_batch_size=2, mtp_max_batch=2)
+        d.add(Generate("a", PROMPTS[0], SamplingParams(max_tokens=30)))
+        d.add(Generate("b", PROMPTS[1], SamplingParams(max_tokens=30)))
         for _ in range(4):
-            engine.step()
-        engine.cancel(0)
-        while engine.has_work:
-            engine.step()
-        tokens = [t for sid, ev in events if sid == 1 and isinstance(ev, TokenDelta) for t in ev.token_ids]
-        engine.close()
+            d.step()
+        d.engine.cancel(0)
+        d.run()
+        tokens = d.tokens[1]
+        d.engine.close()
         return tokens, greedy_reference(bigram_model, [PROMPTS[1]], 30)[0]
 
     tokens, want = gpu(run)

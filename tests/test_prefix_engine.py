@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from mlx_relay.engine.loader import load_model
-from mlx_relay.engine.messages import Generate, PrefixPlan, SamplingParams
+from mlx_relay.messages.gpu import Generate, SamplingParams
+from mlx_relay.messages.prefix_cache import PrefixPlan
 from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.reference import greedy_reference
@@ -81,11 +82,11 @@ def test_snapshot_is_not_changed_by_the_request_it_came_from(gpu: Callable, bigr
         a = d.add(Generate("a", SYSTEM + SUFFIXES[0], sp, prefix=PrefixPlan(snapshot_at=[len(SYSTEM)])))
         d.run()
         (snap,) = d.snapshots[a]
-        entries = d.engine._snapshots.get(snap.handle).target
+        entries = d.engine.snapshots.get(snap.handle).target
         before = [np.array(v[0]) for _, v in entries]  # host copies
         d.add(Generate("b", SYSTEM + SUFFIXES[1], sp, prefix=PrefixPlan(snap.handle, snap.length)))
         d.run()
-        after = [v[0] for _, v in d.engine._snapshots.get(snap.handle).target]
+        after = [v[0] for _, v in d.engine.snapshots.get(snap.handle).target]
         same = all(np.array_equal(x, np.array(y)) for x, y in zip(before, after, strict=True))
         kv_len = {v[0].shape[2] for k, v in entries if k == "kv"}
         d.engine.close()

@@ -8,10 +8,10 @@ from typing import cast
 
 import pytest
 
-from mlx_relay.actors.prefix_cache_store import GetPrefixStats, Lookup, PrefixCacheConfig, PrefixCacheStore, PrefixStats
+from mlx_relay.actors.prefix_cache_store import PrefixCacheConfig, PrefixCacheStore
 from mlx_relay.cache.prefix_index import Inserted, KindStats, PrefixIndex, Rejected
 from mlx_relay.cache.prefix_keys import MediaSpan, PrefixKeys
-from mlx_relay.engine.messages import PrefixPlan
+from mlx_relay.messages.prefix_cache import GetPrefixStats, Lookup, PrefixPlan, PrefixStats
 from mlx_relay.runtime import ActorRef
 
 SYSTEM = list(range(100, 300))  # 200 tokens: three full blocks and a tail
@@ -46,12 +46,12 @@ def test_match_takes_the_longest_proper_prefix_and_pins_it() -> None:
     assert isinstance(index.insert(PrefixKeys(SYSTEM), 200, handle=1, nbytes=100, kind="system"), Inserted)
     assert isinstance(index.insert(prompt, 205, handle=2, nbytes=100, kind="turn"), Inserted)
     m = index.match(PrefixKeys(SYSTEM + list(range(10)) + [7]))
-    assert m.entry is not None and m.entry.handle == 2 and m.cached_tokens == 205
+    assert m.entry is not None and m.entry.handle == 2 and m.entry.length == 205
     other = index.match(PrefixKeys([*SYSTEM, 42, 43]))  # diverges after the system prompt
     assert other.entry is not None and other.entry.handle == 1
     # a prompt equal to a snapshot's prefix still needs one token prefilled: it takes a shorter one
     exact = index.match(PrefixKeys(SYSTEM))
-    assert exact.entry is None and exact.cached_tokens == 0
+    assert exact.entry is None
     stats = index.stats()
     assert (stats.hits, stats.misses, stats.hit_tokens, stats.pinned) == (2, 1, 405, 2)
 

@@ -10,10 +10,10 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from mlx_relay.actors.normalizer import Render
 from mlx_relay.chat.types import ChatMessage
-from mlx_relay.engine.messages import Finished, Generate, SamplingParams, TokenDelta
 from mlx_relay.errors import ContextLengthExceeded, InvalidRequest, ModelLoadError, Overloaded
+from mlx_relay.messages.gpu import Finished, Generate, SamplingParams, TokenDelta
+from mlx_relay.messages.prompt import Render
 from mlx_relay.relay import Relay
 
 PROMPTS = [
@@ -34,7 +34,7 @@ def user(text: str) -> list[dict[str, str]]:
 
 async def prompt_ids(relay: Relay, text: str) -> list[int]:
     assert relay.service is not None
-    rendered = await relay.service.normalizer.request(Render([ChatMessage(role="user", content=text)]))
+    rendered = await relay.service.actors.normalizer.request(Render([ChatMessage(role="user", content=text)]))
     return rendered.token_ids
 
 

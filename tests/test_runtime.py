@@ -67,7 +67,7 @@ class Nope(Rejection):
 
 class Counter(Actor):
     accepts = (Add, Get, Boom, Panic, Refuse, Sleep, Count)
-    mailbox_capacity = 2
+    mailbox_capacity = 16
 
     def __init__(self, log: list[str]) -> None:
         self.total = 0
@@ -110,10 +110,33 @@ class Counter(Actor):
         self.open.pop(stream.id, None)
 
 
+class SmallCounter(Counter):
+    mailbox_capacity = 2
+
+
+async def test_spawning_reads_the_mailbox_capacity_from_the_actor_class() -> None:
+    async with ActorSystem() as system:
+        small = await system.spawn(SmallCounter, [], name="small")
+        default = await system.spawn(Counter, [], name="default")
+        assert small.cell.mailbox.capacity == 2 and default.cell.mailbox.capacity == 16
+
+
+async def test_a_reserved_reference_takes_messages_before_its_actor_starts() -> None:
+    log: list[str] = []
+    async with ActorSystem() as system:
+        ref = system.reserve(Counter, name="later")
+        await ref.tell(Add(4))  # queued: nothing runs it yet
+        assert log == []
+        await system.start(ref, log)
+        assert await ref.ask(Get()) == 4 and log == ["start"]
+        with pytest.raises(RuntimeError):
+            await system.start(ref, log)
+
+
 async def test_tell_ask_and_typed_mailbox() -> None:
     log: list[str] = []
     async with ActorSystem() as system:
-        ref = await system.spawn(lambda: Counter(log), name="counter", accepts=Counter.accepts)
+        ref = await system.spawn(Counter, log, name="counter")
         await ref.tell(Add(2))
         assert await ref.ask(Add(3)) == 5
         with pytest.raises(TypeError):
@@ -126,7 +149,7 @@ async def test_tell_ask_and_typed_mailbox() -> None:
 async def test_full_mailbox_applies_back_pressure_and_drops_nothing() -> None:
     log: list[str] = []
     async with ActorSystem() as system:
-        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts, capacity=2)
+        ref = await system.spawn(SmallCounter, log, name="c")
         await ref.tell(Sleep(0.2))  # the actor is busy for a while
         await ref.tell(Add(1))
         await ref.tell(Add(1))  # the mailbox now holds 2 messages: full
@@ -141,7 +164,7 @@ async def test_full_mailbox_applies_back_pressure_and_drops_nothing() -> None:
 
 async def test_ask_timeout() -> None:
     async with ActorSystem() as system:
-        ref = await system.spawn(lambda: Counter([]), name="c", accepts=Counter.accepts)
+        ref = await system.spawn(Counter, [], name="c")
         with pytest.raises(AskTimeout):
             await ref.ask(Sleep(1.0), timeout=0.05)
         assert await ref.ask(Get(), timeout=5) == 0
@@ -150,7 +173,7 @@ async def test_ask_timeout() -> None:
 async def test_rejection_is_a_reply_not_a_crash() -> None:
     log: list[str] = []
     async with ActorSystem() as system:
-        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
+        ref = await system.spawn(Counter, log, name="c")
         await ref.ask(Add(7))
         with pytest.raises(Nope):
             await ref.ask(Refuse())
@@ -161,7 +184,7 @@ async def test_rejection_is_a_reply_not_a_crash() -> None:
 async def test_crash_restarts_and_fails_only_held_requests() -> None:
     log: list[str] = []
     async with ActorSystem() as system:
-        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
+        ref = await system.spawn(Counter, log, name="c")
         await ref.ask(Add(5))
         async with ref.stream(Count(upto=2, hold=True)) as held:
             assert [(await held.__anext__()).i for _ in range(2)] == [0, 1]
@@ -177,7 +200,7 @@ async def test_crash_restarts_and_fails_only_held_requests() -> None:
 
 async def test_crash_loops_back_off_but_never_stop_the_actor() -> None:
     async with ActorSystem(policy=FAST) as system:
-        ref = await system.spawn(lambda: Counter([]), name="c", accepts=Counter.accepts)
+        ref = await system.spawn(Counter, [], name="c")
         for _ in range(12):  # far past any intensity limit
             with pytest.raises(ActorCrashed):
                 await ref.ask(Boom())
@@ -191,8 +214,8 @@ async def test_a_native_panic_is_a_crash_of_one_actor_not_of_the_system() -> Non
     raised it and restarts the actor; the system and its other actors carry on."""
     log: list[str] = []
     async with ActorSystem(policy=FAST) as system:
-        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
-        other = await system.spawn(lambda: Counter([]), name="other", accepts=Counter.accepts)
+        ref = await system.spawn(Counter, log, name="c")
+        other = await system.spawn(Counter, [], name="other")
         await ref.ask(Add(3))
         with pytest.raises(ActorCrashed) as info:
             await ref.ask(Panic())
@@ -219,7 +242,7 @@ class StartsOnce(Counter):
 async def test_an_actor_that_cannot_restart_fails_and_the_system_says_so() -> None:
     starts: list[int] = []
     async with ActorSystem(policy=FAST) as system:
-        ref = await system.spawn(lambda: StartsOnce(starts), name="gpu", accepts=Counter.accepts)
+        ref = await system.spawn(StartsOnce, starts, name="gpu")
         with pytest.raises(ActorCrashed):
             await ref.ask(Boom())
         with anyio.fail_after(5):
@@ -233,7 +256,7 @@ async def test_an_actor_that_cannot_restart_fails_and_the_system_says_so() -> No
 async def test_a_restarting_actor_is_reported_down() -> None:
     slow = RestartPolicy(backoff_initial_s=0.3, backoff_max_s=0.3)
     async with ActorSystem(policy=slow) as system:
-        ref = await system.spawn(lambda: Counter([]), name="c", accepts=Counter.accepts)
+        ref = await system.spawn(Counter, [], name="c")
         with pytest.raises(ActorCrashed):
             await ref.ask(Boom())
         assert system.down() == {"c": "restarting"}
@@ -244,7 +267,7 @@ async def test_a_restarting_actor_is_reported_down() -> None:
 async def test_stream_and_early_exit_cancels() -> None:
     log: list[str] = []
     async with ActorSystem() as system:
-        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
+        ref = await system.spawn(Counter, log, name="c")
         async with ref.stream(Count(upto=3)) as s:
             assert [item.i async for item in s] == [0, 1, 2]
         async with ref.stream(Count(upto=3, hold=True)) as s:
@@ -261,7 +284,7 @@ async def test_stream_and_early_exit_cancels() -> None:
 async def test_cancelling_the_consumer_task_cancels_the_work() -> None:
     log: list[str] = []
     async with ActorSystem() as system:
-        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
+        ref = await system.spawn(Counter, log, name="c")
 
         async def consume() -> None:
             async with ref.stream(Count(upto=1, hold=True)) as s:
@@ -279,7 +302,7 @@ async def test_cancelling_the_consumer_task_cancels_the_work() -> None:
 async def test_orderly_shutdown() -> None:
     log: list[str] = []
     async with ActorSystem() as system:
-        ref = await system.spawn(lambda: Counter(log), name="c", accepts=Counter.accepts)
+        ref = await system.spawn(Counter, log, name="c")
         async with ref.stream(Count(upto=0, hold=True)) as held:
             await ref.tell(Add(1))
             await system.stop()
@@ -325,7 +348,7 @@ class Worker(Actor):
 
 async def test_jobs_run_beside_the_mailbox_and_fail_alone() -> None:
     async with ActorSystem(policy=FAST) as system:
-        ref = await system.spawn(Worker, name="w", accepts=Worker.accepts)
+        ref = await system.spawn(Worker, name="w")
         results: list[int] = []
 
         async def one(s: float) -> None:

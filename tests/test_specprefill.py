@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from mlx_relay.engine.loader import load_model
-from mlx_relay.engine.messages import Generate, SamplingParams, ScorePrompt, SparsePrefill
 from mlx_relay.engine.row_prefill import sparse_row
+from mlx_relay.messages.gpu import Generate, SamplingParams
+from mlx_relay.messages.specprefill import ScorePlan, SparsePrefill
 from mlx_relay.specprefill.selection import kept_positions, select_chunks
 from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.reference import greedy_reference, sparse_greedy_reference
@@ -118,19 +119,19 @@ def test_scoring_runs_between_decode_steps(gpu: Callable, loaded: Any, fp32_mode
     prompt = long_prompt(640, seed=2)
 
     def run() -> tuple[int, int, int, list[int], list[int]]:
-        d = Driver(loaded, prefix_cache=True, prefill_step_size=step, mtp_max_batch=0)
-        d.engine.load_draft(str(fp32_model))
+        d = Driver(loaded, prefix_cache=True, prefill_step_size=step, mtp_max_batch=0, draft_model=str(fp32_model))
         a = d.add(Generate("a", [7, 8, 9, 10], SamplingParams(max_tokens=200)))
         while not d.tokens[a]:
             d.step()
         before, steps0 = len(d.tokens[a]), d.steps
-        d.engine.score(ScorePrompt("b", prompt, window=8))
+        # scored, selected and prefilled in one visit to the engine
+        b = d.add(Generate("b", prompt, SamplingParams(max_tokens=8), score=ScorePlan(0, 0.3, 16, 8)))
         while "b" not in d.scored:
             d.step()
         scoring_steps = d.steps - steps0
-        assert d.scored["b"].error is None
-        sel = select_chunks(d.scored["b"].scores, start=0, chunk_size=16, keep_fraction=0.3)
-        b = d.add(Generate("b", prompt, SamplingParams(max_tokens=8), sparse=sel))
+        outcome = d.scored["b"]
+        assert outcome.report.ran and outcome.report.fallback is None and outcome.sparse is not None
+        sel = outcome.sparse
         while not d.tokens[b]:
             d.step()
         total_steps = d.steps - steps0

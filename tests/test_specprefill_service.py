@@ -124,7 +124,7 @@ def test_wire_reports_and_rejects(server: LiveServer) -> None:
 async def test_a_request_that_leaves_while_scored_frees_its_job(fp32_model: Path) -> None:
     import anyio
 
-    from mlx_relay.engine.messages import EngineStats, GetEngineStats
+    from mlx_relay.messages.gpu import EngineStats, GetEngineStats
 
     async with Relay.start(fp32_model, specprefill_draft_model=str(fp32_model), prefix_cache=False,
                            **{**SETTINGS, "prefill_step_size": 16}) as relay:

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlx_relay.engine.messages import GetEngineStats
 from mlx_relay.relay import Relay
 from mlx_relay.testing.live_server import LiveServer
 
@@ -75,18 +74,19 @@ async def test_mixed_batch_returns_what_each_returns_alone(relay: Relay) -> None
 
 
 async def test_a_repeated_image_is_not_re_encoded(relay: Relay) -> None:
-    assert relay.service is not None
-    gpu = relay.service.gpu
     url = png_data_url(5)
-    before = await gpu.ask(GetEngineStats())
+    before = (await relay.prefix_cache_stats())["vision_cache"]
     first = await relay.chat(image_message("one", url), max_tokens=4, temperature=0)
-    mid = await gpu.ask(GetEngineStats())
+    mid = (await relay.prefix_cache_stats())["vision_cache"]
     second = await relay.chat(image_message("two", url, png_data_url(6)), max_tokens=4, temperature=0)
-    after = await gpu.ask(GetEngineStats())
+    after = (await relay.prefix_cache_stats())["vision_cache"]
     assert first.completion_tokens and second.completion_tokens
-    assert mid.vision_cache_misses == before.vision_cache_misses + 1
-    assert after.vision_cache_hits == mid.vision_cache_hits + 1  # the repeated image
-    assert after.vision_cache_misses == mid.vision_cache_misses + 1  # only the new one is encoded
+    assert mid["misses"] == before["misses"] + 1
+    assert after["hits"] == mid["hits"] + 1  # the repeated image
+    assert after["misses"] == mid["misses"] + 1  # only the new one is encoded
+    # the VisionExecutor's index and the features the GPU thread holds agree
+    held = await relay.engine_stats()
+    assert held.features == after["entries"] and held.feature_bytes == after["bytes"]
 
 
 # -- the per-image encoding behind the feature cache equals encoding all images at once --------
@@ -100,7 +100,7 @@ def test_per_image_encoding_equals_whole_batch_encoding(gpu: Callable, fp32_mode
         import mlx.core as mx
         import mlx_vlm
 
-        from mlx_relay.engine.vision import FeatureCache, _encode
+        from mlx_relay.engine.features import FeatureStore
 
         model, _ = mlx_vlm.load(str(fp32_model))
         from mlx_relay.media.items import DecodedImage
@@ -111,7 +111,7 @@ def test_per_image_encoding_equals_whole_batch_encoding(gpu: Callable, fp32_mode
         pixels, grid, _ = processor.preprocess_images(images, ["a", "b"])
         px, gr = mx.array(pixels), mx.array(grid)
         whole, *_ = model.vision_tower(px, gr)
-        per_image = _encode(model, px, gr, ("a", "b"), FeatureCache(1 << 30))
+        per_image = FeatureStore()._encode(model, px, gr, ("a", "b"), [])
         return float(mx.abs(whole - per_image).max())
 
     assert gpu(run) < 1e-4

@@ -11,7 +11,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_relay.engine.batch_engine import BatchEngine
+from mlx_relay.config import EngineConfig
+from mlx_relay.engine.core import EngineCore
 from mlx_relay.engine.loader import load_model
 from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.mtp_lane import MTPLane
@@ -36,11 +37,12 @@ def test_text_and_vision_paths_share_the_language_model_weights(gpu: Callable, f
         mx.synchronize()
         grew = mx.get_active_memory() - before
         # and the engine that serves both paths
-        engine = BatchEngine(loaded, max_num_seqs=4, prefill_batch_size=2, prefill_step_size=64, seed=0,
-                             emit=lambda _events: None, mtp=True)
-        head = engine.mtp_head
-        assert head is not None
-        plain_lm, text_lm = engine.lane_models
+        engine = EngineCore(loaded, EngineConfig(str(fp32_model), max_num_seqs=4, prefill_batch_size=2,
+                                                 prefill_step_size=64), prefix_cache=True)
+        mtp_lane = engine.lanes["mtp"]
+        assert isinstance(mtp_lane, MTPLane)
+        head = mtp_lane.head
+        plain_lm, text_lm = engine.lanes["plain"].lm, mtp_lane.lm  # type: ignore[attr-defined]
         ids = {name: id(v) for name, v in tree_flatten(lm.parameters())}
         out = {
             "grew": grew,

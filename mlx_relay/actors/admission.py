@@ -15,61 +15,29 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from typing import Literal
-
-import msgspec
 
 from mlx_relay.config import AdmissionConfig
 from mlx_relay.errors import InvalidRequest, NotReady, Overloaded
+from mlx_relay.messages.admission import (
+    Acquire,
+    AdmissionStats,
+    GetStats,
+    Granted,
+    Idle,
+    SetState,
+    State,
+    WhenIdle,
+)
 from mlx_relay.runtime import Actor, ReplyStream
-
-State = Literal["loading", "warming", "ready", "failed", "draining"]
-
-
-class Acquire(msgspec.Struct, frozen=True):
-    request_id: str
-    slots: int = 1  # a request with n choices holds n slots, granted together (no partial holds)
-
-
-class Granted(msgspec.Struct, frozen=True):
-    waited_s: float
-
-
-class SetState(msgspec.Struct, frozen=True):
-    state: State
-    detail: str = ""
-
-
-class GetStats(msgspec.Struct, frozen=True):
-    pass
-
-
-class WhenIdle(msgspec.Struct, frozen=True):
-    """Stream request: one `Idle` as soon as no slot is held (at once if none is)."""
-
-
-class Idle(msgspec.Struct, frozen=True):
-    pass
-
-
-class AdmissionStats(msgspec.Struct, frozen=True):
-    state: State
-    detail: str
-    running: int
-    queued: int
-    max_num_seqs: int
-    max_queue: int
-    admitted: int
-    rejected_overloaded: int
-    rejected_not_ready: int
 
 
 class Admission(Actor):
     accepts = (Acquire, SetState, GetStats, WhenIdle)
     mailbox_capacity = 4096
 
-    def __init__(self, config: AdmissionConfig) -> None:
+    def __init__(self, config: AdmissionConfig, max_num_seqs: int) -> None:
         self.config = config
+        self.max_num_seqs = max_num_seqs  # the engine's (`EngineConfig.max_num_seqs`): one slot a sequence
         self.state: State = "loading"
         self.detail = ""
         self.running: dict[int, tuple[float, int]] = {}  # stream id -> (granted at, slots)
@@ -99,7 +67,7 @@ class Admission(Actor):
                     detail=self.detail,
                     running=self._used(),
                     queued=len(self.queue),
-                    max_num_seqs=self.config.max_num_seqs,
+                    max_num_seqs=self.max_num_seqs,
                     max_queue=self.config.max_queue,
                     admitted=self.admitted,
                     rejected_overloaded=self.rejected_overloaded,
@@ -128,16 +96,16 @@ class Admission(Actor):
         if self.state != "ready":
             self.rejected_not_ready += 1
             raise NotReady(f"the server is {self.state}" + (f": {self.detail}" if self.detail else ""))
-        if not 1 <= slots <= self.config.max_num_seqs:
-            raise InvalidRequest(f"this server decodes at most {self.config.max_num_seqs} sequences at once; "
+        if not 1 <= slots <= self.max_num_seqs:
+            raise InvalidRequest(f"this server decodes at most {self.max_num_seqs} sequences at once; "
                                  f"{slots} were asked for", param="n")
-        if self._used() + slots <= self.config.max_num_seqs and not self.queue:
+        if self._used() + slots <= self.max_num_seqs and not self.queue:
             self._grant(stream, time.monotonic(), slots)
         elif len(self.queue) < self.config.max_queue:
             self.queue[stream.id] = (stream, time.monotonic(), slots)
         else:
             self.rejected_overloaded += 1
-            waves = (len(self.queue) + 1) / self.config.max_num_seqs
+            waves = (len(self.queue) + 1) / self.max_num_seqs
             retry = max(1, math.ceil(self.mean_hold_s * waves))
             raise Overloaded(
                 f"server overloaded: {len(self.running)} running, {len(self.queue)} queued",
@@ -165,7 +133,7 @@ class Admission(Actor):
             if not waiting.open:
                 del self.queue[head_id]
                 continue
-            if self._used() + slots > self.config.max_num_seqs:
+            if self._used() + slots > self.max_num_seqs:
                 break
             del self.queue[head_id]
             self._grant(waiting, since, slots)

@@ -1,13 +1,18 @@
 """MediaRouter: sends a rendered request down the text path or the vision path.
 
-It sits between the Normalizer (which renders one placeholder per image/video part) and the
-executors. A request without media goes to the text path unchanged. For one with media it
-checks the counts and the prompt's placeholders, fetches every item (data URLs, confined local
-files, guarded http(s); see `mlx_relay.media.fetch`), then in a worker thread decodes them under
-the size limits, runs the checkpoint's numpy image/video processors and expands each placeholder
-to one token per vision token. The reply carries numpy arrays as bytes (`VisionInputs`); MLX is
-never touched here. The processor is loaded in `on_start`, in a worker thread; a text-only
-checkpoint has none, and a request with media is then refused with a 400.
+    Normalizer --Route--> MediaRouter --> Routed (text, or vision: expanded, pixels ready)
+
+The Normalizer renders one placeholder per image/video part and hands a request with media on
+to it. A request without media goes to the text path unchanged. For one with media it checks
+the counts and the prompt's placeholders, fetches every item (data URLs, confined local files,
+guarded http(s); see `mlx_relay.media.fetch`), then in a worker thread decodes them under the
+size limits, runs the checkpoint's numpy image/video processors and expands each placeholder to
+one token per vision token. The expansion moves the prompt's boundaries, so they are moved here:
+the system prompt's end (0 when a media item precedes it) and the reply's start, and each
+expanded item's span is keyed by its content hash for the prefix cache. The reply carries numpy
+arrays as bytes (`VisionInputs`); MLX is never touched here. The processor is loaded in
+`on_start`, in a worker thread; a text-only checkpoint has none, and a request with media is
+then refused with a 400 (the one place that checks).
 
 Requests are handled one at a time (an ask's reply is the handler's return value); a request's
 items are fetched concurrently, and all CPU work runs off the event loop.
@@ -17,13 +22,11 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Literal
 
 import anyio
-import msgspec
 
+from mlx_relay.cache.prefix_keys import MediaSpan
 from mlx_relay.chat.normalize import media_parts
-from mlx_relay.chat.types import ChatMessage
 from mlx_relay.config import MediaConfig
 from mlx_relay.errors import InvalidRequest
 from mlx_relay.media.expand import check_placeholders
@@ -31,25 +34,10 @@ from mlx_relay.media.limits import check_media_counts
 from mlx_relay.media.pipeline import fetch_all, media_kinds, prepare_vision
 from mlx_relay.media.preprocess import VisionProcessor, checkpoint_has_vision, load_vision_processor
 from mlx_relay.media.tensors import VisionInputs
+from mlx_relay.messages.prompt import Route, Routed
 from mlx_relay.runtime import Actor, ReplyStream
 
 __all__ = ["MediaRouter", "Route", "Routed"]
-
-
-class Route(msgspec.Struct, frozen=True):
-    """Ask: route a rendered request. `prompt_tokens` hold one placeholder per media part of
-    `messages`, in `media_parts(messages)` order. Reply: `Routed`."""
-
-    messages: list[ChatMessage]
-    prompt_tokens: list[int]
-
-
-class Routed(msgspec.Struct, frozen=True):
-    """`text`: `prompt_tokens` unchanged, `vision` None. `vision`: placeholders expanded, pixels ready."""
-
-    path: Literal["text", "vision"]
-    prompt_tokens: list[int]
-    vision: VisionInputs | None = None
 
 
 class MediaRouter(Actor):
@@ -67,7 +55,8 @@ class MediaRouter(Actor):
     async def receive(self, msg: Route, stream: ReplyStream | None) -> Routed:
         parts = media_parts(msg.messages)
         if not parts:
-            return Routed(path="text", prompt_tokens=msg.prompt_tokens, vision=None)
+            return Routed(path="text", prompt_tokens=msg.prompt_tokens, vision=None, system_end=msg.system_end,
+                          reply_start=msg.reply_start)
         if self.processor is None:
             raise InvalidRequest("this model has no vision tower: send text only", param="messages")
         kinds = media_kinds(parts)
@@ -77,4 +66,19 @@ class MediaRouter(Actor):
         tokens, vision = await anyio.to_thread.run_sync(
             partial(prepare_vision, self.processor, self.config, fetched, msg.prompt_tokens)
         )
-        return Routed(path="vision", prompt_tokens=tokens, vision=vision)
+        return routed_vision(msg, tokens, vision)
+
+
+def routed_vision(msg: Route, tokens: list[int], vision: VisionInputs) -> Routed:
+    """The expanded prompt with its boundaries moved: the system prompt's end holds if no media
+    item was expanded before it (else 0); the reply's start follows every message, so every
+    expanded item precedes it and it moves by the whole expansion."""
+    media: list[MediaSpan] | None = None
+    if len(vision.spans) == len(vision.content_hashes):  # every item keyed: its prefix can be reused
+        media = [MediaSpan(a, b, h) for (a, b), h in zip(vision.spans, vision.content_hashes, strict=True)]
+    system_end = msg.system_end
+    if vision.spans and system_end > vision.spans[0][0]:
+        system_end = 0
+    reply_start = msg.reply_start + len(tokens) - len(msg.prompt_tokens) if msg.reply_start else 0
+    return Routed(path="vision", prompt_tokens=tokens, vision=vision, system_end=system_end, reply_start=reply_start,
+                  media=media)

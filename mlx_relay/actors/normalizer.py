@@ -1,6 +1,7 @@
 """Normalizer: turns a chat request into prompt tokens, several at once, none delaying another.
 
-    ChatService --Render (one-reply stream)--> Normalizer --> RenderedPrompt
+    ChatService --Render (one-reply stream)--> Normalizer --> Prompt
+        (a request with images or video: Normalizer --Route--> MediaRouter on the way)
 
 It owns the tokenizer and chat template (loaded from the checkpoint, no MLX) through a
 `chat.prompt_render.PromptRenderer`. Cheap checks run in the handler (reserved template kwargs, a
@@ -9,7 +10,10 @@ context); the render itself (normalize, template, tokenize, grammar) is a job in
 so the mailbox keeps moving. Two lanes (`PromptConfig`): prompts up to `large_prompt_bytes` in
 one pool, larger ones in another of a few workers, so a 10 MB prompt never queues a small one;
 each render has a deadline (`render_timeout_s`, a 400 past it). A client that leaves cancels its
-render's wait. Client-supplied templates render in `TemplateSandbox`'s process.
+render's wait. Client-supplied templates render in `TemplateSandbox`'s process. A prompt with
+media parts goes on to the MediaRouter (its reference given at construction) from the same job,
+so the requester gets the final prompt, expanded, in one reply; the normalized messages never
+travel back.
 """
 
 from __future__ import annotations
@@ -19,14 +23,15 @@ from typing import Any
 
 import anyio
 
-from mlx_relay.chat.prompt_render import PromptRenderer, Render, RenderedPrompt, prompt_chars
+from mlx_relay.chat.prompt_render import PromptRenderer, prompt_chars
 from mlx_relay.chat.reply_parser import tool_format_for_template
 from mlx_relay.chat.template_sandbox import TemplateSandbox
 from mlx_relay.config import PromptConfig
 from mlx_relay.errors import InvalidRequest
-from mlx_relay.runtime import Actor, ReplyStream
+from mlx_relay.messages.prompt import Prompt, Render, RenderedPrompt, Route, Routed
+from mlx_relay.runtime import Actor, ActorRef, ReplyStream
 
-__all__ = ["Normalizer", "PromptTooSlow", "Render", "RenderedPrompt"]
+__all__ = ["Normalizer", "PromptTooSlow"]
 
 
 class PromptTooSlow(InvalidRequest):
@@ -45,9 +50,10 @@ class Normalizer(Actor):
     accepts = (Render,)
     mailbox_capacity = 1024
 
-    def __init__(self, model_path: Path, config: PromptConfig = PromptConfig()) -> None:
+    def __init__(self, model_path: Path, config: PromptConfig, media: ActorRef) -> None:
         self.model_path = model_path
         self.config = config
+        self.media = media
         self.renderer: PromptRenderer | None = None
         self._small = anyio.CapacityLimiter(config.small_workers)
         self._large = anyio.CapacityLimiter(config.large_workers)
@@ -72,7 +78,17 @@ class Normalizer(Actor):
         self.renderer.check(msg)
         large = prompt_chars(msg.messages, msg.raw_prompt if isinstance(msg.raw_prompt, str) else None) \
             > self.config.large_prompt_bytes
-        self.start_job(stream, lambda: self._render(msg, self._large if large else self._small))
+        self.start_job(stream, lambda: self._prepare(msg, self._large if large else self._small))
+
+    async def _prepare(self, msg: Render, lane: anyio.CapacityLimiter) -> Prompt:
+        rendered = await self._render(msg, lane)
+        routed = Routed("text", rendered.token_ids, None, rendered.system_end, rendered.reply_start)
+        if rendered.num_media:
+            routed = await self.media.ask(Route(rendered.messages, rendered.token_ids, rendered.system_end,
+                                                rendered.reply_start))
+        return Prompt(routed.prompt_tokens, routed.vision, routed.media, routed.system_end, routed.reply_start,
+                      multi_turn=any(m.role in ("assistant", "tool") for m in rendered.messages),
+                      think_open=rendered.think_open, grammar=rendered.grammar, tool_format=rendered.tool_format)
 
     async def _render(self, msg: Render, lane: anyio.CapacityLimiter) -> RenderedPrompt:
         assert self.renderer is not None

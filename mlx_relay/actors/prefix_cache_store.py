@@ -5,9 +5,12 @@ by content hash, a byte budget with LRU eviction over unpinned entries). It neve
 array: the snapshots themselves live on the GPU executor's thread behind integer handles.
 
     ChatService --Lookup--> store: match (pinned) + what to snapshot  --> PrefixPlan
-    GPUExecutor --Insert--> store: a snapshot now exists (system-prompt end, or a finished turn)
+    GPUExecutor --SnapshotTaken--> store: a snapshot now exists (system-prompt end, or a finished turn)
     store --FreeSnapshots--> GPUExecutor: handles evicted, rejected or flushed
     ChatService --Release--> store: the request is over (unpin, forget its keys)
+
+Its byte budget is the GPUExecutor's (`ModelInfo.prefix_cache_bytes`: a share of the device's
+memory unless configured).
 
 Snapshot boundaries are the ones agents reuse: the end of the (normalized) system prompt, the
 end of the prompt's last image or video (asked about again with another question), and the end
@@ -31,65 +34,26 @@ from collections.abc import Sequence
 
 import msgspec
 
-from mlx_relay.cache.prefix_index import Entry, IndexStats, Inserted, PrefixIndex, SnapshotKind
+from mlx_relay.cache.prefix_index import Entry, Inserted, PrefixIndex, SnapshotKind
 from mlx_relay.cache.prefix_keys import MediaSpan, PrefixKeys
-from mlx_relay.engine.messages import FreeSnapshots, PrefixPlan, SnapshotTaken
+from mlx_relay.messages.prefix_cache import (
+    Flush,
+    Flushed,
+    FreeSnapshots,
+    GetPrefixStats,
+    Lookup,
+    PrefixPlan,
+    PrefixStats,
+    Release,
+    SnapshotTaken,
+)
 from mlx_relay.runtime import Actor, ActorRef, ReplyStream
 
 
 class PrefixCacheConfig(msgspec.Struct, frozen=True):
-    budget_bytes: int
+    budget_bytes: int  # the GPUExecutor's (`ModelInfo.prefix_cache_bytes`)
     min_snapshot_tokens: int = 256  # a shorter system prompt is not worth a snapshot
     snapshot_turns: bool = True
-
-
-class Lookup(msgspec.Struct, frozen=True):
-    """Ask: the plan for a prompt. Reply: PrefixPlan (its restore entry pinned until Release)."""
-
-    request_id: str
-    tokens: list[int]
-    media: list[MediaSpan] = []
-    system_end: int = 0  # where the normalized system prompt ends in `tokens` (0: none)
-    reply_start: int = 0  # how much of `tokens` the conversation's next turn will repeat
-    multi_turn: bool = False  # the conversation already has an assistant (or tool) message
-    has_tools: bool = False  # the request declares tools (an agent)
-
-
-class Insert(msgspec.Struct, frozen=True):
-    """Tell: register a snapshot the GPU executor took for a request."""
-
-    snapshot: SnapshotTaken
-
-
-class Release(msgspec.Struct, frozen=True):
-    """Tell: the request is over."""
-
-    request_id: str
-
-
-class Flush(msgspec.Struct, frozen=True):
-    """Ask: drop every unpinned snapshot. Reply: Flushed."""
-
-
-class Flushed(msgspec.Struct, frozen=True):
-    entries: int
-    bytes: int
-
-
-class GetPrefixStats(msgspec.Struct, frozen=True):
-    """Ask. Reply: PrefixStats."""
-
-
-class PrefixStats(IndexStats, frozen=True):
-    """The index's counters (`by_kind`: per snapshot kind), and what the store itself counts."""
-
-    enabled: bool
-    inserts: int
-    rejected: int
-    system_entries: int
-    media_entries: int
-    turn_entries: int
-    turns_skipped: int  # turn snapshots not taken: a one-shot chat, no next turn likely
 
 
 class _Pending(msgspec.Struct):
@@ -101,7 +65,7 @@ class _Pending(msgspec.Struct):
 
 
 class PrefixCacheStore(Actor):
-    accepts = (Lookup, Insert, Release, Flush, GetPrefixStats)
+    accepts = (Lookup, SnapshotTaken, Release, Flush, GetPrefixStats)
     mailbox_capacity = 4096
 
     def __init__(self, config: PrefixCacheConfig, gpu: ActorRef) -> None:
@@ -111,13 +75,13 @@ class PrefixCacheStore(Actor):
         self._pending: dict[str, _Pending] = {}
         self._inserts = self._rejected = self._turns_skipped = 0
 
-    async def receive(self, msg: Lookup | Insert | Release | Flush | GetPrefixStats,
+    async def receive(self, msg: Lookup | SnapshotTaken | Release | Flush | GetPrefixStats,
                       stream: ReplyStream | None) -> object:
         match msg:
             case Lookup():
                 return self._lookup(msg)
-            case Insert():
-                await self._free(self._insert(msg.snapshot))
+            case SnapshotTaken():
+                await self._free(self._insert(msg))
                 return None
             case Release():
                 pending = self._pending.pop(msg.request_id, None)

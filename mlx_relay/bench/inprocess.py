@@ -1,6 +1,6 @@
 """The in-process driver: drives a `Relay` (the engine's actors) directly, without HTTP.
 
-Each request becomes a `ChatRequest` for `relay.service.generate`, whose TokenDelta ... Finished
+Each request becomes a `ChatRequest` for `Relay.generate` (the public in-process API), whose TokenDelta ... Finished
 events are timed like stream chunks. The engine's typed errors map onto the HTTP error classes
 through their status (429 -> `http_429`, 4xx, 5xx); the event stream is checked as a stream is
 (one Finished, nothing after it, no end without it).
@@ -18,8 +18,8 @@ import msgspec
 from mlx_relay.bench.records import ErrorKind, Measurement, Outcome, ViolationKind, error_kind_for_status
 from mlx_relay.bench.workload import BenchRequest
 from mlx_relay.chat.types import ChatMessage, ToolDef
-from mlx_relay.engine.messages import Finished, TokenDelta
-from mlx_relay.errors import NotReady, RelayError
+from mlx_relay.errors import RelayError
+from mlx_relay.messages.gpu import Finished, TokenDelta
 from mlx_relay.service import ChatRequest
 
 if TYPE_CHECKING:
@@ -54,10 +54,7 @@ class InProcessDriver:
         detail = ""
         with anyio.move_on_after(self.timeout_s) as scope:
             try:
-                service = self.relay.service
-                if service is None:
-                    raise NotReady(f"the relay is {self.relay.state}")
-                async with service.generate(chat_request(request)) as events:
+                async with self.relay.generate(chat_request(request)) as events:
                     async for ev in events:
                         if isinstance(ev, TokenDelta) and ev.text:
                             if finished and "content_after_finish" not in violations:

@@ -42,10 +42,6 @@ class Match(msgspec.Struct, frozen=True):
 
     entry: Entry | None
 
-    @property
-    def cached_tokens(self) -> int:
-        return 0 if self.entry is None else self.entry.length
-
 
 class Inserted(msgspec.Struct, frozen=True):
     entry: Entry
@@ -161,11 +157,6 @@ class PrefixIndex:
         self._bytes += nbytes
         self._kind[kind].inserts += 1
         return Inserted(entry, evicted)
-
-    def evict(self, nbytes: int) -> Evicted:
-        """Free at least `nbytes` (fewer if the rest is pinned), never-hit turn snapshots first,
-        then the least recently used."""
-        return Evicted(self._evict_until(max(self._bytes - nbytes, 0)))
 
     def flush(self) -> Evicted:
         """Drop every unpinned entry."""

@@ -25,41 +25,9 @@ import msgspec
 from mlx_relay.chat.grammar import GrammarError, OutputConstraint, build_grammar, check_grammar, check_schema
 from mlx_relay.chat.normalize import NormalizationError, media_parts, normalize_messages, to_template_messages
 from mlx_relay.chat.template_sandbox import TemplateFailed, TemplateSandbox
-from mlx_relay.chat.types import ChatMessage, TextPart, ToolDef
+from mlx_relay.chat.types import ChatMessage, TextPart
 from mlx_relay.errors import ContextLengthExceeded, InvalidRequest
-
-
-class Render(msgspec.Struct, frozen=True):
-    """Normalize, apply the chat template, tokenize. Reply: RenderedPrompt."""
-
-    messages: list[ChatMessage]
-    tools: list[ToolDef] | None = None
-    template_kwargs: dict[str, Any] = {}
-    # /v1/completions: a raw prompt, tokenized as it is (no template, no normalization)
-    raw_prompt: str | list[int] | None = None
-    constraint: OutputConstraint | None = None  # response_format / required tool calls
-    # a prompt longer than this is ContextLengthExceeded, found before tokenizing where the text
-    # alone proves it (None: no bound)
-    max_prompt_tokens: int | None = None
-    chat_template: str | None = None  # the request's own template (only if the server allows it)
-
-
-class RenderedPrompt(msgspec.Struct, frozen=True):
-    token_ids: list[int]
-    num_media: int
-    messages: list[ChatMessage]  # normalized: the MediaRouter reads the media parts from these
-    # where the (normalized, hoisted, merged) system prompt ends in `token_ids`: the prefix every
-    # turn of an agent's conversation shares (0: no system prompt before other messages)
-    system_end: int = 0
-    # how many leading tokens the next turn's prompt repeats (this prompt and its reply rendered
-    # as history): the conversation's state there is what turn N+1 restores
-    reply_start: int = 0
-    # the prompt ends inside an open thinking block (the template opened `<think>`): the reply
-    # starts with reasoning
-    think_open: bool = False
-    grammar: str | None = None  # llguidance grammar enforcing the request's constraint (validated)
-    tool_format: str | None = None  # the model's tool-call syntax (`reply_parser.TOOL_FORMATS`)
-
+from mlx_relay.messages.prompt import Render, RenderedPrompt
 
 # what a template raises on data it cannot render (a missing key, a wrong type, its own
 # raise_exception): the client's input is at fault
@@ -231,10 +199,7 @@ class PromptRenderer:
         if isinstance(prompt, str):
             ids = list(self._encode(prompt, msg.max_prompt_tokens).ids)
             return RenderedPrompt(token_ids=ids, num_media=0, messages=[], think_open=thinking_left_open(prompt))
-        assert prompt is not None
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in prompt):
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        assert prompt is not None  # token ids: checked against the model's vocabulary by the GPUExecutor
         return RenderedPrompt(token_ids=list(prompt), num_media=0, messages=[])
 
     def _reply_start(self, template_messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any], text: str,

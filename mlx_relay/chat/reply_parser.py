@@ -28,9 +28,9 @@ import uuid
 from typing import Any
 
 import msgspec
-from mlx_lm.tool_parsers import json_tools, qwen3_coder
 
 from mlx_relay.chat import tool_schema
+from mlx_relay.chat.library_tool_parsers import json_tools, qwen3_coder
 from mlx_relay.chat.output import (
     ContentDelta,
     ReasoningDelta,
@@ -300,13 +300,13 @@ class ReplyParser:
         text unless it is a JSON object or array), which misreads nullable types, anyOf and $ref;
         so each value is also read as the raw text and as JSON, and the schema picks the reading."""
         try:
-            raw = qwen3_coder.parse_tool_call(text)
+            raw = qwen3_coder().parse_tool_call(text)
         except ValueError as e:
             raise ToolCallInvalid(f"the tool call could not be read ({e}): {text[:200]!r}") from e
         name = raw["name"]
         self._check_declared(name)
         try:
-            typed = qwen3_coder.parse_tool_call(text, [self._dicts[name]])["arguments"]
+            typed = qwen3_coder().parse_tool_call(text, [self._dicts[name]])["arguments"]
         except ValueError:  # a value its "type" cannot hold, e.g. "abc" for an integer: the schema will say
             typed = {}
         candidates = {key: _readings(key, value, typed) for key, value in raw["arguments"].items()}
@@ -316,7 +316,7 @@ class ReplyParser:
         """A Hermes-style block through mlx-lm's parser: an object (or a list of them) with a
         "name" and "arguments" (an object, or a string holding one)."""
         try:
-            parsed = json_tools.parse_tool_call(text)
+            parsed = json_tools().parse_tool_call(text)
         except ValueError as e:
             raise ToolCallInvalid(f"the tool call is not valid JSON ({e})") from e
         calls = []

@@ -2,19 +2,19 @@
 
 SpecPrefill prefills a long prompt sparsely: a small *draft* model that shares the target's
 tokenizer reads the whole prompt, and the attention that the prompt's last ``window`` query
-positions pay to each token is that token's importance. The SpecPrefillScorer actor asks for
-the scores through the GPUExecutor with a ``ScorePrompt`` message
-(:mod:`mlx_relay.engine.messages`); the executor's BatchEngine runs the work here, on the
-GPUExecutor's thread and nowhere else (MLX arrays never leave it), one draft chunk per engine
-step so that the other requests' decode steps go on between the chunks of a long prompt. Which
-chunks of the prompt are then kept is decided elsewhere; this module only produces the scores.
+positions pay to each token is that token's importance. The engine's scoring stage
+(:mod:`mlx_relay.engine.scoring`) runs the work here, on the GPUExecutor's thread and nowhere
+else (MLX arrays never leave it), one draft chunk per engine step so that the other requests'
+decode steps go on between the chunks of a long prompt. Which chunks of the prompt are then
+kept is a pure function (:mod:`mlx_relay.specprefill.selection`); this module only produces the
+scores.
 
 * :meth:`DraftScorer.load` loads the draft with ``mlx_lm.load`` (a text model; mlx_lm also
   loads the language model of a qwen3_5 vision-language checkpoint), checks that its
   vocabulary is the target's, and wraps the ``self_attn`` module of every full-attention layer
   in a :class:`QueryProbe`, then checks on a short sequence that the probes reconstruct each
-  layer's attention exactly (:class:`DraftIncompatible` otherwise). ``load`` returns the
-  ``DraftInfo`` reply of ``LoadDraft`` as :attr:`DraftScorer.info`.
+  layer's attention exactly (:class:`DraftIncompatible` otherwise); what was loaded is
+  :attr:`DraftScorer.info` (reported in the GPUExecutor's ``ModelInfo``).
 * :meth:`DraftScorer.start` makes a :class:`ScoringJob`; each :meth:`ScoringJob.step` runs the
   draft over the next chunk with the job's own fresh cache and the last one returns the scores.
 
@@ -65,9 +65,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import msgspec
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_relay.engine.messages import DraftInfo
 from mlx_relay.errors import GenerationFailed, ModelLoadError
+from mlx_relay.messages.gpu import DraftInfo
 
 __all__ = [
     "DraftIncompatible",
@@ -456,8 +457,6 @@ class ScoringJob:
             return []
         try:
             if self._cache is None:
-                from mlx_lm.models.cache import make_prompt_cache
-
                 self._cache = make_prompt_cache(scorer.model)
             a, b = self._bounds[self._next]
             self._next += 1

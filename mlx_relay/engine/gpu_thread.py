@@ -4,7 +4,8 @@ MLX streams are thread-local and concurrent device access crashes, so model load
 decode, vision encoding and cache slicing all run here. Other code hands it callables through
 `submit` (returns a concurrent Future) and it interleaves them with the stepper's `step()`:
 commands are drained between steps, and the thread sleeps on its queue only when the stepper
-has no work. Nothing polls.
+has no work. Nothing polls. Each step's result that is not empty goes to `on_output` (the
+GPUExecutor posts it to the event loop in one call).
 
 A stopped GPUThread finishes its commands, drops its stepper and then *parks* (blocks, as a
 daemon) instead of exiting: MLX's CPU backend can abort the process at exit when a thread that
@@ -30,7 +31,7 @@ class Stepper(Protocol):
     @property
     def has_work(self) -> bool: ...
 
-    def step(self) -> None: ...
+    def step(self) -> Any: ...
 
 
 class _StopThread:
@@ -41,22 +42,20 @@ _STOP = _StopThread()
 
 
 class GPUThread:
-    def __init__(self, name: str, on_fatal: Callable[[BaseException], None]) -> None:
+    def __init__(self, name: str, on_fatal: Callable[[BaseException], None],
+                 on_output: Callable[[Any], None] = lambda _out: None) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | _StopThread] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._on_fatal = on_fatal
+        self._on_output = on_output
         self._stopped = threading.Event()
         self._park = threading.Event()  # never set: a stopped thread waits here until exit
         self.stepper: Stepper | None = None
 
     def start(self) -> None:
         self._thread.start()
-
-    @property
-    def ident(self) -> int | None:
-        return self._thread.ident
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
@@ -70,10 +69,6 @@ class GPUThread:
             self._queue.put(_STOP)
         return self._stopped.wait(timeout) if self._thread.is_alive() else True
 
-    @property
-    def stopped(self) -> bool:
-        return self._stopped.is_set()
-
     def _run(self) -> None:
         try:
             while True:
@@ -81,7 +76,9 @@ class GPUThread:
                 if not self._drain(block=not busy):
                     break
                 if self.stepper is not None and self.stepper.has_work:
-                    self.stepper.step()
+                    output = self.stepper.step()
+                    if output:
+                        self._on_output(output)
         except BaseException as exc:  # the loop itself broke: the owner restarts us
             log.exception("GPU thread died")
             self._on_fatal(exc)

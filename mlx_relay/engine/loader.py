@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx_vlm
 
 from mlx_relay.config import EngineConfig
-from mlx_relay.engine.messages import ModelInfo
 from mlx_relay.errors import ModelLoadError
+from mlx_relay.messages.gpu import ModelInfo
 
 
 def detect_backend() -> str:
@@ -118,8 +119,6 @@ def apply_memory_limits(config: EngineConfig) -> None:
 
 def load_model(path: Path) -> LoadedModel:
     """Load on the calling thread (which must be the GPU thread)."""
-    import mlx_vlm
-
     tic = time.perf_counter()
     config = read_config(path)
     model, processor = mlx_vlm.load(str(path))

@@ -66,10 +66,6 @@ class MTPHead:
     def load(cls, path: Path, lm: Any, *, exact: bool = True) -> MTPHead:
         return cls(load_mtp_drafter(path), lm, exact=exact)
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.drafter.layers)
-
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.drafter.layers]
 

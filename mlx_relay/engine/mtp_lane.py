@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 from mlx_vlm.speculative.cache_state import (
@@ -40,6 +40,7 @@ from mlx_vlm.speculative.cache_state import (
     start_speculative_cache,
 )
 
+from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
 from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.row_prefill import RowPrefill, as_batch_caches
 from mlx_relay.engine.sampling import RowSampler, processed_logprobs
@@ -48,7 +49,7 @@ from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
 
 @dataclass
 class MTPRow:
-    uid: int
+    rid: int
     prompt: list[int]
     max_tokens: int
     sampler: RowSampler | None = None  # None: greedy
@@ -68,7 +69,7 @@ class MTPRow:
 
 @dataclass
 class RoundResult:
-    tokens: dict[int, list[int]]  # uid -> tokens emitted this step
+    tokens: dict[int, list[int]]  # row -> tokens emitted this step
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -76,6 +77,8 @@ class RoundResult:
 
 
 class MTPLane:
+    name: Literal["mtp"] = "mtp"
+
     def __init__(self, lm: Any, head: MTPHead, *, block_size: int, prefill_step_size: int,
                  eos_token_ids: Sequence[int], exact_verify: bool = True) -> None:
         if block_size < 2:
@@ -104,9 +107,46 @@ class MTPLane:
         return bool(self.rows) or bool(self.prefilling)
 
     # -- membership -------------------------------------------------------------------------------
-    def add(self, row: MTPRow, restore: Snapshot | None = None, snapshot_at: Sequence[int] = ()) -> None:
-        """Queue a row for prefill: from scratch, or from `restore` (its state at restore.length;
-        the head's too when the snapshot has it), taking snapshots at `snapshot_at`."""
+    def add(self, spec: RowSpec) -> None:
+        """Queue a row for prefill: from scratch, or from `spec.restore` (its state at the
+        snapshot's length; the head's too when the snapshot has it), taking snapshots at
+        `spec.snapshot_at`. Every row of the lane verifies `block_size` tokens per round."""
+        if spec.block_size != self.k:
+            raise ValueError(f"this MTP lane verifies blocks of {self.k}, not {spec.block_size}")
+        self._add(MTPRow(rid=spec.rid, prompt=spec.prompt, max_tokens=spec.max_tokens, sampler=spec.sampler),
+                  spec.restore, spec.snapshot_at)
+
+    def cached_tokens(self, rid: int) -> int:
+        row = next((r for r in (*self.rows, *self.prefilling) if r.rid == rid), None)
+        return row.cached_tokens if row is not None else 0
+
+    def drafts(self, rid: int) -> tuple[int, int]:
+        """(drafted, accepted) of a row so far."""
+        row = next((r for r in (*self.rows, *self.prefilling) if r.rid == rid), None)
+        return (row.drafted, row.accepted) if row is not None else (0, 0)
+
+    def step(self) -> LaneStep:
+        """One round of the cohort, then one prefill chunk of the oldest joining row."""
+        out = LaneStep()
+        if self.rows:
+            result = self.round()
+            out.mtp_rounds, out.mtp_drafted, out.mtp_accepted = result.rounds, result.drafted, result.accepted
+            for row in self.rows:
+                tokens = result.tokens.get(row.rid)
+                if tokens:
+                    out.tokens.append(RowTokens(row.rid, tokens,
+                                                ending_of(tokens[-1], row.emitted, row.max_tokens, self.eos)))
+        joined = self.prefill_step()
+        for row in (*self.rows, *self.prefilling):
+            if row.snapshots:
+                out.snapshots.extend((row.rid, s) for s in row.snapshots)
+                row.snapshots.clear()
+        if joined is not None:
+            row, token = joined
+            out.tokens.append(RowTokens(row.rid, [token], ending_of(token, row.emitted, row.max_tokens, self.eos)))
+        return out
+
+    def _add(self, row: MTPRow, restore: Snapshot | None, snapshot_at: Sequence[int]) -> None:
         pre = RowPrefill(prompt=row.prompt, cache=self.lm.make_cache())
         row.dcache = self.head.make_cache()
         if restore is not None:
@@ -118,9 +158,9 @@ class MTPLane:
         row.pre = pre
         self.prefilling.append(row)
 
-    def extract(self, uid: int) -> Snapshot | None:
+    def extract(self, rid: int) -> Snapshot | None:
         """The state of a cohort row: every emitted token but the last (target caches only)."""
-        i = next((i for i, r in enumerate(self.rows) if r.uid == uid), None)
+        i = next((i for i, r in enumerate(self.rows) if r.rid == rid), None)
         if i is None or self._cache is None:
             return None
         row = self.rows[i]
@@ -129,12 +169,12 @@ class MTPLane:
         entries, nbytes = snapshot_caches(caches, length)
         return Snapshot(length=length, target=entries, nbytes=nbytes)
 
-    def remove(self, uid: int) -> None:
+    def remove(self, rid: int) -> None:
         for i, row in enumerate(self.prefilling):
-            if row.uid == uid:
+            if row.rid == rid:
                 del self.prefilling[i]
                 return
-        keep = [i for i, row in enumerate(self.rows) if row.uid != uid]
+        keep = [i for i, row in enumerate(self.rows) if row.rid != rid]
         if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in keep]
@@ -330,7 +370,7 @@ class MTPLane:
             row.accepted += took[i]
             result.drafted += k - 1
             result.accepted += took[i]
-            result.tokens[row.uid] = replay[i]
+            result.tokens[row.rid] = replay[i]
             row.emitted += len(replay[i])
         return result
 

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from mlx_relay.engine.messages import SparsePrefill
+from mlx_relay.messages.specprefill import SparsePrefill
 
 
 def as_batch_caches(caches: list[Any]) -> list[Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlx_relay.engine.messages import SamplingParams
+from mlx_relay.messages.gpu import SamplingParams
 
 
 class RowSampler:

@@ -9,7 +9,7 @@ import msgspec
 
 from mlx_relay.chat.output import ReplyDone, TokenLogprob
 from mlx_relay.chat.types import ChatMessage, ToolDef
-from mlx_relay.engine.messages import Finished
+from mlx_relay.messages.gpu import Finished
 from mlx_relay.specprefill.report import SpecPrefillReport
 
 

@@ -95,6 +95,11 @@ class ActorRef(Generic[A]):
     def name(self) -> str:
         return self._cell.name
 
+    @property
+    def cell(self) -> ActorCell:
+        """The cell behind this reference (the actor system starts and supervises it)."""
+        return self._cell
+
     async def tell(self, msg: msgspec.Struct) -> None:
         await self._cell.mailbox.put(Envelope(msg))
 
@@ -146,16 +151,18 @@ class ActorCell:
 
     def __init__(
         self,
-        factory: Callable[[], Actor],
+        actor_class: type[Actor],
         name: str,
-        accepts: tuple[type[msgspec.Struct], ...],
-        capacity: int,
         policy: RestartPolicy = RestartPolicy(),
         on_failed: Callable[[ActorCell], None] | None = None,
     ) -> None:
-        self.factory = factory
+        if not actor_class.accepts:
+            raise ValueError(f"actor {name}: {actor_class.__name__} declares no message types it accepts")
+        self.actor_class = actor_class
+        self.factory: Callable[[], Actor] | None = None  # set when the actor is started (its arguments)
         self.name = name
-        self.mailbox = Mailbox(name, (*accepts, StreamCancelled, Crash, Stop), capacity)
+        self.mailbox = Mailbox(name, (*actor_class.accepts, StreamCancelled, Crash, Stop),
+                               actor_class.mailbox_capacity)
         self.ref: ActorRef = ActorRef(self)
         self.stream_ids = itertools.count(1)
         self.held: dict[int, ReplyStream] = {}
@@ -206,6 +213,7 @@ class ActorCell:
         self.mailbox.put_control(Envelope(StreamCancelled(stream.id)))
 
     async def _start_actor(self) -> None:
+        assert self.factory is not None, "start the cell through ActorSystem.start"
         actor = self.factory()
         actor.cell = self
         self.actor = actor

@@ -1,8 +1,15 @@
 """The actor system: spawns actors under one task group, stops them in reverse order.
 
-`async with ActorSystem() as system:` then `ref = await system.spawn(Factory, name=...)`.
-Spawning waits for the actor's `on_start`, so actors come up in dependency order; leaving the
-block asks each actor to stop (queued messages are still handled first) in reverse order.
+`async with ActorSystem() as system:` then `ref = await system.spawn(ActorClass, *args, name=...)`
+(Pykka's shape: the class carries its settings, `accepts` and `mailbox_capacity`; the arguments
+are its constructor's, kept for restarts). Spawning waits for the actor's `on_start`, so actors
+come up in dependency order; leaving the block asks each actor to stop (queued messages are
+still handled first) in reverse order.
+
+Actors that must reach each other both ways (the GPU executor reports snapshots to the prefix
+cache, which tells it what to free) get their references at construction: `reserve` makes an
+actor's reference (its mailbox takes messages at once, handled once it runs) and `start` starts
+the actor behind it later, so no actor learns another through a message.
 
 Crashed actors restart on their own (`RestartPolicy`); one that cannot be started again is
 *failed*: the system records it in `failure` and sets `failed`, which its owner watches (the
@@ -11,14 +18,17 @@ server then reports not-ready and exits non-zero). `down()` names the actors not
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
 from types import TracebackType
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
 
 from mlx_relay.runtime.actor import Actor, ActorCell, ActorRef
 from mlx_relay.runtime.supervision import RestartPolicy
+
+A = TypeVar("A", bound=Actor)
 
 
 class ActorSystem:
@@ -46,25 +56,27 @@ class ActorSystem:
             await self.stop()
         return await self._tg.__aexit__(exc_type, exc, tb)
 
-    async def spawn(
-        self,
-        factory: Callable[[], Actor],
-        *,
-        name: str,
-        accepts: tuple[type, ...] | None = None,
-        capacity: int | None = None,
-        policy: RestartPolicy | None = None,
-    ) -> ActorRef:
+    def reserve(self, actor_class: type[A], *, name: str, policy: RestartPolicy | None = None) -> ActorRef[A]:
+        """A reference to an actor not started yet (`start` starts it); messages sent meanwhile
+        wait in its mailbox."""
+        return ActorCell(actor_class, name, policy or self.policy, on_failed=self._actor_failed).ref
+
+    async def start(self, ref: ActorRef[A], *args: Any, **kwargs: Any) -> ActorRef[A]:
+        """Start the reserved actor behind `ref` with its constructor's arguments; waits for its
+        `on_start`."""
         assert self._tg is not None, "use `async with ActorSystem()`"
-        cls = factory if isinstance(factory, type) else None
-        accepts = accepts if accepts is not None else (cls.accepts if cls else ())
-        if not accepts:
-            raise ValueError(f"actor {name}: declare the message types it accepts")
-        cap = capacity if capacity is not None else (cls.mailbox_capacity if cls else 256)
-        cell = ActorCell(factory, name, accepts, cap, policy or self.policy, on_failed=self._actor_failed)
+        cell = ref.cell
+        if cell.factory is not None:
+            raise RuntimeError(f"actor {cell.name} is already started")
+        cell.factory = partial(cell.actor_class, *args, **kwargs)
         await self._tg.start(cell.run)
         self._cells.append(cell)
-        return cell.ref
+        return ref
+
+    async def spawn(self, actor_class: type[A], *args: Any, name: str, policy: RestartPolicy | None = None,
+                    **kwargs: Any) -> ActorRef[A]:
+        """Reserve and start in one: `actor_class(*args, **kwargs)` (again after each restart)."""
+        return await self.start(self.reserve(actor_class, name=name, policy=policy), *args, **kwargs)
 
     def cell(self, name: str) -> ActorCell:
         for c in self._cells:

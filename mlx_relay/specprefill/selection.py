@@ -1,4 +1,4 @@
-"""Chunk selection for SpecPrefill (used by the SpecPrefillScorer actor; pure Python).
+"""Chunk selection for SpecPrefill (run by the engine's scoring stage on the scores; pure Python).
 
 The draft model's per-token importance scores cover the prompt's scored region
 `[start, start + len(scores))` (the part the prefix cache does not cover). The region is cut into
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from mlx_relay.engine.messages import SparsePrefill
+from mlx_relay.messages.specprefill import SparsePrefill
 
 
 def select_chunks(scores: Sequence[float], *, start: int, chunk_size: int, keep_fraction: float) -> SparsePrefill:

@@ -1,53 +1,78 @@
-"""A BatchEngine stepped by hand on the calling thread, collecting each request's events (tests).
+"""An EngineCore stepped by hand on the calling thread, collecting each request's events (tests).
 
-Run it through a GPUThread (the `gpu` fixture) so MLX work stays on one thread.
+Run it through a GPUThread (the `gpu` fixture) so MLX work stays on one thread. Text requests
+get the TextMTPExecutor's real plan (MTP where the policy says so), as the service gives them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mlx_relay.engine.batch_engine import BatchEngine
-from mlx_relay.engine.messages import Finished, Generate, PromptScored, SnapshotTaken, TokenDelta
+import msgspec
+
+from mlx_relay.actors.text_mtp_executor import TextMTPExecutor
+from mlx_relay.config import EngineConfig
+from mlx_relay.engine.core import EngineCore
+from mlx_relay.messages.gpu import Finished, Generate, TokenDelta
+from mlx_relay.messages.prefix_cache import SnapshotTaken
+from mlx_relay.messages.specprefill import ScoringOutcome
+from mlx_relay.messages.text_mtp import PlanText
 
 
 class Driver:
-    """A BatchEngine (prefix cache on unless told otherwise); `run` steps it until it drains."""
+    """An EngineCore (prefix cache on unless told otherwise); `run` steps it until it drains.
+    Keyword arguments are EngineConfig fields, plus `prefix_cache` and `draft_model`."""
 
-    def __init__(self, loaded: Any, **kw: Any) -> None:
-        self.events: list[Any] = []
-        args = {"max_num_seqs": 8, "prefill_batch_size": 4, "prefill_step_size": 16, "seed": 0,
-                "mtp_max_batch": 8, "prefix_cache": True} | kw
-        self.engine = BatchEngine(loaded, emit=self.events.extend, **args)
+    def __init__(self, loaded: Any, *, prefix_cache: bool = True, draft_model: str | None = None, **kw: Any) -> None:
+        fields = {"max_num_seqs": 8, "prefill_batch_size": 4, "prefill_step_size": 16, "seed": 0,
+                  "mtp_max_batch": 8} | kw
+        self.config = EngineConfig(model_path=loaded.info.model_path, **fields)
+        self.engine = EngineCore(loaded, self.config, prefix_cache=prefix_cache, draft_model=draft_model)
+        self.policy = TextMTPExecutor(self.config, loaded.info)
         self.tokens: dict[int, list[int]] = {}
         self.finished: dict[int, Finished] = {}
         self.snapshots: dict[int, list[SnapshotTaken]] = {}
-        self.scored: dict[str, PromptScored] = {}
+        self.scored: dict[str, ScoringOutcome] = {}
         self.steps = 0
         self._sid = 0
+        self._by_request: dict[str, int] = {}
+
+    @property
+    def mtp_block(self) -> int | None:
+        """The block size MTP rows must ask for (None: this engine has no MTP lane)."""
+        return self.engine.scheduler.mtp_block
+
+    def planned(self, req: Generate) -> Generate:
+        """The request with the TextMTPExecutor's plan (text requests without one)."""
+        if req.vision is not None or req.mtp_block is not None:
+            return req
+        plan = self.policy.plan(PlanText(req.request_id, req.sampling,
+                                         sparse=req.sparse is not None or req.score is not None))
+        return msgspec.structs.replace(req, mtp_block=plan.mtp.block_size) if plan.mtp is not None else req
 
     def add(self, req: Generate) -> int:
+        req = self.planned(req)
         sid = self._sid
         self._sid += 1
         self.tokens[sid], self.snapshots[sid] = [], []
+        self._by_request[req.request_id] = sid
         self.engine.add(sid, req)
         return sid
 
     def step(self) -> None:
-        self.engine.step()
+        out = self.engine.step()
         self.steps += 1
-        for sid, ev in self.events:
+        for sid, ev in out.events:
             if isinstance(ev, TokenDelta):
                 self.tokens[sid] += ev.token_ids
             elif isinstance(ev, Finished):
                 self.finished[sid] = ev
-            elif isinstance(ev, SnapshotTaken):
-                self.snapshots[sid].append(ev)
-            elif isinstance(ev, PromptScored):
-                self.scored[ev.request_id] = ev
             else:
                 raise ev
-        self.events.clear()
+        for snap in out.snapshots:
+            self.snapshots[self._by_request[snap.request_id]].append(snap)
+        for outcome in out.scored:
+            self.scored[outcome.request_id] = outcome
 
     def run(self, max_steps: int = 3000) -> None:
         for _ in range(max_steps):

@@ -1,0 +1,335 @@
+"""The engine core: one step is schedule -> execute -> update (GPU thread only).
+
+    plan = scheduler.schedule()      # StepPlan: which rows join which lane, which are scored
+    executed = self._execute(plan)   # rows start in their lanes; each lane steps once; a draft chunk
+    return self._update(executed)    # output stage: text, stops, endings; rows leave their lanes
+
+vLLM v1's `EngineCore.step` and nano-vllm's `step` have this shape. The pieces, one module each:
+`scheduler.py` (queue, slots, lane routing), the lanes behind `lanes.Lane` (`mtp_lane.py`,
+`plain_lane.py`, `library_lane.py`), `scoring.py` (SpecPrefill's draft, where it lives),
+`output.py` (detokenizing, stop strings, finishing), `logits.py` (each row's processor chain),
+`snapshots.py` and `features.py` (prefix-cache snapshots and image features behind handles).
+
+`step` returns a `StepOutput`: the events of each request's stream and the side results for the
+policy actors (snapshots taken, scoring outcomes, features encoded, MTP outcomes), each typed.
+A request that fails on its own (embedding, joining, detokenizing) ends with an error and the
+batch goes on; if a lane's step fails, that lane's rows end with an error and the lane starts
+empty. The GPUExecutor calls `add`, `cancel` and `free_*` between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_relay.config import EngineConfig
+from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from mlx_relay.engine.features import FeatureStore
+from mlx_relay.engine.lanes import Lane, LaneStep, RowSpec
+from mlx_relay.engine.library_lane import LibraryLane
+from mlx_relay.engine.loader import LoadedModel
+from mlx_relay.engine.logits import LogitsChains
+from mlx_relay.engine.mtp_head import MTPHead
+from mlx_relay.engine.mtp_lane import MTPLane
+from mlx_relay.engine.output import Ending, Event, OutputStage, RowCounts
+from mlx_relay.engine.plain_lane import PlainLane
+from mlx_relay.engine.row_prefill import sparse_row
+from mlx_relay.engine.rows import LaneName, Row
+from mlx_relay.engine.scheduler import Scheduler, StepPlan
+from mlx_relay.engine.scoring import ScoringStage
+from mlx_relay.engine.snapshots import Snapshot, SnapshotPool
+from mlx_relay.errors import GenerationFailed
+from mlx_relay.memory import release_freed_memory
+from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, SamplingParams
+from mlx_relay.messages.prefix_cache import PrefixPlan, SnapshotTaken
+from mlx_relay.messages.specprefill import ScoringOutcome
+from mlx_relay.messages.text_mtp import MTPOutcome
+from mlx_relay.messages.vision import FeaturesEncoded
+from mlx_relay.runtime.supervision import is_failure
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """One step's results: stream events by row, and what the policy actors are told."""
+
+    events: list[tuple[int, Event]] = field(default_factory=list)
+    snapshots: list[SnapshotTaken] = field(default_factory=list)  # -> PrefixCacheStore
+    scored: list[ScoringOutcome] = field(default_factory=list)  # -> SpecPrefillScorer
+    features: list[FeaturesEncoded] = field(default_factory=list)  # -> VisionExecutor
+    mtp: list[MTPOutcome] = field(default_factory=list)  # -> TextMTPExecutor
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.snapshots or self.scored or self.features or self.mtp)
+
+
+@dataclass
+class _Executed:
+    steps: list[LaneStep] = field(default_factory=list)
+    failed: list[tuple[Row, Exception]] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool,
+                 draft_model: str | None = None) -> None:
+        self.config = config
+        self._model = loaded.model
+        info = loaded.info
+        tok = loaded.processor.tokenizer if hasattr(loaded.processor, "tokenizer") else loaded.processor
+        self._tokenizer = tok
+        self._vocab_size = info.vocab_size
+        lm = loaded.model.language_model
+        self.lanes: dict[LaneName, Lane] = {
+            "plain": PlainLane(lm, prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids)}
+        if not prefix_cache:
+            self.lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
+                                                prefill_batch_size=config.prefill_batch_size,
+                                                prefill_step_size=config.prefill_step_size)
+        mtp_block = None
+        if config.mtp and info.has_mtp and config.mtp_max_batch > 0:
+            exact = config.mtp_verify == "exact" or (config.mtp_verify == "auto" and info.backend == "metal")
+            head = MTPHead.load(Path(info.model_path), lm, exact=exact)
+            self.lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size,
+                                        prefill_step_size=config.prefill_step_size,
+                                        eos_token_ids=info.eos_token_ids, exact_verify=exact)
+            mtp_block = config.mtp_block_size
+        self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs, mtp_block=mtp_block,
+                                   mtp_max_batch=config.mtp_max_batch, own_prefill=prefix_cache)
+        self.scoring = ScoringStage(draft_model, tok, config.prefill_step_size)
+        self.output = OutputStage()
+        self.chains = LogitsChains(tok, info.vocab_size, info.eos_token_ids, config.seed)
+        self.snapshots = SnapshotPool()
+        self.features = FeatureStore()
+        self._rows: dict[int, Row] = {}  # every row the engine holds, by id
+        self._mtp_totals = [0, 0, 0]  # rounds, drafted, accepted
+
+    @property
+    def draft(self) -> DraftInfo | None:
+        return self.scoring.draft
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._rows)
+
+    # -- commands (between steps) -------------------------------------------------------------
+    def add(self, rid: int, req: Generate) -> None:
+        row = Row(rid=rid, req=req, detok=IncrementalDetokenizer(self._tokenizer.backend_tokenizer, self._vocab_size),
+                  stops=StopMatcher(req.sampling.stop), sparse=req.sparse, specprefill=req.specprefill)
+        self._rows[rid] = row
+        self.scheduler.add(row)
+
+    def cancel(self, rid: int) -> None:
+        row = self._rows.pop(rid, None)
+        if row is None:
+            return
+        self.scheduler.remove(rid)
+        self.scoring.cancel(rid)
+        if row.lane is not None:
+            self.lanes[row.lane].remove(rid)
+
+    def free_snapshots(self, handles: list[int], release_memory: bool = False) -> int:
+        """Drop snapshots; `release_memory` (a flush) also returns MLX's freed buffers to the system."""
+        freed = self.snapshots.free(handles)
+        if release_memory:
+            mx.clear_cache()
+            release_freed_memory(collect=False)
+        return freed
+
+    def free_features(self, hashes: list[str]) -> None:
+        self.features.free(hashes)
+
+    def close(self) -> StepOutput:
+        """End every request (the engine is shutting down) and drop all device state."""
+        for row in list(self._rows.values()):
+            self._drop(row, GenerationFailed("the engine is shutting down"))
+        for lane in self.lanes.values():
+            lane.clear()
+        if isinstance(lib := self.lanes.get("library"), LibraryLane):
+            lib.close()
+        self.scoring.clear()
+        self.snapshots.clear()
+        self.features.clear()
+        return StepOutput(self.output.take())
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        out = StepOutput()
+        plan = self.scheduler.schedule()
+        executed = self._execute(plan, out)
+        self._update(executed, out)
+        out.events = self.output.take()
+        return out
+
+    def _execute(self, plan: StepPlan, out: StepOutput) -> _Executed:
+        executed = _Executed()
+        for row in plan.to_score:
+            self.scoring.add(row)
+        if (scored := self.scoring.step()) is not None:
+            row, outcome = scored
+            out.scored.append(outcome)
+            self.scheduler.add(row, first=True)
+        for row in plan.joins:
+            try:
+                self._join(row, out)
+            except BaseException as exc:
+                if not is_failure(exc):  # native panics are failures too; control flow is not
+                    raise
+                log.exception("request %s could not join the batch", row.req.request_id)
+                executed.failed.append((row, GenerationFailed("could not start the generation")))
+        for name, lane in self.lanes.items():
+            if not lane.has_work:
+                continue
+            try:
+                executed.steps.append(lane.step())
+            except BaseException as exc:
+                if not is_failure(exc):  # native panics are failures too; control flow is not
+                    raise
+                log.exception("%s lane step failed; failing its rows", name)
+                executed.failed += [(row, GenerationFailed("the batched decode step failed"))
+                                    for row in self.scheduler.running.values() if row.lane == name]
+                lane.clear()
+        return executed
+
+    def _update(self, executed: _Executed, out: StepOutput) -> None:
+        for row, error in executed.failed:
+            self._drop(row, error)
+        endings: list[Ending] = []
+        for lane_step in executed.steps:
+            totals = self._mtp_totals
+            totals[0] += lane_step.mtp_rounds
+            totals[1] += lane_step.mtp_drafted
+            totals[2] += lane_step.mtp_accepted
+            for rid, snap in lane_step.snapshots:
+                if (row := self._rows.get(rid)) is not None:
+                    out.snapshots.append(self._keep(row, snap, "system"))
+            for tokens in lane_step.tokens:
+                row = self._rows.get(tokens.rid)
+                if row is not None and (ending := self.output.tokens(row, tokens)) is not None:
+                    endings.append(ending)
+        for ending in endings:
+            self._end(ending, out)
+        for row in self.scheduler.running.values():
+            self.output.release(row)
+
+    # -- execute: a row joins its lane --------------------------------------------------------
+    def _join(self, row: Row, out: StepOutput) -> None:
+        req = row.req
+        assert row.lane is not None
+        lane = self.lanes[row.lane]
+        restore, snapshot_at = self._restore(req.prefix)
+        spec = RowSpec(rid=row.rid, prompt=list(req.prompt_tokens), max_tokens=req.sampling.max_tokens,
+                       restore=restore, snapshot_at=snapshot_at)
+        if row.lane == "mtp":
+            assert req.mtp_block is not None
+            spec.sampler, spec.block_size = self.chains.sampler(req.sampling), req.mtp_block
+        else:
+            chain = self.chains.build(req.sampling)
+            spec.processors, row.recorder, row.grammar = chain.processors, chain.recorder, chain.grammar
+        if req.vision is not None:
+            kwargs, encoded = self.features.prompt_kwargs(self._model, spec.prompt, req.vision)
+            if encoded:
+                out.features.append(FeaturesEncoded(req.request_id, encoded))
+            if row.lane == "library":
+                spec.prompt_kwargs = kwargs
+            else:
+                deltas = kwargs.get("rope_deltas")
+                spec.embeds, spec.positions = kwargs["inputs_embeds"], kwargs.get("position_ids")
+                spec.rope_delta = int(deltas.reshape(-1)[0].item()) if deltas is not None else 0
+        elif row.sparse is not None:
+            spec.prompt, kw, spec.snapshot_at = sparse_row(spec.prompt, row.sparse,
+                                                           restore.length if restore else 0, snapshot_at)
+            spec.positions, spec.rope_delta = kw["positions"], kw["rope_delta"]
+        lane.add(spec)
+
+    def _restore(self, plan: PrefixPlan | None) -> tuple[Snapshot | None, list[int]]:
+        if plan is None:
+            return None, []
+        snap = None
+        if plan.restore is not None:
+            try:
+                snap = self.snapshots.get(plan.restore)
+            except KeyError:
+                log.warning("snapshot %s is gone; prefilling from scratch", plan.restore)
+        return snap, list(plan.snapshot_at)
+
+    # -- update: rows end ---------------------------------------------------------------------
+    def _end(self, ending: Ending, out: StepOutput) -> None:
+        row = ending.row
+        if ending.reason is None:
+            assert ending.error is not None
+            self._drop(row, ending.error)
+            return
+        assert row.lane is not None
+        lane = self.lanes[row.lane]
+        counts = RowCounts(cached_tokens=lane.cached_tokens(row.rid))
+        if isinstance(lane, MTPLane):
+            counts.mtp_drafted, counts.mtp_accepted = lane.drafts(row.rid)
+            out.mtp.append(MTPOutcome(counts.mtp_drafted, counts.mtp_accepted))
+        if ending.whole_step and (turn := self._turn_snapshot(row, lane)) is not None:
+            out.snapshots.append(turn)
+        lane.remove(row.rid)
+        self.scheduler.remove(row.rid)
+        del self._rows[row.rid]
+        self.output.finish(row, ending.reason, counts)
+
+    def _turn_snapshot(self, row: Row, lane: Lane) -> SnapshotTaken | None:
+        """At a normal end: the row's whole state (prompt + reply) for the conversation's next turn."""
+        plan = row.req.prefix
+        if plan is None or not plan.snapshot_turn or row.sparse is not None:
+            return None  # a sparse prefill's state is not the prompt's exact state
+        try:
+            snap = lane.extract(row.rid)
+            if snap is None or snap.length <= len(row.req.prompt_tokens):
+                return None
+            return self._keep(row, snap, "turn", row.emitted_ids[:snap.length - len(row.req.prompt_tokens)])
+        except Exception:
+            log.exception("turn snapshot of %s failed", row.req.request_id)
+            return None
+
+    def _keep(self, row: Row, snap: Snapshot, kind: str, generated: list[int] | None = None) -> SnapshotTaken:
+        handle = self.snapshots.add(snap)
+        return SnapshotTaken(row.req.request_id, handle, snap.length, snap.nbytes, kind,  # type: ignore[arg-type]
+                             generated or [])
+
+    def _drop(self, row: Row, error: Exception) -> None:
+        """The row ends with `error`: out of its lane and the scheduler, its stream fails."""
+        self._rows.pop(row.rid, None)
+        self.scheduler.remove(row.rid)
+        self.scoring.cancel(row.rid)
+        if row.lane is not None:
+            try:
+                self.lanes[row.lane].remove(row.rid)
+            except Exception:
+                log.exception("could not remove row %s", row.rid)
+        self.output.fail(row, error)
+
+    # -- warm-up and stats ----------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Compile the kernels the server uses: prefill and decode, greedy and sampled, batch 1
+        and 2. Runs to completion on the calling (GPU) thread before traffic; returns seconds."""
+        tic = time.perf_counter()
+        prompt = list(range(1, min(64, self._vocab_size - 1)))
+        greedy = SamplingParams(max_tokens=8)
+        sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=0, max_tokens=8)
+        mtp_block = self.scheduler.mtp_block
+        for wave, batch in enumerate(([greedy], [greedy, sampled])):
+            for j, params in enumerate(batch):
+                self.add(-(2 * wave + j + 1), Generate(f"warmup-{wave}-{j}", prompt, params, mtp_block=mtp_block))
+            while self.has_work:
+                self.step()
+        return time.perf_counter() - tic
+
+    def stats(self) -> EngineStats:
+        rounds, drafted, accepted = self._mtp_totals
+        mtp = self.lanes.get("mtp")
+        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                           scoring=len(self.scoring), mtp_running=len(mtp) if mtp is not None else 0,
+                           mtp_rounds=rounds, mtp_drafted=drafted, mtp_accepted=accepted,
+                           snapshots=len(self.snapshots), snapshot_bytes=self.snapshots.bytes,
+                           features=len(self.features), feature_bytes=self.features.bytes)
+

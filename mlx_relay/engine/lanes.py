@@ -1,0 +1,89 @@
+"""The interface every decode lane implements, and the typed values a lane step returns
+(GPU thread only).
+
+A lane decodes a set of rows in one batch: `add` queues a row (from scratch or restored from a
+snapshot, with snapshot points), `step` runs one decode step of its joined rows and at most one
+prefill chunk of a joining row, `extract` copies a row's whole state (its turn snapshot),
+`remove` lets a row go, `clear` drops everything (after a failed step). Three lanes exist:
+`mtp_lane.MTPLane` (text rows with MTP speculative decoding), `plain_lane.PlainLane` (our own
+restorable prefill, then mlx-vlm's `GenerationBatch`) and `library_lane.LibraryLane` (mlx-vlm's
+`BatchGenerator`, which prefills joining rows together: used with the prefix cache off).
+
+A lane reports each row's new tokens and, where the lane knows it (end-of-sequence, max_tokens),
+that the row's sequence ended; the output stage adds stop strings and finishes rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import mlx.core as mx
+
+from mlx_relay.engine.sampling import RowSampler
+from mlx_relay.engine.snapshots import Snapshot
+
+Ending = Literal["stop", "length"]
+
+
+@dataclass
+class RowSpec:
+    """What a lane needs to start a row."""
+
+    rid: int
+    prompt: list[int]  # the tokens to prefill (a sparse row: only the kept ones)
+    max_tokens: int
+    processors: list[Any] = field(default_factory=list)  # logits processors, the sampler last
+    sampler: RowSampler | None = None  # the MTP lane samples itself (its rows have no processors)
+    restore: Snapshot | None = None
+    snapshot_at: Sequence[int] = ()
+    embeds: mx.array | None = None  # [1, L, D]: vision rows (features merged in)
+    positions: mx.array | None = None  # [3, 1, L]: M-RoPE positions (vision and sparse rows)
+    rope_delta: int = 0  # decode position = index + rope_delta
+    prompt_kwargs: dict[str, Any] | None = None  # the library lane's insert arguments (vision rows)
+    block_size: int = 2  # MTP rows: tokens per verify round
+
+
+@dataclass
+class RowTokens:
+    rid: int
+    tokens: list[int]
+    ended: Ending | None = None  # the lane ended the sequence with the last of `tokens`
+
+
+@dataclass
+class LaneStep:
+    tokens: list[RowTokens] = field(default_factory=list)
+    snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (row, snapshot) taken in prefill
+    mtp_rounds: int = 0
+    mtp_drafted: int = 0
+    mtp_accepted: int = 0
+
+
+class Lane(Protocol):
+    name: Literal["mtp", "plain", "library"]
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    def add(self, spec: RowSpec) -> None: ...
+
+    def step(self) -> LaneStep: ...
+
+    def extract(self, rid: int) -> Snapshot | None: ...
+
+    def remove(self, rid: int) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def cached_tokens(self, rid: int) -> int: ...
+
+
+def ending_of(token: int, emitted: int, max_tokens: int, eos: frozenset[int]) -> Ending | None:
+    """Whether the `emitted`-th token of a row ends it: end-of-sequence, or its last allowed."""
+    if token in eos:
+        return "stop"
+    return "length" if emitted >= max_tokens else None

@@ -1,0 +1,141 @@
+"""Messages of the GPUExecutor (`actors/gpu_executor.py`), the one actor that runs MLX: a request
+to generate (with every plan the policy actors made for it), the reply stream's items, and what
+is loaded and counted on the GPU thread."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from mlx_relay.chat.output import TokenLogprob
+from mlx_relay.media.tensors import VisionInputs
+from mlx_relay.messages.prefix_cache import PrefixPlan
+from mlx_relay.messages.specprefill import ScorePlan, SparsePrefill, SpecPrefillReport
+
+FinishReason = Literal["stop", "length"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Per-request sampling. temperature == 0 is greedy (exact argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    mtp: bool = True  # the request allows MTP speculative decoding (the TextMTPExecutor decides)
+    logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k most likely
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    grammar: str | None = None  # llguidance grammar (validated before the request was admitted)
+    grammar_after_thinking: bool = False  # the grammar applies once the thinking block is closed
+    think_open: bool = False  # the prompt leaves a thinking block open
+    thinking_budget: int | None = None  # at most this many thinking tokens (then the block is closed)
+
+    @property
+    def needs_processors(self) -> bool:
+        """Anything beyond plain sampling: such rows decode in the plain lane."""
+        return (self.logprobs >= 0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty not in (None, 1.0) or self.grammar is not None
+                or self.thinking_budget is not None)
+
+
+class Generate(msgspec.Struct, frozen=True):
+    """Stream request: generate from a tokenized prompt. Replies: TokenDelta..., Finished.
+
+    The plans come from the policy actors: `prefix` (PrefixCacheStore: restore, snapshot points),
+    `mtp_block` (TextMTPExecutor: decode with MTP at this block size; None: plainly), `reuse`
+    (VisionExecutor: image features to reuse), `score` (SpecPrefillScorer: score and select on
+    the GPU) or `sparse` (a selection already made), `specprefill` (a report decided without
+    scoring, echoed in Finished)."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    sampling: SamplingParams = SamplingParams()
+    vision: VisionInputs | None = None  # images / video, preprocessed off the GPU (vision path)
+    prefix: PrefixPlan | None = None  # None: the prefix cache is off for this request
+    mtp_block: int | None = None
+    score: ScorePlan | None = None
+    sparse: SparsePrefill | None = None
+    specprefill: SpecPrefillReport | None = None
+
+
+class TokenDelta(msgspec.Struct, frozen=True):
+    """New text (UTF-8 safe: never half a character) and the tokens behind it; their
+    log-probabilities when the request asked for them."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Finished(msgspec.Struct, frozen=True):
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    # time from arrival at the GPU thread to the first token, and to the end (seconds)
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    # MTP speculative decoding on this request: draft tokens proposed and accepted (0 / 0: off)
+    mtp_drafted: int = 0
+    mtp_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (not prefilled)
+    specprefill: SpecPrefillReport | None = None  # when SpecPrefill ran or was due for the request
+
+
+class AbortAll(msgspec.Struct, frozen=True):
+    """Ask (the drain's deadline): end every generation with `ServerShuttingDown(reason)` and
+    refuse new ones the same way. Reply: how many were ended."""
+
+    reason: str
+
+
+class Describe(msgspec.Struct, frozen=True):
+    """Ask: what is loaded. Reply: ModelInfo."""
+
+
+class Warmup(msgspec.Struct, frozen=True):
+    """Ask: run the kernels the server will use once, so the first request does not wait."""
+
+
+class GetEngineStats(msgspec.Struct, frozen=True):
+    """Ask: counters of the engine. Reply: EngineStats."""
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    running: int
+    waiting: int
+    scoring: int = 0  # SpecPrefill scoring jobs queued or running
+    mtp_running: int = 0  # rows decoding with MTP now
+    mtp_rounds: int = 0
+    mtp_drafted: int = 0
+    mtp_accepted: int = 0
+    snapshots: int = 0  # prefix-cache snapshots held on the GPU thread
+    snapshot_bytes: int = 0
+    features: int = 0  # encoded image features held on the GPU thread
+    feature_bytes: int = 0
+
+
+class DraftInfo(msgspec.Struct, frozen=True):
+    path: str
+    model_type: str
+    attention_layers: int  # layers whose attention the scores are read from
+    load_seconds: float
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    model_path: str
+    model_type: str
+    backend: Literal["metal", "cuda", "cpu"]
+    context_length: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    has_vision: bool
+    has_mtp: bool
+    load_seconds: float
+    prefix_cache_bytes: int = 0  # the prefix cache's byte budget (0: off)
+    draft: DraftInfo | None = None  # SpecPrefill's draft model, when one is loaded

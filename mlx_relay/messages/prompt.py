@@ -1,0 +1,86 @@
+"""Messages of the prompt's front half: the Normalizer (`actors/normalizer.py`) renders a chat
+request into tokens and, for a request with images or video, hands it on to the MediaRouter
+(`actors/media_router.py`), which expands the media; the requester gets one `Prompt` back."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from mlx_relay.cache.prefix_keys import MediaSpan
+from mlx_relay.chat.grammar import OutputConstraint
+from mlx_relay.chat.types import ChatMessage, ToolDef
+from mlx_relay.media.tensors import VisionInputs
+
+
+class Render(msgspec.Struct, frozen=True):
+    """Normalize, apply the chat template, tokenize (and route media). Reply: Prompt."""
+
+    messages: list[ChatMessage]
+    tools: list[ToolDef] | None = None
+    template_kwargs: dict[str, Any] = {}
+    # /v1/completions: a raw prompt, tokenized as it is (no template, no normalization)
+    raw_prompt: str | list[int] | None = None
+    constraint: OutputConstraint | None = None  # response_format / required tool calls
+    # a prompt longer than this is ContextLengthExceeded, found before tokenizing where the text
+    # alone proves it (None: no bound)
+    max_prompt_tokens: int | None = None
+    chat_template: str | None = None  # the request's own template (only if the server allows it)
+
+
+class RenderedPrompt(msgspec.Struct, frozen=True):
+    """The template's output (`chat.prompt_render.PromptRenderer`), before media expansion."""
+
+    token_ids: list[int]
+    num_media: int
+    messages: list[ChatMessage]  # normalized: the MediaRouter reads the media parts from these
+    # where the (normalized, hoisted, merged) system prompt ends in `token_ids`: the prefix every
+    # turn of an agent's conversation shares (0: no system prompt before other messages)
+    system_end: int = 0
+    # how many leading tokens the next turn's prompt repeats (this prompt and its reply rendered
+    # as history): the conversation's state there is what turn N+1 restores
+    reply_start: int = 0
+    # the prompt ends inside an open thinking block (the template opened `<think>`): the reply
+    # starts with reasoning
+    think_open: bool = False
+    grammar: str | None = None  # llguidance grammar enforcing the request's constraint (validated)
+    tool_format: str | None = None  # the model's tool-call syntax (`reply_parser.TOOL_FORMATS`)
+
+
+class Route(msgspec.Struct, frozen=True):
+    """Ask (Normalizer -> MediaRouter): a rendered prompt with one placeholder per media part of
+    `messages` (in `media_parts(messages)` order). Reply: `Routed`."""
+
+    messages: list[ChatMessage]
+    prompt_tokens: list[int]
+    system_end: int = 0  # the rendered prompt's boundaries, moved by the expansion in the reply
+    reply_start: int = 0
+
+
+class Routed(msgspec.Struct, frozen=True):
+    """`text`: `prompt_tokens` unchanged, `vision` None. `vision`: placeholders expanded, pixels
+    ready, the prompt's boundaries moved past the expansion (`system_end` 0 when media precede
+    it) and `media` the expanded items' spans keyed by content (None when they cannot be keyed)."""
+
+    path: Literal["text", "vision"]
+    prompt_tokens: list[int]
+    vision: VisionInputs | None = None
+    system_end: int = 0
+    reply_start: int = 0
+    media: list[MediaSpan] | None = []
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    """The Normalizer's reply: what the model is prompted with and what the prefix cache, the
+    decode path and the reply parser need to know about it."""
+
+    token_ids: list[int]
+    vision: VisionInputs | None = None  # the vision path (None: text)
+    media: list[MediaSpan] | None = []  # None: media that cannot be keyed (no prefix reuse)
+    system_end: int = 0
+    reply_start: int = 0
+    multi_turn: bool = False  # the conversation already has an assistant (or tool) message
+    think_open: bool = False
+    grammar: str | None = None
+    tool_format: str | None = None
