@@ -169,7 +169,8 @@ class Relay:
             await system.start(text, engine_cfg, info)
             await system.start(vision, engine_cfg, gpu)
             if store is not None:
-                await system.start(store, PrefixCacheConfig(info.prefix_cache_bytes, cfg.engine.prefix_min_snapshot_tokens), gpu)
+                store_cfg = PrefixCacheConfig(info.prefix_cache_bytes, cfg.engine.prefix_min_snapshot_tokens)
+                await system.start(store, store_cfg, gpu)
             if scorer is not None:
                 await system.start(scorer, sp_cfg)
             media = await system.spawn(MediaRouter, cfg.media, path, name="media")
