@@ -24,10 +24,13 @@ for name in $SERVERS; do
   if [ "$name" = raw ]; then  # the raw library loop: no server, the bench process drives mlx-vlm itself
     target=(--raw-loop "$MODEL")
   else
-    if [ "$name" = ours ]; then
-      # OURS_FLAGS: e.g. --no-mtp (a random-weight head is never right: MTP would only cost)
-      python3 -m mlx_relay.cli serve "$MODEL" --port 8000 --served-model-name qwen35-moe --max-num-seqs 64 \
-        --max-queue 512 ${OURS_FLAGS:-} > "/tmp/$name.log" 2>&1 &
+    if [ "$name" = ours ] || [ "$name" = before ]; then
+      # OURS_FLAGS: e.g. --no-mtp (a random-weight head is never right: MTP would only cost).
+      # "before": our server at an earlier commit, its mlx_relay package unpacked in BEFORE_SRC
+      # (`git archive COMMIT mlx_relay | tar -x -C .device-carry/before --exclude 'mlx_relay/models/*'`)
+      src=$PWD; [ "$name" = before ] && src=${BEFORE_SRC:-$PWD/.device-carry/before}
+      PYTHONPATH="$src:/tmp/site" python3 -m mlx_relay.cli serve "$MODEL" --port 8000 --served-model-name qwen35-moe \
+        --max-num-seqs 64 --max-queue 512 ${OURS_FLAGS:-} > "/tmp/$name.log" 2>&1 &
       pid=$!; health=http://127.0.0.1:8000/health
     else
       python3 -m mlx_vlm.server --model "$MODEL" --host 127.0.0.1 --port 8000 --max-num-seqs 64 \
