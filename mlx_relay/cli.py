@@ -19,6 +19,8 @@ from mlx_relay.bench.cli import run_from_args as run_bench
 from mlx_relay.chat.types import TOOL_FORMATS
 from mlx_relay.config import ServerConfig, build_config
 from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
+from mlx_relay.http.server import serve
+from mlx_relay.relay import Relay
 
 
 def _progress_printer() -> Callable[[str], None]:
@@ -208,9 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        from mlx_relay.http.server import serve
-
-        return serve(config_from_args(args), _progress_printer())
+        return serve(config_from_args(args), Relay.start, _progress_printer())
     if args.command == "bench":
         return run_bench(args)
     return 2

@@ -33,6 +33,7 @@ from mlx_relay.chat.output import (
 )
 from mlx_relay.chat.types import ImageUrlPart, NamedToolChoice, TextPart
 from mlx_relay.errors import InvalidRequest, ToolCallInvalid
+from mlx_relay.http.replies import Item
 from mlx_relay.http.response_store import ResponseStore
 from mlx_relay.http.responses_routes import (
     ResponseAssembler,
@@ -51,7 +52,7 @@ from mlx_relay.http.responses_types import (
     TextConfig,
     TextFormat,
 )
-from mlx_relay.http.streaming import ScopedStreamingResponse, with_keepalives
+from mlx_relay.http.streaming import ScopedStreamingResponse, sse_body
 from mlx_relay.relay import default_config
 from mlx_relay.testing.live_server import LiveServer
 
@@ -530,18 +531,35 @@ def test_response_store_bounds() -> None:
 
 
 def _run_sse(spec: str, disconnect_after: float | None, fail_send: bool = False) -> tuple[list[bytes], list[str]]:
-    """Runs a ScopedStreamingResponse over `with_keepalives` whose producer sends three frames 50 ms
-    apart (keep-alive every 10 ms); returns the body chunks sent and what happened to the producer
-    and the exit stack."""
+    """Runs a ScopedStreamingResponse over the one skeleton (`sse_body`) whose producer sends three
+    content events 50 ms apart, then the end (keep-alive every 10 ms); returns the body chunks sent
+    and what happened to the producer and the exit stack."""
     chunks: list[bytes] = []
     log: list[str] = []
 
-    async def produce(tx: ObjectSendStream[bytes]) -> None:
+    class Frames:
+        done = False
+
+        def start(self) -> list[bytes]:
+            return []
+
+        def event(self, index: int, ev: Any) -> list[bytes]:
+            self.done = isinstance(ev, ReplyDone)
+            return [] if self.done else [b"data: " + ev.text.encode() + b"\n\n"]
+
+        def failed(self, exc: Exception) -> list[bytes]:
+            return [b"event: error\n\n"]
+
+        def end(self) -> list[bytes]:
+            return []
+
+    async def produce(tx: ObjectSendStream[Item]) -> None:
         try:
             async with tx:
                 for i in range(3):
                     await anyio.sleep(0.05)
-                    await tx.send(b"data: %d\n\n" % i)
+                    await tx.send((0, ContentDelta(str(i))))
+                await tx.send((0, ReplyDone("stop", 1, 3)))
             log.append("produced")
         except anyio.get_cancelled_exc_class():
             log.append("cancelled")
@@ -560,8 +578,8 @@ def _run_sse(spec: str, disconnect_after: float | None, fail_send: bool = False)
     async def main() -> None:
         stack = AsyncExitStack()
         stack.callback(log.append, "stack closed")
-        tx, rx = anyio.create_memory_object_stream[bytes](max_buffer_size=64)
-        response = ScopedStreamingResponse(with_keepalives(rx, 0.01), stack, functools.partial(produce, tx))
+        tx, rx = anyio.create_memory_object_stream[Item](max_buffer_size=64)
+        response = ScopedStreamingResponse(sse_body(rx, Frames(), 0.01), stack, functools.partial(produce, tx))
         try:
             await response({"type": "http", "asgi": {"spec_version": spec}}, receive, send)  # type: ignore[arg-type]
         except Exception as exc:

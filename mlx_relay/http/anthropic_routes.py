@@ -13,17 +13,14 @@ is read by a task of the response's own, so keep-alive timeouts never cancel the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import AsyncExitStack
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
-import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.abc import ObjectReceiveStream
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -110,11 +107,11 @@ from mlx_relay.http.anthropic_types import (
 )
 from mlx_relay.http.body import decode_body
 from mlx_relay.http.errors import as_relay_error
-from mlx_relay.http.streaming import ScopedStreamingResponse, until_disconnect
+from mlx_relay.http.replies import Item
+from mlx_relay.http.streaming import events_of, respond
 from mlx_relay.service import ChatRequest, ChatService
 
 JSON = "application/json"
-_TIMEOUT = object()
 _ERROR_PREFIX = "Error: "  # a tool_result with is_error: true reaches the model as this + its text
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -522,16 +519,26 @@ def _error_frame(exc: BaseException) -> bytes:
     return b"event: error\ndata: " + error_body(_as_error(exc)) + b"\n\n"
 
 
-async def _forward(events: AsyncIterator[ReplyEvent], send: MemoryObjectSendStream[ReplyEvent | Exception]) -> None:
-    async with send:
-        try:
-            async for ev in events:
-                await send.send(ev)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return  # the response is over: nobody reads on
-        except Exception as exc:  # the generation failed: the stream reports it
-            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                await send.send(exc)
+class AnthropicStream:
+    """Anthropic's stream events as SSE frames (`streaming.SSEEncoder`) through `StreamBlocks`;
+    a failure after the response started is an `error` event."""
+
+    def __init__(self, message_id: str, model: str) -> None:
+        self.blocks = StreamBlocks(message_id, model)
+        self.done = False
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def event(self, index: int, ev: ReplyEvent) -> list[bytes]:
+        self.done = isinstance(ev, ReplyDone)
+        return [sse_frame(event) for event in self.blocks.feed(ev)]
+
+    def failed(self, exc: Exception) -> list[bytes]:
+        return [_error_frame(exc)]
+
+    def end(self) -> list[bytes]:
+        return []
 
 
 class AnthropicRoutes:
@@ -545,22 +552,23 @@ class AnthropicRoutes:
         body = _decode(await request.body(), MessagesRequest, self.config.limits.max_json_depth)
         model = self._check_model(body.model)
         req = to_chat_request(body)
-        service = self._service()
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
-        stack = AsyncExitStack()
-        try:
-            events = await stack.enter_async_context(service.reply(req, message_id))
-            if body.stream:
-                send, recv = anyio.create_memory_object_stream[ReplyEvent | Exception](0)
-                stack.callback(recv.close)
-                return ScopedStreamingResponse(self._sse(recv, message_id=message_id, model=model), stack,
-                                               functools.partial(_forward, events, send))
-        except BaseException:
-            await stack.aclose()
-            raise
-        async with stack:
-            message = await self._collect(request, events, message_id, model)
-        return Response(msgspec.json.encode(message), media_type=JSON)
+
+        async def collect(items: ObjectReceiveStream[Item]) -> Message:
+            builder = MessageBuilder()
+            async for ev in events_of(items):
+                builder.feed(ev)
+                if builder.done is not None:
+                    break
+            if builder.done is None:
+                raise RelayError("the reply ended without finishing")
+            stop = _stop(builder.done)
+            return Message(message_id, model, builder.blocks, stop.stop_reason, stop.stop_sequence,
+                           _usage(builder.done))
+
+        return await respond(request, self._service(), [req], message_id, stream=body.stream,
+                             encoder=AnthropicStream(message_id, model), collect=collect,
+                             keepalive_s=self.config.sse_keepalive_s)
 
     async def count_tokens(self, request: Request) -> Response:
         body = _decode(await request.body(), CountTokensRequest, self.config.limits.max_json_depth)
@@ -568,42 +576,6 @@ class AnthropicRoutes:
         req = to_chat_request(body)
         count = await self._service().count_tokens(req)
         return Response(msgspec.json.encode(TokenCount(count)), media_type=JSON)
-
-    async def _collect(self, request: Request, events: AsyncIterator[ReplyEvent], message_id: str,
-                       model: str) -> Message:
-        builder = MessageBuilder()
-
-        async def run() -> ReplyDone | None:
-            async for ev in events:
-                builder.feed(ev)
-            return builder.done
-
-        done = await until_disconnect(request, run())
-        if done is None:
-            raise RelayError("the reply ended without finishing")
-        stop = _stop(done)
-        return Message(message_id, model, builder.blocks, stop.stop_reason, stop.stop_sequence, _usage(done))
-
-    async def _sse(self, recv: MemoryObjectReceiveStream[ReplyEvent | Exception], *, message_id: str,
-                   model: str) -> AsyncIterator[bytes]:
-        blocks = StreamBlocks(message_id, model)
-        while True:
-            item: object = _TIMEOUT
-            try:
-                with anyio.move_on_after(self.config.sse_keepalive_s):
-                    item = await recv.receive()
-            except anyio.EndOfStream:
-                item = RelayError("the reply ended early")
-            if item is _TIMEOUT:  # keep slow prefills alive for clients with read timeouts
-                yield b": keep-alive\n\n"
-                continue
-            if isinstance(item, Exception):  # the generation failed after the response started
-                yield _error_frame(item)
-                return
-            for event in blocks.feed(item):  # type: ignore[arg-type]
-                yield sse_frame(event)
-            if isinstance(item, ReplyDone):
-                return
 
 
 def anthropic_routes(config: ServerConfig, service: Callable[[], ChatService],

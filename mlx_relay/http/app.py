@@ -11,13 +11,13 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -31,22 +31,32 @@ from mlx_relay.http.anthropic_routes import anthropic_routes
 from mlx_relay.http.anthropic_routes import error_response as anthropic_error_response
 from mlx_relay.http.body import decode_body
 from mlx_relay.http.errors import as_relay_error, error_response
-from mlx_relay.http.fanout import Item, choice_requests, open_replies
 from mlx_relay.http.guard import RequestGuard
-from mlx_relay.http.openai_chat import collect_chat, stream_chat, to_chat_request
+from mlx_relay.http.lifecycle import Lifecycle
+from mlx_relay.http.openai_chat import ChatStream, collect_chat, to_chat_request
 from mlx_relay.http.openai_completions import (
     CompletionRequest,
+    CompletionStream,
     collect_completion,
-    stream_completion,
     to_requests,
 )
 from mlx_relay.http.openai_types import ChatCompletionRequest, FlushBody, HealthBody, ModelCard, ModelList
 from mlx_relay.http.openapi import build_openapi
+from mlx_relay.http.replies import choice_requests
 from mlx_relay.http.responses_routes import responses_routes
-from mlx_relay.http.server import Lifecycle
-from mlx_relay.http.streaming import ScopedStreamingResponse, until_disconnect
-from mlx_relay.relay import Relay
-from mlx_relay.service import ChatRequest, ChatService
+from mlx_relay.http.streaming import respond
+from mlx_relay.service import ChatService
+
+if TYPE_CHECKING:
+    from mlx_relay.relay import Relay
+
+
+class BootRelay(Protocol):
+    """Starts a relay for the app's lifespan (`Relay.start`, passed in by the composition root:
+    the HTTP layer itself never imports the engine)."""
+
+    def __call__(self, *, config: ServerConfig, wait_ready: bool,
+                 on_progress: Callable[[str], None] | None) -> AbstractAsyncContextManager[Relay]: ...
 
 JSON = "application/json"
 
@@ -154,42 +164,23 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         body = decode_body(await request.body(), ChatCompletionRequest, self.config.limits.max_json_depth)
         model = self._check_model(body.model)
-        req = to_chat_request(body)
+        reqs = choice_requests(to_chat_request(body), body.n)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _respond(
-            request, self._service(), choice_requests(req, body.n), rid, body.stream, False,
-            lambda items: stream_chat(items, body.n, rid, model, include_usage, body.logprobs,
-                                      self.config.sse_keepalive_s),
-            lambda items: collect_chat(items, body.n, rid, model, body.logprobs))
+        return await respond(request, self._service(), reqs, rid, stream=body.stream,
+                             encoder=ChatStream(body.n, rid, model, include_usage, body.logprobs),
+                             collect=lambda items: collect_chat(items, body.n, rid, model, body.logprobs),
+                             keepalive_s=self.config.sse_keepalive_s)
 
     async def completions(self, request: Request) -> Response:
         body = decode_body(await request.body(), CompletionRequest, self.config.limits.max_json_depth)
         model = self._check_model(body.model)
         reqs = to_requests(body)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        return await _respond(
-            request, self._service(), reqs, rid, body.stream, True,
-            lambda items: stream_completion(items, reqs, body.n, rid, model, body, self.config.sse_keepalive_s),
-            lambda items: collect_completion(items, reqs, body.n, rid, model, body))
-
-
-async def _respond(request: Request, service: ChatService, reqs: list[ChatRequest], rid: str, stream: bool,
-                   raw: bool, sse: Callable[[MemoryObjectReceiveStream[Item]], AsyncIterator[bytes]],
-                   collect: Callable[[MemoryObjectReceiveStream[Item]], Awaitable[msgspec.Struct]]) -> Response:
-    """Admit and start every choice (a refusal is a clean error before anything is sent), then
-    stream the merged replies or collect them into one body."""
-    stack = AsyncExitStack()
-    try:
-        replies = await open_replies(stack, service, reqs, rid, raw=raw)
-    except BaseException:
-        await stack.aclose()
-        raise
-    if stream:
-        return ScopedStreamingResponse(sse(replies.receive), stack, replies.run)
-    async with stack:
-        body = await until_disconnect(request, collect(replies.receive), replies.run)
-    return _json(body)
+        return await respond(request, self._service(), reqs, rid, stream=body.stream,
+                             encoder=CompletionStream(reqs, body.n, rid, model, body),
+                             collect=lambda items: collect_completion(items, reqs, body.n, rid, model, body),
+                             keepalive_s=self.config.sse_keepalive_s, raw=True)
 
 
 def _own_version() -> str:
@@ -233,18 +224,20 @@ def create_app(
     relay: Relay | None = None,
     *,
     lifecycle: Lifecycle | None = None,
+    boot: BootRelay | None = None,
 ) -> Starlette:
-    """The app. Without a `relay`, the app's lifespan boots one (in the background, so `/health`
-    answers 503 loading/warming until it is ready), runs the `lifecycle` beside it (ready,
-    failure, drain) and shuts it down with the server."""
+    """The app. Without a `relay`, the app's lifespan boots one with `boot` (in the background,
+    so `/health` answers 503 loading/warming until it is ready), runs the `lifecycle` beside it
+    (ready, failure, drain) and shuts it down with the server."""
     routes = OpenAIRoutes(config, relay)
     lifespan = None
-    if relay is None:
+    if relay is None and boot is not None:
         life = lifecycle or Lifecycle()
+        start = boot
 
         @asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
-            async with Relay.start(config=config, wait_ready=False, on_progress=life.on_progress) as booted:
+            async with start(config=config, wait_ready=False, on_progress=life.on_progress) as booted:
                 routes._relay = booted
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(life.run, booted, config.drain_timeout_s)

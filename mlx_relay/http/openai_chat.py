@@ -11,17 +11,16 @@ chunk (with `stream_options.include_usage`) and `[DONE]` come last.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.abc import ObjectReceiveStream
 
 from mlx_relay.chat.output import (
     ContentDelta,
     ReasoningDelta,
     ReplyDone,
+    ReplyEvent,
     TokenLogprob,
     ToolCallArguments,
     ToolCallEnd,
@@ -30,7 +29,6 @@ from mlx_relay.chat.output import (
 from mlx_relay.chat.types import NamedToolChoice, ResponseFormat, ToolChoice
 from mlx_relay.errors import InvalidRequest, RelayError
 from mlx_relay.http.errors import as_relay_error, error_body
-from mlx_relay.http.fanout import Item
 from mlx_relay.http.openai_types import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -49,10 +47,8 @@ from mlx_relay.http.openai_types import (
     Usage,
     usage_of,
 )
+from mlx_relay.http.replies import Item
 from mlx_relay.service import ChatRequest
-
-MAX_N = 16
-_TIMEOUT = object()
 
 
 def tool_choice_of(wire: object) -> ToolChoice:
@@ -80,8 +76,6 @@ def thinking_of(body: ChatCompletionRequest) -> bool | None:
 
 
 def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
-    if not 1 <= body.n <= MAX_N:
-        raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
     if not body.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     choice = tool_choice_of(body.tool_choice)
@@ -142,7 +136,7 @@ class _ChoiceState:
     done: ReplyDone | None = None
 
 
-async def collect_chat(items: MemoryObjectReceiveStream[Item], n: int, rid: str, model: str,
+async def collect_chat(items: ObjectReceiveStream[Item], n: int, rid: str, model: str,
                        want_logprobs: bool) -> ChatCompletion:
     states = [_ChoiceState() for _ in range(n)]
     async for index, ev in items:
@@ -190,44 +184,64 @@ def _delta_of(ev: object) -> Delta | None:
     return None
 
 
-async def stream_chat(items: MemoryObjectReceiveStream[Item], n: int, rid: str, model: str, include_usage: bool,
-                      want_logprobs: bool, keepalive_s: float) -> AsyncIterator[bytes]:
-    created = int(time.time())
-    encode = msgspec.json.encode
+def _delta_of(ev: object) -> Delta | None:
+    if isinstance(ev, ContentDelta):
+        return Delta(content=ev.text) if ev.text else None
+    if isinstance(ev, ReasoningDelta):
+        return Delta(reasoning_content=ev.text) if ev.text else None
+    if isinstance(ev, ToolCallStart):
+        call = DeltaToolCall(ev.index, DeltaFunction(name=ev.name, arguments=""), id=ev.id, type="function")
+        return Delta(tool_calls=[call])
+    if isinstance(ev, ToolCallArguments):
+        return Delta(tool_calls=[DeltaToolCall(ev.index, DeltaFunction(arguments=ev.fragment))])
+    return None
 
-    def frame(choice: ChunkChoice) -> bytes:
-        return b"data: " + encode(ChatCompletionChunk(rid, created, model, [choice])) + b"\n\n"
 
-    for i in range(n):
-        yield frame(ChunkChoice(i, Delta(role="assistant", content="")))
-    dones: list[ReplyDone] = []
-    open_choices = n
-    while open_choices:
-        item: object = _TIMEOUT
-        with anyio.move_on_after(keepalive_s):
-            item = await anext(aiter(items), None)
-        if item is _TIMEOUT:  # keep slow prefills alive for clients with read timeouts
-            yield b": keep-alive\n\n"
-            continue
-        if item is None:
-            break
-        index, ev = item  # type: ignore[misc]
-        if isinstance(ev, BaseException):  # the generation failed after the response started
-            yield b"data: " + error_body(as_relay_error(ev)) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-            return
+class ChatStream:
+    """`chat.completion.chunk` frames (`streaming.SSEEncoder`): a role chunk per choice, deltas,
+    a finish chunk per choice, the usage chunk when asked for, `[DONE]`; a failure is an error
+    frame and `[DONE]`."""
+
+    def __init__(self, n: int, rid: str, model: str, include_usage: bool, want_logprobs: bool) -> None:
+        self.n, self.rid, self.model = n, rid, model
+        self.include_usage, self.want_logprobs = include_usage, want_logprobs
+        self.created = int(time.time())
+        self.dones: list[ReplyDone] = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.dones) == self.n
+
+    def _frame(self, chunk: ChatCompletionChunk) -> bytes:
+        return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+    def _choice(self, choice: ChunkChoice) -> bytes:
+        return self._frame(ChatCompletionChunk(self.rid, self.created, self.model, [choice]))
+
+    def start(self) -> list[bytes]:
+        return [self._choice(ChunkChoice(i, Delta(role="assistant", content=""))) for i in range(self.n)]
+
+    def event(self, index: int, ev: ReplyEvent) -> list[bytes]:
         if isinstance(ev, ReplyDone):
-            dones.append(ev)
-            open_choices -= 1
-            yield frame(ChunkChoice(index, Delta(), ev.finish_reason))
-            continue
+            self.dones.append(ev)
+            return [self._choice(ChunkChoice(index, Delta(), ev.finish_reason))]
         delta = _delta_of(ev)
-        if delta is not None:
-            logprobs = None
-            if want_logprobs and isinstance(ev, ContentDelta):
-                logprobs = ChoiceLogprobs(list(ev.logprobs or ()))
-            yield frame(ChunkChoice(index, delta, None, logprobs))
-    if include_usage and dones:
-        yield b"data: " + encode(ChatCompletionChunk(rid, created, model, [], usage=total_usage(dones))) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+        if delta is None:
+            return []
+        logprobs = None
+        if self.want_logprobs and isinstance(ev, ContentDelta):
+            logprobs = ChoiceLogprobs(list(ev.logprobs or ()))
+        return [self._choice(ChunkChoice(index, delta, None, logprobs))]
 
+    def failed(self, exc: Exception) -> list[bytes]:
+        return [b"data: " + error_body(as_relay_error(exc)) + b"\n\n", DONE]
+
+    def end(self) -> list[bytes]:
+        usage = []
+        if self.include_usage and self.dones:
+            usage = [self._frame(ChatCompletionChunk(self.rid, self.created, self.model, [],
+                                                     usage=total_usage(self.dones)))]
+        return [*usage, DONE]
+
+
+DONE = b"data: [DONE]\n\n"

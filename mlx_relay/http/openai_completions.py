@@ -10,23 +10,20 @@ admitted together and decode in the same batch. Logprobs use this API's own shap
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.abc import ObjectReceiveStream
 
-from mlx_relay.chat.output import ContentDelta, ReplyDone, TokenLogprob
+from mlx_relay.chat.output import ContentDelta, ReplyDone, ReplyEvent, TokenLogprob
 from mlx_relay.errors import InvalidRequest, RelayError
 from mlx_relay.http.errors import as_relay_error, error_body
-from mlx_relay.http.fanout import Item, choice_requests
-from mlx_relay.http.openai_chat import MAX_N
+from mlx_relay.http.openai_chat import DONE
 from mlx_relay.http.openai_types import StreamOptions, Usage, usage_of
+from mlx_relay.http.replies import Item, choice_requests
 from mlx_relay.service import ChatRequest
 
 MAX_PROMPTS = 16
-_TIMEOUT = object()
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -98,8 +95,6 @@ def to_requests(body: CompletionRequest) -> list[ChatRequest]:
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequest("best_of must equal n (no server-side ranking)", param="best_of")
-    if not 1 <= body.n <= MAX_N:
-        raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
     if body.logprobs is not None and not 0 <= body.logprobs <= 20:
         raise InvalidRequest("logprobs must be between 0 and 20", param="logprobs")
     prompts = prompts_of(body)
@@ -143,7 +138,7 @@ def completion_usage(dones: dict[int, ReplyDone], n: int) -> Usage:
                                                                                  cached_tokens=cached))
 
 
-async def collect_completion(items: MemoryObjectReceiveStream[Item], reqs: list[ChatRequest], n: int, rid: str,
+async def collect_completion(items: ObjectReceiveStream[Item], reqs: list[ChatRequest], n: int, rid: str,
                              model: str, body: CompletionRequest) -> Completion:
     texts: list[list[str]] = [[] for _ in reqs]
     lps: list[list[TokenLogprob]] = [[] for _ in reqs]
@@ -168,42 +163,55 @@ async def collect_completion(items: MemoryObjectReceiveStream[Item], reqs: list[
     return Completion(rid, int(time.time()), model, choices, completion_usage(dones, n))
 
 
-async def stream_completion(items: MemoryObjectReceiveStream[Item], reqs: list[ChatRequest], n: int, rid: str,
-                            model: str, body: CompletionRequest, keepalive_s: float) -> AsyncIterator[bytes]:
-    created = int(time.time())
-    encode = msgspec.json.encode
+class CompletionStream:
+    """`text_completion` frames (`streaming.SSEEncoder`): the echoed prompts, text deltas with
+    their logprobs, a finish frame per choice, the usage frame when asked for, `[DONE]`; a
+    failure is an error frame and `[DONE]`."""
 
-    def frame(choice: CompletionChoice) -> bytes:
-        return b"data: " + encode(Completion(rid, created, model, [choice])) + b"\n\n"
+    def __init__(self, reqs: list[ChatRequest], n: int, rid: str, model: str, body: CompletionRequest) -> None:
+        self.reqs, self.n, self.rid, self.model, self.body = reqs, n, rid, model, body
+        self.created = int(time.time())
+        self.offsets = [0] * len(reqs)
+        self.dones: dict[int, ReplyDone] = {}
 
-    offsets = [0] * len(reqs)
-    if body.echo:
-        for i, req in enumerate(reqs):
+    @property
+    def done(self) -> bool:
+        return len(self.dones) == len(self.reqs)
+
+    def _frame(self, completion: Completion) -> bytes:
+        return b"data: " + msgspec.json.encode(completion) + b"\n\n"
+
+    def _choice(self, choice: CompletionChoice) -> bytes:
+        return self._frame(Completion(self.rid, self.created, self.model, [choice]))
+
+    def start(self) -> list[bytes]:
+        if not self.body.echo:
+            return []
+        frames = []
+        for i, req in enumerate(self.reqs):
             assert isinstance(req.prompt, str)
-            offsets[i] = len(req.prompt)
-            yield frame(CompletionChoice(req.prompt, i, None))
-    dones: dict[int, ReplyDone] = {}
-    while len(dones) < len(reqs):
-        item: object = _TIMEOUT
-        with anyio.move_on_after(keepalive_s):
-            item = await anext(aiter(items), None)
-        if item is _TIMEOUT:
-            yield b": keep-alive\n\n"
-            continue
-        if item is None:
-            break
-        index, ev = item  # type: ignore[misc]
-        if isinstance(ev, BaseException):
-            yield b"data: " + error_body(as_relay_error(ev)) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-            return
+            self.offsets[i] = len(req.prompt)
+            frames.append(self._choice(CompletionChoice(req.prompt, i, None)))
+        return frames
+
+    def event(self, index: int, ev: ReplyEvent) -> list[bytes]:
         if isinstance(ev, ContentDelta):
-            logprobs = _logprobs(list(ev.logprobs or ()), offsets[index]) if body.logprobs is not None else None
-            offsets[index] += len(ev.text)
-            yield frame(CompletionChoice(ev.text, index, None, logprobs))
-        elif isinstance(ev, ReplyDone):
-            dones[index] = ev
-            yield frame(CompletionChoice("", index, ev.finish_reason))
-    if body.stream_options and body.stream_options.include_usage and dones:
-        yield b"data: " + encode(Completion(rid, created, model, [], completion_usage(dones, n))) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+            logprobs = None
+            if self.body.logprobs is not None:
+                logprobs = _logprobs(list(ev.logprobs or ()), self.offsets[index])
+            self.offsets[index] += len(ev.text)
+            return [self._choice(CompletionChoice(ev.text, index, None, logprobs))]
+        if isinstance(ev, ReplyDone):
+            self.dones[index] = ev
+            return [self._choice(CompletionChoice("", index, ev.finish_reason))]
+        return []
+
+    def failed(self, exc: Exception) -> list[bytes]:
+        return [b"data: " + error_body(as_relay_error(exc)) + b"\n\n", DONE]
+
+    def end(self) -> list[bytes]:
+        usage = []
+        if self.body.stream_options and self.body.stream_options.include_usage and self.dones:
+            usage = [self._frame(Completion(self.rid, self.created, self.model, [],
+                                            completion_usage(self.dones, self.n)))]
+        return [*usage, DONE]

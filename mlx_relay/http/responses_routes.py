@@ -20,17 +20,14 @@ and a client disconnect cancels it.
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
+from collections.abc import Callable
 from typing import Any, Literal
 
-import anyio
 import msgspec
-from anyio.abc import ObjectSendStream
+from anyio.abc import ObjectReceiveStream
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -62,6 +59,7 @@ from mlx_relay.config import ServerConfig
 from mlx_relay.errors import InvalidRequest, NotFound, RelayError
 from mlx_relay.http.body import decode_body
 from mlx_relay.http.errors import as_relay_error
+from mlx_relay.http.replies import Item
 from mlx_relay.http.response_store import ResponseStore
 from mlx_relay.http.responses_types import (
     ContentPartAdded,
@@ -110,7 +108,7 @@ from mlx_relay.http.responses_types import (
     TextFormat,
     event_name,
 )
-from mlx_relay.http.streaming import ScopedStreamingResponse, until_disconnect, with_keepalives
+from mlx_relay.http.streaming import events_of, respond
 from mlx_relay.service import ChatRequest, ChatService
 
 JSON = "application/json"
@@ -574,6 +572,36 @@ def sse_frame(ev: StreamEvent) -> bytes:
 # --------------------------------------------------------------------------------------------
 
 
+class ResponsesStream:
+    """The Responses API's numbered stream events as SSE frames (`streaming.SSEEncoder`):
+    `response.created` and `response.in_progress` first, `response.completed` / `.incomplete`
+    last (the response is stored before the client hears of it), `response.failed` when the
+    generation fails after the response started."""
+
+    def __init__(self, assembler: ResponseAssembler, finished: Callable[[], None]) -> None:
+        self.assembler = assembler
+        self._finished = finished
+
+    @property
+    def done(self) -> bool:
+        return self.assembler.finished
+
+    def start(self) -> list[bytes]:
+        return [sse_frame(ev) for ev in self.assembler.start()]
+
+    def event(self, index: int, ev: ReplyEvent) -> list[bytes]:
+        frames = self.assembler.feed(ev)
+        if self.assembler.finished:
+            self._finished()
+        return [sse_frame(e) for e in frames]
+
+    def failed(self, exc: Exception) -> list[bytes]:
+        return [sse_frame(ev) for ev in self.assembler.fail(as_relay_error(exc))]
+
+    def end(self) -> list[bytes]:
+        return []
+
+
 # --------------------------------------------------------------------------------------------
 # Routes
 # --------------------------------------------------------------------------------------------
@@ -619,28 +647,25 @@ class ResponsesRoutes:
         model = self._check_model(body.model)
         conversation = self._prior(body.previous_response_id) + items_to_messages(parse_items(body.input))
         req, response = translate(body, model, conversation)
-        service = self._service()
-        stack = AsyncExitStack()
-        try:
-            events = await stack.enter_async_context(service.reply(req, response.id))
-        except BaseException:
-            await stack.aclose()
-            raise
         assembler = ResponseAssembler(response)
 
         def finished() -> None:
             if response.store:
                 self._remember(response, conversation)
 
-        if body.stream:
-            produce = _producer(events, assembler, finished)
-            tx, rx = anyio.create_memory_object_stream[bytes](max_buffer_size=64)
-            return ScopedStreamingResponse(with_keepalives(rx, self.config.sse_keepalive_s), stack,
-                                           functools.partial(produce, tx))
-        async with stack:
-            await _collect(request, events, assembler)
-        finished()
-        return _json(response)
+        async def collect(items: ObjectReceiveStream[Item]) -> ResponseObject:
+            async for ev in events_of(items):
+                assembler.feed(ev)
+                if assembler.finished:
+                    break
+            if not assembler.finished:
+                raise RelayError("the reply ended without finishing")
+            finished()
+            return response
+
+        return await respond(request, self._service(), [req], response.id, stream=body.stream,
+                             encoder=ResponsesStream(assembler, finished), collect=collect,
+                             keepalive_s=self.config.sse_keepalive_s)
 
     def _prior(self, previous_id: str | None) -> list[ChatMessage]:
         if previous_id is None:
@@ -655,40 +680,6 @@ class ResponsesRoutes:
     def _remember(self, response: ResponseObject, conversation: list[ChatMessage]) -> None:
         entry = StoredResponse(response, conversation + output_messages(response.output))
         self.store.put(response.id, entry, len(msgspec.json.encode(entry)))
-
-
-async def _collect(request: Request, events: AsyncIterator[ReplyEvent], assembler: ResponseAssembler) -> None:
-    """Runs the reply to its end (or until the client goes away) into `assembler`."""
-
-    async def run() -> bool:
-        async for ev in events:
-            assembler.feed(ev)
-        return assembler.finished
-
-    if not await until_disconnect(request, run()):
-        raise RelayError("the reply ended without finishing")
-
-
-def _producer(events: AsyncIterator[ReplyEvent], assembler: ResponseAssembler, finished: Callable[[], None]
-              ) -> Callable[[ObjectSendStream[bytes]], Awaitable[None]]:
-    async def produce(tx: ObjectSendStream[bytes]) -> None:
-        async with tx:
-            for ev in assembler.start():
-                await tx.send(sse_frame(ev))
-            try:
-                async for reply_event in events:
-                    frames = assembler.feed(reply_event)
-                    if assembler.finished:  # stored before the client hears of it
-                        finished()
-                    for ev in frames:
-                        await tx.send(sse_frame(ev))
-                if not assembler.finished:
-                    raise RelayError("the reply ended without finishing")
-            except Exception as exc:  # the generation failed after the response started
-                for ev in assembler.fail(as_relay_error(exc)):
-                    await tx.send(sse_frame(ev))
-
-    return produce
 
 
 def responses_routes(config: ServerConfig, service: Callable[[], ChatService],

@@ -11,71 +11,23 @@ listener, wait, then cut every stream) is replaced by `RelayServer.handle_exit`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import anyio
 import uvicorn
 
 from mlx_relay.config import ServerConfig
+from mlx_relay.http.app import BootRelay, create_app
 from mlx_relay.http.guard import HeaderDeadlineProtocol
-from mlx_relay.relay import Relay
+from mlx_relay.http.lifecycle import Lifecycle
+
+if TYPE_CHECKING:
+    from mlx_relay.relay import Relay
 
 log = logging.getLogger(__name__)
-
-
-class Lifecycle:
-    """What the process around the app hears from it, and how it asks the app to drain."""
-
-    def __init__(
-        self,
-        *,
-        on_progress: Callable[[str], None] | None = None,
-        on_ready: Callable[[Relay], None] | None = None,
-        on_failed: Callable[[str], None] | None = None,
-        on_drained: Callable[[], None] | None = None,
-    ) -> None:
-        self.on_progress = on_progress
-        self.on_ready = on_ready
-        self.on_failed = on_failed
-        self.on_drained = on_drained
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain: asyncio.Event | None = None
-        self._drain_asked = False
-
-    def request_drain(self) -> None:
-        """From any thread or a signal handler."""
-        self._drain_asked = True
-        if self._loop is not None and self._drain is not None:
-            self._loop.call_soon_threadsafe(self._drain.set)
-
-    async def run(self, relay: Relay, drain_timeout_s: float) -> None:
-        """In the app's lifespan, beside the relay: announce, watch for failure, drain on request."""
-        self._loop, self._drain = asyncio.get_running_loop(), asyncio.Event()
-        if self._drain_asked:
-            self._drain.set()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._announce, relay)
-            tg.start_soon(self._watch_failure, relay)
-            await self._drain.wait()
-            report = await relay.drain(drain_timeout_s)
-            log.warning("drained in %.1fs (%d requests ended at the deadline)", report.seconds, report.ended)
-            if self.on_drained is not None:
-                self.on_drained()
-            tg.cancel_scope.cancel()
-
-    async def _announce(self, relay: Relay) -> None:
-        await relay.ready.wait()
-        if self.on_ready is not None and relay.error is None:
-            self.on_ready(relay)
-
-    async def _watch_failure(self, relay: Relay) -> None:
-        await relay.failed.wait()
-        if self.on_failed is not None:
-            self.on_failed(f"{type(relay.error).__name__}: {relay.error}" if relay.error else "failed")
 
 
 class RelayServer(uvicorn.Server):
@@ -96,12 +48,12 @@ class RelayServer(uvicorn.Server):
         self.lifecycle.request_drain()
 
 
-def build_server(config: ServerConfig, lifecycle: Lifecycle, relay: Relay | None = None) -> RelayServer:
-    """The server `mlx-relay serve` runs (tests run the same one on a free port)."""
-    from mlx_relay.http.app import create_app
-
+def build_server(config: ServerConfig, lifecycle: Lifecycle, relay: Relay | None = None, *,
+                 boot: BootRelay | None = None) -> RelayServer:
+    """The server `mlx-relay serve` runs (tests run the same one on a free port). `boot` starts
+    the relay in the app's lifespan (the composition root passes `Relay.start`)."""
     lifecycle.on_drained = _chain(lifecycle.on_drained, lambda: setattr(server, "should_exit", True))
-    app = create_app(config, relay, lifecycle=lifecycle)
+    app = create_app(config, relay, lifecycle=lifecycle, boot=boot)
     server = RelayServer(
         uvicorn.Config(
             app,
@@ -127,7 +79,7 @@ def _chain(first: Callable[[], None] | None, then: Callable[[], None]) -> Callab
     return both
 
 
-def serve(config: ServerConfig, progress: Callable[[str], None] | None = None) -> int:
+def serve(config: ServerConfig, boot: BootRelay, progress: Callable[[str], None] | None = None) -> int:
     """Serve until drained (exit code 0), failed (1: the model did not load, or an actor could not
     be restarted) or stopped at once by a second signal (1)."""
     failed: list[str] = []
@@ -150,7 +102,7 @@ def serve(config: ServerConfig, progress: Callable[[str], None] | None = None) -
         server.should_exit = True
 
     lifecycle = Lifecycle(on_progress=progress, on_ready=on_ready, on_failed=on_failed)
-    server = build_server(config, lifecycle)
+    server = build_server(config, lifecycle, boot=boot)
     try:
         server.run()
     except KeyboardInterrupt:  # a Ctrl-C outside uvicorn's handlers (e.g. during start-up)

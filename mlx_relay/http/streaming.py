@@ -1,33 +1,73 @@
-"""Response lifetimes shared by every route (OpenAI, Anthropic, Responses): the generation and
-its admission slot live in an exit stack that the response owns, and a client that goes away
-cancels them through a task group (Starlette's way), never by polling.
+"""The one streaming skeleton of every wire format (OpenAI chat and completions, Anthropic
+Messages, Responses): one pump, one keep-alive, one disconnect path; a format supplies only an
+`SSEEncoder` (its frames) and a collector (its non-streamed body).
 
-- `ScopedStreamingResponse`: an SSE response that runs an optional feeder task beside the body
-  (e.g. the task reading the reply into the memory stream the body waits on with keep-alive
-  timeouts: cancelling such a wait is harmless, cancelling `anext` on a reply's async generator
-  would end it) and closes the stack however the response ends.
-- `until_disconnect`: a non-streamed answer, abandoned (and its generation cancelled) when the
-  client disconnects first.
+    respond(request, service, reqs, rid, stream=..., encoder=..., collect=...)
+      -> every reply admitted and started (`replies.open_replies`: a refusal is a clean error
+         before anything is sent)
+      -> stream: `ScopedStreamingResponse(sse_body(...))`, the pumps (`Replies.run`) as its
+         feeder task; `sse_body` writes the encoder's frames, an SSE comment whenever nothing
+         came for `keepalive_s` (slow prefills must not trip clients' read timeouts), and the
+         format's terminal frames however the replies end (done, failed, cut short)
+      -> otherwise: `until_disconnect(request, collect(items), pumps)`
+
+The generation and its admission slot live in an exit stack the response owns; a client that
+goes away cancels the response's task group (Starlette's way), never polled, and the stack then
+ends the generations.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
+import msgspec
 from anyio.abc import ObjectReceiveStream
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from mlx_relay.chat.output import ReplyEvent
 from mlx_relay.errors import RelayError
+from mlx_relay.http.replies import Item, open_replies
+from mlx_relay.service import ChatRequest, ChatService
 
 T = TypeVar("T")
 
+KEEPALIVE = b": keep-alive\n\n"
+
+
+class SSEEncoder(Protocol):
+    """A wire format's frames for one response."""
+
+    @property
+    def done(self) -> bool:
+        """Every choice has ended (the stream's end follows)."""
+        ...
+
+    def start(self) -> list[bytes]:
+        """Frames before the first event."""
+        ...
+
+    def event(self, index: int, ev: ReplyEvent) -> list[bytes]:
+        """Frames for one event of choice `index`."""
+        ...
+
+    def failed(self, exc: Exception) -> list[bytes]:
+        """The terminal frames when the generation fails after the response started."""
+        ...
+
+    def end(self) -> list[bytes]:
+        """The terminal frames after every choice ended (usage, `[DONE]`, ...)."""
+        ...
+
 
 class ScopedStreamingResponse(StreamingResponse):
+    """An SSE response that runs a feeder task beside the body (the pumps the body reads from)
+    and closes the response's exit stack however it ends."""
+
     def __init__(self, content: AsyncIterator[bytes], stack: AsyncExitStack,
                  background_task: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(content, media_type="text/event-stream",
@@ -53,6 +93,37 @@ class ScopedStreamingResponse(StreamingResponse):
                 await self._stack.aclose()
 
 
+async def sse_body(items: ObjectReceiveStream[Item], encoder: SSEEncoder, keepalive_s: float) -> AsyncIterator[bytes]:
+    """The one keep-alive loop: the encoder's frames for the items the pumps send, an SSE
+    comment whenever none came for `keepalive_s`, and the terminal frames (waiting is cancelled,
+    never the pumps)."""
+    for frame in encoder.start():
+        yield frame
+    async with items:
+        while not encoder.done:
+            item: Item | None = None
+            timed_out = True
+            with anyio.move_on_after(keepalive_s):
+                try:
+                    item = await items.receive()
+                except anyio.EndOfStream:
+                    item = (0, RelayError("the reply ended without finishing"))
+                timed_out = False
+            if timed_out:
+                yield KEEPALIVE
+                continue
+            assert item is not None
+            index, ev = item
+            if isinstance(ev, Exception):
+                for frame in encoder.failed(ev):
+                    yield frame
+                return
+            for frame in encoder.event(index, ev):
+                yield frame
+    for frame in encoder.end():
+        yield frame
+
+
 async def watch_disconnect(request: Request, scope: anyio.CancelScope) -> None:
     while True:
         message = await request.receive()
@@ -64,7 +135,7 @@ async def watch_disconnect(request: Request, scope: anyio.CancelScope) -> None:
 async def until_disconnect(request: Request, work: Awaitable[T],
                            feed: Callable[[], Awaitable[None]] | None = None) -> T:
     """Await `work` unless the client goes away first (then the generation is cancelled);
-    `feed` runs beside it (e.g. the pumps `work` reads from) and is cancelled with it."""
+    `feed` runs beside it (the pumps `work` reads from) and is cancelled with it."""
     result: list[T] = []
     failed: list[Exception] = []
 
@@ -87,15 +158,28 @@ async def until_disconnect(request: Request, work: Awaitable[T],
     return result[0]
 
 
-async def with_keepalives(frames: ObjectReceiveStream[bytes], keepalive_s: float) -> AsyncIterator[bytes]:
-    """The frames a feeder task writes, with an SSE comment whenever none came for `keepalive_s`
-    (slow prefills must not trip clients' read timeouts)."""
-    async with frames:
-        while True:
-            chunk = b": keep-alive\n\n"
-            with anyio.move_on_after(keepalive_s):
-                try:
-                    chunk = await frames.receive()
-                except anyio.EndOfStream:
-                    return
-            yield chunk
+async def respond(request: Request, service: ChatService, reqs: list[ChatRequest], rid: str, *, stream: bool,
+                  encoder: SSEEncoder, collect: Callable[[ObjectReceiveStream[Item]], Awaitable[msgspec.Struct]],
+                  keepalive_s: float, raw: bool = False) -> Response:
+    """Every route's response: admit and start every choice (a refusal is a clean error before
+    anything is sent), then stream the encoder's frames or collect one body."""
+    stack = AsyncExitStack()
+    try:
+        replies = await open_replies(stack, service, reqs, rid, raw=raw)
+    except BaseException:
+        await stack.aclose()
+        raise
+    if stream:
+        return ScopedStreamingResponse(sse_body(replies.receive, encoder, keepalive_s), stack, replies.run)
+    async with stack:
+        body = await until_disconnect(request, collect(replies.receive), replies.run)
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+async def events_of(items: ObjectReceiveStream[Item]) -> AsyncIterator[ReplyEvent]:
+    """One reply's events from the merged stream (a failure raised as itself): for collectors
+    of single-choice formats."""
+    async for _, ev in items:
+        if isinstance(ev, Exception):
+            raise ev
+        yield ev

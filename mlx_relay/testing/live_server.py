@@ -21,7 +21,9 @@ import httpx
 import msgspec
 
 from mlx_relay.config import ServerConfig
-from mlx_relay.http.server import Lifecycle, build_server
+from mlx_relay.http.lifecycle import Lifecycle
+from mlx_relay.http.server import build_server
+from mlx_relay.relay import Relay
 
 
 def free_port() -> int:
@@ -38,7 +40,8 @@ class LiveServer:
         self.wait_ready = wait_ready
         self.timeout_s = timeout_s
         self.lifecycle = Lifecycle()
-        self._server = build_server(msgspec.structs.replace(self.config, log_level="warning"), self.lifecycle)
+        self._server = build_server(msgspec.structs.replace(self.config, log_level="warning"), self.lifecycle,
+                                    boot=Relay.start)
         self._thread = threading.Thread(target=self._run, name="live-server", daemon=True)
 
     def _run(self) -> None:

@@ -1,5 +1,6 @@
-"""Layering that can be checked: the runtime, the policy actors and the request path never import
-MLX (only the GPUExecutor and the engine do), and the product never imports `mlx_relay.testing`."""
+"""Layering that can be checked: the runtime, the HTTP layer, the policy actors and the request path
+never import MLX (only the GPUExecutor and the engine do), and the product never imports
+`mlx_relay.testing`."""
 
 from __future__ import annotations
 
@@ -17,16 +18,18 @@ NO_MLX = ["mlx_relay", "mlx_relay.runtime", "mlx_relay.service", "mlx_relay.conf
           "mlx_relay.messages.prompt", "mlx_relay.messages.prefix_cache", "mlx_relay.messages.specprefill",
           "mlx_relay.messages.text_mtp", "mlx_relay.messages.vision", "mlx_relay.messages.admission",
           *(f"mlx_relay.actors.{p.stem}" for p in sorted((PACKAGE / "actors").glob("*.py"))
-            if p.stem not in ("__init__", "gpu_executor"))]
+            if p.stem not in ("__init__", "gpu_executor")),
+          *(f"mlx_relay.http.{p.stem}" for p in sorted((PACKAGE / "http").glob("*.py")) if p.stem != "__init__")]
 
 
-def test_the_runtime_the_request_path_and_every_actor_but_the_gpu_executor_import_no_mlx() -> None:
+def test_the_runtime_http_the_request_path_and_every_actor_but_the_gpu_executor_import_no_mlx() -> None:
     code = ("import importlib, json, sys\n"
             f"for m in {NO_MLX!r}: importlib.import_module(m)\n"
             f"print(json.dumps([k for k in {MLX!r} if k in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
-    assert len(NO_MLX) > 12 and "mlx_relay.actors.text_mtp_executor" in NO_MLX
+    assert "mlx_relay.actors.text_mtp_executor" in NO_MLX and "mlx_relay.http.app" in NO_MLX
+    assert "mlx_relay.http.server" in NO_MLX and "mlx_relay.http.streaming" in NO_MLX
 
 
 def test_the_gpu_executor_is_where_mlx_is() -> None:

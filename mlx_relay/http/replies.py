@@ -1,13 +1,14 @@
-"""n replies of one request, merged into one stream of `(choice index, event)` (`n` > 1 on chat
-and completions; n == 1 takes the same path).
+"""A request's replies as one stream of `(choice index, event)`: the one pump of every route.
 
-The request holds n admission slots, granted together (two requests holding part of what each
-needs could otherwise wait on each other forever); each choice is its own `ChatService.reply`
-and engine row, so the choices decode together in the batch. All of them are entered before the HTTP response
-starts, so a refusal is a clean 4xx/429; a pump task per reply forwards its events, and an
-error ends that choice with the exception as its last item. The replies live in the caller's
-exit stack; the pumps in a task group of the reading task (`Replies.run`), cancelled before the
-stack closes (response done, client gone), which then ends the generations.
+Chat and completions may ask for n > 1 choices; Anthropic Messages and Responses have one; all
+take this path. The request holds n admission slots, granted together (two requests holding
+part of what each needs could otherwise wait on each other forever); each choice is its own
+`ChatService.reply` and engine row, so the choices decode together in the batch. Every reply is
+entered before the HTTP response starts, so a refusal is a clean 4xx/429. A pump task per reply
+forwards its events into one bounded memory stream; an error ends that choice with the exception
+as its last item. The replies live in the response's exit stack, the pumps in `Replies.run`
+(the response's feeder task), cancelled before the stack closes (response done, client gone),
+which then ends the generations.
 """
 
 from __future__ import annotations
@@ -20,21 +21,24 @@ import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from mlx_relay.chat.output import ReplyEvent
+from mlx_relay.errors import InvalidRequest
 from mlx_relay.service import ChatRequest, ChatService
 
-Item = tuple[int, ReplyEvent | BaseException]
+Item = tuple[int, ReplyEvent | Exception]
+MAX_N = 16  # choices per request (the one check of `n`; Admission also bounds it by --max-num-seqs)
 
 
 def choice_requests(req: ChatRequest, n: int) -> list[ChatRequest]:
     """The n choices: with a seed, choice i samples with seed + i (reproducible and distinct)."""
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
     if n == 1:
         return [req]
     return [req if req.seed is None else msgspec.structs.replace(req, seed=req.seed + i) for i in range(n)]
 
 
 class Replies:
-    """The merged stream (`receive`) and the pumps that feed it (`run`: run it in a task group of
-    the task that reads, and cancel it when done)."""
+    """The merged stream (`receive`) and the pumps that feed it (`run`)."""
 
     def __init__(self, streams: list[AsyncIterator[ReplyEvent]]) -> None:
         self.streams = streams
@@ -48,6 +52,11 @@ class Replies:
 
 async def open_replies(stack: AsyncExitStack, service: ChatService, reqs: list[ChatRequest],
                        rid: str, *, raw: bool = False) -> Replies:
+    """Admit and start every choice inside `stack` (ids: `rid`, then `rid-1`, ...). One choice
+    takes its slot inside `ChatService.reply`; n choices take n slots together first."""
+    if len(reqs) == 1:
+        ctx = service.reply(reqs[0], rid, raw=True) if raw else service.reply(reqs[0], rid)
+        return Replies([await stack.enter_async_context(ctx)])
     await stack.enter_async_context(service.admit(rid, len(reqs)))
     streams: list[AsyncIterator[ReplyEvent]] = []
     for i, req in enumerate(reqs):

@@ -1,0 +1,70 @@
+"""The server process's lifetime as the app sees it: boot progress, ready, failure (an actor that
+cannot be restarted) and the graceful drain (`Relay.drain`), asked for from any thread or signal
+handler. `http/server.py` wires it to uvicorn and the process's exit code; the app's lifespan
+(`http/app.py`) runs it beside the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import anyio
+
+if TYPE_CHECKING:
+    from mlx_relay.relay import Relay
+
+log = logging.getLogger(__name__)
+
+
+class Lifecycle:
+    """What the process around the app hears from it, and how it asks the app to drain."""
+
+    def __init__(
+        self,
+        *,
+        on_progress: Callable[[str], None] | None = None,
+        on_ready: Callable[[Relay], None] | None = None,
+        on_failed: Callable[[str], None] | None = None,
+        on_drained: Callable[[], None] | None = None,
+    ) -> None:
+        self.on_progress = on_progress
+        self.on_ready = on_ready
+        self.on_failed = on_failed
+        self.on_drained = on_drained
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Event | None = None
+        self._drain_asked = False
+
+    def request_drain(self) -> None:
+        """From any thread or a signal handler."""
+        self._drain_asked = True
+        if self._loop is not None and self._drain is not None:
+            self._loop.call_soon_threadsafe(self._drain.set)
+
+    async def run(self, relay: Relay, drain_timeout_s: float) -> None:
+        """In the app's lifespan, beside the relay: announce, watch for failure, drain on request."""
+        self._loop, self._drain = asyncio.get_running_loop(), asyncio.Event()
+        if self._drain_asked:
+            self._drain.set()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._announce, relay)
+            tg.start_soon(self._watch_failure, relay)
+            await self._drain.wait()
+            report = await relay.drain(drain_timeout_s)
+            log.warning("drained in %.1fs (%d requests ended at the deadline)", report.seconds, report.ended)
+            if self.on_drained is not None:
+                self.on_drained()
+            tg.cancel_scope.cancel()
+
+    async def _announce(self, relay: Relay) -> None:
+        await relay.ready.wait()
+        if self.on_ready is not None and relay.error is None:
+            self.on_ready(relay)
+
+    async def _watch_failure(self, relay: Relay) -> None:
+        await relay.failed.wait()
+        if self.on_failed is not None:
+            self.on_failed(f"{type(relay.error).__name__}: {relay.error}" if relay.error else "failed")
