@@ -94,3 +94,45 @@ def test_snapshot_is_not_changed_by_the_request_it_came_from(gpu: Callable, bigr
 
     same, kv_len = gpu(run)
     assert same and kv_len == {len(SYSTEM)}
+
+
+def test_rows_prefilled_together_equal_rows_alone(gpu: Callable, fp32_model: Path) -> None:
+    """Issue 17.1: rows that join together are prefilled together, in one chunk per step, with
+    ragged restored lengths (a system snapshot, a whole turn, nothing), each snapshotted at its own
+    boundary, and each returns exactly plain greedy decoding of its prompt (float32, random weights,
+    so a wrong position, mask or state would show). A request restored from a snapshot taken inside
+    such a batch is exact too."""
+    max_tokens = 8
+    long_cold = list(range(500, 570))
+
+    def run() -> tuple[Any, ...]:
+        d = Driver(load_model(fp32_model), prefill_batch_size=4, prefill_step_size=64)
+        sp = SamplingParams(max_tokens=max_tokens, mtp=False)
+        first = SYSTEM + SUFFIXES[0]
+        a = d.add(Generate("a", first, sp, prefix=PrefixPlan(snapshot_at=[len(SYSTEM)], snapshot_turn=True)))
+        d.run()
+        (system,) = [s for s in d.snapshots[a] if s.kind == "system"]
+        (turn,) = [s for s in d.snapshots[a] if s.kind == "turn"]
+        turn2 = first + turn.generated + [400, 401, 402]
+        before = d.engine.stats()
+        prompts = [SYSTEM + SUFFIXES[1], long_cold, turn2, [7, 8, 9, 10, 11]]
+        plans = [PrefixPlan(system.handle, system.length), PrefixPlan(snapshot_at=[33]),
+                 PrefixPlan(turn.handle, turn.length), None]
+        sids = [d.add(Generate(f"r{i}", p, sp, prefix=plan))
+                for i, (p, plan) in enumerate(zip(prompts, plans, strict=True))]
+        d.run()
+        after = d.engine.stats()
+        (own,) = d.snapshots[sids[1]]
+        again = [*long_cold[:33], 42, 43, 44]
+        f = d.add(Generate("f", again, sp, prefix=PrefixPlan(own.handle, own.length)))
+        d.run()
+        ref = greedy_reference(fp32_model, [*prompts, again], max_tokens)
+        d.engine.close()
+        return d, [*sids, f], own, turn.length, ref, before, after
+
+    d, sids, own, turn_length, ref, before, after = gpu(run)
+    assert [d.tokens[s] for s in sids] == ref
+    assert own.length == 33
+    assert [d.finished[s].cached_tokens for s in sids] == [len(SYSTEM), 0, turn_length, 0, 33]
+    chunks, rows = after.prefill_chunks - before.prefill_chunks, after.prefill_rows - before.prefill_rows
+    assert rows / chunks > 2, (chunks, rows)  # the four rows ran together, not one by one

@@ -85,7 +85,8 @@ class EngineCore:
         self._vocab_size = info.vocab_size
         lm = loaded.model.language_model
         self.lanes: dict[LaneName, Lane] = {
-            "plain": PlainLane(lm, prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids)}
+            "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
+                               prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids)}
         if not prefix_cache:
             self.lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
                                                 prefill_batch_size=config.prefill_batch_size,
@@ -107,6 +108,7 @@ class EngineCore:
         self.features = FeatureStore()
         self._rows: dict[int, Row] = {}  # every row the engine holds, by id
         self._mtp_totals = [0, 0, 0]  # rounds, drafted, accepted
+        self._prefill_totals = [0, 0]  # chunks, rows
 
     @property
     def draft(self) -> DraftInfo | None:
@@ -204,6 +206,9 @@ class EngineCore:
             totals[0] += lane_step.mtp_rounds
             totals[1] += lane_step.mtp_drafted
             totals[2] += lane_step.mtp_accepted
+            if lane_step.prefill_rows:
+                self._prefill_totals[0] += 1
+                self._prefill_totals[1] += lane_step.prefill_rows
             for rid, snap in lane_step.snapshots:
                 if (row := self._rows.get(rid)) is not None:
                     out.snapshots.append(self._keep(row, snap, "system"))
@@ -331,5 +336,6 @@ class EngineCore:
                            scoring=len(self.scoring), mtp_running=len(mtp) if mtp is not None else 0,
                            mtp_rounds=rounds, mtp_drafted=drafted, mtp_accepted=accepted,
                            snapshots=len(self.snapshots), snapshot_bytes=self.snapshots.bytes,
-                           features=len(self.features), feature_bytes=self.features.bytes)
+                           features=len(self.features), feature_bytes=self.features.bytes,
+                           prefill_chunks=self._prefill_totals[0], prefill_rows=self._prefill_totals[1])
 

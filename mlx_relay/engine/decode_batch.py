@@ -9,8 +9,9 @@ has one (as mlx-vlm's own `GenerationBatch` does). Steps are double-buffered lik
 `generate_step`: step N's tokens are queued with `mx.async_eval` and read at step N+1, so the
 host builds the next graph while the device runs this one.
 
-Rows join with their batch-1 caches merged in (each cache class's public `extend`) and leave
-through `filter`; `extract` copies one row's caches (its turn snapshot).
+Rows join with their batch caches merged in (`batch_caches.extend_caches`: each cache class's
+public `extend`), several at once when a prefill chunk finishes them together, and leave through
+`filter`; `extract` copies one row's caches (its turn snapshot).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+
+from mlx_relay.engine.batch_caches import extend_caches
 
 
 class DecodeBatch:
@@ -33,19 +36,19 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rids)
 
-    def join(self, rid: int, caches: list[Any], first: mx.array, rope_delta: int, processors: list[Any]) -> None:
-        """A prefilled row joins: `caches` its batch caches, `first` [1] its first token."""
-        delta = mx.array([[rope_delta]], dtype=mx.int32)
+    def join(self, rids: list[int], caches: list[Any], first: mx.array, rope_deltas: list[int],
+             processors: list[list[Any]]) -> None:
+        """Prefilled rows join: `caches` their batch caches, `first` [len(rids)] their first tokens."""
+        delta = mx.array([[d] for d in rope_deltas], dtype=mx.int32)
         if not self.rids:
             self.caches, self._tokens, self._deltas = caches, first, delta
         else:
             mx.eval(self._tokens, [c.state for c in self.caches])  # settle the pending step first
-            for mine, theirs in zip(self.caches, caches, strict=True):
-                mine.extend(theirs)
+            extend_caches(self.caches, caches)
             self._tokens = mx.concatenate([self._tokens, first])  # type: ignore[list-item]
             self._deltas = mx.concatenate([self._deltas, delta])  # type: ignore[list-item]
-        self.rids.append(rid)
-        self.processors.append(processors)
+        self.rids.extend(rids)
+        self.processors.extend(processors)
 
     def remove(self, rid: int) -> None:
         if rid not in self.rids:

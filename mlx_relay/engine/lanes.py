@@ -56,6 +56,7 @@ class RowTokens:
 class LaneStep:
     tokens: list[RowTokens] = field(default_factory=list)
     snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (row, snapshot) taken in prefill
+    prefill_rows: int = 0  # rows in this step's prefill chunk (0: none ran)
     mtp_rounds: int = 0
     mtp_drafted: int = 0
     mtp_accepted: int = 0

@@ -40,9 +40,10 @@ from mlx_vlm.speculative.cache_state import (
     start_speculative_cache,
 )
 
+from mlx_relay.engine.batch_caches import as_batch_caches
 from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
 from mlx_relay.engine.mtp_head import MTPHead
-from mlx_relay.engine.row_prefill import RowPrefill, as_batch_caches
+from mlx_relay.engine.row_prefill import RowPrefill
 from mlx_relay.engine.sampling import RowSampler, processed_logprobs
 from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
 

@@ -20,14 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from mlx_relay.messages.specprefill import SparsePrefill
-
-
-def as_batch_caches(caches: list[Any]) -> list[Any]:
-    """A prefilled batch-1 cache as batch caches, to join a running batch (each class's public `merge`)."""
-    return [BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c]) for c in caches]
 
 
 @dataclass

@@ -118,6 +118,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     snapshot_bytes: int = 0
     features: int = 0  # encoded image features held on the GPU thread
     feature_bytes: int = 0
+    prefill_chunks: int = 0  # prefill forwards of our own lanes since start
+    prefill_rows: int = 0  # rows those chunks carried (rows / chunks: how many were prefilled together)
 
 
 class DraftInfo(msgspec.Struct, frozen=True):

@@ -1,0 +1,45 @@
+"""Row operations on a batch's caches (GPU thread only), through the cache classes' public API.
+
+A batch of rows keeps one cache object per layer: mlx-vlm's `BatchKVCache` (attention: keys
+left-padded to the longest row, each row's padding masked) and `ArraysCache` (GatedDeltaNet:
+conv and recurrent state, one slice per row). Rows move between batches (a prefill chunk's rows
+joining the decode batch, a row leaving) with these three operations; `tests/test_library_adapters.py`
+pins what they rely on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+
+def as_batch_caches(caches: list[Any]) -> list[Any]:
+    """A batch-1 cache (a row prefilled alone) as batch caches (each class's public `merge`)."""
+    return [BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c]) for c in caches]
+
+
+def extend_caches(mine: list[Any], theirs: list[Any]) -> None:
+    """Append `theirs`' rows to `mine`, layer by layer (in place)."""
+    for a, b in zip(mine, theirs, strict=True):
+        a.extend(b)
+
+
+def take_rows(caches: list[Any], rows: list[int]) -> list[Any]:
+    """New batch caches holding only `rows` of `caches` (one gather per array; the source is
+    left as it was)."""
+    idx = mx.array(rows, dtype=mx.int32)
+    out: list[Any] = []
+    for c in caches:
+        if isinstance(c, BatchKVCache):
+            keys, values, offset, left_padding = c.state
+            taken = BatchKVCache([0] * len(rows))
+            taken.state = (None if keys is None else keys[idx], None if values is None else values[idx],
+                           offset[idx], left_padding[idx])
+            taken.filter(mx.arange(len(rows)))  # drops the padding no kept row needs
+        else:
+            taken = ArraysCache(len(c.cache))
+            taken.state = [None if a is None else a[idx] for a in c.state]
+        out.append(taken)
+    return out

@@ -1,0 +1,193 @@
+"""Joining rows prefilled together, chunk by chunk (GPU thread only): the plain lane's prefill.
+
+Rows that join the plain lane wait here until their prompt is in their caches. Each step runs
+one chunk for up to `max_rows` rows *together*, in one forward of the language model:
+- each row starts from its own caches: restored from a prefix-cache snapshot (any length) or
+  empty; merging them into batch caches left-pads the shorter KV prefixes (masked keys), the
+  recurrent GatedDeltaNet states need no padding;
+- a chunk never pads new tokens: its length is the shortest distance any row has to its next
+  boundary (a snapshot length it asked for, or its prompt's end), capped so that the chunk holds
+  at most `token_budget` tokens, so every row consumes only its own tokens and, at a boundary,
+  its caches hold exactly its prompt's state there (its snapshot is taken then);
+- each row feeds its tokens at its own positions (explicit M-RoPE triples), by token id or, for
+  vision rows, by its prompt embeddings; SpecPrefill rows feed only their kept tokens at their
+  original positions;
+- a row whose prompt is done leaves with its first token and its caches, to join the decode
+  batch; the others go on. When every row finishes in the same chunk, the batch caches move on
+  whole.
+
+Batching rows of ragged restored lengths relies on the language model's batched forward with
+left-padded batch caches; mlx-vlm's qwen3_5 model runs such a batch row by row unless the call
+asks for captured hidden states, so the chunk is called with `capture_layer_ids=[]` (a public
+argument; `tests/test_library_adapters.py` pins that the batched chunk equals each row alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_relay.engine.batch_caches import as_batch_caches, extend_caches, take_rows
+from mlx_relay.engine.row_prefill import RowPrefill
+from mlx_relay.engine.snapshots import Snapshot, snapshot_caches
+
+
+@dataclass
+class PrefillRow:
+    """A row waiting for, or in, a prefill chunk."""
+
+    rid: int
+    pre: RowPrefill
+    processors: list[Any] = field(default_factory=list)  # applied to the first token's logits
+
+
+@dataclass
+class Prefilled:
+    """Rows whose prompts are done, with their batch caches and first tokens (one per row)."""
+
+    rows: list[PrefillRow]
+    caches: list[Any]
+    first: mx.array  # [len(rows)] int32
+
+
+@dataclass
+class PrefillStep:
+    rows: int = 0  # rows the chunk ran
+    done: Prefilled | None = None
+    snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (row, snapshot at a boundary)
+
+
+def _positions(pre: RowPrefill, end: int) -> mx.array:
+    """[3, 1, n] M-RoPE positions of prompt[done:end]."""
+    if pre.positions is not None:
+        return pre.positions[:, :, pre.done:end]
+    return mx.broadcast_to(mx.arange(pre.done, end, dtype=mx.int32)[None, None, :], (3, 1, end - pre.done))
+
+
+class PrefillBatch:
+    def __init__(self, lm: Any, *, max_rows: int, token_budget: int) -> None:
+        self.lm = lm
+        self.max_rows = max(1, max_rows)
+        self.token_budget = max(1, token_budget)
+        self.waiting: list[PrefillRow] = []
+        self.rows: list[PrefillRow] = []  # in the batch, in the caches' order
+        self._caches: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.rows)
+
+    def __contains__(self, rid: int) -> bool:
+        return any(r.rid == rid for r in (*self.waiting, *self.rows))
+
+    def find(self, rid: int) -> PrefillRow | None:
+        return next((r for r in (*self.waiting, *self.rows) if r.rid == rid), None)
+
+    def add(self, row: PrefillRow) -> None:
+        self.waiting.append(row)
+
+    def remove(self, rid: int) -> None:
+        self.waiting = [r for r in self.waiting if r.rid != rid]
+        keep = [i for i, r in enumerate(self.rows) if r.rid != rid]
+        if len(keep) < len(self.rows):
+            self._keep(keep)
+
+    def clear(self) -> None:
+        self.waiting.clear()
+        self.rows.clear()
+        self._caches = []
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> PrefillStep:
+        """Admit waiting rows, then run one chunk for every row in the batch."""
+        out = PrefillStep()
+        self._admit()
+        if not self.rows:
+            return out
+        out.rows = len(self.rows)
+        n = self._chunk_length()
+        ids, embeds, positions = self._inputs(n)
+        result = self.lm(ids, inputs_embeds=embeds, cache=self._caches, position_ids=positions,
+                         capture_layer_ids=[], return_hidden=True, skip_logits=True)
+        hidden = result.hidden_states[-1]
+        finished: list[int] = []
+        for i, row in enumerate(self.rows):
+            row.pre.done += n
+            if row.pre.finished:
+                finished.append(i)
+            elif row.pre.wants_snapshot(row.pre.done):
+                out.snapshots.append((row.rid, self._snapshot(i)))
+        if not finished:
+            mx.eval([c.state for c in self._caches])
+            return out
+        first = self._first_tokens(hidden, finished)
+        out.done = self._release(finished, first)
+        return out
+
+    def _admit(self) -> None:
+        joining = self.waiting[:self.max_rows - len(self.rows)]
+        if not joining:
+            return
+        self.waiting = self.waiting[len(joining):]
+        for row in joining:
+            caches = as_batch_caches(row.pre.cache)
+            row.pre.cache = []
+            if not self.rows:
+                self._caches = caches
+            else:
+                extend_caches(self._caches, caches)
+            self.rows.append(row)
+
+    def _chunk_length(self) -> int:
+        """The longest chunk every row can take without passing a boundary, within the budget."""
+        n = min(row.pre.next_end(len(row.pre.prompt)) - row.pre.done for row in self.rows)
+        return max(1, min(n, self.token_budget // len(self.rows)))
+
+    def _inputs(self, n: int) -> tuple[mx.array, mx.array | None, mx.array]:
+        ids = mx.array([row.pre.prompt[row.pre.done:row.pre.done + n] for row in self.rows], dtype=mx.int32)
+        positions = mx.concatenate([_positions(row.pre, row.pre.done + n) for row in self.rows], axis=1)
+        if all(row.pre.embeds is None for row in self.rows):
+            return ids, None, positions
+        embeds = [row.pre.embeds[:, row.pre.done:row.pre.done + n, :] if row.pre.embeds is not None
+                  else self.lm.model.embed_tokens(ids[i:i + 1]) for i, row in enumerate(self.rows)]
+        return ids, mx.concatenate(embeds, axis=0), positions
+
+    def _snapshot(self, i: int) -> Snapshot:
+        row = self.rows[i]
+        target, nbytes = snapshot_caches([c.extract(i) for c in self._caches], row.pre.done)
+        return Snapshot(length=row.pre.done, target=target, nbytes=nbytes)
+
+    def _first_tokens(self, hidden: mx.array, finished: Sequence[int]) -> mx.array:
+        last = hidden[mx.array(finished, dtype=mx.int32), -1:, :]
+        logits = self.lm.speculative_logits_from_hidden(last)[:, -1, :]
+        rows = []
+        for j, i in enumerate(finished):
+            row_logits = logits[j:j + 1]
+            pre = self.rows[i].pre
+            for proc in self.rows[i].processors:
+                row_logits = proc(mx.array(pre.prompt), row_logits)
+            rows.append(row_logits)
+        return mx.argmax(mx.concatenate(rows, axis=0), axis=-1).astype(mx.int32)
+
+    def _release(self, finished: list[int], first: mx.array) -> Prefilled:
+        rows = [self.rows[i] for i in finished]
+        if len(finished) == len(self.rows):
+            caches = self._caches
+            mx.eval(first, [c.state for c in caches])
+            self.rows, self._caches = [], []
+            return Prefilled(rows, caches, first)
+        caches = take_rows(self._caches, finished)
+        self._keep([i for i in range(len(self.rows)) if i not in finished])
+        mx.eval(first, [c.state for c in caches], [c.state for c in self._caches])
+        return Prefilled(rows, caches, first)
+
+    def _keep(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self._caches = []
+            return
+        idx = mx.array(keep, dtype=mx.int32)
+        for c in self._caches:
+            c.filter(idx)
