@@ -139,10 +139,10 @@ def test_a_ragged_batch_chunk_runs_batched_and_equals_each_row_alone(gpu: Callab
     tokens at their own positions with `capture_layer_ids=[]`, run as ONE batched forward (the
     cache objects are updated in place; without the argument mlx-vlm runs such a batch row by row
     and replaces them), and each row's logits and next chunk equal that row run alone; `take_rows`
-    keeps a row's state."""
+    keeps a row's state, and a lone row's decode step runs in place too (no per-step copies)."""
     import mlx.core as mx
 
-    from mlx_relay.engine.batch_caches import as_batch_caches, extend_caches, take_rows
+    from mlx_relay.engine.batch_caches import as_batch_caches, batched, extend_caches, take_rows
 
     lm = loaded.model.language_model
     prompts = [list(range(10, 50)), list(range(60, 85)), list(range(90, 150))]
@@ -156,7 +156,7 @@ def test_a_ragged_batch_chunk_runs_batched_and_equals_each_row_alone(gpu: Callab
         c = lm.make_cache()
         return lm(mx.array([p[:upto]]), cache=c, position_ids=pos(0, upto)).logits[0, -1]
 
-    def run() -> tuple[list[float], list[float], bool, float]:
+    def run() -> tuple[list[float], list[float], bool, float, bool]:
         batch: list[Any] = []
         for p, k in zip(prompts, cached, strict=True):
             c = lm.make_cache()
@@ -169,20 +169,23 @@ def test_a_ragged_batch_chunk_runs_batched_and_equals_each_row_alone(gpu: Callab
         for step in range(2):
             ids = mx.array([p[k + step * n:k + (step + 1) * n] for p, k in zip(prompts, cached, strict=True)])
             positions = mx.concatenate([pos(k + step * n, k + (step + 1) * n) for k in cached], axis=1)
-            out = lm(ids, cache=batch, position_ids=positions, capture_layer_ids=[], return_hidden=True)
+            out = lm(ids, cache=batch, **batched(position_ids=positions, return_hidden=True))
             hidden_logits = lm.speculative_logits_from_hidden(out.hidden_states[-1][:, -1:, :])[:, -1]
             diffs.append([float(mx.abs(out.logits[i, -1] - alone(p, k + (step + 1) * n)).max())
                           for i, (p, k) in enumerate(zip(prompts, cached, strict=True))])
             diffs.append([float(mx.abs(hidden_logits - out.logits[:, -1]).max())])
         in_place = [id(c) for c in batch] == objects
-        (row,) = [take_rows(batch, [2])]
-        nxt = lm(mx.array([[prompts[2][cached[2] + 2 * n]]]), cache=row, position_ids=pos(cached[2] + 2 * n,
-                                                                                           cached[2] + 2 * n + 1))
-        taken = float(mx.abs(nxt.logits[0, -1] - alone(prompts[2], cached[2] + 2 * n + 1)).max())
-        return [x for d in diffs[0::2] for x in d], [x for d in diffs[1::2] for x in d], in_place, taken
+        # a lone row's decode step (batch caches of one row) also runs in place
+        row = take_rows(batch, [2])
+        lone = [id(c) for c in row]
+        at = cached[2] + 2 * n
+        nxt = lm(mx.array([[prompts[2][at]]]), cache=row, **batched(position_ids=pos(at, at + 1)))
+        taken = float(mx.abs(nxt.logits[0, -1] - alone(prompts[2], at + 1)).max())
+        lone_in_place = [id(c) for c in row] == lone
+        return [x for d in diffs[0::2] for x in d], [x for d in diffs[1::2] for x in d], in_place, taken, lone_in_place
 
-    row_diffs, head_diffs, in_place, taken = gpu(run)
+    row_diffs, head_diffs, in_place, taken, lone_in_place = gpu(run)
     assert max(row_diffs) < 1e-4, row_diffs
     assert max(head_diffs) == 0.0
-    assert in_place
+    assert in_place and lone_in_place
     assert taken < 1e-4

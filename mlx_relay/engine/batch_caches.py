@@ -3,8 +3,9 @@
 A batch of rows keeps one cache object per layer: mlx-vlm's `BatchKVCache` (attention: keys
 left-padded to the longest row, each row's padding masked) and `ArraysCache` (GatedDeltaNet:
 conv and recurrent state, one slice per row). Rows move between batches (a prefill chunk's rows
-joining the decode batch, a row leaving) with these three operations; `tests/test_library_adapters.py`
-pins what they rely on.
+joining the decode batch, a row leaving) with the operations below, and every forward over such
+caches asks for one batched call (`batched`); `tests/test_library_adapters.py` pins what they
+rely on.
 """
 
 from __future__ import annotations
@@ -13,6 +14,18 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+
+def batched(**kwargs: Any) -> dict[str, Any]:
+    """Keyword arguments for a forward over batch caches that must run as ONE batch.
+
+    mlx-vlm's qwen3_5 model runs a batch row by row (extracting each row's caches, running it,
+    merging them back: copies, and a host sync per call) when it is a single row, or when its
+    KV caches carry left padding and the call feeds more than one token, unless the call asks
+    for captured hidden states; asking for none (`capture_layer_ids=[]`, a public argument)
+    keeps the one batched forward, whose masks handle the padding (pinned by
+    tests/test_library_adapters.py)."""
+    return {"capture_layer_ids": [], **kwargs}
 
 
 def as_batch_caches(caches: list[Any]) -> list[Any]:

@@ -5,9 +5,10 @@ deltas passed as the model's public `rope_deltas` argument (a vision row continu
 index + delta; a sparse SpecPrefill row at the prompt's true end), applies each row's logits
 processors and takes the argmax (a sampling row's `RowSampler` leaves one finite entry, so the
 argmax is its draw). Rows without processors go through the model's fused greedy decode when it
-has one (as mlx-vlm's own `GenerationBatch` does). Steps are double-buffered like mlx-lm's
-`generate_step`: step N's tokens are queued with `mx.async_eval` and read at step N+1, so the
-host builds the next graph while the device runs this one.
+has one (as mlx-vlm's own `GenerationBatch` does). Every forward runs as one batch, a lone row
+too (`batch_caches.batched`: no per-step copy of a lone row's caches, no host sync). Steps are
+double-buffered like mlx-lm's `generate_step`: step N's tokens are queued with `mx.async_eval`
+and read at step N+1, so the host builds the next graph while the device runs this one.
 
 Rows join with their batch caches merged in (`batch_caches.extend_caches`: each cache class's
 public `extend`), several at once when a prefill chunk finishes them together, and leave through
@@ -20,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.batch_caches import extend_caches
+from mlx_relay.engine.batch_caches import batched, extend_caches
 
 
 class DecodeBatch:
@@ -85,10 +86,11 @@ class DecodeBatch:
     def _next(self, inputs: mx.array) -> mx.array:
         has_processors = any(self.processors)
         if self._fused and not has_processors:
-            sampled = self.lm.fused_greedy_decode(inputs[:, None], cache=self.caches, rope_deltas=self._deltas)
+            sampled = self.lm.fused_greedy_decode(inputs[:, None], cache=self.caches,
+                                                  **batched(rope_deltas=self._deltas))
             if sampled is not None:
                 return sampled[:, 0] if sampled.ndim == 2 else sampled
-        out = self.lm(inputs[:, None], cache=self.caches, rope_deltas=self._deltas)
+        out = self.lm(inputs[:, None], cache=self.caches, **batched(rope_deltas=self._deltas))
         logits = (out.logits if hasattr(out, "logits") else out)[:, -1, :]
         if has_processors:
             last = inputs.tolist()

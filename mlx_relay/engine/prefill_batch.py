@@ -17,9 +17,8 @@ one chunk for up to `max_rows` rows *together*, in one forward of the language m
   whole.
 
 Batching rows of ragged restored lengths relies on the language model's batched forward with
-left-padded batch caches; mlx-vlm's qwen3_5 model runs such a batch row by row unless the call
-asks for captured hidden states, so the chunk is called with `capture_layer_ids=[]` (a public
-argument; `tests/test_library_adapters.py` pins that the batched chunk equals each row alone).
+left-padded batch caches (`batch_caches.batched`; `tests/test_library_adapters.py` pins that
+the batched chunk runs as one forward and equals each row alone).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.batch_caches import as_batch_caches, extend_caches, take_rows
+from mlx_relay.engine.batch_caches import as_batch_caches, batched, extend_caches, take_rows
 from mlx_relay.engine.row_prefill import RowPrefill
 from mlx_relay.engine.snapshots import Snapshot, snapshot_caches
 
@@ -109,8 +108,8 @@ class PrefillBatch:
         out.rows = len(self.rows)
         n = self._chunk_length()
         ids, embeds, positions = self._inputs(n)
-        result = self.lm(ids, inputs_embeds=embeds, cache=self._caches, position_ids=positions,
-                         capture_layer_ids=[], return_hidden=True, skip_logits=True)
+        result = self.lm(ids, inputs_embeds=embeds, cache=self._caches,
+                         **batched(position_ids=positions, return_hidden=True, skip_logits=True))
         hidden = result.hidden_states[-1]
         finished: list[int] = []
         for i, row in enumerate(self.rows):
