@@ -4,7 +4,8 @@ Measures, in one process and alternating round by round so machine drift cancels
   (a) batch-1 decode tok/s through the raw mlx-vlm loop (`generate_step`, greedy);
   (b) the same through the in-process API (`Relay.stream_chat`);
   (c) the same through HTTP streaming (uvicorn on loopback, SSE);
-and aggregate completion tok/s at 1, 4 and 16 concurrent HTTP streams. Prints a markdown table
+and aggregate completion tok/s at 1, 4 and 16 concurrent HTTP streams. Ours decodes plainly
+like the raw loops unless `--mtp`. Prints a markdown table
 with ratios and writes JSON next to it under benchmarks/results/.
 
     python benchmarks/bench_decode.py [--model DIR] [--max-tokens 128] [--rounds 3]
@@ -27,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
 
+from mlx_relay.bench.machine import source_commit
 from mlx_relay.chat.types import ChatMessage
 from mlx_relay.relay import Relay, default_config
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
@@ -135,7 +137,7 @@ async def concurrent_http(url: str, n: int, max_tokens: int) -> float:
 
 async def main_async(args: argparse.Namespace) -> dict:
     model = Path(args.model) if args.model else fixture_path(FixtureSpec("bf16", 0))
-    async with Relay.start(model, max_num_seqs=16) as relay:
+    async with Relay.start(model, max_num_seqs=16, mtp=args.mtp) as relay:
         assert relay.service is not None
         from mlx_relay.messages.prompt import Render
 
@@ -151,7 +153,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 
     raws = await asyncio.to_thread(raw_loops, model, prompt_ids, args.max_tokens, args.rounds)
 
-    config = default_config(model, served_model_name="bench", max_num_seqs=16, max_queue=64)
+    config = default_config(model, served_model_name="bench", max_num_seqs=16, max_queue=64, mtp=args.mtp)
     with LiveServer(config) as server:
         async with httpx.AsyncClient(timeout=600) as client:
             await http_stream(client, server.url, args.max_tokens)  # warm
@@ -172,6 +174,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         "max_tokens": args.max_tokens,
         "generated_tokens": generated,
         "rounds": args.rounds,
+        "mtp": args.mtp,
+        "commit": source_commit(),
         "batch1_decode_tok_s": med,
         "batch1_samples": samples,
         "ratios": {f"{k}_over_raw": v / med["raw"] for k, v in med.items() if k != "raw"},
@@ -191,7 +195,8 @@ def to_markdown(r: dict) -> str:
     lines = [
         f"# Decode overhead, {r['date']} ({r['machine']}, {r['backend']} backend)",
         "",
-        f"Model `{Path(r['model']).name}`, {r['generated_tokens']} tokens per request, median of {r['rounds']} rounds.",
+        f"Model `{Path(r['model']).name}`, {r['generated_tokens']} tokens per request, median of {r['rounds']} rounds; "
+        f"commit {r['commit']}; ours {'with' if r['mtp'] else 'without'} MTP.",
         "",
         "| path | batch-1 decode tok/s | vs raw loop |",
         "|---|---:|---:|",
@@ -218,6 +223,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint dir (default: the bf16 tiny fixture)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mtp", action="store_true",
+                        help="our paths with MTP (off by default: the raw loops decode plainly, and the tiny "
+                             "fixtures' random heads are never right)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     result = asyncio.run(main_async(args))

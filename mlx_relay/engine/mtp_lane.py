@@ -40,7 +40,7 @@ from mlx_vlm.speculative.cache_state import (
     start_speculative_cache,
 )
 
-from mlx_relay.engine.batch_caches import as_batch_caches
+from mlx_relay.engine.batch_caches import as_batch_caches, batched
 from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
 from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.row_prefill import RowPrefill
@@ -395,10 +395,9 @@ class MTPLane:
             return out.hidden_states[-1], out.gdn_states
         txn = start_speculative_cache(self._cache, block.shape[1])
         try:
-            # `capture_layer_ids=[]` keeps the whole batch in one forward: without it the model
-            # splits ragged batches into per-row forwards over re-merged (untracked) caches
-            out = self.lm(block, cache=self._cache, return_hidden=True, skip_logits=True, rope_deltas=deltas,
-                          capture_layer_ids=[])
+            # one forward for the whole batch: the model's per-row path would run over re-merged
+            # (untracked) caches
+            out = self.lm(block, cache=self._cache, **batched(return_hidden=True, skip_logits=True, rope_deltas=deltas))
         except BaseException:
             abort_speculative_round(txn)
             raise
