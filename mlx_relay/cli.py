@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-limit-gb", type=float, default=None,
                        help="freed buffers MLX keeps for reuse (default: MLX's own, up to the memory limit)")
     serve.add_argument("--no-warmup", action="store_true", help="skip kernel warm-up before taking traffic")
+    serve.add_argument("--no-compile", action="store_true",
+                       help="run the decode step eagerly instead of as one compiled function (same tokens, slower)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_bench_parser(sub)
     return parser
@@ -167,6 +169,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefill_batch_size=args.prefill_batch_size,
         prefill_step_size=args.prefill_step_size,
         warmup=not args.no_warmup,
+        compile_decode=not args.no_compile,
         mtp=not args.no_mtp,
         mtp_block_size=args.mtp_block_size,
         mtp_max_batch=args.mtp_max_batch,

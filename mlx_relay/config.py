@@ -19,6 +19,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     max_num_seqs: int = 16
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
+    # the plain lane's decode step as one compiled function (`engine/decode_step.py`); off: the
+    # same function run eagerly (for debugging: same tokens, slower)
+    compile_decode: bool = True
     warmup: bool = True
     vision_cache_bytes: int = 512 * 1024 * 1024  # encoded image features kept by content hash
     seed: int = 0  # seeds the per-request sampling seeds of requests that give none

@@ -86,7 +86,8 @@ class EngineCore:
         lm = loaded.model.language_model
         self.lanes: dict[LaneName, Lane] = {
             "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
-                               prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids)}
+                               prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids,
+                               compiled=config.compile_decode)}
         if not prefix_cache:
             self.lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
                                                 prefill_batch_size=config.prefill_batch_size,

@@ -1,18 +1,17 @@
 """A batch of decoding rows, one token per row per step (GPU thread only): the plain lane's decode.
 
-Each step feeds every row's last token through the language model with the rows' own M-RoPE
-deltas passed as the model's public `rope_deltas` argument (a vision row continues at position
-index + delta; a sparse SpecPrefill row at the prompt's true end), applies each row's logits
-processors and takes the argmax (a sampling row's `RowSampler` leaves one finite entry, so the
-argmax is its draw). Rows without processors go through the model's fused greedy decode when it
-has one (as mlx-vlm's own `GenerationBatch` does). Every forward runs as one batch, a lone row
-too (`batch_caches.batched`: no per-step copy of a lone row's caches, no host sync). Steps are
-double-buffered like mlx-lm's `generate_step`: step N's tokens are queued with `mx.async_eval`
-and read at step N+1, so the host builds the next graph while the device runs this one.
+Each step feeds every row's last token through `decode_step.DecodeStep`, the language model's
+decode as one compiled function over explicit state (`decode_state.DecodeState`: each row
+continues at its own position, its cache length + its M-RoPE delta, so a vision row goes on
+after its image and a sparse SpecPrefill row at the prompt's true end), applies each row's
+logits processors and takes the argmax (a sampling row's `RowSampler` leaves one finite entry,
+so the argmax is its draw). Steps are double-buffered like mlx-lm's `generate_step`: step N's
+tokens are queued with `mx.async_eval` and read at step N+1, so the host prepares the next step
+while the device runs this one.
 
-Rows join with their batch caches merged in (`batch_caches.extend_caches`: each cache class's
-public `extend`), several at once when a prefill chunk finishes them together, and leave through
-`filter`; `extract` copies one row's caches (its turn snapshot).
+Rows join from a prefill chunk (their mlx-vlm batch caches converted once), several at once when
+the chunk finishes them together, and leave through `filter`; `extract` copies one row's state
+as library caches (its turn snapshot).
 """
 
 from __future__ import annotations
@@ -21,33 +20,31 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.batch_caches import batched, extend_caches
+from mlx_relay.engine.decode_state import DecodeState
+from mlx_relay.engine.decode_step import DecodeStep
 
 
 class DecodeBatch:
-    def __init__(self, lm: Any) -> None:
-        self.lm = lm
+    def __init__(self, step: DecodeStep) -> None:
+        self._forward = step
         self.rids: list[int] = []
-        self.caches: list[Any] = []
         self.processors: list[list[Any]] = []
+        self._state: DecodeState | None = None
         self._tokens: mx.array | None = None  # [B] the token each row emits next (maybe still computing)
-        self._deltas: mx.array | None = None  # [B, 1] int32
-        self._fused = callable(getattr(lm, "fused_greedy_decode", None))
 
     def __len__(self) -> int:
         return len(self.rids)
 
     def join(self, rids: list[int], caches: list[Any], first: mx.array, rope_deltas: list[int],
              processors: list[list[Any]]) -> None:
-        """Prefilled rows join: `caches` their batch caches, `first` [len(rids)] their first tokens."""
-        delta = mx.array([[d] for d in rope_deltas], dtype=mx.int32)
-        if not self.rids:
-            self.caches, self._tokens, self._deltas = caches, first, delta
+        """Prefilled rows join: `caches` their mlx-vlm batch caches, `first` [len(rids)] their first tokens."""
+        state = DecodeState.from_batch_caches(caches, rope_deltas)
+        if self._state is None:
+            self._state, self._tokens = state, first
         else:
-            mx.eval(self._tokens, [c.state for c in self.caches])  # settle the pending step first
-            extend_caches(self.caches, caches)
+            mx.eval(self._tokens, self._state.arrays())  # settle the pending step first
+            self._state.extend(state)
             self._tokens = mx.concatenate([self._tokens, first])  # type: ignore[list-item]
-            self._deltas = mx.concatenate([self._deltas, delta])  # type: ignore[list-item]
         self.rids.extend(rids)
         self.processors.extend(processors)
 
@@ -58,20 +55,18 @@ class DecodeBatch:
         self.rids = [self.rids[i] for i in keep]
         self.processors = [self.processors[i] for i in keep]
         if not keep:
-            self.caches, self._tokens, self._deltas = [], None, None
+            self._state, self._tokens = None, None
             return
-        mx.eval(self._tokens, [c.state for c in self.caches])
-        idx = mx.array(keep, dtype=mx.int32)
-        for c in self.caches:
-            c.filter(idx)
-        self._tokens = self._tokens[idx]  # type: ignore[index]
-        self._deltas = self._deltas[idx]  # type: ignore[index]
+        assert self._state is not None and self._tokens is not None
+        mx.eval(self._tokens, self._state.arrays())
+        self._state.filter(keep)
+        self._tokens = self._tokens[mx.array(keep, dtype=mx.int32)]
 
     def extract(self, rid: int) -> list[Any]:
-        """Row `rid`'s caches (every token it has been fed)."""
-        mx.eval(self._tokens, [c.state for c in self.caches])
-        i = self.rids.index(rid)
-        return [c.extract(i) for c in self.caches]
+        """Row `rid`'s state as batch-1 library caches (every token it has been fed)."""
+        assert self._state is not None
+        mx.eval(self._tokens, self._state.arrays())
+        return self._state.row_caches(self.rids.index(rid))
 
     def step(self) -> list[tuple[int, int]]:
         """Emit each row's pending token and queue the next: [(row, token)]."""
@@ -84,15 +79,9 @@ class DecodeBatch:
         return list(zip(self.rids, inputs.tolist(), strict=True))
 
     def _next(self, inputs: mx.array) -> mx.array:
-        has_processors = any(self.processors)
-        if self._fused and not has_processors:
-            sampled = self.lm.fused_greedy_decode(inputs[:, None], cache=self.caches,
-                                                  **batched(rope_deltas=self._deltas))
-            if sampled is not None:
-                return sampled[:, 0] if sampled.ndim == 2 else sampled
-        out = self.lm(inputs[:, None], cache=self.caches, **batched(rope_deltas=self._deltas))
-        logits = (out.logits if hasattr(out, "logits") else out)[:, -1, :]
-        if has_processors:
+        assert self._state is not None
+        logits = self._forward(inputs, self._state)
+        if any(self.processors):
             last = inputs.tolist()
             rows = []
             for i, procs in enumerate(self.processors):

@@ -8,9 +8,9 @@ hand it, nor stop at a boundary to let us copy its state. This lane owns both ha
   its own requested lengths; text rows by token ids, vision rows by their prompt embeddings and
   M-RoPE positions, sparse SpecPrefill rows by their kept tokens at their true positions;
 - decode: `decode_batch.DecodeBatch`, the rows a chunk finished joining it together, each with
-  its own M-RoPE delta. A row's sequence ends at end-of-sequence or max_tokens (reported in
-  `LaneStep`), but the row stays in the batch until the engine removes it, so its turn snapshot
-  can still be taken.
+  its own M-RoPE delta, stepped by one compiled function (`decode_step.DecodeStep`). A row's
+  sequence ends at end-of-sequence or max_tokens (reported in `LaneStep`), but the row stays in
+  the batch until the engine removes it, so its turn snapshot can still be taken.
 
 tests/test_prefix_cache.py pins that image rows decode here exactly as on mlx-vlm's
 BatchGenerator (same tokens, cache or not); tests/test_prefix_engine.py that rows prefilled
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mlx_relay.engine.decode_batch import DecodeBatch
+from mlx_relay.engine.decode_step import DecodeStep
 from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
 from mlx_relay.engine.prefill_batch import PrefillBatch, PrefillRow
 from mlx_relay.engine.row_prefill import RowPrefill
@@ -39,12 +40,14 @@ class PlainRow:
 class PlainLane:
     name: Literal["plain"] = "plain"
 
-    def __init__(self, lm: Any, *, prefill_batch_size: int, prefill_step_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, lm: Any, *, prefill_batch_size: int, prefill_step_size: int, eos_token_ids: list[int],
+                 compiled: bool = True) -> None:
         self.lm = lm
         self.eos = frozenset(eos_token_ids)
         self.prefill = PrefillBatch(lm, max_rows=prefill_batch_size, token_budget=prefill_step_size)
         self.rows: dict[int, PlainRow] = {}  # every row of the lane, prefilling or decoding
-        self._batch = DecodeBatch(lm)
+        self._step = DecodeStep(lm, compiled=compiled)
+        self._batch = DecodeBatch(self._step)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -75,7 +78,7 @@ class PlainLane:
     def clear(self) -> None:
         self.prefill.clear()
         self.rows.clear()
-        self._batch = DecodeBatch(self.lm)
+        self._batch = DecodeBatch(self._step)
 
     def extract(self, rid: int) -> Snapshot | None:
         """The state of a decoding row: its prompt and every token it has emitted."""

@@ -1,0 +1,140 @@
+"""The decode batch's device state in a layout a compiled step can take (GPU thread only).
+
+mlx-vlm's batch caches keep their write position in Python (`BatchKVCache._idx`, offsets
+advanced in place), so a traced step would keep writing the same slot. Here every piece of
+state is an array the step takes and returns:
+- per attention layer: keys and values `[B, H, cap, D]`, written at column `idx` (one column
+  for the whole batch; row i's keys live in `[left_padding[i], idx)`, the columns before are
+  padding and masked);
+- per GatedDeltaNet layer: the conv window `[B, K-1, C]` and the recurrent state `[B, Hv, Dv, Dk]`;
+- per row: its M-RoPE delta (decode position = tokens in its cache + delta).
+`cap` grows in steps of `GROW` columns, so a compiled step sees few distinct shapes.
+
+Rows arrive from a prefill chunk as mlx-vlm batch caches (`from_batch_caches`), join with
+`extend` (right edges aligned: the shorter side is left-padded), leave with `filter`, and a
+row's state goes back to batch-1 library caches for its turn snapshot (`row_caches`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+GROW = 1024  # columns added when the KV buffers are full
+
+
+def _cap_for(columns: int) -> int:
+    return max(GROW, -(-columns // GROW) * GROW)
+
+
+def _shift(buf: mx.array, by: int, cap: int) -> mx.array:
+    """`buf`'s columns moved right by `by` (zeros before), as a buffer of `cap` columns."""
+    B, H, n, D = buf.shape
+    parts = [mx.zeros((B, H, by, D), buf.dtype)] if by > 0 else []
+    parts.append(buf[:, :, :max(0, min(n, cap - by)), :])
+    out = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+    if out.shape[2] < cap:
+        out = mx.concatenate([out, mx.zeros((B, H, cap - out.shape[2], D), buf.dtype)], axis=2)
+    return out
+
+
+@dataclass
+class DecodeState:
+    kv: list[tuple[mx.array, mx.array]]  # per attention layer, in layer order
+    conv: list[mx.array]  # per GatedDeltaNet layer, in layer order
+    ssm: list[mx.array]
+    idx: int  # the next column written
+    left_padding: mx.array  # [B] int32
+    deltas: mx.array  # [B] int32
+    layout: tuple[bool, ...]  # per layer: True for a GatedDeltaNet layer
+
+    @property
+    def cap(self) -> int:
+        return self.kv[0][0].shape[2] if self.kv else 0
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.left_padding.shape[0])
+
+    def arrays(self) -> list[Any]:
+        return [self.kv, self.conv, self.ssm, self.left_padding, self.deltas]
+
+    @classmethod
+    def from_batch_caches(cls, caches: list[Any], rope_deltas: list[int]) -> DecodeState:
+        """The state of prefilled rows handed over in mlx-vlm batch caches (one copy)."""
+        kv, conv, ssm, layout = [], [], [], []
+        idx, left_padding = 0, None
+        for c in caches:
+            if isinstance(c, BatchKVCache):
+                keys, values, _offset, lp = c.state
+                idx, left_padding = keys.shape[2], lp
+                cap = _cap_for(idx + 1)
+                kv.append((_shift(keys, 0, cap), _shift(values, 0, cap)))
+                layout.append(False)
+            elif isinstance(c, ArraysCache):
+                conv_state, ssm_state = c.state
+                conv.append(conv_state)
+                ssm.append(ssm_state)
+                layout.append(True)
+            else:
+                raise TypeError(f"cannot decode from a {type(c).__name__}")
+        if left_padding is None:
+            raise ValueError("a decode batch needs at least one attention layer")
+        return cls(kv, conv, ssm, idx, left_padding.astype(mx.int32),
+                   mx.array(rope_deltas, dtype=mx.int32), tuple(layout))
+
+    def ensure_room(self) -> None:
+        """Grow the KV buffers when the next column would not fit."""
+        if self.idx < self.cap:
+            return
+        cap = _cap_for(self.idx + 1)
+        self.kv = [(_shift(k, 0, cap), _shift(v, 0, cap)) for k, v in self.kv]
+
+    def extend(self, other: DecodeState) -> None:
+        """Append `other`'s rows, right edges aligned (in place)."""
+        idx = max(self.idx, other.idx)
+        cap = _cap_for(max(self.cap, other.cap, idx + 1))
+        a, b = idx - self.idx, idx - other.idx
+        self.kv = [(mx.concatenate([_shift(k1, a, cap), _shift(k2, b, cap)]),
+                    mx.concatenate([_shift(v1, a, cap), _shift(v2, b, cap)]))
+                   for (k1, v1), (k2, v2) in zip(self.kv, other.kv, strict=True)]
+        self.conv = [mx.concatenate([x, y]) for x, y in zip(self.conv, other.conv, strict=True)]
+        self.ssm = [mx.concatenate([x, y]) for x, y in zip(self.ssm, other.ssm, strict=True)]
+        self.left_padding = mx.concatenate([self.left_padding + a, other.left_padding + b])
+        self.deltas = mx.concatenate([self.deltas, other.deltas])
+        self.idx = idx
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only rows `keep` (in place), dropping the padding no kept row needs."""
+        rows = mx.array(keep, dtype=mx.int32)
+        left_padding = self.left_padding[rows]
+        trim = min(int(left_padding.min().item()), self.idx)
+        cap = self.cap
+        self.kv = [(_shift(k[rows][:, :, trim:, :], 0, cap), _shift(v[rows][:, :, trim:, :], 0, cap))
+                   for k, v in self.kv]
+        self.conv = [x[rows] for x in self.conv]
+        self.ssm = [x[rows] for x in self.ssm]
+        self.left_padding = left_padding - trim
+        self.deltas = self.deltas[rows]
+        self.idx -= trim
+
+    def row_caches(self, i: int) -> list[Any]:
+        """Row `i`'s state as batch-1 library caches (copies), in layer order."""
+        start = int(self.left_padding[i].item())
+        kv, gdn = iter(self.kv), iter(zip(self.conv, self.ssm, strict=True))
+        out: list[Any] = []
+        for linear in self.layout:
+            if linear:
+                conv_state, ssm_state = next(gdn)
+                c = ArraysCache(2)
+                c.state = [mx.array(conv_state[i:i + 1]), mx.array(ssm_state[i:i + 1])]
+            else:
+                keys, values = next(kv)
+                c = KVCache()
+                c.state = (mx.contiguous(keys[i:i + 1, :, start:self.idx, :]),
+                           mx.contiguous(values[i:i + 1, :, start:self.idx, :]))
+            out.append(c)
+        return out

@@ -1,0 +1,176 @@
+"""The compiled decode step (issue 17.3) on the float32 fixture: our `DecodeStep` over
+`DecodeState` returns the logits (to float32 rounding) and so the greedy tokens of mlx-vlm's own
+decode through its caches, compiled and eager, for a lone row and for a ragged batch that rows
+join and leave mid-way, and a row's state handed back as library caches (its turn snapshot)
+continues exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PROMPTS = [list(range(10, 50)), list(range(60, 75)), list(range(90, 161))]
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def lm(gpu: Callable, fp32_model: Path) -> Any:
+    from mlx_relay.engine.loader import load_model
+
+    return gpu(lambda: load_model(fp32_model).model.language_model)
+
+
+def _positions(a: int, b: int) -> Any:
+    import mlx.core as mx
+
+    return mx.broadcast_to(mx.arange(a, b, dtype=mx.int32)[None, None, :], (3, 1, b - a))
+
+
+def _prefill(lm: Any, prompt: list[int]) -> tuple[list[Any], Any]:
+    """The row's library caches after its prompt, and its first token."""
+    import mlx.core as mx
+
+    cache = lm.make_cache()
+    out = lm(mx.array([prompt]), cache=cache, position_ids=_positions(0, len(prompt)))
+    first = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
+    mx.eval(first, [c.state for c in cache])
+    return cache, first
+
+
+def _library_greedy(lm: Any, prompt: list[int], n: int) -> list[int]:
+    """The reference: mlx-vlm's decode through its own batch-1 caches."""
+    import mlx.core as mx
+
+    cache, token = _prefill(lm, prompt)
+    tokens = []
+    for i in range(n):
+        tokens.append(int(token.item()))
+        at = len(prompt) + i
+        out = lm(token[:, None], cache=cache, position_ids=_positions(at, at + 1))
+        token = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
+    return tokens
+
+
+class _LibraryRow:
+    """A row decoding through the library's own caches, fed the tokens our step chose."""
+
+    def __init__(self, lm: Any, prompt: list[int]) -> None:
+        self.lm, self.at = lm, len(prompt)
+        self.cache, _ = _prefill(lm, prompt)
+
+    def feed(self, token: int) -> Any:
+        import mlx.core as mx
+
+        out = self.lm(mx.array([[token]]), cache=self.cache, position_ids=_positions(self.at, self.at + 1))
+        self.at += 1
+        return out.logits[0, -1, :]
+
+
+def _state(lm: Any, prompt: list[int]) -> tuple[Any, Any]:
+    from mlx_relay.engine.batch_caches import as_batch_caches
+    from mlx_relay.engine.decode_state import DecodeState
+
+    cache, first = _prefill(lm, prompt)
+    return DecodeState.from_batch_caches(as_batch_caches(cache), [0]), first
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_a_lone_row_decodes_exactly_as_the_library(gpu: Callable, lm: Any, compiled: bool) -> None:
+    import mlx.core as mx
+
+    from mlx_relay.engine.decode_step import DecodeStep
+
+    def run() -> tuple[list[int], list[int]]:
+        step = DecodeStep(lm, compiled=compiled)
+        state, token = _state(lm, PROMPTS[0])
+        ours = []
+        for _ in range(STEPS):
+            ours.append(int(token.item()))
+            token = mx.argmax(step(token, state), axis=-1).astype(mx.int32)
+        return ours, _library_greedy(lm, PROMPTS[0], STEPS)
+
+    ours, ref = gpu(run)
+    assert ours == ref
+
+
+def test_a_ragged_batch_that_rows_join_and_leave_decodes_exactly(gpu: Callable, lm: Any) -> None:
+    """Row 0 decodes alone, rows 1 and 2 (other lengths: the batch is left-padded) join after 3
+    steps, row 0 leaves after 7; each row's logits at every step equal its lone library decode's
+    (so a wrong position, mask or state would show), and so do its greedy tokens."""
+    import mlx.core as mx
+
+    from mlx_relay.engine import decode_state
+    from mlx_relay.engine.decode_step import DecodeStep
+
+    def run() -> tuple[dict[int, list[int]], list[list[int]], float, int]:
+        step = DecodeStep(lm)
+        state, token = _state(lm, PROMPTS[0])
+        rows, out = [0], {0: [], 1: [], 2: []}
+        library = {r: _LibraryRow(lm, p) for r, p in enumerate(PROMPTS)}
+        worst = 0.0
+        for t in range(STEPS + 8):
+            if t == 3:
+                for r in (1, 2):
+                    other, first = _state(lm, PROMPTS[r])
+                    state.extend(other)
+                    rows.append(r)
+                    token = mx.concatenate([token, first])
+            if t == 7:
+                state.filter([1, 2])
+                rows = [1, 2]
+                token = token[1:]
+            fed = token.tolist()
+            logits = step(token, state)
+            for i, (r, tok) in enumerate(zip(rows, fed, strict=True)):
+                out[r].append(tok)
+                worst = max(worst, float(mx.abs(logits[i] - library[r].feed(tok)).max()))
+            token = mx.argmax(logits, axis=-1).astype(mx.int32)
+        refs = [_library_greedy(lm, p, len(out[i])) for i, p in enumerate(PROMPTS)]
+        return out, refs, worst, state.cap
+
+    out, refs, worst, cap = gpu(run)
+    assert worst < 1e-4
+    assert [out[i] for i in range(3)] == refs
+    assert cap == decode_state.GROW  # 71-token prompt + 16 steps fit the first buffer
+
+
+def test_buffers_grow_and_a_row_hands_back_its_state(gpu: Callable, lm: Any) -> None:
+    """A row past its buffer's size keeps decoding exactly; a row's state as library caches
+    (`row_caches`, what a turn snapshot takes) continues exactly in the library's decode."""
+    import mlx.core as mx
+
+    from mlx_relay.engine.decode_step import DecodeStep
+
+    def run() -> tuple[list[int], list[int], int, int]:
+        step = DecodeStep(lm)
+        a, token = _state(lm, PROMPTS[2])
+        a.kv = [(k[:, :, :a.idx + 2, :], v[:, :, :a.idx + 2, :]) for k, v in a.kv]  # room for 2 steps
+        grown = []
+        for _ in range(6):
+            grown.append(int(token.item()))
+            token = mx.argmax(step(token, a), axis=-1).astype(mx.int32)
+        cap = a.cap
+
+        b, token_b = _state(lm, PROMPTS[1])
+        b.extend(_state(lm, PROMPTS[0])[0])
+        tokens = mx.concatenate([token_b, token_b])  # row 1's own tokens do not matter here
+        handed: list[int] = []
+        for _ in range(6):
+            handed.append(int(tokens[0].item()))
+            tokens = mx.argmax(step(tokens, b), axis=-1).astype(mx.int32)
+        cache = b.row_caches(0)  # six tokens fed; the library continues from there
+        token = tokens[:1]
+        for i in range(4):
+            handed.append(int(token.item()))
+            at = len(PROMPTS[1]) + 6 + i
+            out = lm(token[:, None], cache=cache, position_ids=_positions(at, at + 1))
+            token = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
+        return grown, handed, cap, len(PROMPTS[2]) + 2
+
+    grown, handed, cap, first_cap = gpu(run)
+    assert cap > first_cap
+    assert grown == gpu(lambda: _library_greedy(lm, PROMPTS[2], 6))
+    assert handed == gpu(lambda: _library_greedy(lm, PROMPTS[1], 10))
