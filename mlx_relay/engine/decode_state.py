@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-GROW = 1024  # columns added when the KV buffers are full
+GROW = 256  # columns added when the KV buffers are full (attention reads every column: keep few spare)
 
 
 def _cap_for(columns: int) -> int:
