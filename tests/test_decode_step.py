@@ -98,8 +98,9 @@ def test_a_lone_row_decodes_exactly_as_the_library(gpu: Callable, lm: Any, compi
 
 def test_a_ragged_batch_that_rows_join_and_leave_decodes_exactly(gpu: Callable, lm: Any) -> None:
     """Row 0 decodes alone, rows 1 and 2 (other lengths: the batch is left-padded) join after 3
-    steps, row 0 leaves after 7; each row's logits at every step equal its lone library decode's
-    (so a wrong position, mask or state would show), and so do its greedy tokens."""
+    steps with an idle row padding the batch to its bucket, row 0 and the idle row leave after 7;
+    each row's logits at every step equal its lone library decode's (so a wrong position, mask or
+    state would show), and so do its greedy tokens."""
     import mlx.core as mx
 
     from mlx_relay.engine import decode_state
@@ -118,11 +119,13 @@ def test_a_ragged_batch_that_rows_join_and_leave_decodes_exactly(gpu: Callable, 
                     state.extend(other)
                     rows.append(r)
                     token = mx.concatenate([token, first])
+                state.pad_to(decode_state.batch_bucket(3))  # an idle fourth row
+                token = mx.concatenate([token, mx.zeros((1,), dtype=mx.int32)])
             if t == 7:
                 state.filter([1, 2])
                 rows = [1, 2]
-                token = token[1:]
-            fed = token.tolist()
+                token = token[1:3]
+            fed = token.tolist()[:len(rows)]
             logits = step(token, state)
             for i, (r, tok) in enumerate(zip(rows, fed, strict=True)):
                 out[r].append(tok)

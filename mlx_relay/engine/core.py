@@ -317,7 +317,9 @@ class EngineCore:
     # -- warm-up and stats ----------------------------------------------------------------------
     def warmup(self) -> float:
         """Compile the kernels the server uses: prefill and decode, greedy and sampled, batch 1
-        and 2. Runs to completion on the calling (GPU) thread before traffic; returns seconds."""
+        and 2, then the plain lane's decode step at every batch size it runs at (up to
+        max_num_seqs). Runs to completion on the calling (GPU) thread before traffic; returns
+        seconds."""
         tic = time.perf_counter()
         prompt = list(range(1, min(64, self._vocab_size - 1)))
         greedy = SamplingParams(max_tokens=8)
@@ -328,6 +330,10 @@ class EngineCore:
                 self.add(-(2 * wave + j + 1), Generate(f"warmup-{wave}-{j}", prompt, params, mtp_block=mtp_block))
             while self.has_work:
                 self.step()
+        plain = self.lanes["plain"]
+        assert isinstance(plain, PlainLane)
+        sizes = plain.warm_decode(self.config.max_num_seqs)
+        log.info("decode step traced at %d batch sizes", sizes)
         return time.perf_counter() - tic
 
     def stats(self) -> EngineStats:

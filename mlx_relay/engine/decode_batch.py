@@ -10,8 +10,9 @@ tokens are queued with `mx.async_eval` and read at step N+1, so the host prepare
 while the device runs this one.
 
 Rows join from a prefill chunk (their mlx-vlm batch caches converted once), several at once when
-the chunk finishes them together, and leave through `filter`; `extract` copies one row's state
-as library caches (its turn snapshot).
+the chunk finishes them together, and leave through `filter`; the batch runs padded with idle
+rows to its bucket size (`decode_state.batch_bucket`); `extract` copies one row's state as
+library caches (its turn snapshot).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.decode_state import DecodeState
+from mlx_relay.engine.decode_state import DecodeState, batch_bucket
 from mlx_relay.engine.decode_step import DecodeStep
 
 
@@ -40,13 +41,18 @@ class DecodeBatch:
         """Prefilled rows join: `caches` their mlx-vlm batch caches, `first` [len(rids)] their first tokens."""
         state = DecodeState.from_batch_caches(caches, rope_deltas)
         if self._state is None:
-            self._state, self._tokens = state, first
+            self._state, tokens = state, first
         else:
+            assert self._tokens is not None
             mx.eval(self._tokens, self._state.arrays())  # settle the pending step first
+            n = len(self.rids)
+            if self._state.batch_size > n:
+                self._state.filter(list(range(n)))  # drop the idle rows
             self._state.extend(state)
-            self._tokens = mx.concatenate([self._tokens, first])  # type: ignore[list-item]
+            tokens = mx.concatenate([self._tokens[:n], first])
         self.rids.extend(rids)
         self.processors.extend(processors)
+        self._pad(tokens)
 
     def remove(self, rid: int) -> None:
         if rid not in self.rids:
@@ -60,7 +66,15 @@ class DecodeBatch:
         assert self._state is not None and self._tokens is not None
         mx.eval(self._tokens, self._state.arrays())
         self._state.filter(keep)
-        self._tokens = self._tokens[mx.array(keep, dtype=mx.int32)]
+        self._pad(self._tokens[mx.array(keep, dtype=mx.int32)])
+
+    def _pad(self, tokens: mx.array) -> None:
+        """Idle rows up to the batch's bucket size (few step shapes, each traced once)."""
+        assert self._state is not None
+        size = batch_bucket(len(self.rids))
+        self._state.pad_to(size)
+        idle = size - tokens.shape[0]
+        self._tokens = mx.concatenate([tokens, mx.zeros((idle,), dtype=mx.int32)]) if idle > 0 else tokens
 
     def extract(self, rid: int) -> list[Any]:
         """Row `rid`'s state as batch-1 library caches (every token it has been fed)."""
@@ -76,7 +90,7 @@ class DecodeBatch:
         assert inputs is not None
         self._tokens = self._next(inputs)
         mx.async_eval(self._tokens)
-        return list(zip(self.rids, inputs.tolist(), strict=True))
+        return list(zip(self.rids, inputs.tolist()[:len(self.rids)], strict=True))
 
     def _next(self, inputs: mx.array) -> mx.array:
         assert self._state is not None
@@ -90,5 +104,5 @@ class DecodeBatch:
                     row = proc.process_last_token(last[i], row) if hasattr(proc, "process_last_token") \
                         else proc(mx.array([last[i]]), row)
                 rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
+            logits = mx.concatenate([*rows, logits[len(rows):]], axis=0)  # idle rows as they are
         return mx.argmax(logits, axis=-1).astype(mx.int32)

@@ -8,7 +8,9 @@ state is an array the step takes and returns:
   padding and masked);
 - per GatedDeltaNet layer: the conv window `[B, K-1, C]` and the recurrent state `[B, Hv, Dv, Dk]`;
 - per row: its M-RoPE delta (decode position = tokens in its cache + delta).
-`cap` grows in steps of `GROW` columns, so a compiled step sees few distinct shapes.
+`cap` grows in steps of `GROW` columns and the batch is padded with idle rows to a few sizes
+(`batch_bucket`: 1, 2, 4, 8, then multiples of 8), so a compiled step sees few distinct shapes
+and each can be traced before traffic.
 
 Rows arrive from a prefill chunk as mlx-vlm batch caches (`from_batch_caches`), join with
 `extend` (right edges aligned: the shorter side is left-padded), leave with `filter`, and a
@@ -24,6 +26,13 @@ import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 GROW = 256  # columns added when the KV buffers are full (attention reads every column: keep few spare)
+
+
+def batch_bucket(rows: int) -> int:
+    """The batch size a decode step runs at for `rows` rows (the rest are idle rows)."""
+    if rows <= 8:
+        return 1 << max(0, rows - 1).bit_length()
+    return -(-rows // 8) * 8
 
 
 def _cap_for(columns: int) -> int:
@@ -85,6 +94,20 @@ class DecodeState:
             raise ValueError("a decode batch needs at least one attention layer")
         return cls(kv, conv, ssm, idx, left_padding.astype(mx.int32),
                    mx.array(rope_deltas, dtype=mx.int32), tuple(layout))
+
+    def pad_to(self, rows: int) -> None:
+        """Append idle rows (zero state, attending only to their own columns) up to `rows`."""
+        k = rows - self.batch_size
+        if k <= 0:
+            return
+        def grown(x: mx.array) -> mx.array:
+            return mx.concatenate([x, mx.zeros((k, *x.shape[1:]), x.dtype)])
+
+        self.kv = [(grown(keys), grown(values)) for keys, values in self.kv]
+        self.conv = [grown(x) for x in self.conv]
+        self.ssm = [grown(x) for x in self.ssm]
+        self.left_padding = mx.concatenate([self.left_padding, mx.full((k,), self.idx, dtype=mx.int32)])
+        self.deltas = mx.concatenate([self.deltas, mx.zeros((k,), dtype=mx.int32)])
 
     def ensure_room(self) -> None:
         """Grow the KV buffers when the next column would not fit."""

@@ -22,7 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import mlx.core as mx
+
+from mlx_relay.engine.batch_caches import as_batch_caches
 from mlx_relay.engine.decode_batch import DecodeBatch
+from mlx_relay.engine.decode_state import DecodeState, batch_bucket
 from mlx_relay.engine.decode_step import DecodeStep
 from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
 from mlx_relay.engine.prefill_batch import PrefillBatch, PrefillRow
@@ -88,6 +92,19 @@ class PlainLane:
         length = len(row.spec.prompt) + row.emitted
         entries, nbytes = snapshot_caches(self._batch.extract(rid), length)
         return Snapshot(length=length, target=entries, nbytes=nbytes)
+
+    def warm_decode(self, max_rows: int) -> int:
+        """Trace the decode step at every batch size it can run at (idle rows only), so no
+        request meets a first-shape compile; returns how many sizes."""
+        cache = self.lm.make_cache()
+        self.lm(mx.array([[0]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        sizes = sorted({batch_bucket(n) for n in range(1, max_rows + 1)})
+        for size in sizes:
+            state = DecodeState.from_batch_caches(as_batch_caches(cache), [0])
+            state.pad_to(size)
+            mx.eval(self._step(mx.zeros((size,), dtype=mx.int32), state))
+        return len(sizes)
 
     def step(self) -> LaneStep:
         """One decode step of the decoding rows, then one prefill chunk of the joining rows (the
