@@ -1,0 +1,200 @@
+"""The decode step alone (issue 17.3): mlx-vlm's own decode next to our compiled step, per token.
+
+On one model, rows prefilled with `--prompt-tokens` tokens each, in one process, alternating the
+variants over `--repeats` passes of `--steps` tokens each (greedy, pipelined the way mlx-lm's
+`generate_step` runs: step N+1's graph is built while the device runs step N):
+
+  library   mlx-vlm's LanguageModel through its own caches (batch 1: `KVCache`/`ArraysCache` and
+            explicit positions, as the raw `generate_step` loop; batch > 1: its batch caches)
+  eager     our `DecodeStep` over `DecodeState`, run op by op
+  compiled  the same function through `mx.compile` (what the server runs)
+
+Reported per variant and batch size: ms per step (median of the passes), host ms per step (the
+time the Python thread spends building and dispatching a step), the first call's seconds (trace
+and kernel compilation), and whether its greedy tokens equal the library's over the first pass
+(bf16 on a GPU may round differently; the float32 tests pin exactness). Writes JSON.
+
+    python benchmarks/bench_decode_step.py [MODEL_DIR] [--batch 1,4] [--out out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import mlx.core as mx
+
+from mlx_relay.bench.machine import environment
+from mlx_relay.engine.batch_caches import as_batch_caches, batched, extend_caches
+from mlx_relay.engine.decode_state import DecodeState, batch_bucket
+from mlx_relay.engine.decode_step import DecodeStep
+from mlx_relay.engine.loader import load_model
+from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
+
+
+def positions(a: int, b: int) -> mx.array:
+    return mx.broadcast_to(mx.arange(a, b, dtype=mx.int32)[None, None, :], (3, 1, b - a))
+
+
+def prefill(lm: Any, prompt: list[int], chunk: int = 2048) -> tuple[list[Any], mx.array]:
+    cache = lm.make_cache()
+    out = None
+    for s in range(0, len(prompt), chunk):
+        e = min(len(prompt), s + chunk)
+        out = lm(mx.array([prompt[s:e]]), cache=cache, position_ids=positions(s, e))
+        mx.eval([c.state for c in cache])
+    assert out is not None
+    first = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
+    mx.eval(first)
+    return cache, first
+
+
+class Library:
+    """mlx-vlm's decode through its caches (a fresh copy of the prefilled state each pass)."""
+
+    def __init__(self, lm: Any, rows: list[tuple[list[Any], mx.array]], prompt_len: int) -> None:
+        self.lm, self.rows, self.n = lm, rows, prompt_len
+
+    def start(self) -> tuple[Any, mx.array]:
+        if len(self.rows) == 1:
+            cache, first = self.rows[0]
+            return [_copy_cache(c) for c in cache], first
+        batch: list[Any] = []
+        for cache, _ in self.rows:
+            b = as_batch_caches([_copy_cache(c) for c in cache])
+            batch = b if not batch else (extend_caches(batch, b) or batch)
+        return batch, mx.concatenate([f for _, f in self.rows])
+
+    def step(self, state: Any, tokens: mx.array, i: int) -> mx.array:
+        if len(self.rows) == 1:
+            at = self.n + i
+            out = self.lm(tokens[:, None], cache=state, position_ids=positions(at, at + 1))
+        else:
+            deltas = mx.zeros((tokens.shape[0], 1), dtype=mx.int32)
+            out = self.lm(tokens[:, None], cache=state, **batched(rope_deltas=deltas))
+        return mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
+
+
+def _copy_cache(c: Any) -> Any:
+    from mlx_vlm.models.cache import ArraysCache, KVCache
+
+    if isinstance(c, KVCache):
+        copy = KVCache()
+        copy.state = (mx.array(c.keys[..., :c.offset, :]), mx.array(c.values[..., :c.offset, :]))
+        return copy
+    copy = ArraysCache(len(c.cache))
+    copy.state = [None if a is None else mx.array(a) for a in c.state]
+    return copy
+
+
+class Ours:
+    def __init__(self, lm: Any, rows: list[tuple[list[Any], mx.array]], compiled: bool) -> None:
+        self.step_fn = DecodeStep(lm, compiled=compiled)
+        self.rows = rows
+
+    def start(self) -> tuple[DecodeState, mx.array]:
+        state: DecodeState | None = None
+        for cache, _ in self.rows:
+            s = DecodeState.from_batch_caches(as_batch_caches([_copy_cache(c) for c in cache]), [0])
+            if state is None:
+                state = s
+            else:
+                state.extend(s)
+        assert state is not None
+        tokens = mx.concatenate([f for _, f in self.rows])
+        size = batch_bucket(len(self.rows))
+        state.pad_to(size)
+        if size > len(self.rows):
+            tokens = mx.concatenate([tokens, mx.zeros((size - len(self.rows),), dtype=mx.int32)])
+        return state, tokens
+
+    def step(self, state: DecodeState, tokens: mx.array, i: int) -> mx.array:
+        return mx.argmax(self.step_fn(tokens, state), axis=-1).astype(mx.int32)
+
+
+def run_pass(variant: Any, steps: int, rows: int) -> tuple[float, float, list[list[int]]]:
+    """(ms per step, host ms per step, tokens per row) over `steps` pipelined steps."""
+    state, tokens = variant.start()
+    mx.eval(tokens)
+    host = 0.0
+    emitted: list[list[int]] = [[] for _ in range(rows)]
+    tic = time.perf_counter()
+    for i in range(steps):
+        h0 = time.perf_counter()
+        nxt = variant.step(state, tokens, i)
+        mx.async_eval(nxt)
+        host += time.perf_counter() - h0
+        for r, t in enumerate(tokens.tolist()[:rows]):
+            emitted[r].append(t)
+        tokens = nxt
+    mx.eval(tokens)
+    wall = time.perf_counter() - tic
+    return wall / steps * 1e3, host / steps * 1e3, emitted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=None, help="checkpoint dir (default: the bf16 tiny fixture)")
+    parser.add_argument("--batch", default="1,4")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    model = Path(args.model) if args.model else fixture_path(FixtureSpec("bf16", 0))
+    loaded = load_model(model)
+    lm = loaded.model.language_model
+    vocab = loaded.info.vocab_size
+    rng = random.Random(0)
+    results: dict[str, Any] = {"environment": msgspec_to_builtins(environment()), "model": str(model),
+                               "prompt_tokens": args.prompt_tokens, "steps": args.steps,
+                               "repeats": args.repeats, "batches": {}}
+    for b in (int(x) for x in args.batch.split(",")):
+        rows = [prefill(lm, [rng.randrange(100, vocab - 1) for _ in range(args.prompt_tokens)]) for _ in range(b)]
+        variants = {"library": Library(lm, rows, args.prompt_tokens), "eager": Ours(lm, rows, False),
+                    "compiled": Ours(lm, rows, True)}
+        first_call: dict[str, float] = {}
+        for name, v in variants.items():  # warm-up pass: traces and kernels
+            t0 = time.perf_counter()
+            run_pass(v, 2, b)
+            first_call[name] = time.perf_counter() - t0
+            run_pass(v, args.steps, b)
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+        tokens: dict[str, list[list[int]]] = {}
+        for _ in range(args.repeats):
+            for name, v in variants.items():
+                ms, host, emitted = run_pass(v, args.steps, b)
+                samples[name].append((ms, host))
+                tokens.setdefault(name, emitted)
+        summary = {}
+        library_ms = statistics.median(x for x, _ in samples["library"])
+        for name, s in samples.items():
+            ms = statistics.median(x for x, _ in s)
+            summary[name] = {"ms_per_step": ms, "host_ms_per_step": statistics.median(h for _, h in s),
+                             "tok_s_per_row": 1e3 / ms, "first_call_s": first_call[name],
+                             "same_tokens_as_library": tokens[name] == tokens["library"],
+                             "vs_library": library_ms / ms}
+        results["batches"][str(b)] = summary
+        print(f"batch {b}: " + "; ".join(f"{n} {v['ms_per_step']:.2f} ms (host {v['host_ms_per_step']:.2f}, "
+                                         f"{v['vs_library']:.2f}x, same {v['same_tokens_as_library']}, "
+                                         f"first {v['first_call_s']:.1f}s)" for n, v in summary.items()), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def msgspec_to_builtins(obj: Any) -> Any:
+    import msgspec
+
+    return msgspec.to_builtins(obj)
+
+
+if __name__ == "__main__":
+    main()
