@@ -7,7 +7,7 @@ source benchmarks/gpu/device_env.sh
 scenario=$1; shift
 MEM_GB=${MEM_GB:-60}; CACHE_GB=${CACHE_GB:-4}
 t0=$(date +%s)
-python3 -m mlx_relay.cli serve "$MODEL" --port 8000 --served-model-name qwen35-moe --max-num-seqs 64 \
+PYTHONPATH="${OURS_SRC:-$PWD}:/tmp/site" python3 -m mlx_relay.cli serve "$MODEL" --port 8000 --served-model-name qwen35-moe --max-num-seqs 64 \
   --max-queue 512 --memory-limit-gb "$MEM_GB" --cache-limit-gb "$CACHE_GB" ${OURS_FLAGS:-} > /tmp/ours.log 2>&1 &
 ours=$!
 # the peer with its prefix cache (APC) on unless PEER_APC=0: both servers reuse prefixes

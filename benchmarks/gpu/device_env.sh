@@ -2,12 +2,15 @@
 # wheels stashed by the first call, the repo on PYTHONPATH, the tokenizer unpacked.
 set -euo pipefail
 source .device-kit/part2/setup.sh
-if [ ! -f /tmp/site/.extra-wheels-v5 ]; then
-  shopt -s nullglob  # .device-kit/extra is optional (its wheels may be stashed with part1x instead)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stash/wheels/*.whl \
-    .device-kit/extra/*.whl
+if [ ! -f /tmp/site/.extra-wheels-v6 ]; then
+  # every non-MLX wheel once: the stash's, plus those of .device-kit/extra the stash lacks (a wheel
+  # named twice stops pip); the marker is written only when pip succeeded
+  shopt -s nullglob
+  wheels=(/root/stash/wheels/*.whl)
+  for w in .device-kit/extra/*.whl; do [ -f "/root/stash/wheels/$(basename "$w")" ] || wheels+=("$w"); done
   shopt -u nullglob
-  touch /tmp/site/.extra-wheels-v5
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}" \
+    && touch /tmp/site/.extra-wheels-v6 || { echo "device_env.sh: installing the wheels failed" >&2; return 1; }
 fi
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export MLX_RELAY_CACHE=/root/mlx-relay-cache

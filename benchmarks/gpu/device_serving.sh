@@ -28,7 +28,8 @@ for name in $SERVERS; do
       # OURS_FLAGS: e.g. --no-mtp (a random-weight head is never right: MTP would only cost).
       # "before": our server at an earlier commit, its mlx_relay package unpacked in BEFORE_SRC
       # (`git archive COMMIT mlx_relay | tar -x -C .device-carry/before --exclude 'mlx_relay/models/*'`)
-      src=$PWD; [ "$name" = before ] && src=${BEFORE_SRC:-$PWD/.device-carry/before}
+      # OURS_SRC: our package unpacked from `git archive` (the working tree may change between calls)
+      src=${OURS_SRC:-$PWD}; [ "$name" = before ] && src=${BEFORE_SRC:-$PWD/.device-carry/before}
       PYTHONPATH="$src:/tmp/site" python3 -m mlx_relay.cli serve "$MODEL" --port 8000 --served-model-name qwen35-moe \
         --max-num-seqs 64 --max-queue 512 ${OURS_FLAGS:-} > "/tmp/$name.log" 2>&1 &
       pid=$!; health=http://127.0.0.1:8000/health
