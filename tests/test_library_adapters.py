@@ -189,3 +189,50 @@ def test_a_ragged_batch_chunk_runs_batched_and_equals_each_row_alone(gpu: Callab
     assert max(head_diffs) == 0.0
     assert in_place and lone_in_place
     assert taken < 1e-4
+
+
+def test_a_right_padded_chunk_keeps_padding_out_of_each_rows_state(gpu: Callable, loaded: Any) -> None:
+    """`PrefillBatch` relies on: in a chunk where a row's prompt ends early, the batch caches'
+    public `prepare(lengths=..., right_padding=...)` keeps the padding out of that row's
+    GatedDeltaNet state and conv window, `finalize()` rolls its padded keys into masked left
+    padding, and the row's next tokens equal the row run alone. (Only while the recurrent caches
+    carry no `left_padding`: `as_batch_caches` drops the zero one an empty cache's merge gives.)"""
+    import mlx.core as mx
+
+    from mlx_relay.engine.batch_caches import as_batch_caches, batched, extend_caches
+
+    lm = loaded.model.language_model
+    prompts = [list(range(10, 30)), list(range(60, 67)), list(range(90, 110))]
+    cached = [8, 0, 0]
+
+    def pos(a: int, b: int) -> Any:
+        return mx.broadcast_to(mx.arange(a, b, dtype=mx.int32)[None, None, :], (3, 1, b - a))
+
+    def alone(p: list[int]) -> Any:
+        return lm(mx.array([p]), cache=lm.make_cache(), position_ids=pos(0, len(p))).logits[0, -1]
+
+    def run() -> list[float]:
+        batch: list[Any] = []
+        for p, k in zip(prompts, cached, strict=True):
+            c = lm.make_cache()
+            if k:
+                lm(mx.array([p[:k]]), cache=c, position_ids=pos(0, k))
+            mx.eval([x.state for x in c])
+            extend_caches(batch, as_batch_caches(c)) if batch else batch.extend(as_batch_caches(c))
+        takes = [len(p) - k for p, k in zip(prompts, cached, strict=True)]  # 12, 7, 20
+        n = max(takes)
+        ids = mx.array([p[k:] + [0] * (n - len(p) + k) for p, k in zip(prompts, cached, strict=True)])
+        positions = mx.concatenate([pos(k, k + n) for k in cached], axis=1)
+        for c in batch:
+            c.prepare(lengths=takes, right_padding=[n - t for t in takes])
+        lm(ids, cache=batch, **batched(position_ids=positions))
+        for c in batch:
+            c.finalize()
+        # one more token each: the state after the padded chunk must be each row's own
+        nxt = [5, 6, 7]
+        deltas = mx.zeros((3, 1), dtype=mx.int32)
+        out = lm(mx.array([[t] for t in nxt]), cache=batch, **batched(rope_deltas=deltas))
+        return [float(mx.abs(out.logits[i, -1] - alone([*p, nxt[i]])).max()) for i, p in enumerate(prompts)]
+
+    diffs = gpu(run)
+    assert max(diffs) < 1e-4, diffs

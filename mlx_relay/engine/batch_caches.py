@@ -29,8 +29,20 @@ def batched(**kwargs: Any) -> dict[str, Any]:
 
 
 def as_batch_caches(caches: list[Any]) -> list[Any]:
-    """A batch-1 cache (a row prefilled alone) as batch caches (each class's public `merge`)."""
-    return [BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c]) for c in caches]
+    """A batch-1 cache (a row restored or not started) as batch caches (each class's public
+    `merge`). Our rows never carry left padding in their recurrent state (only their keys are
+    left-padded), so an `ArraysCache` merged from an empty cache drops the zero `left_padding`
+    `merge` gives it: with one, mlx-vlm's model ignores the per-row `lengths` of a right-padded
+    chunk and lets the padding into the state."""
+    out: list[Any] = []
+    for c in caches:
+        if isinstance(c, KVCache):
+            out.append(BatchKVCache.merge([c]))
+        else:
+            merged = ArraysCache.merge([c])
+            merged.left_padding = None
+            out.append(merged)
+    return out
 
 
 def extend_caches(mine: list[Any], theirs: list[Any]) -> None:

@@ -5,10 +5,13 @@ one chunk for up to `max_rows` rows *together*, in one forward of the language m
 - each row starts from its own caches: restored from a prefix-cache snapshot (any length) or
   empty; merging them into batch caches left-pads the shorter KV prefixes (masked keys), the
   recurrent GatedDeltaNet states need no padding;
-- a chunk never pads new tokens: its length is the shortest distance any row has to its next
-  boundary (a snapshot length it asked for, or its prompt's end), capped so that the chunk holds
-  at most `token_budget` tokens, so every row consumes only its own tokens and, at a boundary,
-  its caches hold exactly its prompt's state there (its snapshot is taken then);
+- a chunk ends at the nearest snapshot length any row asked for (so at a boundary a row's caches
+  hold exactly its prompt's state there, and its snapshot is taken then), at the longest
+  remaining prompt, or where the chunk would hold more than `token_budget` tokens; a row whose
+  prompt ends inside the chunk is right-padded: the caches' public `prepare(lengths,
+  right_padding)` keeps the padding out of its GatedDeltaNet state and conv window, and
+  `finalize()` rolls its padded keys into masked left padding, so ragged prompts share one
+  forward instead of one chunk per distinct length;
 - each row feeds its tokens at its own positions (explicit M-RoPE triples), by token id or, for
   vision rows, by its prompt embeddings; SpecPrefill rows feed only their kept tokens at their
   original positions;
@@ -107,13 +110,21 @@ class PrefillBatch:
             return out
         out.rows = len(self.rows)
         n = self._chunk_length()
-        ids, embeds, positions = self._inputs(n)
+        takes = [min(n, len(row.pre.prompt) - row.pre.done) for row in self.rows]  # real tokens per row
+        padded = any(t < n for t in takes)
+        if padded:
+            for c in self._caches:
+                c.prepare(lengths=takes, right_padding=[n - t for t in takes])
+        ids, embeds, positions = self._inputs(n, takes)
         result = self.lm(ids, inputs_embeds=embeds, cache=self._caches,
                          **batched(position_ids=positions, return_hidden=True, skip_logits=True))
+        if padded:
+            for c in self._caches:
+                c.finalize()
         hidden = result.hidden_states[-1]
         finished: list[int] = []
         for i, row in enumerate(self.rows):
-            row.pre.done += n
+            row.pre.done += takes[i]
             if row.pre.finished:
                 finished.append(i)
             elif row.pre.wants_snapshot(row.pre.done):
@@ -121,7 +132,7 @@ class PrefillBatch:
         if not finished:
             mx.eval([c.state for c in self._caches])
             return out
-        first = self._first_tokens(hidden, finished)
+        first = self._first_tokens(hidden, finished, takes)
         out.done = self._release(finished, first)
         return out
 
@@ -140,17 +151,40 @@ class PrefillBatch:
             self.rows.append(row)
 
     def _chunk_length(self) -> int:
-        """The longest chunk every row can take without passing a boundary, within the budget."""
-        n = min(row.pre.next_end(len(row.pre.prompt)) - row.pre.done for row in self.rows)
+        """Up to the nearest snapshot length of any row, or the longest remaining prompt, within
+        the budget."""
+        n = max(len(row.pre.prompt) - row.pre.done for row in self.rows)
+        for row in self.rows:
+            pending = [s for s in row.pre.snapshot_at if s > row.pre.done]
+            if pending:
+                n = min(n, pending[0] - row.pre.done)
         return max(1, min(n, self.token_budget // len(self.rows)))
 
-    def _inputs(self, n: int) -> tuple[mx.array, mx.array | None, mx.array]:
-        ids = mx.array([row.pre.prompt[row.pre.done:row.pre.done + n] for row in self.rows], dtype=mx.int32)
-        positions = mx.concatenate([_positions(row.pre, row.pre.done + n) for row in self.rows], axis=1)
+    def _inputs(self, n: int, takes: list[int]) -> tuple[mx.array, mx.array | None, mx.array]:
+        """The chunk's token ids [B, n], embeddings (vision rows) and positions [3, B, n]; a row
+        with fewer than n tokens left is padded at the right (token 0, positions counting on)."""
+        ids_rows, pos_rows = [], []
+        for row, take in zip(self.rows, takes, strict=True):
+            pre = row.pre
+            ids_rows.append(pre.prompt[pre.done:pre.done + take] + [0] * (n - take))
+            pos = _positions(pre, pre.done + take)
+            if take < n:
+                after = pos[:, :, -1:] + mx.arange(1, n - take + 1, dtype=mx.int32)[None, None, :]
+                pos = mx.concatenate([pos, after], axis=2)
+            pos_rows.append(pos)
+        ids = mx.array(ids_rows, dtype=mx.int32)
+        positions = mx.concatenate(pos_rows, axis=1)
         if all(row.pre.embeds is None for row in self.rows):
             return ids, None, positions
-        embeds = [row.pre.embeds[:, row.pre.done:row.pre.done + n, :] if row.pre.embeds is not None
-                  else self.lm.model.embed_tokens(ids[i:i + 1]) for i, row in enumerate(self.rows)]
+        embeds = []
+        for i, (row, take) in enumerate(zip(self.rows, takes, strict=True)):
+            if row.pre.embeds is None:
+                embeds.append(self.lm.model.embed_tokens(ids[i:i + 1]))
+                continue
+            emb = row.pre.embeds[:, row.pre.done:row.pre.done + take, :]
+            if take < n:
+                emb = mx.concatenate([emb, mx.zeros((1, n - take, emb.shape[2]), emb.dtype)], axis=1)
+            embeds.append(emb)
         return ids, mx.concatenate(embeds, axis=0), positions
 
     def _snapshot(self, i: int) -> Snapshot:
@@ -158,8 +192,10 @@ class PrefillBatch:
         target, nbytes = snapshot_caches([c.extract(i) for c in self._caches], row.pre.done)
         return Snapshot(length=row.pre.done, target=target, nbytes=nbytes)
 
-    def _first_tokens(self, hidden: mx.array, finished: Sequence[int]) -> mx.array:
-        last = hidden[mx.array(finished, dtype=mx.int32), -1:, :]
+    def _first_tokens(self, hidden: mx.array, finished: Sequence[int], takes: list[int]) -> mx.array:
+        rows = mx.array(finished, dtype=mx.int32)
+        cols = mx.array([takes[i] - 1 for i in finished], dtype=mx.int32)  # each row's last real token
+        last = hidden[rows, cols][:, None, :]
         logits = self.lm.speculative_logits_from_hidden(last)[:, -1, :]
         rows = []
         for j, i in enumerate(finished):
