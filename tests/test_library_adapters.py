@@ -36,6 +36,32 @@ def _kwargs(loaded: Any, ids: list[int]) -> dict:
     return {k: v for k, v in emb.to_dict().items() if v is not None}
 
 
+def _pos(a: int, b: int) -> Any:
+    """M-RoPE positions [3, 1, b - a] of tokens a..b-1."""
+    import mlx.core as mx
+
+    return mx.broadcast_to(mx.arange(a, b, dtype=mx.int32)[None, None, :], (3, 1, b - a))
+
+
+def _ragged_batch(lm: Any, prompts: list[list[int]], cached: list[int]) -> list[Any]:
+    """Batch caches of rows that hold `cached[i]` tokens of `prompts[i]` each (0: empty)."""
+    import mlx.core as mx
+
+    from mlx_relay.engine.batch_caches import as_batch_caches, extend_caches
+
+    batch: list[Any] = []
+    for p, k in zip(prompts, cached, strict=True):
+        c = lm.make_cache()
+        if k:
+            lm(mx.array([p[:k]]), cache=c, position_ids=_pos(0, k))
+        mx.eval([x.state for x in c])
+        if batch:
+            extend_caches(batch, as_batch_caches(c))
+        else:
+            batch = as_batch_caches(c)
+    return batch
+
+
 def _steps_until_first_token(gen: Any, uid: int, limit: int = 20) -> int:
     for step in range(1, limit + 1):
         _, responses = gen.next()
@@ -142,33 +168,24 @@ def test_a_ragged_batch_chunk_runs_batched_and_equals_each_row_alone(gpu: Callab
     keeps a row's state, and a lone row's decode step runs in place too (no per-step copies)."""
     import mlx.core as mx
 
-    from mlx_relay.engine.batch_caches import as_batch_caches, batched, extend_caches, take_rows
+    from mlx_relay.engine.batch_caches import batched, take_rows
 
     lm = loaded.model.language_model
     prompts = [list(range(10, 50)), list(range(60, 85)), list(range(90, 150))]
     cached = [10, 0, 30]
     n = 12
 
-    def pos(a: int, b: int) -> Any:
-        return mx.broadcast_to(mx.arange(a, b, dtype=mx.int32)[None, None, :], (3, 1, b - a))
-
     def alone(p: list[int], upto: int) -> Any:
         c = lm.make_cache()
-        return lm(mx.array([p[:upto]]), cache=c, position_ids=pos(0, upto)).logits[0, -1]
+        return lm(mx.array([p[:upto]]), cache=c, position_ids=_pos(0, upto)).logits[0, -1]
 
     def run() -> tuple[list[float], list[float], bool, float, bool]:
-        batch: list[Any] = []
-        for p, k in zip(prompts, cached, strict=True):
-            c = lm.make_cache()
-            if k:
-                lm(mx.array([p[:k]]), cache=c, position_ids=pos(0, k))
-            mx.eval([x.state for x in c])
-            extend_caches(batch, as_batch_caches(c)) if batch else batch.extend(as_batch_caches(c))
+        batch = _ragged_batch(lm, prompts, cached)
         objects = [id(c) for c in batch]
         diffs = []
         for step in range(2):
             ids = mx.array([p[k + step * n:k + (step + 1) * n] for p, k in zip(prompts, cached, strict=True)])
-            positions = mx.concatenate([pos(k + step * n, k + (step + 1) * n) for k in cached], axis=1)
+            positions = mx.concatenate([_pos(k + step * n, k + (step + 1) * n) for k in cached], axis=1)
             out = lm(ids, cache=batch, **batched(position_ids=positions, return_hidden=True))
             hidden_logits = lm.speculative_logits_from_hidden(out.hidden_states[-1][:, -1:, :])[:, -1]
             diffs.append([float(mx.abs(out.logits[i, -1] - alone(p, k + (step + 1) * n)).max())
@@ -179,7 +196,7 @@ def test_a_ragged_batch_chunk_runs_batched_and_equals_each_row_alone(gpu: Callab
         row = take_rows(batch, [2])
         lone = [id(c) for c in row]
         at = cached[2] + 2 * n
-        nxt = lm(mx.array([[prompts[2][at]]]), cache=row, **batched(position_ids=pos(at, at + 1)))
+        nxt = lm(mx.array([[prompts[2][at]]]), cache=row, **batched(position_ids=_pos(at, at + 1)))
         taken = float(mx.abs(nxt.logits[0, -1] - alone(prompts[2], at + 1)).max())
         lone_in_place = [id(c) for c in row] == lone
         return [x for d in diffs[0::2] for x in d], [x for d in diffs[1::2] for x in d], in_place, taken, lone_in_place
@@ -199,30 +216,21 @@ def test_a_right_padded_chunk_keeps_padding_out_of_each_rows_state(gpu: Callable
     carry no `left_padding`: `as_batch_caches` drops the zero one an empty cache's merge gives.)"""
     import mlx.core as mx
 
-    from mlx_relay.engine.batch_caches import as_batch_caches, batched, extend_caches
+    from mlx_relay.engine.batch_caches import batched
 
     lm = loaded.model.language_model
     prompts = [list(range(10, 30)), list(range(60, 67)), list(range(90, 110))]
     cached = [8, 0, 0]
 
-    def pos(a: int, b: int) -> Any:
-        return mx.broadcast_to(mx.arange(a, b, dtype=mx.int32)[None, None, :], (3, 1, b - a))
-
     def alone(p: list[int]) -> Any:
-        return lm(mx.array([p]), cache=lm.make_cache(), position_ids=pos(0, len(p))).logits[0, -1]
+        return lm(mx.array([p]), cache=lm.make_cache(), position_ids=_pos(0, len(p))).logits[0, -1]
 
     def run() -> list[float]:
-        batch: list[Any] = []
-        for p, k in zip(prompts, cached, strict=True):
-            c = lm.make_cache()
-            if k:
-                lm(mx.array([p[:k]]), cache=c, position_ids=pos(0, k))
-            mx.eval([x.state for x in c])
-            extend_caches(batch, as_batch_caches(c)) if batch else batch.extend(as_batch_caches(c))
+        batch = _ragged_batch(lm, prompts, cached)
         takes = [len(p) - k for p, k in zip(prompts, cached, strict=True)]  # 12, 7, 20
         n = max(takes)
         ids = mx.array([p[k:] + [0] * (n - len(p) + k) for p, k in zip(prompts, cached, strict=True)])
-        positions = mx.concatenate([pos(k, k + n) for k in cached], axis=1)
+        positions = mx.concatenate([_pos(k, k + n) for k in cached], axis=1)
         for c in batch:
             c.prepare(lengths=takes, right_padding=[n - t for t in takes])
         lm(ids, cache=batch, **batched(position_ids=positions))
