@@ -84,9 +84,6 @@ class PrefillBatch:
     def __contains__(self, rid: int) -> bool:
         return any(r.rid == rid for r in (*self.waiting, *self.rows))
 
-    def find(self, rid: int) -> PrefillRow | None:
-        return next((r for r in (*self.waiting, *self.rows) if r.rid == rid), None)
-
     def add(self, row: PrefillRow) -> None:
         self.waiting.append(row)
 

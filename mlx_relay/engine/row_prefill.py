@@ -1,8 +1,8 @@
-"""One request's own chunked prefill, restorable and snapshottable (GPU thread only).
+"""One request's prefill progress and state, restorable and snapshottable (GPU thread only).
 
-Both of our decode lanes (the MTP lane and the plain lane) prefill a joining row alone, chunk by
-chunk, into batch-1 caches, then merge them into the running batch. That is where the prefix
-cache plugs in:
+The MTP lane prefills a joining row alone, chunk by chunk, into batch-1 caches, then merges them
+into its cohort; the plain lane's `prefill_batch.PrefillBatch` runs the rows' chunks together
+and keeps each row's progress here. That is where the prefix cache plugs in:
 - restore: the row starts from a snapshot's caches at length S and prefills only prompt[S:];
 - snapshot: a chunk ends exactly at each requested snapshot length, where the caches are
   snapshotted (`snapshots.snapshot_caches`) before the next chunk runs.
