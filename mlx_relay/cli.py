@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="exact: mlx-vlm's batch-invariant verifier (bit-identical to plain decode; fast "
                            "kernels on Metal only); batched: one forward over the block (fast everywhere); "
                            "auto: exact on Metal, batched elsewhere")
+    spec.add_argument("--mtp-policy", choices=("auto", "always"), default="auto",
+                      help="auto: MTP only where it pays (a round's cost in plain steps is measured at warm-up "
+                           "and weighed against the acceptance seen so far); always: wherever it can run")
     pc = serve.add_argument_group("prefix cache (exact snapshots at system-prompt ends and finished turns)")
     pc.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt in full")
     pc.add_argument("--prefix-cache-gb", type=float, default=None,
@@ -174,6 +177,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         mtp_block_size=args.mtp_block_size,
         mtp_max_batch=args.mtp_max_batch,
         mtp_verify=args.mtp_verify,
+        mtp_policy=args.mtp_policy,
         prefix_cache=not args.no_prefix_cache,
         prefix_cache_bytes=_gib(args.prefix_cache_gb),
         prefix_min_snapshot_tokens=args.prefix_min_snapshot_tokens,

@@ -37,6 +37,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # ordinary forward over the whole [B, block] (one matmul per linear, reductions may round
     # differently in low precision); "auto": exact on Metal, batched on CUDA and CPU
     mtp_verify: Literal["auto", "exact", "batched"] = "auto"
+    # whether MTP is planned for a request that could take it: "auto" only where it pays on this
+    # machine and model (a round's cost in plain steps, measured at warm-up, against the tokens a
+    # round yields at the acceptance seen so far); "always" wherever it can run
+    mtp_policy: Literal["auto", "always"] = "auto"
     # prefix cache: exact snapshots of prompt state at system-prompt ends and finished turns
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None  # byte budget; None: a share of the device's memory

@@ -55,7 +55,7 @@ from mlx_relay.messages.gpu import (
 )
 from mlx_relay.messages.prefix_cache import Flush, Flushed, GetPrefixStats, PrefixStats
 from mlx_relay.messages.specprefill import GetSpecPrefillStats, SpecPrefillReport
-from mlx_relay.messages.text_mtp import GetMTPStats
+from mlx_relay.messages.text_mtp import GetMTPStats, MTPCalibration
 from mlx_relay.messages.vision import GetVisionStats, VisionStats
 from mlx_relay.runtime import ActorRef, ActorSystem, ReplyStream
 from mlx_relay.service import Actors, ChatRequest, ChatService, SamplingDefaults
@@ -184,7 +184,9 @@ class Relay:
             if cfg.engine.warmup:
                 await self._set_state("warming")
                 progress("warming kernels")
-                await gpu.ask(Warmup())
+                report = await gpu.ask(Warmup())
+                if report.mtp_round_cost is not None:
+                    await text.ask(MTPCalibration(report.mtp_round_cost))
             await self._set_state("ready")
             progress("ready")
         except Exception as exc:

@@ -41,7 +41,8 @@ def gpu() -> Iterator[Callable[[Callable[[], Any]], Any]]:
 @pytest.fixture(scope="session")
 def server(fp32_model: Path) -> Iterator[LiveServer]:
     """The shared server: fp32 fixture, 8 sequences at once, a queue of 32."""
-    config = default_config(fp32_model, served_model_name="tiny", max_num_seqs=8, max_queue=32, mtp_max_batch=8)
+    config = default_config(fp32_model, served_model_name="tiny", max_num_seqs=8, max_queue=32, mtp_max_batch=8,
+                            mtp_policy="always")
     with LiveServer(config) as live:
         yield live
 
@@ -56,7 +57,7 @@ async def relay(fp32_model: Path) -> AsyncIterator[Relay]:
     holder: list[Relay] = []
 
     async def own() -> None:
-        async with Relay.start(fp32_model, max_num_seqs=8, mtp_max_batch=8) as r:
+        async with Relay.start(fp32_model, max_num_seqs=8, mtp_max_batch=8, mtp_policy="always") as r:
             holder.append(r)
             ready.set()
             await stop.wait()

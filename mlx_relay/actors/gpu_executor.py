@@ -141,9 +141,10 @@ class GPUExecutor(Actor):
             case Describe():
                 return info
             case Warmup():
-                seconds = await asyncio.wrap_future(thread.submit(core.warmup))
-                log.info("warm-up took %.1fs", seconds)
-                return None
+                report = await asyncio.wrap_future(thread.submit(core.warmup))
+                log.info("warm-up took %.1fs%s", report.seconds, "" if report.mtp_round_cost is None
+                         else f"; an MTP round costs {report.mtp_round_cost:.2f} plain decode steps")
+                return report
             case GetEngineStats():
                 return await asyncio.wrap_future(thread.submit(core.stats))
             case FreeSnapshots(handles=handles, release_memory=release):

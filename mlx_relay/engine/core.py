@@ -44,7 +44,7 @@ from mlx_relay.engine.scoring import ScoringStage
 from mlx_relay.engine.snapshots import Snapshot, SnapshotPool
 from mlx_relay.errors import GenerationFailed
 from mlx_relay.memory import release_freed_memory
-from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, SamplingParams
+from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, SamplingParams, TokenDelta, WarmupReport
 from mlx_relay.messages.prefix_cache import PrefixPlan, SnapshotTaken
 from mlx_relay.messages.specprefill import ScoringOutcome
 from mlx_relay.messages.text_mtp import MTPOutcome
@@ -315,11 +315,11 @@ class EngineCore:
         self.output.fail(row, error)
 
     # -- warm-up and stats ----------------------------------------------------------------------
-    def warmup(self) -> float:
+    def warmup(self) -> WarmupReport:
         """Compile the kernels the server uses: prefill and decode, greedy and sampled, batch 1
         and 2, then the plain lane's decode step at every batch size it runs at (up to
-        max_num_seqs). Runs to completion on the calling (GPU) thread before traffic; returns
-        seconds."""
+        max_num_seqs); then measure what an MTP round costs in plain steps. Runs to completion on
+        the calling (GPU) thread before traffic."""
         tic = time.perf_counter()
         prompt = list(range(1, min(64, self._vocab_size - 1)))
         greedy = SamplingParams(max_tokens=8)
@@ -334,7 +334,30 @@ class EngineCore:
         assert isinstance(plain, PlainLane)
         sizes = plain.warm_decode(self.config.max_num_seqs)
         log.info("decode step traced at %d batch sizes", sizes)
-        return time.perf_counter() - tic
+        cost = self._mtp_round_cost(prompt) if "mtp" in self.lanes else None
+        return WarmupReport(time.perf_counter() - tic, cost)
+
+    def _mtp_round_cost(self, prompt: list[int], tokens: int = 32) -> float | None:
+        """Seconds per MTP round over seconds per plain decode step, a lone greedy row each way,
+        timed from its first token on (kernels already compiled). None if a row ended too soon
+        to tell."""
+        per_unit = []
+        for mtp_block in (self.scheduler.mtp_block, None):
+            self.add(-99, Generate("calibrate", prompt, SamplingParams(max_tokens=tokens), mtp_block=mtp_block))
+            started, units, rounds0, tic = False, 0, 0, 0.0
+            while self.has_work:
+                out = self.step()
+                if started:
+                    units += 1
+                elif any(isinstance(ev, TokenDelta) for _, ev in out.events):
+                    started, rounds0, tic = True, self._mtp_totals[0], time.perf_counter()
+            elapsed = time.perf_counter() - tic
+            if mtp_block is not None:
+                units = self._mtp_totals[0] - rounds0
+            if units < 4:
+                return None
+            per_unit.append(elapsed / units)
+        return per_unit[0] / per_unit[1]
 
     def stats(self) -> EngineStats:
         rounds, drafted, accepted = self._mtp_totals

@@ -99,7 +99,15 @@ class Describe(msgspec.Struct, frozen=True):
 
 
 class Warmup(msgspec.Struct, frozen=True):
-    """Ask: run the kernels the server will use once, so the first request does not wait."""
+    """Ask: run the kernels the server will use once, so the first request does not wait.
+    Reply: WarmupReport."""
+
+
+class WarmupReport(msgspec.Struct, frozen=True):
+    seconds: float
+    # seconds of an MTP round over seconds of a plain decode step, each for a lone row, measured
+    # once the kernels were compiled (None: no MTP lane)
+    mtp_round_cost: float | None = None
 
 
 class GetEngineStats(msgspec.Struct, frozen=True):

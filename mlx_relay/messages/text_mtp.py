@@ -36,6 +36,13 @@ class MTPOutcome(msgspec.Struct, frozen=True):
     rounds: int = 0
 
 
+class MTPCalibration(msgspec.Struct, frozen=True):
+    """Ask (the Relay, after the GPUExecutor's warm-up): what an MTP round costs here, in plain
+    decode steps of a lone row."""
+
+    round_cost: float
+
+
 class GetMTPStats(msgspec.Struct, frozen=True):
     """Ask. Reply: MTPStats."""
 
@@ -49,6 +56,7 @@ class MTPStats(msgspec.Struct, frozen=True):
     rounds: int
     drafted: int
     accepted: int
+    round_cost: float | None = None  # an MTP round in plain steps, measured at warm-up
 
     @property
     def acceptance(self) -> float:

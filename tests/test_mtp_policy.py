@@ -1,0 +1,64 @@
+"""The measured MTP policy (issue 17.4): the TextMTPExecutor plans MTP only where a round pays.
+
+A round of block k yields 1 + a(k-1) tokens at acceptance a and costs r plain steps (measured at
+warm-up). Pure policy tests on the executor's `plan`, then a live Relay on its default policy:
+the warm-up measures r and the plans follow it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlx_relay.actors.text_mtp_executor import EXPLORE_EVERY, MIN_DRAFTS, TextMTPExecutor
+from mlx_relay.config import EngineConfig
+from mlx_relay.messages.gpu import ModelInfo, SamplingParams
+from mlx_relay.messages.text_mtp import MTPOutcome, PlanText
+from mlx_relay.relay import Relay
+
+
+def _executor(policy: str = "auto", block: int = 2) -> TextMTPExecutor:
+    config = EngineConfig(model_path="m", mtp_block_size=block, mtp_policy=policy)  # type: ignore[arg-type]
+    info = ModelInfo(model_path="m", model_type="qwen3_5", backend="cpu", context_length=100, vocab_size=10,
+                     eos_token_ids=[1], has_vision=False, has_mtp=True, load_seconds=0.0)
+    return TextMTPExecutor(config, info)
+
+
+def _plans(ex: TextMTPExecutor, n: int) -> list[bool]:
+    return [ex.plan(PlanText(f"r{i}", SamplingParams())).mtp is not None for i in range(n)]
+
+
+def test_mtp_is_declined_where_even_a_whole_accepted_block_cannot_pay_for_a_round() -> None:
+    ex = _executor()
+    assert _plans(ex, 3) == [True] * 3  # not measured yet: as configured
+    ex.round_cost = 2.4  # a round of 2 costs 2.4 plain steps: at most 2 tokens per round
+    assert _plans(ex, 40) == [False] * 40
+    assert "cannot pay" in ex.plan(PlanText("x", SamplingParams())).why
+    longer = _executor(block=3)  # 3 tokens per round could pay for 2.4 steps
+    longer.round_cost = 2.4
+    assert _plans(longer, 3) == [True] * 3
+    always = _executor("always")
+    always.round_cost = 2.4
+    assert _plans(always, 3) == [True] * 3
+
+
+def test_the_measured_acceptance_decides_and_mtp_is_still_sampled_while_it_does_not_pay() -> None:
+    ex = _executor()
+    ex.round_cost = 1.5  # pays above acceptance 0.5 at block 2
+    assert _plans(ex, 4) == [True] * 4  # fewer than MIN_DRAFTS counted: optimistic
+    ex.count(MTPOutcome(drafted=MIN_DRAFTS, accepted=int(0.3 * MIN_DRAFTS)))
+    plans = _plans(ex, 2 * EXPLORE_EVERY)
+    assert plans.count(True) == 2  # one in EXPLORE_EVERY keeps measuring
+    ex.count(MTPOutcome(drafted=10 * MIN_DRAFTS, accepted=9 * MIN_DRAFTS))  # acceptance now ~0.83
+    assert _plans(ex, 4) == [True] * 4
+
+
+async def test_the_relay_measures_a_rounds_cost_at_warm_up_and_plans_by_it(fp32_model: Path) -> None:
+    async with Relay.start(fp32_model, max_num_seqs=4) as relay:
+        before = await relay.mtp_stats()
+        result = await relay.chat([{"role": "user", "content": "hello"}], max_tokens=6, temperature=0)
+        after = await relay.mtp_stats()
+    cost = before["round_cost"]
+    assert cost is not None and cost > 0
+    planned = after["planned"] - before["planned"]
+    assert planned == (1 if 2 / cost > 1 else 0)
+    assert (result.mtp_drafted > 0) == (planned == 1)
