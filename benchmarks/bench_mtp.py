@@ -2,9 +2,10 @@
 
 In one process, on one thread, alternating variant by variant over `--repeats` passes (ABBA)
 so machine drift cancels, for each batch size B:
-  - ours, MTP on   (BatchEngine, text rows in the MTP lane, block `--block`, batched verify)
+  - ours, MTP on   (EngineCore, text rows in the MTP lane, block `--block`, batched verify)
   - with `--exact`: ours, MTP on with `--mtp-verify exact` (mlx-vlm's batch-invariant verifier)
-  - ours, MTP off  (BatchEngine, the same rows in mlx-vlm's BatchGenerator)
+  - ours, MTP off  (EngineCore, the same rows in the plain lane: batched prefill, compiled decode
+                    step; what the server runs for them)
   - raw mlx-vlm with its MTP drafter: `stream_generate(..., draft_model=load_drafter(kind="mtp"))`
     at B=1, `BatchGenerator(..., draft_model=...)` at B>1
   - raw mlx-vlm without it: `stream_generate` / `BatchGenerator`
@@ -32,10 +33,11 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import mlx.core as mx
-from mlx_relay.engine.batch_engine import BatchEngine
 
-from mlx_relay.bench.machine import library_versions
+from mlx_relay.bench.machine import library_versions, source_commit
 from mlx_relay.bench.tables import rows_markdown
+from mlx_relay.config import EngineConfig
+from mlx_relay.engine.core import EngineCore
 from mlx_relay.engine.loader import load_model
 from mlx_relay.messages.gpu import Finished, Generate, SamplingParams, TokenDelta
 
@@ -49,18 +51,19 @@ def prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
 
 def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, block: int,
              verify: str = "batched") -> dict[str, float]:
-    events: list[Any] = []
-    engine = BatchEngine(loaded, max_num_seqs=len(batch), prefill_batch_size=min(8, len(batch)),
-                         prefill_step_size=2048, seed=0, emit=events.extend, mtp=mtp, mtp_block_size=block,
-                         mtp_max_batch=len(batch) if mtp else 0, mtp_verify=verify)
+    config = EngineConfig(model_path=loaded.info.model_path, max_num_seqs=len(batch),
+                          prefill_batch_size=min(8, len(batch)), prefill_step_size=2048, seed=0, mtp=mtp,
+                          mtp_block_size=block, mtp_max_batch=len(batch) if mtp else 0, mtp_verify=verify)
+    engine = EngineCore(loaded, config, prefix_cache=True)
     for i, p in enumerate(batch):
-        engine.add(i, Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens)))
+        engine.add(i, Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens, mtp=mtp),
+                               mtp_block=block if mtp else None))
     started: set[int] = set()
     tokens = 0
     steady_start = None
     steps = rounds0 = acc0 = dr0 = 0
     while engine.has_work:
-        engine.step()
+        events = engine.step().events
         for sid, ev in events:
             if isinstance(ev, TokenDelta):
                 started.add(sid)
@@ -68,7 +71,6 @@ def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, bl
                     tokens += len(ev.token_ids)
             elif not isinstance(ev, Finished):
                 raise ev
-        events.clear()
         if steady_start is not None:
             steps += 1
         elif len(started) == len(batch):
@@ -172,6 +174,7 @@ def main() -> None:
     print(table)
     if args.out is not None:
         meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "model": str(args.model),
+                "commit": source_commit(),
                 "device": mx.default_device().__repr__(), "platform": platform.platform(), "python": sys.version,
                 "versions": library_versions(("mlx", "mlx-lm", "mlx-vlm")),
                 "args": {k: str(v) for k, v in vars(args).items()}}
