@@ -22,6 +22,12 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # the plain lane's decode step as one compiled function (`engine/decode_step.py`); off: the
     # same function run eagerly (for debugging: same tokens, slower)
     compile_decode: bool = True
+    # the lengths of the plain lane's prefill chunks: "fixed" runs every chunk at one of a few
+    # lengths (rows right-padded) and the warm-up runs each (rows, length) once, so no prompt
+    # meets a shape the device compiles kernels or library plans for (up to seconds per new
+    # length on a GPU); "exact" runs chunks at the rows' own lengths (no padding: on CPU a new
+    # length costs nothing extra); "auto": fixed on a GPU, exact on CPU
+    prefill_shapes: Literal["auto", "fixed", "exact"] = "auto"
     warmup: bool = True
     vision_cache_bytes: int = 512 * 1024 * 1024  # encoded image features kept by content hash
     seed: int = 0  # seeds the per-request sampling seeds of requests that give none

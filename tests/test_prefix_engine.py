@@ -96,17 +96,19 @@ def test_snapshot_is_not_changed_by_the_request_it_came_from(gpu: Callable, bigr
     assert same and kv_len == {len(SYSTEM)}
 
 
-def test_rows_prefilled_together_equal_rows_alone(gpu: Callable, fp32_model: Path) -> None:
+@pytest.mark.parametrize("shapes", ["exact", "fixed"])
+def test_rows_prefilled_together_equal_rows_alone(gpu: Callable, fp32_model: Path, shapes: str) -> None:
     """Issue 17.1: rows that join together are prefilled together, in one chunk per step, with
     ragged restored lengths (a system snapshot, a whole turn, nothing), each snapshotted at its own
     boundary, and each returns exactly plain greedy decoding of its prompt (float32, random weights,
     so a wrong position, mask or state would show). A request restored from a snapshot taken inside
-    such a batch is exact too."""
+    such a batch is exact too. Issue 17.6: the same with chunks at fixed lengths (every row
+    right-padded up to one, as on a GPU)."""
     max_tokens = 8
     long_cold = list(range(500, 570))
 
     def run() -> tuple[Any, ...]:
-        d = Driver(load_model(fp32_model), prefill_batch_size=4, prefill_step_size=64)
+        d = Driver(load_model(fp32_model), prefill_batch_size=4, prefill_step_size=64, prefill_shapes=shapes)
         sp = SamplingParams(max_tokens=max_tokens, mtp=False)
         first = SYSTEM + SUFFIXES[0]
         a = d.add(Generate("a", first, sp, prefix=PrefixPlan(snapshot_at=[len(SYSTEM)], snapshot_turn=True)))
@@ -136,3 +138,37 @@ def test_rows_prefilled_together_equal_rows_alone(gpu: Callable, fp32_model: Pat
     assert [d.finished[s].cached_tokens for s in sids] == [len(SYSTEM), 0, turn_length, 0, 33]
     chunks, rows = after.prefill_chunks - before.prefill_chunks, after.prefill_rows - before.prefill_rows
     assert rows / chunks > 2, (chunks, rows)  # the four rows ran together, not one by one
+
+
+def test_fixed_prefill_shapes_are_few_and_the_warmup_runs_each(gpu: Callable, fp32_model: Path) -> None:
+    """Issue 17.6: with fixed shapes a prefill chunk only ever runs at one of a few lengths within
+    the token budget, and the warm-up runs every (rows, length) a step can meet, leaving the lane
+    empty; a prompt afterwards still decodes exactly."""
+    from mlx_relay.engine.plain_lane import PlainLane
+    from mlx_relay.engine.prefill_batch import chunk_lengths
+
+    assert chunk_lengths(2048) == (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert chunk_lengths(64) == (16, 32, 64)
+    assert chunk_lengths(100) == (16, 32, 64, 100)
+    assert chunk_lengths(8) == (8,)
+    prompt = list(range(3, 90))
+
+    def run() -> tuple[Any, ...]:
+        loaded = load_model(fp32_model)
+        d = Driver(loaded, prefill_batch_size=3, prefill_step_size=64, prefill_shapes="fixed")
+        plain = d.engine.lanes["plain"]
+        assert isinstance(plain, PlainLane)
+        shapes = plain.prefill.shapes()
+        warmed = plain.warm_prefill(loaded.info.vocab_size)
+        empty = len(plain.prefill) == 0 and not plain.rows
+        sid = d.add(Generate("after", prompt, SamplingParams(max_tokens=6, mtp=False)))
+        d.run()
+        ref = greedy_reference(fp32_model, [prompt], 6)
+        d.engine.close()
+        return shapes, warmed, empty, d.tokens[sid], ref
+
+    shapes, warmed, empty, tokens, ref = gpu(run)
+    # 3 rows share 64 tokens: 16 each at most; 2 rows 32; 1 row 64
+    assert shapes == [(1, 16), (1, 32), (1, 64), (2, 16), (2, 32), (3, 16)]
+    assert warmed == len(shapes) and empty
+    assert [tokens] == ref

@@ -87,7 +87,9 @@ class EngineCore:
         self.lanes: dict[LaneName, Lane] = {
             "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
                                prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids,
-                               compiled=config.compile_decode)}
+                               compiled=config.compile_decode,
+                               fixed_prefill_shapes=config.prefill_shapes == "fixed"
+                               or (config.prefill_shapes == "auto" and info.backend != "cpu"))}
         if not prefix_cache:
             self.lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
                                                 prefill_batch_size=config.prefill_batch_size,
@@ -317,9 +319,10 @@ class EngineCore:
     # -- warm-up and stats ----------------------------------------------------------------------
     def warmup(self) -> WarmupReport:
         """Compile the kernels the server uses: prefill and decode, greedy and sampled, batch 1
-        and 2, then the plain lane's decode step at every batch size it runs at (up to
-        max_num_seqs); then measure what an MTP round costs in plain steps. Runs to completion on
-        the calling (GPU) thread before traffic."""
+        and 2, then the plain lane's prefill at every (rows, chunk length) shape it runs at (fixed
+        shapes; none with exact shapes) and its decode step at every batch size it runs at (up to
+        max_num_seqs); then measure what an MTP round costs in plain steps. Runs to completion
+        on the calling (GPU) thread before traffic."""
         tic = time.perf_counter()
         prompt = list(range(1, min(64, self._vocab_size - 1)))
         greedy = SamplingParams(max_tokens=8)
@@ -332,8 +335,9 @@ class EngineCore:
                 self.step()
         plain = self.lanes["plain"]
         assert isinstance(plain, PlainLane)
+        shapes = plain.warm_prefill(self._vocab_size)
         sizes = plain.warm_decode(self.config.max_num_seqs)
-        log.info("decode step traced at %d batch sizes", sizes)
+        log.info("prefill run at %d chunk shapes, decode step traced at %d batch sizes", shapes, sizes)
         cost = self._mtp_round_cost(prompt) if "mtp" in self.lanes else None
         return WarmupReport(time.perf_counter() - tic, cost)
 

@@ -45,10 +45,11 @@ class PlainLane:
     name: Literal["plain"] = "plain"
 
     def __init__(self, lm: Any, *, prefill_batch_size: int, prefill_step_size: int, eos_token_ids: list[int],
-                 compiled: bool = True) -> None:
+                 compiled: bool = True, fixed_prefill_shapes: bool = False) -> None:
         self.lm = lm
         self.eos = frozenset(eos_token_ids)
-        self.prefill = PrefillBatch(lm, max_rows=prefill_batch_size, token_budget=prefill_step_size)
+        self.prefill = PrefillBatch(lm, max_rows=prefill_batch_size, token_budget=prefill_step_size,
+                                    fixed_shapes=fixed_prefill_shapes)
         self.rows: dict[int, PlainRow] = {}  # every row of the lane, prefilling or decoding
         self._step = DecodeStep(lm, compiled=compiled)
         self._batch = DecodeBatch(self._step)
@@ -92,6 +93,18 @@ class PlainLane:
         length = len(row.spec.prompt) + row.emitted
         entries, nbytes = snapshot_caches(self._batch.extract(rid), length)
         return Snapshot(length=length, target=entries, nbytes=nbytes)
+
+    def warm_prefill(self, vocab_size: int) -> int:
+        """Run a prefill chunk at every (rows, length) shape the prefill can run at, rows from
+        empty caches, so no prompt meets a first-shape compile; returns how many shapes."""
+        shapes = self.prefill.shapes()
+        for rows, n in shapes:
+            for j in range(rows):
+                prompt = [(7 * j + i) % max(1, vocab_size - 1) + 1 for i in range(n)]
+                self.prefill.add(PrefillRow(-(j + 1), RowPrefill(prompt=prompt, cache=self.lm.make_cache())))
+            while len(self.prefill):
+                self.prefill.step()
+        return len(shapes)
 
     def warm_decode(self, max_rows: int) -> int:
         """Trace the decode step at every batch size it can run at (idle rows only), so no

@@ -5,13 +5,18 @@ one chunk for up to `max_rows` rows *together*, in one forward of the language m
 - each row starts from its own caches: restored from a prefix-cache snapshot (any length) or
   empty; merging them into batch caches left-pads the shorter KV prefixes (masked keys), the
   recurrent GatedDeltaNet states need no padding;
-- a chunk ends at the nearest snapshot length any row asked for (so at a boundary a row's caches
-  hold exactly its prompt's state there, and its snapshot is taken then), at the longest
-  remaining prompt, or where the chunk would hold more than `token_budget` tokens; a row whose
-  prompt ends inside the chunk is right-padded: the caches' public `prepare(lengths,
-  right_padding)` keeps the padding out of its GatedDeltaNet state and conv window, and
-  `finalize()` rolls its padded keys into masked left padding, so ragged prompts share one
-  forward instead of one chunk per distinct length;
+- with fixed shapes (on a GPU), a chunk is one of a few lengths (`chunk_lengths`: 16 to 256 by powers of two, then
+  steps of half a power of two up to the token budget), so the device meets only shapes the
+  warm-up ran (`warm`), never a prompt's own length (a new shape costs kernel compilation and
+  library plans, up to seconds on a GPU); with exact shapes (on CPU, where a new length costs
+  nothing extra) a chunk is as long as its longest take;
+- each row takes up to the chunk's length, stopping at its next snapshot length (so at a
+  boundary its caches hold exactly its prompt's state there, and its snapshot is taken then) or
+  its prompt's end, capped so the chunk holds at most `token_budget` tokens; the chunk is the
+  shortest length that holds the longest take. A row that takes less is right-padded: the caches'
+  public `prepare(lengths, right_padding)` keeps the padding out of its GatedDeltaNet state and
+  conv window, and `finalize()` rolls its padded keys into masked left padding, so ragged
+  prompts share one forward instead of one chunk per distinct length;
 - each row feeds its tokens at its own positions (explicit M-RoPE triples), by token id or, for
   vision rows, by its prompt embeddings; SpecPrefill rows feed only their kept tokens at their
   original positions;
@@ -62,6 +67,19 @@ class PrefillStep:
     snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (row, snapshot at a boundary)
 
 
+def chunk_lengths(token_budget: int) -> tuple[int, ...]:
+    """The lengths a prefill chunk runs at: 16, 32, 64, 128, 256, then 384, 512, 768, 1024, 1536,
+    ... (powers of two and one and a half times them), below the budget, and the budget itself."""
+    budget = max(1, token_budget)
+    lengths, power = [], 16
+    while power < budget:
+        lengths.append(power)
+        if power >= 256 and power + power // 2 < budget:
+            lengths.append(power + power // 2)
+        power *= 2
+    return (*lengths, budget)
+
+
 def _positions(pre: RowPrefill, end: int) -> mx.array:
     """[3, 1, n] M-RoPE positions of prompt[done:end]."""
     if pre.positions is not None:
@@ -70,10 +88,12 @@ def _positions(pre: RowPrefill, end: int) -> mx.array:
 
 
 class PrefillBatch:
-    def __init__(self, lm: Any, *, max_rows: int, token_budget: int) -> None:
+    def __init__(self, lm: Any, *, max_rows: int, token_budget: int, fixed_shapes: bool) -> None:
         self.lm = lm
         self.max_rows = max(1, max_rows)
         self.token_budget = max(1, token_budget)
+        # fixed: chunks only at these lengths; else at the longest take (up to the budget)
+        self.lengths = chunk_lengths(token_budget) if fixed_shapes else None
         self.waiting: list[PrefillRow] = []
         self.rows: list[PrefillRow] = []  # in the batch, in the caches' order
         self._caches: list[Any] = []
@@ -106,8 +126,8 @@ class PrefillBatch:
         if not self.rows:
             return out
         out.rows = len(self.rows)
-        n = self._chunk_length()
-        takes = [min(n, len(row.pre.prompt) - row.pre.done) for row in self.rows]  # real tokens per row
+        takes = self._takes()  # real tokens per row
+        n = max(takes) if self.lengths is None else next(n for n in self.lengths if n >= max(takes))
         padded = any(t < n for t in takes)
         if padded:
             for c in self._caches:
@@ -147,15 +167,31 @@ class PrefillBatch:
                 extend_caches(self._caches, caches)
             self.rows.append(row)
 
-    def _chunk_length(self) -> int:
-        """Up to the nearest snapshot length of any row, or the longest remaining prompt, within
-        the budget."""
-        n = max(len(row.pre.prompt) - row.pre.done for row in self.rows)
+    def cap(self, rows: int) -> int:
+        """The longest chunk `rows` rows run at: the longest length within the token budget (the
+        shortest length if none is)."""
+        if self.lengths is None:
+            return max(1, self.token_budget // rows)
+        within = [n for n in self.lengths if n * rows <= self.token_budget]
+        return within[-1] if within else self.lengths[0]
+
+    def _takes(self) -> list[int]:
+        """Each row's tokens in this chunk: up to the cap, its next snapshot length, its prompt's
+        end."""
+        cap = self.cap(len(self.rows))
+        takes = []
         for row in self.rows:
-            pending = [s for s in row.pre.snapshot_at if s > row.pre.done]
-            if pending:
-                n = min(n, pending[0] - row.pre.done)
-        return max(1, min(n, self.token_budget // len(self.rows)))
+            pre = row.pre
+            end = min(len(pre.prompt), pre.done + cap)
+            pending = [s for s in pre.snapshot_at if pre.done < s < end]
+            takes.append((pending[0] if pending else end) - pre.done)
+        return takes
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, chunk length) a step can run at (none listed with exact shapes)."""
+        if self.lengths is None:
+            return []
+        return [(rows, n) for rows in range(1, self.max_rows + 1) for n in self.lengths if n <= self.cap(rows)]
 
     def _inputs(self, n: int, takes: list[int]) -> tuple[mx.array, mx.array | None, mx.array]:
         """The chunk's token ids [B, n], embeddings (vision rows) and positions [3, B, n]; a row
