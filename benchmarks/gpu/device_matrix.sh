@@ -26,7 +26,7 @@ if [ "$mode" = wait ]; then
     sleep 1
   done
   mkdir -p "$OUT/matrix" && cp -r $RUN/out/. "$OUT/matrix/" 2>/dev/null || true
-  tail -5 $RUN/progress.txt
+  tail -n 5 $RUN/progress.txt 2>/dev/null; grep "warm-up" $RUN/out/ours.log 2>/dev/null | tail -n 2
   [ -f $RUN/done ] && echo "matrix done"
   exit 0
 fi

@@ -335,7 +335,8 @@ class EngineCore:
                 self.step()
         plain = self.lanes["plain"]
         assert isinstance(plain, PlainLane)
-        shapes = plain.warm_prefill(self._vocab_size)
+        shapes = plain.warm_prefill(self._vocab_size, lambda rows, n, seconds: log.info(
+            "warm-up: prefill of %d row(s) x %d tokens took %.2fs", rows, n, seconds))
         sizes = plain.warm_decode(self.config.max_num_seqs)
         log.info("prefill run at %d chunk shapes, decode step traced at %d batch sizes", shapes, sizes)
         cost = self._mtp_round_cost(prompt) if "mtp" in self.lanes else None

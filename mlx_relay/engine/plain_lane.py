@@ -19,6 +19,8 @@ together equal rows prefilled alone.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -94,16 +96,21 @@ class PlainLane:
         entries, nbytes = snapshot_caches(self._batch.extract(rid), length)
         return Snapshot(length=length, target=entries, nbytes=nbytes)
 
-    def warm_prefill(self, vocab_size: int) -> int:
+    def warm_prefill(self, vocab_size: int,
+                     on_shape: Callable[[int, int, float], None] | None = None) -> int:
         """Run a prefill chunk at every (rows, length) shape the prefill can run at, rows from
-        empty caches, so no prompt meets a first-shape compile; returns how many shapes."""
+        empty caches, so no prompt meets a first-shape compile; `on_shape(rows, length, seconds)`
+        hears each; returns how many shapes."""
         shapes = self.prefill.shapes()
         for rows, n in shapes:
+            tic = time.perf_counter()
             for j in range(rows):
                 prompt = [(7 * j + i) % max(1, vocab_size - 1) + 1 for i in range(n)]
                 self.prefill.add(PrefillRow(-(j + 1), RowPrefill(prompt=prompt, cache=self.lm.make_cache())))
             while len(self.prefill):
                 self.prefill.step()
+            if on_shape is not None:
+                on_shape(rows, n, time.perf_counter() - tic)
         return len(shapes)
 
     def warm_decode(self, max_rows: int) -> int:
