@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-warmup", action="store_true", help="skip kernel warm-up before taking traffic")
     serve.add_argument("--no-compile", action="store_true",
                        help="run the decode step eagerly instead of as one compiled function (same tokens, slower)")
+    serve.add_argument("--no-compile-mtp", action="store_true",
+                       help="run greedy MTP rounds eagerly (mlx-vlm's speculative cache transaction) instead of as "
+                            "one compiled function (same tokens, slower)")
     serve.add_argument("--prefill-shapes", default="auto", choices=["auto", "fixed", "exact"],
                        help="prefill chunks at a few fixed lengths, all run at warm-up (no first-shape "
                             "stalls on a GPU), or at the prompts' own lengths; auto: fixed on a GPU")
@@ -176,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefill_step_size=args.prefill_step_size,
         warmup=not args.no_warmup,
         compile_decode=not args.no_compile,
+        compile_mtp=not args.no_compile_mtp,
         prefill_shapes=args.prefill_shapes,
         mtp=not args.no_mtp,
         mtp_block_size=args.mtp_block_size,

@@ -100,7 +100,8 @@ class EngineCore:
             head = MTPHead.load(Path(info.model_path), lm, exact=exact)
             self.lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size,
                                         prefill_step_size=config.prefill_step_size,
-                                        eos_token_ids=info.eos_token_ids, exact_verify=exact)
+                                        eos_token_ids=info.eos_token_ids, exact_verify=exact,
+                                        compiled=config.compile_mtp)
             mtp_block = config.mtp_block_size
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs, mtp_block=mtp_block,
                                    mtp_max_batch=config.mtp_max_batch, own_prefill=prefix_cache)
@@ -110,7 +111,7 @@ class EngineCore:
         self.snapshots = SnapshotPool()
         self.features = FeatureStore()
         self._rows: dict[int, Row] = {}  # every row the engine holds, by id
-        self._mtp_totals = [0, 0, 0]  # rounds, drafted, accepted
+        self._mtp_totals = [0, 0, 0, 0]  # rounds, drafted, accepted, eager rounds (compiled round on)
         self._prefill_totals = [0, 0]  # chunks, rows
 
     @property
@@ -209,6 +210,7 @@ class EngineCore:
             totals[0] += lane_step.mtp_rounds
             totals[1] += lane_step.mtp_drafted
             totals[2] += lane_step.mtp_accepted
+            totals[3] += lane_step.mtp_fallback_rounds
             if lane_step.prefill_rows:
                 self._prefill_totals[0] += 1
                 self._prefill_totals[1] += lane_step.prefill_rows
@@ -365,11 +367,12 @@ class EngineCore:
         return per_unit[0] / per_unit[1]
 
     def stats(self) -> EngineStats:
-        rounds, drafted, accepted = self._mtp_totals
+        rounds, drafted, accepted, fallback = self._mtp_totals
         mtp = self.lanes.get("mtp")
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                            scoring=len(self.scoring), mtp_running=len(mtp) if mtp is not None else 0,
                            mtp_rounds=rounds, mtp_drafted=drafted, mtp_accepted=accepted,
+                           mtp_fallback_rounds=fallback,
                            snapshots=len(self.snapshots), snapshot_bytes=self.snapshots.bytes,
                            features=len(self.features), feature_bytes=self.features.bytes,
                            prefill_chunks=self._prefill_totals[0], prefill_rows=self._prefill_totals[1])

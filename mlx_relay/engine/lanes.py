@@ -60,6 +60,7 @@ class LaneStep:
     mtp_rounds: int = 0
     mtp_drafted: int = 0
     mtp_accepted: int = 0
+    mtp_fallback_rounds: int = 0  # MTP rounds run eagerly while the compiled round is on
 
 
 class Lane(Protocol):

@@ -18,9 +18,16 @@ A cohort of text-only rows decodes together, one *round* per engine step:
    forward over ``accepted + 1`` pairs per row, right-padded), which also yields the next
    round's first draft.
 
-One host synchronisation per round (the verified tokens). Rows join after their own prefill
-(prefilled alone, chunk by chunk, then merged into the cohort's batch caches) and leave by
-filtering the caches, so the cohort never stops for newcomers.
+One host synchronisation per round (the verified tokens).
+
+With `compiled=True` (the default) greedy rows decode in a cohort of their own whose whole round
+is one compiled call over fixed-size state (`mtp_step.MTPStep` over `mtp_state.MTPState`: the
+accept decision, the cut at EOS / max_tokens and the commit on device, no speculative cache
+transaction); sampling rows, and every row of a model `MTPStep` does not support, keep the eager
+round above (counted in `LaneStep.mtp_fallback_rounds`). Each cohort runs one round per step.
+
+Rows join after their own prefill (prefilled alone, chunk by chunk, then merged into the
+cohort's batch caches) and leave by filtering the caches, so the cohort never stops for newcomers.
 
 Invariant between rounds, per row: the target cache holds every emitted token but the last
 (``bonus``); the head's cache holds the pairs ``(h_i, tok_{i+1})`` up to ``(h_last, bonus)``;
@@ -41,8 +48,11 @@ from mlx_vlm.speculative.cache_state import (
 )
 
 from mlx_relay.engine.batch_caches import as_batch_caches, batched
+from mlx_relay.engine.decode_step import UnsupportedModel
 from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
 from mlx_relay.engine.mtp_head import MTPHead
+from mlx_relay.engine.mtp_state import MTPState
+from mlx_relay.engine.mtp_step import MTPStep
 from mlx_relay.engine.row_prefill import RowPrefill
 from mlx_relay.engine.sampling import RowSampler, processed_logprobs
 from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
@@ -74,14 +84,14 @@ class RoundResult:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
-
+    fallback_rounds: int = 0  # eager rounds while the compiled round is on
 
 
 class MTPLane:
     name: Literal["mtp"] = "mtp"
 
     def __init__(self, lm: Any, head: MTPHead, *, block_size: int, prefill_step_size: int,
-                 eos_token_ids: Sequence[int], exact_verify: bool = True) -> None:
+                 eos_token_ids: Sequence[int], exact_verify: bool = True, compiled: bool = True) -> None:
         if block_size < 2:
             raise ValueError("MTP block size must be at least 2")
         self.lm = lm
@@ -99,13 +109,26 @@ class MTPLane:
         self._draft_logq: mx.array | None = None  # [B, 1, V] log q of the first draft (sampling rows)
         self._seed_hidden: mx.array | None = None  # [B, 1, H] head output that proposed drafts[:, 0]
         self._dpos: mx.array | None = None  # [B] next head position per row
+        # the compiled greedy cohort: its rows, in batch order, and its state
+        self._step: MTPStep | None = None
+        if compiled:
+            try:
+                self._step = MTPStep(lm, head, block_size=block_size, eos_token_ids=list(eos_token_ids))
+            except UnsupportedModel:
+                self._step = None
+        self.compiled = compiled
+        self.fast_rows: list[MTPRow] = []
+        self._fast: MTPState | None = None
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self.prefilling)
+        return len(self.rows) + len(self.fast_rows) + len(self.prefilling)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.rows) or bool(self.prefilling)
+        return bool(self.rows) or bool(self.fast_rows) or bool(self.prefilling)
+
+    def _all_rows(self) -> tuple[MTPRow, ...]:
+        return (*self.rows, *self.fast_rows, *self.prefilling)
 
     # -- membership -------------------------------------------------------------------------------
     def add(self, spec: RowSpec) -> None:
@@ -118,27 +141,32 @@ class MTPLane:
                   spec.restore, spec.snapshot_at)
 
     def cached_tokens(self, rid: int) -> int:
-        row = next((r for r in (*self.rows, *self.prefilling) if r.rid == rid), None)
+        row = next((r for r in self._all_rows() if r.rid == rid), None)
         return row.cached_tokens if row is not None else 0
 
     def drafts(self, rid: int) -> tuple[int, int]:
         """(drafted, accepted) of a row so far."""
-        row = next((r for r in (*self.rows, *self.prefilling) if r.rid == rid), None)
+        row = next((r for r in self._all_rows() if r.rid == rid), None)
         return (row.drafted, row.accepted) if row is not None else (0, 0)
 
     def step(self) -> LaneStep:
         """One round of the cohort, then one prefill chunk of the oldest joining row."""
         out = LaneStep()
-        if self.rows:
-            result = self.round()
-            out.mtp_rounds, out.mtp_drafted, out.mtp_accepted = result.rounds, result.drafted, result.accepted
-            for row in self.rows:
+        for rows, run in ((self.rows, self.round), (self.fast_rows, self.fast_round)):
+            if not rows:
+                continue
+            result = run()
+            out.mtp_rounds += result.rounds
+            out.mtp_drafted += result.drafted
+            out.mtp_accepted += result.accepted
+            out.mtp_fallback_rounds += result.fallback_rounds
+            for row in rows:
                 tokens = result.tokens.get(row.rid)
                 if tokens:
                     out.tokens.append(RowTokens(row.rid, tokens,
                                                 ending_of(tokens[-1], row.emitted, row.max_tokens, self.eos)))
         joined = self.prefill_step()
-        for row in (*self.rows, *self.prefilling):
+        for row in self._all_rows():
             if row.snapshots:
                 out.snapshots.extend((row.rid, s) for s in row.snapshots)
                 row.snapshots.clear()
@@ -161,6 +189,13 @@ class MTPLane:
 
     def extract(self, rid: int) -> Snapshot | None:
         """The state of a cohort row: every emitted token but the last (target caches only)."""
+        j = next((j for j, r in enumerate(self.fast_rows) if r.rid == rid), None)
+        if j is not None and self._fast is not None:
+            row = self.fast_rows[j]
+            length = len(row.prompt) + row.emitted - 1
+            assert self._fast.lengths[j] == length, (self._fast.lengths[j], length)
+            entries, nbytes = snapshot_caches(self._fast.row_caches(j), length)
+            return Snapshot(length=length, target=entries, nbytes=nbytes)
         i = next((i for i, r in enumerate(self.rows) if r.rid == rid), None)
         if i is None or self._cache is None:
             return None
@@ -175,6 +210,15 @@ class MTPLane:
             if row.rid == rid:
                 del self.prefilling[i]
                 return
+        fast_keep = [i for i, row in enumerate(self.fast_rows) if row.rid != rid]
+        if len(fast_keep) < len(self.fast_rows):
+            self.fast_rows = [self.fast_rows[i] for i in fast_keep]
+            if not fast_keep:
+                self._fast = None
+            else:
+                assert self._fast is not None
+                self._fast.filter(fast_keep)
+            return
         keep = [i for i, row in enumerate(self.rows) if row.rid != rid]
         if len(keep) == len(self.rows):
             return
@@ -195,6 +239,8 @@ class MTPLane:
     def clear(self) -> None:
         self.rows = []
         self.prefilling = []
+        self.fast_rows = []
+        self._fast = None
         self._reset_cohort()
 
     def _reset_cohort(self) -> None:
@@ -258,6 +304,9 @@ class MTPLane:
 
     def _join(self, row: MTPRow, first: mx.array, draft: mx.array, logq: mx.array | None, seed_h: mx.array) -> None:
         assert row.pre is not None
+        if self._step is not None and row.sampler is None:
+            self._join_fast(row, first, draft, seed_h)
+            return
         cache, dcache = as_batch_caches(row.pre.cache), as_batch_caches(row.dcache)
         row.pre.cache, row.dcache = [], []
         dpos = mx.array([len(row.prompt)], dtype=mx.int32)
@@ -274,6 +323,19 @@ class MTPLane:
             self._dpos = mx.concatenate([self._dpos, dpos])  # type: ignore[list-item]
             self._draft_logq = self._merge_logq(self._draft_logq, logq, len(self.rows), 1)
         self.rows.append(row)
+
+    def _join_fast(self, row: MTPRow, first: mx.array, draft: mx.array, seed_h: mx.array) -> None:
+        """A greedy row joins the compiled cohort (its library caches copied once)."""
+        assert row.pre is not None and self._step is not None
+        state = MTPState.from_row(row.pre.cache, row.dcache, self._step.layout, first, draft, seed_h,
+                                  dpos=len(row.prompt))
+        row.pre.cache, row.dcache = [], []
+        if self._fast is None:
+            state.pad_to_bucket()
+            self._fast = state
+        else:
+            self._fast.extend(state)
+        self.fast_rows.append(row)
 
     def _merge_logq(self, a: mx.array | None, b: mx.array | None, na: int, nb: int) -> mx.array | None:
         if a is None and b is None:
@@ -365,7 +427,7 @@ class MTPLane:
         self._seed_hidden = seed_h
         mx.async_eval(self._drafts, self._seed_hidden, [c.state for c in (*self._cache, *self._dcache)])
         # 4. emitted tokens (the engine finishes rows on EOS / max_tokens / stop strings)
-        result = RoundResult(tokens={}, rounds=1)
+        result = RoundResult(tokens={}, rounds=1, fallback_rounds=int(self.compiled))
         for i, row in enumerate(rows):
             row.drafted += k - 1
             row.accepted += took[i]
@@ -373,6 +435,30 @@ class MTPLane:
             result.accepted += took[i]
             result.tokens[row.rid] = replay[i]
             row.emitted += len(replay[i])
+        return result
+
+    def fast_round(self) -> RoundResult:
+        """One compiled round of the greedy cohort; one host synchronisation (the counts)."""
+        rows, state, step = self.fast_rows, self._fast, self._step
+        assert state is not None and step is not None
+        k = self.k
+        room = [max(r.max_tokens - r.emitted, 1) for r in rows]
+        out = step(state, room)
+        mx.async_eval(out.targets, out.accepted, out.committed, state.arrays())
+        targets: list[list[int]] = out.targets.tolist()
+        accepted: list[int] = out.accepted.tolist()
+        committed: list[int] = out.committed.tolist()
+        step.advance(state, committed)
+        result = RoundResult(tokens={}, rounds=1)
+        for i, row in enumerate(rows):
+            m = committed[i]
+            took = min(accepted[i], m + 1)
+            row.drafted += k - 1
+            row.accepted += took
+            result.drafted += k - 1
+            result.accepted += took
+            result.tokens[row.rid] = targets[i][:m + 1]
+            row.emitted += m + 1
         return result
 
     def _cut(self, row: MTPRow, replay: list[int]) -> list[int]:

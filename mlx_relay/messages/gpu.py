@@ -122,6 +122,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     mtp_rounds: int = 0
     mtp_drafted: int = 0
     mtp_accepted: int = 0
+    mtp_fallback_rounds: int = 0  # MTP rounds run eagerly while the compiled round is on (sampling rows)
     snapshots: int = 0  # prefix-cache snapshots held on the GPU thread
     snapshot_bytes: int = 0
     features: int = 0  # encoded image features held on the GPU thread
