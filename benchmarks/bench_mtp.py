@@ -2,7 +2,10 @@
 
 In one process, on one thread, alternating variant by variant over `--repeats` passes (ABBA)
 so machine drift cancels, for each batch size B:
-  - ours, MTP on   (EngineCore, text rows in the MTP lane, block `--block`, batched verify)
+  - ours, MTP on   (EngineCore, text rows in the MTP lane, block `--block`, batched verify; greedy
+                   rounds compiled: `engine/mtp_step.py`)
+  - with `--eager-mtp`: ours, MTP on with the eager round (`compile_mtp=False`: mlx-vlm's
+                   speculative cache transaction, the round before the compiled one)
   - with `--exact`: ours, MTP on with `--mtp-verify exact` (mlx-vlm's batch-invariant verifier)
   - ours, MTP off  (EngineCore, the same rows in the plain lane: batched prefill, compiled decode
                     step; what the server runs for them)
@@ -50,10 +53,11 @@ def prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
 
 
 def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, block: int,
-             verify: str = "batched") -> dict[str, float]:
+             verify: str = "batched", compile_mtp: bool = True) -> dict[str, float]:
     config = EngineConfig(model_path=loaded.info.model_path, max_num_seqs=len(batch),
                           prefill_batch_size=min(8, len(batch)), prefill_step_size=2048, seed=0, mtp=mtp,
-                          mtp_block_size=block, mtp_max_batch=len(batch) if mtp else 0, mtp_verify=verify)
+                          mtp_block_size=block, mtp_max_batch=len(batch) if mtp else 0, mtp_verify=verify,
+                          compile_mtp=compile_mtp)
     engine = EngineCore(loaded, config, prefix_cache=True)
     for i, p in enumerate(batch):
         engine.add(i, Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens, mtp=mtp),
@@ -145,6 +149,8 @@ def main() -> None:
                          "random models that emit ids past the tokenizer's vocabulary)")
     ap.add_argument("--exact", action="store_true",
                     help="also ours with --mtp-verify exact (mlx-vlm's batch-invariant verifier)")
+    ap.add_argument("--eager-mtp", action="store_true",
+                    help="also ours with the eager MTP round (compile_mtp=False), for before/after")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -154,6 +160,7 @@ def main() -> None:
     drafter, _ = load_drafter(str(args.model), kind="mtp")
     tok = loaded.processor.tokenizer
     variants = ["ours_mtp", "ours_plain"] + (["ours_mtp_exact"] if args.exact else [])
+    variants += ["ours_mtp_eager"] if args.eager_mtp else []
     variants += [] if args.no_raw else ["raw_mtp", "raw_plain"]
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     for b in (int(x) for x in args.batch.split(",")):
@@ -186,6 +193,8 @@ def run_variant(v: str, loaded: Any, drafter: Any, batch: list[list[int]], max_t
                 block: int, raw_batch_only: bool = False) -> dict[str, float]:
     if v == "ours_mtp":
         return run_ours(loaded, batch, max_tokens, True, block, "batched")
+    if v == "ours_mtp_eager":
+        return run_ours(loaded, batch, max_tokens, True, block, "batched", compile_mtp=False)
     if v == "ours_mtp_exact":
         return run_ours(loaded, batch, max_tokens, True, block, "exact")
     if v == "ours_plain":
@@ -211,6 +220,12 @@ def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> list[dic
         if "ours_mtp_exact" in per:
             exact_ms = statistics.median(r["seconds"] * 1000 / max(r["rounds"], 1) for r in per["ours_mtp_exact"])
             row["exact_round_cost_in_steps"] = round(exact_ms / step_ms, 3)
+        if "ours_mtp_eager" in per:
+            eager = per["ours_mtp_eager"]
+            eager_ms = statistics.median(r["seconds"] * 1000 / max(r["rounds"], 1) for r in eager)
+            row["eager_round_cost_in_steps"] = round(eager_ms / step_ms, 3)
+            row["eager_mtp_speedup"] = round(med["ours_mtp_eager"] / med["ours_plain"], 3)
+            row["eager_acceptance"] = round(statistics.median(r["acceptance"] for r in eager), 3)
         if "raw_mtp" in med:
             row["ours_mtp_vs_raw_mtp"] = round(med["ours_mtp"] / med["raw_mtp"], 3)
             row["ours_plain_vs_raw_plain"] = round(med["ours_plain"] / med["raw_plain"], 3)
