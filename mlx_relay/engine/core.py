@@ -323,8 +323,9 @@ class EngineCore:
         """Compile the kernels the server uses: prefill and decode, greedy and sampled, batch 1
         and 2, then the plain lane's prefill at every (rows, chunk length) shape it runs at (fixed
         shapes; none with exact shapes) and its decode step at every batch size it runs at (up to
-        max_num_seqs); then measure what an MTP round costs in plain steps. Runs to completion
-        on the calling (GPU) thread before traffic."""
+        max_num_seqs) and the compiled MTP round at every batch size its cohort runs at (up to
+        mtp_max_batch); then measure what an MTP round costs in plain steps. Runs to completion on
+        the calling (GPU) thread before traffic."""
         tic = time.perf_counter()
         prompt = list(range(1, min(64, self._vocab_size - 1)))
         greedy = SamplingParams(max_tokens=8)
@@ -341,6 +342,9 @@ class EngineCore:
             "warm-up: prefill of %d row(s) x %d tokens took %.2fs", rows, n, seconds))
         sizes = plain.warm_decode(self.config.max_num_seqs)
         log.info("prefill run at %d chunk shapes, decode step traced at %d batch sizes", shapes, sizes)
+        if isinstance(mtp := self.lanes.get("mtp"), MTPLane):
+            rounds = mtp.warm_rounds(min(self.config.mtp_max_batch, self.config.max_num_seqs))
+            log.info("compiled MTP round traced at %d batch sizes", rounds)
         cost = self._mtp_round_cost(prompt) if "mtp" in self.lanes else None
         return WarmupReport(time.perf_counter() - tic, cost)
 

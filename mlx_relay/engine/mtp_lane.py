@@ -48,6 +48,7 @@ from mlx_vlm.speculative.cache_state import (
 )
 
 from mlx_relay.engine.batch_caches import as_batch_caches, batched
+from mlx_relay.engine.decode_state import batch_bucket
 from mlx_relay.engine.decode_step import UnsupportedModel
 from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
 from mlx_relay.engine.mtp_head import MTPHead
@@ -336,6 +337,30 @@ class MTPLane:
         else:
             self._fast.extend(state)
         self.fast_rows.append(row)
+
+    def warm_rounds(self, max_rows: int) -> int:
+        """Trace the compiled round at every batch size its cohort can run at (idle rows from a
+        one-token prefill), so no request meets a first-shape compile; returns how many sizes."""
+        if self._step is None:
+            return 0
+        sizes = sorted({batch_bucket(n) for n in range(1, max_rows + 1)})
+        for size in sizes:
+            state: MTPState | None = None
+            for _ in range(size):
+                cache, dcache = self.lm.make_cache(), self.head.make_cache()
+                out = self.lm(mx.array([[0]]), cache=cache, return_hidden=True, skip_logits=True)
+                seed = self.head.forward(mx.array([[0]]), out.hidden_states[-1], dcache, mx.array([[0]]))
+                zero = mx.zeros((1,), dtype=mx.int32)
+                row = MTPState.from_row(cache, dcache, self._step.layout, zero, zero, seed, dpos=1)
+                if state is None:
+                    state = row
+                else:
+                    state.extend(row)
+            assert state is not None
+            state.pad_to_bucket()
+            out_round = self._step(state, [1] * size)
+            mx.eval(out_round.targets, out_round.committed, state.arrays())
+        return len(sizes)
 
     def _merge_logq(self, a: mx.array | None, b: mx.array | None, na: int, nb: int) -> mx.array | None:
         if a is None and b is None:
