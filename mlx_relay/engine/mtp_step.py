@@ -121,7 +121,7 @@ class MTPStep:
         self.lm, self.drafter, self.k = lm, drafter, block_size
         self.layout = tuple(bool(layer.is_linear) for layer in layers)
         self._embed_scale = float(getattr(lm.model, "embed_scale", 1.0))
-        self._eos = mx.array(sorted(set(eos_token_ids)) or [-1], dtype=mx.int32)
+        self._eos = tuple(sorted(set(eos_token_ids)))  # constants of the trace (no array: building costs no memory)
         self._fn = mx.compile(self._round) if compiled else self._round
 
     def __call__(self, state: MTPState, room: list[int]) -> RoundOut:
@@ -131,7 +131,7 @@ class MTPStep:
         room_arr = mx.array(room + [1] * (state.batch_size - len(room)), dtype=mx.int32)
         (targets, accepted, committed, state.bonus, state.draft, state.seed, state.kv, state.conv, state.ssm,
          state.head_kv) = self._fn(state.bonus, state.draft, state.seed, lengths, head_lengths, dpos, room_arr,
-                                   state.kv, state.conv, state.ssm, state.head_kv, self._eos)
+                                   state.kv, state.conv, state.ssm, state.head_kv)
         return RoundOut(targets, accepted, committed)
 
     @staticmethod
@@ -189,7 +189,7 @@ class MTPStep:
 
     def _round(self, bonus: mx.array, draft: mx.array, seed: mx.array, lengths: mx.array, head_lengths: mx.array,
                dpos: mx.array, room: mx.array, kv: list[tuple[mx.array, mx.array]], conv: list[mx.array],
-               ssm: list[mx.array], head_kv: list[tuple[mx.array, mx.array]], eos: mx.array) -> tuple[Any, ...]:
+               ssm: list[mx.array], head_kv: list[tuple[mx.array, mx.array]]) -> tuple[Any, ...]:
         k = self.k
         # 1. draft k - 2 more tokens
         drafts, h, tok = [draft], seed, draft
@@ -205,7 +205,9 @@ class MTPStep:
         # 3. accept and cut
         ok = (block[:, 1:] == targets[:, :-1]).astype(mx.int32)
         accepted = mx.sum(mx.cumprod(ok, axis=1), axis=1)  # [B]
-        is_eos = mx.any(targets[:, :, None] == eos[None, None, :], axis=-1)
+        is_eos = mx.zeros(targets.shape, dtype=mx.bool_)
+        for eos in self._eos:
+            is_eos = is_eos | (targets == eos)
         first_eos = mx.where(mx.any(is_eos, axis=1), mx.argmax(is_eos, axis=1), k).astype(mx.int32)
         m = mx.minimum(mx.minimum(accepted, room - 1), first_eos).astype(mx.int32)
         # commit: the GatedDeltaNet states after position m
