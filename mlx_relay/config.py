@@ -22,8 +22,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # the plain lane's decode step as one compiled function (`engine/decode_step.py`); off: the
     # same function run eagerly (for debugging: same tokens, slower)
     compile_decode: bool = True
-    # the MTP lane's greedy rounds as one compiled function (`engine/mtp_step.py`); off, or for
-    # sampling rows: the eager round through mlx-vlm's speculative cache transaction
+    # the MTP lane's greedy rounds as one compiled function (`engine/mtp_step.py`, with the batched
+    # verifier only); off, for sampling rows and under mtp_verify "exact": the eager round through
+    # mlx-vlm's speculative cache transaction
     compile_mtp: bool = True
     # the lengths of the plain lane's prefill chunks: "fixed" runs every chunk at one of a few
     # lengths (rows right-padded) and the warm-up runs each (rows, length) once, so no prompt

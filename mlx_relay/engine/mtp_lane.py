@@ -20,11 +20,12 @@ A cohort of text-only rows decodes together, one *round* per engine step:
 
 One host synchronisation per round (the verified tokens).
 
-With `compiled=True` (the default) greedy rows decode in a cohort of their own whose whole round
-is one compiled call over fixed-size state (`mtp_step.MTPStep` over `mtp_state.MTPState`: the
-accept decision, the cut at EOS / max_tokens and the commit on device, no speculative cache
-transaction); sampling rows, and every row of a model `MTPStep` does not support, keep the eager
-round above (counted in `LaneStep.mtp_fallback_rounds`). Each cohort runs one round per step.
+With `compiled=True` and the batched verifier (`exact_verify=False`: the engine's default off
+Metal), greedy rows decode in a cohort of their own whose whole round is one compiled call over
+fixed-size state (`mtp_step.MTPStep` over `mtp_state.MTPState`: the accept decision, the cut at
+EOS / max_tokens and the commit on device, no speculative cache transaction). Sampling rows,
+every row under the exact verifier, and every row of a model `MTPStep` does not support keep the
+eager round above (counted in `LaneStep.mtp_fallback_rounds`). Each cohort runs one round per step.
 
 Rows join after their own prefill (prefilled alone, chunk by chunk, then merged into the
 cohort's batch caches) and leave by filtering the caches, so the cohort never stops for newcomers.
@@ -111,8 +112,10 @@ class MTPLane:
         self._seed_hidden: mx.array | None = None  # [B, 1, H] head output that proposed drafts[:, 0]
         self._dpos: mx.array | None = None  # [B] next head position per row
         # the compiled greedy cohort: its rows, in batch order, and its state
+        # the compiled round verifies the block with one batched forward, so an exact (batch-
+        # invariant) verifier keeps the eager round
         self._step: MTPStep | None = None
-        if compiled:
+        if compiled and not exact_verify:
             try:
                 self._step = MTPStep(lm, head, block_size=block_size, eos_token_ids=list(eos_token_ids))
             except UnsupportedModel:
