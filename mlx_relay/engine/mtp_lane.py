@@ -472,7 +472,10 @@ class MTPLane:
         k = self.k
         room = [max(r.max_tokens - r.emitted, 1) for r in rows]
         out = step(state, room)
-        mx.async_eval(out.targets, out.accepted, out.committed, state.arrays())
+        # the counts first, then the rest of the round (commit, the head's next draft) in a second
+        # batch that runs while the host emits this round's tokens
+        mx.async_eval(out.targets, out.accepted, out.committed)
+        mx.async_eval(state.arrays())
         targets: list[list[int]] = out.targets.tolist()
         accepted: list[int] = out.accepted.tolist()
         committed: list[int] = out.committed.tolist()
