@@ -216,3 +216,29 @@ def test_engine_greedy_rows_compiled_sampling_rows_eager(gpu: Callable, bigram_m
         assert len(tokens[3]) == TOKENS and stats.mtp_rounds > 0
         assert (stats.mtp_fallback_rounds > 0) == compile_mtp
         assert stats.mtp_fallback_rounds < stats.mtp_rounds
+
+
+def test_buffers_grow_mid_decode(gpu: Callable, coder: tuple[Any, Any], coder_reference: list[list[int]]) -> None:
+    """A row whose KV buffers (target and head) have room for only a few more columns keeps
+    decoding exactly as they grow."""
+    from mlx_relay.engine.mtp_step import MTPStep
+
+    lm, head = coder
+
+    def run() -> tuple[list[int], int, int]:
+        step = MTPStep(lm, head, block_size=2, eos_token_ids=[])
+        state, first = _row(lm, head, PROMPTS[1])
+        n, hn = state.lengths[0] + 3, state.head_lengths[0] + 3
+        state.kv = [(k[:, :, :n, :], v[:, :, :n, :]) for k, v in state.kv]
+        state.head_kv = [(k[:, :, :hn, :], v[:, :, :hn, :]) for k, v in state.head_kv]
+        out = [first]
+        while len(out) < TOKENS:
+            res = step(state, [TOKENS - len(out)])
+            m = res.committed.tolist()
+            step.advance(state, m)
+            out += res.targets.tolist()[0][:m[0] + 1]
+        return out, state.cap, state.head_cap
+
+    out, cap, head_cap = gpu(run)
+    assert out == coder_reference[1][:TOKENS]
+    assert cap > len(PROMPTS[1]) + 3 and head_cap > len(PROMPTS[1]) + 3
