@@ -85,7 +85,8 @@ class MTPState:
     def index_arrays(self) -> tuple[mx.array, mx.array, mx.array]:
         """(lengths, head_lengths, dpos) as [B] int32 arrays (idle rows: 0)."""
         pad = [0] * (self.batch_size - self.rows)
-        return tuple(mx.array(v + pad, dtype=mx.int32) for v in (self.lengths, self.head_lengths, self.dpos))  # type: ignore[return-value]
+        return (mx.array(self.lengths + pad, dtype=mx.int32), mx.array(self.head_lengths + pad, dtype=mx.int32),
+                mx.array(self.dpos + pad, dtype=mx.int32))
 
     @classmethod
     def from_row(cls, caches: list[Any], head_caches: list[Any], layout: tuple[bool, ...], bonus: mx.array,
