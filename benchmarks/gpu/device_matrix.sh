@@ -60,11 +60,11 @@ bench() {  # target-args... -- scenario levels:requests name
 memory() {  # label
   echo "$1: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null)" >> $O/memory.txt
 }
-for name in ${SERVERS:-ours mlx_vlm raw}; do
+for name in ${SERVERS}; do
   if [ "$name" = raw ]; then
     target=(--raw-loop "$MODEL")
     bench "${target[@]}" -- short_chat "${WARM:-64:64}" "warm-raw"
-    for spec in ${SHORT:-1:16 64:128}; do
+    for spec in ${SHORT}; do
       bench "${target[@]}" -- short_chat "$spec" "short_chat-raw-c${spec%%:*}"; say "raw short_chat ${spec%%:*} done"
       [ "${spec%%:*}" = 64 ] && memory "raw after short_chat c=64"
     done
@@ -89,14 +89,14 @@ for name in ${SERVERS:-ours mlx_vlm raw}; do
       --vocab "${PROBE_VOCAB:-240000}" --json $O/probe.json > $O/probe.txt 2>&1; say "probe: $(tail -1 $O/probe.txt)"
   fi
   bench "${target[@]}" -- short_chat "${WARM:-64:64}" "warm-$name"; say "$name warm"
-  for spec in ${SHORT:-1:16 64:128}; do
+  for spec in ${SHORT}; do
     bench "${target[@]}" -- short_chat "$spec" "short_chat-$name-c${spec%%:*}"; say "$name short_chat ${spec%%:*} done"
     if [ "${spec%%:*}" = 64 ]; then
       memory "$name after short_chat c=64"
       [ "$name" = ours ] && python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8000/v1/cache/stats').text)" >> $O/memory.txt
     fi
   done
-  for spec in ${AGENT:-4:24 16:48}; do
+  for spec in ${AGENT}; do
     bench "${target[@]}" -- agent_sessions "$spec" "agent_sessions-$name-c${spec%%:*}"; say "$name agent ${spec%%:*} done"
   done
   memory "$name after agent_sessions"
@@ -107,6 +107,7 @@ touch $RUN/done
 EOF
 rm -f $RUN/done $RUN/progress.txt
 cd $RUN/src
-nohup env RUN="$RUN" PROBE="${PROBE:-}" PROBE_VOCAB="${PROBE_VOCAB:-}" PYTHONPATH="$RUN/src:/tmp/site" SERVERS="${SERVERS:-}" SHORT="${SHORT:-}" AGENT="${AGENT:-}" WARM="${WARM:-}" OURS_SRC="${OURS_SRC:-}" \
+# setsid: the device kills what is left of a call's session when the call ends
+setsid nohup env RUN="$RUN" PROBE="${PROBE:-}" PROBE_VOCAB="${PROBE_VOCAB:-}" PYTHONPATH="$RUN/src:/tmp/site" SERVERS="${SERVERS-ours mlx_vlm raw}" SHORT="${SHORT-1:16 64:128}" AGENT="${AGENT-4:24 16:48}" WARM="${WARM:-}" OURS_SRC="${OURS_SRC:-}" \
   OURS_FLAGS="${OURS_FLAGS:-}" MODEL="$MODEL" bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "matrix started (pid $!)"
