@@ -58,6 +58,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     max_model_len: int | None = None  # caps the context length the checkpoint declares (None: as declared)
     memory_limit_bytes: int | None = None  # mx.set_memory_limit (None: MLX's default)
     cache_limit_bytes: int | None = None  # mx.set_cache_limit: freed buffers MLX keeps for reuse
+    # when the engine drains with more than this cached, MLX's cache is cleared (the device gets a
+    # burst's buffers back); None: the cache limit if given, else 5% of the device's memory
+    idle_cache_bytes: int | None = None
 
 
 class SpecPrefillConfig(msgspec.Struct, frozen=True):

@@ -172,3 +172,22 @@ def test_fixed_prefill_shapes_are_few_and_the_warmup_runs_each(gpu: Callable, fp
     assert shapes == [(1, 16), (1, 32), (1, 64), (2, 16), (2, 32), (3, 16)]
     assert warmed == len(shapes) and empty
     assert [tokens] == ref
+
+
+def test_a_drained_engine_gives_a_bursts_buffers_back(gpu: Callable, fp32_model: Path) -> None:
+    """MLX keeps freed buffers for reuse up to its cache limit (139 GB of an H200 after 64
+    streams); when the engine drains with more than `idle_cache_bytes` cached it clears that
+    cache, and below the bound (a lone agent's few buffers) it keeps them."""
+    import mlx.core as mx
+
+    def run(bound: int) -> int:
+        d = Driver(load_model(fp32_model), idle_cache_bytes=bound)
+        for i in range(3):
+            d.add(Generate(f"r{i}", list(range(10 + i, 60 + i)), SamplingParams(max_tokens=4, mtp=False)))
+        d.run()
+        cached = mx.get_cache_memory()
+        d.engine.close()
+        return cached
+
+    assert gpu(lambda: run(0)) == 0
+    assert gpu(lambda: run(1 << 40)) > 0

@@ -31,7 +31,7 @@ from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.features import FeatureStore
 from mlx_relay.engine.lanes import Lane, LaneStep, RowSpec
 from mlx_relay.engine.library_lane import LibraryLane
-from mlx_relay.engine.loader import LoadedModel
+from mlx_relay.engine.loader import LoadedModel, device_memory_bytes
 from mlx_relay.engine.logits import LogitsChains
 from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.mtp_lane import MTPLane
@@ -113,6 +113,9 @@ class EngineCore:
         self._rows: dict[int, Row] = {}  # every row the engine holds, by id
         self._mtp_totals = [0, 0, 0, 0]  # rounds, drafted, accepted, eager rounds (compiled round on)
         self._prefill_totals = [0, 0]  # chunks, rows
+        # what MLX may keep cached while idle (EngineConfig.idle_cache_bytes)
+        self._idle_cache_bytes = next((b for b in (config.idle_cache_bytes, config.cache_limit_bytes) if b is not None),
+                                      device_memory_bytes()[0] // 20)
 
     @property
     def draft(self) -> DraftInfo | None:
@@ -169,6 +172,11 @@ class EngineCore:
         executed = self._execute(plan, out)
         self._update(executed, out)
         out.events = self.output.take()
+        if not self.has_work and mx.get_cache_memory() > self._idle_cache_bytes:
+            # drained after a burst: MLX's freed buffers (prefill chunks and batch states, which MLX
+            # keeps for reuse up to its cache limit: 139 GB of an H200 after 64 streams) go back to
+            # the device; a lone agent's few buffers stay below the bound and stay cached
+            mx.clear_cache()
         return out
 
     def _execute(self, plan: StepPlan, out: StepOutput) -> _Executed:
@@ -346,6 +354,7 @@ class EngineCore:
             rounds = mtp.warm_rounds(min(self.config.mtp_max_batch, self.config.max_num_seqs))
             log.info("compiled MTP round traced at %d batch sizes", rounds)
         cost = self._mtp_round_cost(prompt) if "mtp" in self.lanes else None
+        mx.clear_cache()  # the warm-up's buffers, dozens of shapes of them
         return WarmupReport(time.perf_counter() - tic, cost)
 
     def _mtp_round_cost(self, prompt: list[int], tokens: int = 32) -> float | None:

@@ -35,8 +35,9 @@ PREFIX_CACHE_SHARE_GPU = 0.2
 PREFIX_CACHE_SHARE_RAM = 0.1
 
 
-def default_prefix_cache_bytes() -> int:
-    """The prefix cache's default byte budget (runs on the GPU thread: it asks MLX)."""
+def device_memory_bytes() -> tuple[int, bool]:
+    """(bytes, on a GPU): the recommended working set (Metal) or the device memory (CUDA), else
+    the machine's RAM (CPU backend). Runs on the GPU thread: it asks MLX."""
     import os
 
     info: dict[str, Any] = {}
@@ -47,9 +48,14 @@ def default_prefix_cache_bytes() -> int:
     for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         value = info.get(key)
         if isinstance(value, int) and value > 0:
-            return int(value * PREFIX_CACHE_SHARE_GPU)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(ram * PREFIX_CACHE_SHARE_RAM)
+            return value, True
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), False
+
+
+def default_prefix_cache_bytes() -> int:
+    """The prefix cache's default byte budget (runs on the GPU thread)."""
+    total, gpu = device_memory_bytes()
+    return int(total * (PREFIX_CACHE_SHARE_GPU if gpu else PREFIX_CACHE_SHARE_RAM))
 
 
 def resolve_model_path(model: str) -> Path:
