@@ -146,18 +146,24 @@ class DecodeState:
 
     def row_caches(self, i: int) -> list[Any]:
         """Row `i`'s state as batch-1 library caches (copies), in layer order."""
-        start = int(self.left_padding[i].item())
-        kv, gdn = iter(self.kv), iter(zip(self.conv, self.ssm, strict=True))
-        out: list[Any] = []
-        for linear in self.layout:
-            if linear:
-                conv_state, ssm_state = next(gdn)
-                c = ArraysCache(2)
-                c.state = [mx.array(conv_state[i:i + 1]), mx.array(ssm_state[i:i + 1])]
-            else:
-                keys, values = next(kv)
-                c = KVCache()
-                c.state = (mx.contiguous(keys[i:i + 1, :, start:self.idx, :]),
-                           mx.contiguous(values[i:i + 1, :, start:self.idx, :]))
-            out.append(c)
-        return out
+        return library_caches(self.layout, self.kv, self.conv, self.ssm, i, int(self.left_padding[i].item()), self.idx)
+
+
+def library_caches(layout: tuple[bool, ...], kv: list[tuple[mx.array, mx.array]], conv: list[mx.array],
+                   ssm: list[mx.array], i: int, start: int, end: int) -> list[Any]:
+    """Row `i` of explicit decode state as batch-1 library caches (copies), in layer order: the
+    recurrent layers' conv window and state, the attention layers' keys and values in columns
+    [start, end)."""
+    kv_in, gdn = iter(kv), iter(zip(conv, ssm, strict=True))
+    out: list[Any] = []
+    for linear in layout:
+        if linear:
+            conv_state, ssm_state = next(gdn)
+            c = ArraysCache(2)
+            c.state = [mx.array(conv_state[i:i + 1]), mx.array(ssm_state[i:i + 1])]
+        else:
+            keys, values = next(kv_in)
+            c = KVCache()
+            c.state = (mx.contiguous(keys[i:i + 1, :, start:end, :]), mx.contiguous(values[i:i + 1, :, start:end, :]))
+        out.append(c)
+    return out

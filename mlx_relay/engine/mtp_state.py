@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache, KVCache
 
-from mlx_relay.engine.decode_state import GROW, batch_bucket
+from mlx_relay.engine.decode_state import GROW, batch_bucket, library_caches
 
 
 def _cap_for(columns: int) -> int:
@@ -175,17 +175,4 @@ class MTPState:
 
     def row_caches(self, i: int) -> list[Any]:
         """Row `i`'s target state as batch-1 library caches (copies), in layer order."""
-        length = self.lengths[i]
-        kv, gdn = iter(self.kv), iter(zip(self.conv, self.ssm, strict=True))
-        out: list[Any] = []
-        for linear in self.layout:
-            if linear:
-                conv_state, ssm_state = next(gdn)
-                c = ArraysCache(2)
-                c.state = [mx.array(conv_state[i:i + 1]), mx.array(ssm_state[i:i + 1])]
-            else:
-                keys, values = next(kv)
-                c = KVCache()
-                c.state = (mx.contiguous(keys[i:i + 1, :, :length, :]), mx.contiguous(values[i:i + 1, :, :length, :]))
-            out.append(c)
-        return out
+        return library_caches(self.layout, self.kv, self.conv, self.ssm, i, 0, self.lengths[i])
