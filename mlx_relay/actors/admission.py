@@ -19,11 +19,13 @@ from collections import OrderedDict
 from mlx_relay.config import AdmissionConfig
 from mlx_relay.errors import InvalidRequest, NotReady, Overloaded
 from mlx_relay.messages.admission import (
+    REJECT_REASONS,
     Acquire,
     AdmissionStats,
     GetStats,
     Granted,
     Idle,
+    RejectReason,
     SetState,
     State,
     WhenIdle,
@@ -44,8 +46,7 @@ class Admission(Actor):
         self.queue: OrderedDict[int, tuple[ReplyStream, float, int]] = OrderedDict()
         self.mean_hold_s = 2.0
         self.admitted = 0
-        self.rejected_overloaded = 0
-        self.rejected_not_ready = 0
+        self.rejected: dict[RejectReason, int] = dict.fromkeys(REJECT_REASONS, 0)
         self.idle_waiters: list[ReplyStream] = []
 
     async def receive(self, msg: Acquire | SetState | GetStats | WhenIdle, stream: ReplyStream | None) -> object:
@@ -70,17 +71,19 @@ class Admission(Actor):
                     max_num_seqs=self.max_num_seqs,
                     max_queue=self.config.max_queue,
                     admitted=self.admitted,
-                    rejected_overloaded=self.rejected_overloaded,
-                    rejected_not_ready=self.rejected_not_ready,
+                    rejected=dict(self.rejected),
                 )
         return None
 
     def _used(self) -> int:
         return sum(slots for _, slots in self.running.values())
 
+    def _not_ready_reason(self) -> RejectReason:
+        return "draining" if self.state == "draining" else "not_ready"
+
     def _refuse_queued(self) -> None:
         for waiting, _, _ in self.queue.values():
-            self.rejected_not_ready += 1
+            self.rejected[self._not_ready_reason()] += 1
             waiting.fail(NotReady(f"the server is {self.state}"))
         self.queue.clear()
 
@@ -94,9 +97,10 @@ class Admission(Actor):
 
     def _acquire(self, stream: ReplyStream, slots: int) -> None:
         if self.state != "ready":
-            self.rejected_not_ready += 1
+            self.rejected[self._not_ready_reason()] += 1
             raise NotReady(f"the server is {self.state}" + (f": {self.detail}" if self.detail else ""))
         if not 1 <= slots <= self.max_num_seqs:
+            self.rejected["too_many_sequences"] += 1
             raise InvalidRequest(f"this server decodes at most {self.max_num_seqs} sequences at once; "
                                  f"{slots} were asked for", param="n")
         if self._used() + slots <= self.max_num_seqs and not self.queue:
@@ -104,7 +108,7 @@ class Admission(Actor):
         elif len(self.queue) < self.config.max_queue:
             self.queue[stream.id] = (stream, time.monotonic(), slots)
         else:
-            self.rejected_overloaded += 1
+            self.rejected["overloaded"] += 1
             waves = (len(self.queue) + 1) / self.max_num_seqs
             retry = max(1, math.ceil(self.mean_hold_s * waves))
             raise Overloaded(

@@ -388,5 +388,7 @@ class EngineCore:
                            mtp_fallback_rounds=fallback,
                            snapshots=len(self.snapshots), snapshot_bytes=self.snapshots.bytes,
                            features=len(self.features), feature_bytes=self.features.bytes,
-                           prefill_chunks=self._prefill_totals[0], prefill_rows=self._prefill_totals[1])
+                           prefill_chunks=self._prefill_totals[0], prefill_rows=self._prefill_totals[1],
+                           active_memory_bytes=mx.get_active_memory(), cache_memory_bytes=mx.get_cache_memory(),
+                           peak_memory_bytes=mx.get_peak_memory())
 

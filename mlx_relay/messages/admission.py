@@ -7,6 +7,11 @@ from typing import Literal
 import msgspec
 
 State = Literal["loading", "warming", "ready", "failed", "draining"]
+# why Admission refused a request: the queue was full (429), the server was not ready (loading,
+# warming, failed: 503) or draining (503), or it asked for more sequences than the server decodes
+# at once (400)
+RejectReason = Literal["overloaded", "not_ready", "draining", "too_many_sequences"]
+REJECT_REASONS: tuple[RejectReason, ...] = ("overloaded", "not_ready", "draining", "too_many_sequences")
 
 
 class Acquire(msgspec.Struct, frozen=True):
@@ -46,5 +51,4 @@ class AdmissionStats(msgspec.Struct, frozen=True):
     max_num_seqs: int
     max_queue: int
     admitted: int
-    rejected_overloaded: int
-    rejected_not_ready: int
+    rejected: dict[RejectReason, int]  # requests refused since start, by reason (every reason present)
