@@ -2,6 +2,7 @@
 
     ChatService --Render (one-reply stream)--> Normalizer --> Prompt
         (a request with images or video: Normalizer --Route--> MediaRouter on the way)
+    Relay --DescribePrompts (ask)--> Normalizer --> PromptFeatures (tools, reasoning: /v1/models)
 
 It owns the tokenizer and chat template (loaded from the checkpoint, no MLX) through a
 `chat.prompt_render.PromptRenderer`. Cheap checks run in the handler (reserved template kwargs, a
@@ -24,11 +25,19 @@ from typing import Any
 import anyio
 
 from mlx_relay.chat.prompt_render import PromptRenderer, prompt_chars
-from mlx_relay.chat.reply_parser import tool_format_for_template
+from mlx_relay.chat.reply_parser import reasoning_in_template, tool_format_for_template
 from mlx_relay.chat.template_sandbox import TemplateSandbox
 from mlx_relay.config import PromptConfig
 from mlx_relay.errors import InvalidRequest
-from mlx_relay.messages.prompt import Prompt, Render, RenderedPrompt, Route, Routed
+from mlx_relay.messages.prompt import (
+    DescribePrompts,
+    Prompt,
+    PromptFeatures,
+    Render,
+    RenderedPrompt,
+    Route,
+    Routed,
+)
 from mlx_relay.runtime import Actor, ActorRef, ReplyStream
 
 __all__ = ["Normalizer", "PromptTooSlow"]
@@ -47,7 +56,7 @@ def load_tokenizer(model_path: Path) -> Any:
 
 
 class Normalizer(Actor):
-    accepts = (Render,)
+    accepts = (Render, DescribePrompts)
     mailbox_capacity = 1024
 
     def __init__(self, model_path: Path, config: PromptConfig, media: ActorRef) -> None:
@@ -55,6 +64,7 @@ class Normalizer(Actor):
         self.config = config
         self.media = media
         self.renderer: PromptRenderer | None = None
+        self.features = PromptFeatures(None, False)
         self._small = anyio.CapacityLimiter(config.small_workers)
         self._large = anyio.CapacityLimiter(config.large_workers)
 
@@ -68,17 +78,21 @@ class Normalizer(Actor):
             sandbox = TemplateSandbox(dict(tokenizer.special_tokens_map), self.config.template_timeout_s,
                                       self.config.template_memory_bytes)
         self.renderer = PromptRenderer(tokenizer, tool_format, sandbox)
+        self.features = PromptFeatures(tool_format, reasoning_in_template(own))
 
     async def on_stop(self) -> None:
         if self.renderer is not None and self.renderer.sandbox is not None:
             await anyio.to_thread.run_sync(self.renderer.sandbox.close)
 
-    async def receive(self, msg: Render, stream: ReplyStream | None) -> None:
+    async def receive(self, msg: Render | DescribePrompts, stream: ReplyStream | None) -> PromptFeatures | None:
+        if isinstance(msg, DescribePrompts):
+            return self.features
         assert self.renderer is not None and stream is not None
         self.renderer.check(msg)
         large = prompt_chars(msg.messages, msg.raw_prompt if isinstance(msg.raw_prompt, str) else None) \
             > self.config.large_prompt_bytes
         self.start_job(stream, lambda: self._prepare(msg, self._large if large else self._small))
+        return None
 
     async def _prepare(self, msg: Render, lane: anyio.CapacityLimiter) -> Prompt:
         rendered = await self._render(msg, lane)

@@ -63,6 +63,11 @@ def tool_format_for_template(chat_template: str | None) -> str | None:
     return None
 
 
+def reasoning_in_template(chat_template: str | None) -> bool:
+    """Whether a chat template writes thinking blocks (the model reasons before it answers)."""
+    return chat_template is not None and THINK_START in chat_template
+
+
 def _partial_tail(buf: str, tags: tuple[str, ...]) -> int:
     """Length of the longest tail of `buf` that is a proper prefix of one of `tags`."""
     keep = 0

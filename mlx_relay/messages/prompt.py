@@ -84,3 +84,12 @@ class Prompt(msgspec.Struct, frozen=True):
     think_open: bool = False
     grammar: str | None = None
     tool_format: str | None = None
+
+
+class DescribePrompts(msgspec.Struct, frozen=True):
+    """Ask (the Relay, at boot): what the checkpoint's chat template supports. Reply: PromptFeatures."""
+
+
+class PromptFeatures(msgspec.Struct, frozen=True):
+    tool_format: str | None  # the tool-call syntax replies are parsed for (None: the template shows none)
+    reasoning: bool  # the template writes thinking blocks (`<think>`)
