@@ -14,6 +14,9 @@ background (what the HTTP server does, so `/health` reports loading/warming).
 "degraded" meanwhile); if one cannot be restarted the relay is "failed" and `failed` is set (the
 HTTP server then exits non-zero). `drain()` is the graceful stop: no new requests, the running
 ones finish within a deadline, the rest are ended with a retryable error.
+
+`metrics` is the server's own (`mlx_relay.metrics.ServerMetrics`): the ChatService observes the
+request path into it, and `scrape()` adds what the actors count (asked at scrape time).
 """
 
 from __future__ import annotations
@@ -54,11 +57,14 @@ from mlx_relay.messages.gpu import (
     Warmup,
 )
 from mlx_relay.messages.prefix_cache import Flush, Flushed, GetPrefixStats, PrefixStats
+from mlx_relay.messages.prompt import DescribePrompts, PromptFeatures
 from mlx_relay.messages.specprefill import GetSpecPrefillStats, SpecPrefillReport
 from mlx_relay.messages.text_mtp import GetMTPStats, MTPCalibration
 from mlx_relay.messages.vision import GetVisionStats, VisionStats
-from mlx_relay.runtime import ActorRef, ActorSystem, ReplyStream
-from mlx_relay.service import Actors, ChatRequest, ChatService, SamplingDefaults
+from mlx_relay.metrics import ServerMetrics
+from mlx_relay.metrics.gather import gather_stats
+from mlx_relay.runtime import ActorRef, ActorSystem
+from mlx_relay.service import Actors, ChatRequest, ChatService, EngineEvents, SamplingDefaults
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +111,8 @@ class Relay:
         self.admission = admission
         self.service: ChatService | None = None
         self.info: ModelInfo | None = None
+        self.prompt_features: PromptFeatures | None = None  # what the chat template supports (tools, reasoning)
+        self.metrics = ServerMetrics(config.served_model_name)
         self.state = "loading"
         self.error: BaseException | None = None
         self.ready = anyio.Event()  # set when ready or failed
@@ -175,12 +183,14 @@ class Relay:
                 await system.start(scorer, sp_cfg)
             media = await system.spawn(MediaRouter, cfg.media, path, name="media")
             normalizer = await system.spawn(Normalizer, path, cfg.prompts, media, name="normalizer")
+            self.prompt_features = await normalizer.ask(DescribePrompts())
             gen_cfg_path = path / "generation_config.json"
             gen_cfg = json.loads(gen_cfg_path.read_text()) if gen_cfg_path.exists() else {}
             actors = Actors(self.admission, normalizer, gpu, text, vision if info.has_vision else None, store, scorer)
             self.service = ChatService(actors, info, SamplingDefaults.from_generation_config(gen_cfg),
                                        default_max_tokens=cfg.default_max_tokens,
-                                       max_tokens_policy=cfg.limits.max_tokens_policy)
+                                       max_tokens_policy=cfg.limits.max_tokens_policy,
+                                       metrics=self.metrics.requests)
             if cfg.engine.warmup:
                 await self._set_state("warming")
                 progress("warming kernels")
@@ -239,6 +249,12 @@ class Relay:
     async def stats(self) -> AdmissionStats:
         return await self.admission.ask(GetStats())
 
+    async def scrape(self) -> bytes:
+        """The Prometheus exposition: the request path's series and what the actors count now
+        (only Admission's while the model loads)."""
+        actors = self.service.actors if self.service is not None else None
+        return self.metrics.render(await gather_stats(self.health().status, self.admission, actors))
+
     async def prefix_cache_stats(self) -> dict[str, Any]:
         """The prefix cache's counters (index and snapshot memory) and the vision feature cache's."""
         actors = self._service().actors
@@ -282,7 +298,7 @@ class Relay:
         return await service.prefix_store.ask(Flush())
 
     @asynccontextmanager
-    async def generate(self, request: ChatRequest, request_id: str | None = None) -> AsyncIterator[ReplyStream]:
+    async def generate(self, request: ChatRequest, request_id: str | None = None) -> AsyncIterator[EngineEvents]:
         """Admit and start one request: its stream of TokenDelta ..., Finished (the harness's way in)."""
         async with self._service().generate(request, request_id) as events:
             yield events

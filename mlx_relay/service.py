@@ -16,11 +16,16 @@ Text-only requests never wait behind a media download: only the vision path asks
 
 Everything is scoped: leaving `generate`'s `async with` (done, error, client gone) cancels the
 generation and frees the admission slot through the runtime's structured cancellation.
+
+With `metrics` (the server's `RequestMetrics`), each request is observed on its way: the queue
+wait when its slot is granted, the prefix-cache lookup, and the engine's events as they pass to
+the caller (first token, later tokens, the end, or an abort when the stream is left unfinished).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -41,7 +46,10 @@ from mlx_relay.messages.prompt import Prompt, Render
 from mlx_relay.messages.specprefill import PlanSpecPrefill, SpecPrefillDecision, SpecPrefillReport
 from mlx_relay.messages.text_mtp import PlanText, TextPlan
 from mlx_relay.messages.vision import PlanVision, ReleaseVision
+from mlx_relay.metrics.requests import RequestClock, RequestMetrics
 from mlx_relay.runtime import ActorRef, ReplyStream
+
+EngineEvents = AsyncIterator[TokenDelta | Finished]  # one generation's stream: TokenDelta ..., Finished
 
 
 class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,9 +120,18 @@ class Actors:
     scorer: ActorRef | None = None
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """Slots held for a request's replies (`ChatService.admit`); `arrived`: `time.perf_counter()`
+    when the request asked for them."""
+
+    arrived: float
+
+
 class ChatService:
     def __init__(self, actors: Actors, info: ModelInfo, defaults: SamplingDefaults, *, default_max_tokens: int,
-                 max_tokens_policy: Literal["error", "clamp"] = "error") -> None:
+                 max_tokens_policy: Literal["error", "clamp"] = "error",
+                 metrics: RequestMetrics | None = None) -> None:
         self.actors = actors
         self.gpu = actors.gpu
         self.prefix_store = actors.prefix_store
@@ -123,6 +140,7 @@ class ChatService:
         self.defaults = defaults
         self.default_max_tokens = default_max_tokens
         self.max_tokens_policy = max_tokens_policy
+        self.metrics = metrics
         self._ids = itertools.count(1)
 
     def sampling_for(self, req: ChatRequest, prompt_tokens: int, prompt: Prompt | None = None) -> SamplingParams:
@@ -172,21 +190,24 @@ class ChatService:
         return params
 
     @asynccontextmanager
-    async def generate(self, req: ChatRequest, request_id: str | None = None) -> AsyncIterator[ReplyStream]:
+    async def generate(self, req: ChatRequest, request_id: str | None = None) -> AsyncIterator[EngineEvents]:
         """Admit, render and start generating; yields the engine's stream of TokenDelta ... Finished."""
         async with self._start(req, request_id) as (_, _started, events):
             yield events
 
     @asynccontextmanager
-    async def admit(self, request_id: str, slots: int = 1) -> AsyncIterator[None]:
-        """Hold `slots` admission slots (granted together) for replies started with `admitted=True`."""
+    async def admit(self, request_id: str, slots: int = 1) -> AsyncIterator[Admitted]:
+        """Hold `slots` admission slots (granted together) for replies started with `admitted=`."""
+        arrived = time.perf_counter()
         async with self.actors.admission.stream(Acquire(request_id, slots)) as lease:
             granted = await anext(lease)
             assert isinstance(granted, Granted)
-            yield
+            if self.metrics is not None:
+                self.metrics.queued(granted.waited_s)
+            yield Admitted(arrived)
 
     @asynccontextmanager
-    async def reply(self, req: ChatRequest, request_id: str | None = None, *, admitted: bool = False,
+    async def reply(self, req: ChatRequest, request_id: str | None = None, *, admitted: Admitted | None = None,
                     raw: bool = False) -> AsyncIterator[AsyncIterator[ReplyEvent]]:
         """As `generate`, parsed: reasoning, content and tool calls, then `ReplyDone`
         (`mlx_relay.chat.output`). A tool call that does not fit its schema raises
@@ -229,20 +250,30 @@ class ChatService:
                       chat_template=template)
 
     @asynccontextmanager
-    async def _start(self, req: ChatRequest, request_id: str | None, admitted: bool = False
-                     ) -> AsyncIterator[tuple[Prompt, ReplyStarted, ReplyStream]]:
+    async def _start(self, req: ChatRequest, request_id: str | None, admitted: Admitted | None = None
+                     ) -> AsyncIterator[tuple[Prompt, ReplyStarted, EngineEvents]]:
         rid = request_id or f"req-{next(self._ids)}"
         async with AsyncExitStack() as stack:
-            if not admitted:
-                await stack.enter_async_context(self.admit(rid))
+            if admitted is None:
+                admitted = await stack.enter_async_context(self.admit(rid))
             # the prompt must leave room for at least one generated token
             prompt = await self.prepare(req, self.info.context_length - 1)
             params = self.sampling_for(req, len(prompt.token_ids), prompt)
             plan = await self._plan_prefix(rid, req, prompt, stack)
             gen = await self._plan_decode(rid, req, prompt, params, plan, stack)
             started = ReplyStarted(len(prompt.token_ids), plan.restore_length if plan is not None else 0)
+            metrics = self.metrics
             async with self.gpu.stream(gen) as events:
-                yield prompt, started, events
+                if metrics is None:
+                    yield prompt, started, events
+                    return
+                if plan is not None:
+                    metrics.prefix_lookup(started.prompt_tokens, started.cached_tokens)
+                clock = metrics.clock(admitted.arrived, started.prompt_tokens)
+                try:
+                    yield prompt, started, _Observed(events, clock)
+                finally:
+                    clock.close()
 
     async def _plan_prefix(self, rid: str, req: ChatRequest, prompt: Prompt, stack: AsyncExitStack
                            ) -> PrefixPlan | None:
@@ -289,6 +320,24 @@ class ChatService:
         except Exception as exc:  # the scorer crashed: this request prefills normally
             return SpecPrefillDecision(report=SpecPrefillReport(
                 False, fallback=f"the scorer failed ({type(exc).__name__})"))
+
+
+class _Observed:
+    """The engine's events, each shown to the request's clock on its way to the caller."""
+
+    __slots__ = ("_clock", "_events")
+
+    def __init__(self, events: ReplyStream, clock: RequestClock) -> None:
+        self._events = events
+        self._clock = clock
+
+    def __aiter__(self) -> _Observed:
+        return self
+
+    async def __anext__(self) -> TokenDelta | Finished:
+        event: TokenDelta | Finished = await self._events.__anext__()
+        self._clock.saw(event)
+        return event
 
 
 async def _tell_shielded(ref: ActorRef, msg: msgspec.Struct) -> None:
@@ -338,7 +387,7 @@ def validate_sampling(p: SamplingParams) -> None:
             raise InvalidRequest(message, param=param)
 
 
-async def _parsed(started: ReplyStarted, events: ReplyStream, parser: ReplyParser | None
+async def _parsed(started: ReplyStarted, events: EngineEvents, parser: ReplyParser | None
                   ) -> AsyncIterator[ReplyEvent]:
     yield started
     reasoning = 0

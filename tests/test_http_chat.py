@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_relay.relay import default_config
 from mlx_relay.testing.live_server import LiveServer
@@ -73,8 +74,13 @@ def reference_tokens(model: Path, prompts: list[list[int]], max_tokens: int) -> 
 def test_health_models_and_basic_chat(server: LiveServer) -> None:
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ready" and health["backend"] in ("cpu", "metal", "cuda")
+    assert (health["max_num_seqs"], health["max_queue"]) == (8, 32) and health["queued"] == 0
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    card = models["data"][0]
+    assert card["context_length"] == card["max_model_len"] > 0
+    assert card["capabilities"] == {"vision": True, "tools": True, "reasoning": True}
+    assert httpx.get(server.url + "/v1/models/tiny").json() == card
     r = chat(server.url, "Hello there", max_tokens=8)
     assert r.status_code == 200
     body = r.json()
@@ -291,9 +297,14 @@ def test_api_key(one_slot: LiveServer) -> None:
     # either header may carry a valid key (Claude Code sends x-api-key, some proxies add a Bearer)
     assert httpx.post(one_slot.url + "/v1/chat/completions", json=body,
                       headers={"x-api-key": "second", "Authorization": "Bearer stale"}).status_code == 200
-    for path in ("/v1/models", "/v1/completions", "/v1/responses", "/v1/messages/count_tokens", "/v1/cache/stats"):
-        assert httpx.request("GET" if "models" in path or "stats" in path else "POST", one_slot.url + path,
-                             json={}).status_code == 401, path
+    for path in ("/v1/models", "/v1/completions", "/v1/responses", "/v1/messages/count_tokens", "/v1/cache/stats",
+                 "/metrics"):
+        r = httpx.request("GET" if "models" in path or "stats" in path or "metrics" in path else "POST",
+                          one_slot.url + path, json={})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+    metrics = httpx.get(one_slot.url + "/metrics", headers={"x-api-key": "second"})
+    assert metrics.status_code == 200
+    assert any(f.name == "mlx_relay:num_requests_running" for f in text_string_to_metric_families(metrics.text))
 
 
 def test_anthropic_clients_get_anthropic_shaped_401_and_model_aliases(one_slot: LiveServer) -> None:
@@ -340,6 +351,12 @@ def test_queue_full_is_429_and_disconnect_frees_the_slot(one_slot: LiveServer) -
     assert r.status_code == 200, r.text
     health = httpx.get(one_slot.url + "/health").json()
     assert health["running"] == 0 and health["queued"] == 0
+    # the scrape says so too: a rejection for overload, an aborted generation (the disconnect)
+    samples = {(s.name, s.labels.get("reason") or s.labels.get("finished_reason")): s.value for f in
+               text_string_to_metric_families(httpx.get(one_slot.url + "/metrics", headers=AUTH).text)
+               for s in f.samples}
+    assert samples[("mlx_relay:admission_rejections_total", "overloaded")] >= 1
+    assert samples[("mlx_relay:request_success_total", "abort")] >= 1
 
 
 def test_health_is_503_until_ready(fp32_model: Path) -> None:
@@ -354,9 +371,16 @@ def test_health_is_503_until_ready(fp32_model: Path) -> None:
             if r.status_code == 200:
                 break
             assert r.headers["Retry-After"]
+            # what a router needs comes in every state: the queue depth and the running count
+            assert r.json()["running"] == 0 and r.json()["queued"] == 0 and r.json()["max_num_seqs"] == 16
             if not early:
                 early.append(httpx.post(live.url + "/v1/chat/completions",
                                         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+                # /metrics answers while the model loads: the state and what Admission counts
+                states = {s.labels["state"]: s.value for f in text_string_to_metric_families(
+                          httpx.get(live.url + "/metrics").text) if f.name == "mlx_relay:server_state"
+                          for s in f.samples}
+                assert [k for k, v in states.items() if v == 1] in (["loading"], ["warming"], ["ready"])
             time.sleep(0.01)
     assert seen[0][0] == 503 and seen[0][1] in ("loading", "warming")
     assert seen[-1] == (200, "ready")

@@ -19,7 +19,8 @@ NO_MLX = ["mlx_relay", "mlx_relay.runtime", "mlx_relay.service", "mlx_relay.conf
           "mlx_relay.messages.text_mtp", "mlx_relay.messages.vision", "mlx_relay.messages.admission",
           *(f"mlx_relay.actors.{p.stem}" for p in sorted((PACKAGE / "actors").glob("*.py"))
             if p.stem not in ("__init__", "gpu_executor")),
-          *(f"mlx_relay.http.{p.stem}" for p in sorted((PACKAGE / "http").glob("*.py")) if p.stem != "__init__")]
+          *(f"mlx_relay.http.{p.stem}" for p in sorted((PACKAGE / "http").glob("*.py")) if p.stem != "__init__"),
+          *(f"mlx_relay.metrics.{p.stem}" for p in sorted((PACKAGE / "metrics").glob("*.py")) if p.stem != "__init__")]
 
 
 def test_the_runtime_http_the_request_path_and_every_actor_but_the_gpu_executor_import_no_mlx() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import load_file, save_file
 
 from mlx_relay.errors import InvalidRequest
@@ -28,6 +29,13 @@ def text(n_words: int, seed: int) -> str:
 
 def user(content: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": content}]
+
+
+def counters(exposition: bytes) -> dict[str, float]:
+    """The relay's Prometheus counters by name (`mlx_relay:` and `_total` left off)."""
+    return {s.name.removeprefix("mlx_relay:").removesuffix("_total"): s.value
+            for f in text_string_to_metric_families(exposition.decode()) if f.type == "counter"
+            for s in f.samples if s.name.endswith("_total")}
 
 
 SETTINGS = {"specprefill_threshold": 256, "specprefill_chunk_size": 16, "specprefill_keep_fraction": 0.3,
@@ -64,6 +72,9 @@ async def test_threshold_overrides_and_exact_keep_all(fp32_model: Path) -> None:
         stats = await relay.specprefill_stats()
         assert stats["enabled"] and stats["sparse_requests"] == 2 and stats["fallbacks"] == 0
         assert stats["tokens_kept"] == report.kept_tokens + full.prompt_tokens
+        scraped = counters(await relay.scrape())
+        assert (scraped["specprefill_runs"], scraped["specprefill_fallbacks"]) == (2, 0)
+        assert scraped["specprefill_tokens_kept"] == stats["tokens_kept"]
 
 
 async def test_only_the_uncached_suffix_is_scored(fp32_model: Path) -> None:
@@ -96,6 +107,8 @@ async def test_a_failing_draft_falls_back_to_normal_prefill(fp32_model: Path, tm
         got = await relay.chat(msg, max_tokens=12, temperature=0.0)
         plain = await relay.chat(msg, max_tokens=12, temperature=0.0, specprefill=False)
         stats = await relay.specprefill_stats()
+        scraped = counters(await relay.scrape())
+    assert (scraped["specprefill_runs"], scraped["specprefill_fallbacks"]) == (0, 1)
     assert got.specprefill is not None and not got.specprefill.ran
     assert "ScoringFailed" in (got.specprefill.fallback or "")
     assert got.token_ids == plain.token_ids  # served in full, as if SpecPrefill were off

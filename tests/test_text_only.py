@@ -87,3 +87,4 @@ def test_text_only_checkpoint_serves_over_http_and_refuses_images() -> None:
         assert r.json()["error"]["param"] == "messages" and "vision" in r.json()["error"]["message"]
         models = httpx.get(live.url + "/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["tiny-text"]
+        assert models["data"][0]["capabilities"]["vision"] is False

@@ -40,11 +40,20 @@ from mlx_relay.http.openai_completions import (
     collect_completion,
     to_requests,
 )
-from mlx_relay.http.openai_types import ChatCompletionRequest, FlushBody, HealthBody, ModelCard, ModelList
+from mlx_relay.http.openai_types import (
+    ChatCompletionRequest,
+    FlushBody,
+    HealthBody,
+    ModelCapabilities,
+    ModelCard,
+    ModelList,
+)
 from mlx_relay.http.openapi import build_openapi
 from mlx_relay.http.replies import choice_requests
 from mlx_relay.http.responses_routes import responses_routes
 from mlx_relay.http.streaming import respond
+from mlx_relay.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from mlx_relay.runtime import RuntimeFault
 from mlx_relay.service import ChatService
 
 if TYPE_CHECKING:
@@ -118,7 +127,8 @@ class OpenAIRoutes:
 
     async def health(self, request: Request) -> Response:
         """200 only when ready; 503 + Retry-After while loading, warming, degraded (an actor is
-        restarting), draining or failed, with what is down."""
+        restarting), draining or failed, with what is down. The running and queued counts (and
+        the limits they run against) come in every state Admission answers in."""
         relay = self.relay
         health = relay.health()
         body = HealthBody(health.status, relay.config.served_model_name,  # type: ignore[arg-type]
@@ -126,9 +136,13 @@ class OpenAIRoutes:
                           down=health.down or None)
         if relay.error is not None:  # the operator's view: what failed, never a traceback
             body.error = str(relay.error) if isinstance(relay.error, ModelLoadError) else type(relay.error).__name__
-        if health.status in ("ready", "degraded", "draining"):
+        try:
             stats = await relay.stats()
+        except RuntimeFault:  # Admission itself is restarting or stopped: no counts to give
+            pass
+        else:
             body.running, body.queued = stats.running, stats.queued
+            body.max_num_seqs, body.max_queue = stats.max_num_seqs, stats.max_queue
         if health.ready:
             return _json(body)
         response = _json(body, 503)
@@ -138,15 +152,25 @@ class OpenAIRoutes:
     async def openapi(self, request: Request) -> Response:
         return self._openapi
 
+    async def metrics(self, request: Request) -> Response:
+        return Response(await self.relay.scrape(), media_type=METRICS_CONTENT_TYPE)
+
+    def _model_card(self) -> ModelCard:
+        info, features = self.relay.info, self.relay.prompt_features
+        ctx = info.context_length if info is not None else None
+        caps = None
+        if info is not None and features is not None:
+            caps = ModelCapabilities(vision=info.has_vision, tools=features.tool_format is not None,
+                                     reasoning=features.reasoning)
+        return ModelCard(self.config.served_model_name, self.created, context_length=ctx, max_model_len=ctx,
+                         capabilities=caps)
+
     async def models(self, request: Request) -> Response:
-        ctx = self.relay.info.context_length if self.relay.info else None
-        return _json(ModelList([ModelCard(self.config.served_model_name, self.created, context_length=ctx)]))
+        return _json(ModelList([self._model_card()]))
 
     async def model(self, request: Request) -> Response:
-        name = request.path_params["model"]
-        self._check_model(name)
-        ctx = self.relay.info.context_length if self.relay.info else None
-        return _json(ModelCard(self.config.served_model_name, self.created, context_length=ctx))
+        self._check_model(request.path_params["model"])
+        return _json(self._model_card())
 
     async def cache_stats(self, request: Request) -> Response:
         self._service()
@@ -248,6 +272,7 @@ def create_app(
         routes=[
             Route("/health", routes.health, methods=["GET"]),
             Route("/openapi.json", routes.openapi, methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),

@@ -40,6 +40,7 @@ class Operation(msgspec.Struct, frozen=True):
     shape: Shape = "openai"
     path_param: str | None = None
     open: bool = False  # answered without an API key
+    text: bool = False  # the 200 is text/plain (the Prometheus exposition), not JSON
 
 
 def _chat_ops(summary: str, body: type, answer: type) -> Operation:
@@ -50,6 +51,7 @@ ROUTES: dict[tuple[str, str], Operation] = {
     ("/health", "GET"): Operation("Readiness: 200 only when ready; 503 (loading, warming, degraded, draining, "
                                   "failed) otherwise", HealthBody, open=True),
     ("/openapi.json", "GET"): Operation("This document", None),
+    ("/metrics", "GET"): Operation("Prometheus metrics (text exposition format 0.0.4)", None, text=True),
     ("/v1/models", "GET"): Operation("The served model", ModelList),
     ("/v1/models/{model}", "GET"): Operation("One model", ModelCard, path_param="model"),
     ("/v1/chat/completions", "POST"): _chat_ops("Chat completions (OpenAI)", ChatCompletionRequest, ChatCompletion),
@@ -113,6 +115,8 @@ def build_openapi(title: str, version: str, with_auth: bool) -> dict[str, Any]:
     for (path, method), op in ROUTES.items():
         error_ref = ref[AnthropicError] if op.shape == "anthropic" else ref[ErrorBody]
         ok: dict[str, Any] = {"application/json": {"schema": ref[op.answer] if op.answer else {"type": "object"}}}
+        if op.text:
+            ok = {"text/plain": {"schema": {"type": "string"}}}
         if op.streams:
             ok["text/event-stream"] = {"schema": {"type": "string"}}
         responses: dict[str, Any] = {"200": {"description": "OK", "content": ok}}

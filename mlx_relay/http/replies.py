@@ -57,10 +57,10 @@ async def open_replies(stack: AsyncExitStack, service: ChatService, reqs: list[C
     if len(reqs) == 1:
         ctx = service.reply(reqs[0], rid, raw=True) if raw else service.reply(reqs[0], rid)
         return Replies([await stack.enter_async_context(ctx)])
-    await stack.enter_async_context(service.admit(rid, len(reqs)))
+    admitted = await stack.enter_async_context(service.admit(rid, len(reqs)))
     streams: list[AsyncIterator[ReplyEvent]] = []
     for i, req in enumerate(reqs):
-        ctx = service.reply(req, rid if i == 0 else f"{rid}-{i}", admitted=True, raw=raw)
+        ctx = service.reply(req, rid if i == 0 else f"{rid}-{i}", admitted=admitted, raw=raw)
         streams.append(await stack.enter_async_context(ctx))
     return Replies(streams)
 

@@ -1,0 +1,135 @@
+"""`GET /metrics` (Prometheus text format, issue: running it for real, point 1): the shared live
+server scraped and parsed with prometheus-client's own parser; vLLM's names under `mlx_relay:`
+with the served model as `model_name`; the counters and histograms move by what the requests
+report in their usage; each server's registry is its own."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlx_relay.messages.admission import REJECT_REASONS, AdmissionStats
+from mlx_relay.metrics import ServerMetrics, StatsSnapshot
+from mlx_relay.testing.live_server import LiveServer
+from tests.test_vision_path import image_message, png_data_url
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+# the vLLM names operators already scrape (`vllm:` -> `mlx_relay:`)
+VLLM_NAMES = {"num_requests_running": "gauge", "num_requests_waiting": "gauge",
+              "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
+              "e2e_request_latency_seconds": "histogram", "request_queue_time_seconds": "histogram",
+              "prompt_tokens": "counter", "generation_tokens": "counter", "request_success": "counter",
+              "prefix_cache_queries": "counter", "prefix_cache_hits": "counter",
+              "spec_decode_num_draft_tokens": "counter", "spec_decode_num_accepted_tokens": "counter"}
+OURS = {"admission_rejections": "counter", "server_state": "gauge", "gpu_memory_bytes": "gauge",
+        "gpu_memory_peak_bytes": "gauge", "prefix_cache_snapshot_bytes": "gauge", "prefix_cache_snapshots": "gauge",
+        "mtp_requests": "counter", "vision_cache_queries": "counter", "vision_cache_hits": "counter",
+        "vision_cache_bytes": "gauge"}
+
+
+def scrape(url: str, **headers: str) -> tuple[dict[str, str], Samples]:
+    """(family name -> type, (sample name, labels) -> value), through prometheus-client's parser."""
+    r = httpx.get(url + "/metrics", headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    types: dict[str, str] = {}
+    samples: Samples = {}
+    for family in text_string_to_metric_families(r.text):
+        types[family.name] = family.type
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return types, samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[("mlx_relay:" + name, frozenset({"model_name": "tiny", **labels}.items()))]
+
+
+def idle(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while httpx.get(url + "/health", timeout=10).json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_scrape_names_labels_and_counters_that_move(server: LiveServer) -> None:
+    idle(server.url)
+    _, before = scrape(server.url)
+    system = "You review patches for the metrics endpoint, line by line, and say what is wrong. " * 12
+    turns = [{"role": "system", "content": system}, {"role": "user", "content": "first"}]
+    usages = []
+    for content in ("first", "second"):  # the second restores the first's system-prompt snapshot
+        turns[1] = {"role": "user", "content": content}
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "tiny", "messages": turns, "max_tokens": 6, "temperature": 0})
+        usages.append(r.json()["usage"])
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "stream it"}], "max_tokens": 5,
+                            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        last = [ln for ln in r.iter_lines() if ln.startswith("data: {")][-1]
+    usages.append(httpx.Response(200, content=last[len("data: "):]).json()["usage"])
+    url = png_data_url(31)
+    for text in ("one", "two"):  # the same image twice: its features are reused
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "tiny", "messages": image_message(text, url), "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+    types, after = scrape(server.url)
+
+    for name, kind in {**VLLM_NAMES, **OURS}.items():
+        assert types.get("mlx_relay:" + name) == kind, name
+    assert all(n.startswith("mlx_relay:") for n in types)
+    assert all(dict(labels).get("model_name") == "tiny" for _, labels in after)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    n = len(usages)
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] > 256
+    assert moved("prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert moved("generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert moved("prefix_cache_queries_total") == sum(u["prompt_tokens"] for u in usages)
+    assert moved("prefix_cache_hits_total") == sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert moved(hist + "_count") == n, hist
+        assert moved(hist + "_bucket", le="+Inf") == n, hist
+    itl = moved("inter_token_latency_seconds_count")
+    assert 0 < itl <= sum(u["completion_tokens"] for u in usages) - n  # every token after a reply's first
+    assert moved("request_success_total", finished_reason="length") + moved(
+        "request_success_total", finished_reason="stop") == n
+    mtp = [u["mtp"] for u in usages if "mtp" in u]
+    assert mtp and moved("spec_decode_num_draft_tokens_total") == sum(m["draft_tokens"] for m in mtp)
+    assert moved("spec_decode_num_accepted_tokens_total") == sum(m["accepted_tokens"] for m in mtp)
+    assert moved("vision_cache_hits_total") >= 1 and moved("vision_cache_queries_total") >= 2
+    assert value(after, "num_requests_running") == 0 and value(after, "num_requests_waiting") == 0
+    assert value(after, "server_state", state="ready") == 1 and value(after, "server_state", state="loading") == 0
+    assert {dict(labels)["reason"] for name, labels in after
+            if name == "mlx_relay:admission_rejections_total"} == set(REJECT_REASONS)
+    assert value(after, "gpu_memory_bytes", kind="active") > 0
+    assert value(after, "prefix_cache_snapshot_bytes", tier="memory") > 0
+
+
+def test_metrics_route_errors_and_document(server: LiveServer) -> None:
+    r = httpx.post(server.url + "/metrics", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
+def test_each_server_has_its_own_registry() -> None:
+    """Two servers in one process: no clash, no shared series, nothing in prometheus-client's
+    global registry."""
+    a, b = ServerMetrics("tiny"), ServerMetrics("tiny")
+    a.requests.clock(0.0, 7)
+    stats = StatsSnapshot("ready", AdmissionStats("ready", "", 1, 2, 8, 32, 5, dict.fromkeys(REJECT_REASONS, 0)))
+
+    def samples(m: ServerMetrics) -> Samples:
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for f in text_string_to_metric_families(m.render(stats).decode()) for s in f.samples}
+
+    assert value(samples(a), "prompt_tokens_total") == 7 and value(samples(b), "prompt_tokens_total") == 0
+    assert value(samples(a), "num_requests_waiting") == 2
+    assert not any(f.name.startswith("mlx_relay:") for f in REGISTRY.collect())
