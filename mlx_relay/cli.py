@@ -20,6 +20,7 @@ from mlx_relay.chat.types import TOOL_FORMATS
 from mlx_relay.config import ServerConfig, build_config
 from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
 from mlx_relay.http.server import serve
+from mlx_relay.log_format import configure_logging
 from mlx_relay.relay import Relay
 
 
@@ -150,7 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-shapes", default="auto", choices=["auto", "fixed", "exact"],
                        help="prefill chunks at a few fixed lengths, all run at warm-up (no first-shape "
                             "stalls on a GPU), or at the prompts' own lengths; auto: fixed on a GPU")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    logs = serve.add_argument_group("logs (one line per request, on the mlx_relay.requests logger)")
+    logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    logs.add_argument("--log-format", default="text", choices=["text", "json"],
+                      help="text: 'LEVEL logger: message key=value ...'; json: one JSON object per line")
+    logs.add_argument("--log-prompts", action="store_true",
+                      help="put each request's prompt and reply text in its log line (off: counts and timings only)")
     add_bench_parser(sub)
     return parser
 
@@ -218,14 +224,18 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         default_max_tokens=args.default_max_tokens,
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
+        log_format=args.log_format,
+        log_prompts=args.log_prompts,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format if args.command == "serve" else "text")
     if args.command == "serve":
-        return serve(config_from_args(args), Relay.start, _progress_printer())
+        # json logs: the boot's progress as log lines too, so that every line on stderr is JSON
+        progress = _progress_printer() if args.log_format == "text" else logging.getLogger("mlx_relay.boot").info
+        return serve(config_from_args(args), Relay.start, progress)
     if args.command == "bench":
         return run_bench(args)
     return 2

@@ -179,6 +179,9 @@ class ServerConfig(msgspec.Struct, frozen=True):
     sse_keepalive_s: float = 10.0
     drain_timeout_s: float = 30.0  # on SIGTERM: how long running requests may finish before they are ended
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"  # the process's log lines (`log_format.py`)
+    # the request log's lines carry the prompt's and the reply's text (off: only counts and timings)
+    log_prompts: bool = False
 
 
 # nested structs whose fields `build_config` takes by name (SpecPrefillConfig's with a prefix)

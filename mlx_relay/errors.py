@@ -126,5 +126,14 @@ class ToolCallInvalid(RelayError):
     code = "invalid_tool_call"
 
 
+class ClientDisconnected(RelayError):
+    """The client went away before its answer was complete (nobody reads the answer; the request
+    log shows nginx's 499 for a non-streamed request, the stream's 200 for a streamed one)."""
+
+    status = 499
+    type = "client_disconnected"
+    code = "client_disconnected"
+
+
 class ModelLoadError(Exception):
     """The model could not be found or loaded (a start-up failure, not a request's)."""

@@ -28,7 +28,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
@@ -105,6 +105,21 @@ class SamplingDefaults(msgspec.Struct, frozen=True):
             top_k=int(config.get("top_k", 0) or 0),
             min_p=float(config.get("min_p", 0.0) or 0.0),
         )
+
+
+@dataclass
+class ReplyTally:
+    """What one reply has cost so far, kept up to date as it streams, so that whoever accounts for
+    the request (the HTTP request log) knows it however the reply ends: finished, failed, or cut
+    by a disconnect or the drain. `ReplyDone`'s exact figures replace the running count."""
+
+    prompt_tokens: int | None = None  # known once the generation starts
+    cached_tokens: int | None = None
+    completion_tokens: int = 0
+    first_token_at: float | None = None  # time.monotonic() when the first token came
+    finish_reason: str | None = None  # None: the reply did not finish
+    pieces: list[str] = field(default_factory=list)  # the reply's text, only when asked for (`keep_text`)
+    keep_text: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,16 +223,17 @@ class ChatService:
 
     @asynccontextmanager
     async def reply(self, req: ChatRequest, request_id: str | None = None, *, admitted: Admitted | None = None,
-                    raw: bool = False) -> AsyncIterator[AsyncIterator[ReplyEvent]]:
+                    raw: bool = False, tally: ReplyTally | None = None) -> AsyncIterator[AsyncIterator[ReplyEvent]]:
         """As `generate`, parsed: reasoning, content and tool calls, then `ReplyDone`
         (`mlx_relay.chat.output`). A tool call that does not fit its schema raises
         `ToolCallInvalid` from the stream. `admitted`: the caller holds a slot (`admit`).
-        `raw` (text completions): every piece of text is content, exactly as generated."""
+        `raw` (text completions): every piece of text is content, exactly as generated.
+        `tally`: kept up to date with the reply's tokens as they come."""
         async with self._start(req, request_id, admitted) as (prompt, started, events):
             tools = req.tools if req.tool_choice != "none" else None
             parser = None if raw else ReplyParser(tools=tools, tool_format=prompt.tool_format,
                                                   think_open=prompt.think_open)
-            yield _parsed(started, events, parser)
+            yield _parsed(started, events, parser, tally or ReplyTally())
 
     async def count_tokens(self, req: ChatRequest) -> int:
         """The prompt's length in tokens as `generate` would see it (media expanded); no slot,
@@ -387,12 +403,19 @@ def validate_sampling(p: SamplingParams) -> None:
             raise InvalidRequest(message, param=param)
 
 
-async def _parsed(started: ReplyStarted, events: EngineEvents, parser: ReplyParser | None
+async def _parsed(started: ReplyStarted, events: EngineEvents, parser: ReplyParser | None, tally: ReplyTally
                   ) -> AsyncIterator[ReplyEvent]:
+    tally.prompt_tokens, tally.cached_tokens = started.prompt_tokens, started.cached_tokens
     yield started
     reasoning = 0
     async for ev in events:
         if isinstance(ev, TokenDelta):
+            if ev.token_ids:
+                tally.completion_tokens += len(ev.token_ids)
+                if tally.first_token_at is None:
+                    tally.first_token_at = time.monotonic()
+            if tally.keep_text:
+                tally.pieces.append(ev.text)
             if parser is None:
                 if ev.text or ev.logprobs:
                     yield ContentDelta(ev.text, ev.logprobs)
@@ -406,6 +429,8 @@ async def _parsed(started: ReplyStarted, events: EngineEvents, parser: ReplyPars
                 yield out
             # a reply cut by max_tokens ends "length", whatever calls came before the cut
             reason = "tool_calls" if parser is not None and parser.calls and ev.reason != "length" else ev.reason
+            tally.prompt_tokens, tally.cached_tokens = ev.prompt_tokens, ev.cached_tokens
+            tally.completion_tokens, tally.finish_reason = ev.completion_tokens, reason
             yield ReplyDone(reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, reasoning,
                             mtp_drafted=ev.mtp_drafted, mtp_accepted=ev.mtp_accepted, specprefill=ev.specprefill)
             return

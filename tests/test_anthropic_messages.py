@@ -37,7 +37,7 @@ from mlx_relay.errors import GenerationFailed, InvalidRequest, ModelNotFound, No
 from mlx_relay.http.anthropic_routes import anthropic_routes, to_chat_request
 from mlx_relay.http.anthropic_types import CountTokensRequest, MessagesRequest, ThinkingEnabled
 from mlx_relay.relay import default_config
-from mlx_relay.service import ChatRequest
+from mlx_relay.service import ChatRequest, ReplyTally
 from mlx_relay.testing.live_server import LiveServer
 
 MODEL = "tiny"
@@ -413,7 +413,8 @@ class ScriptedService:
         self.closed = 0
 
     @asynccontextmanager
-    async def reply(self, req: ChatRequest, request_id: str | None = None) -> AsyncIterator[AsyncIterator[ReplyEvent]]:
+    async def reply(self, req: ChatRequest, request_id: str | None = None, *, admitted: bool = False,
+                    raw: bool = False, tally: ReplyTally | None = None) -> AsyncIterator[AsyncIterator[ReplyEvent]]:
         if self.refuse is not None:
             raise self.refuse
         self.requests.append(req)

@@ -31,6 +31,15 @@ def test_memory_limit_flags_reach_the_engine_config() -> None:
     assert config_from_args(args).engine.memory_limit_bytes is None
 
 
+def test_log_flags_reach_the_config() -> None:
+    from mlx_relay.cli import build_parser, config_from_args
+
+    config = config_from_args(build_parser().parse_args(["serve", "m", "--log-format", "json", "--log-prompts"]))
+    assert config.log_format == "json" and config.log_prompts
+    config = config_from_args(build_parser().parse_args(["serve", "m"]))
+    assert config.log_format == "text" and not config.log_prompts and config.drain_timeout_s == 30.0
+
+
 def test_serve_starts_announces_and_stops(fp32_model: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(

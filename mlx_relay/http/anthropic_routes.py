@@ -106,7 +106,7 @@ from mlx_relay.http.anthropic_types import (
     Usage,
 )
 from mlx_relay.http.body import decode_body
-from mlx_relay.http.errors import as_relay_error
+from mlx_relay.http.errors import ErrorResponse, as_relay_error
 from mlx_relay.http.replies import Item
 from mlx_relay.http.streaming import events_of, respond
 from mlx_relay.service import ChatRequest, ChatService
@@ -149,9 +149,7 @@ def error_response(exc: BaseException) -> Response:
     """Any failure as Anthropic's `{"type": "error", "error": {...}}`, with Retry-After where the
     error says when to come back."""
     err = _as_error(exc)
-    status = err.status if 400 <= err.status < 600 else 500
-    headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, Overloaded | NotReady) else {}
-    return Response(error_body(err), status_code=status, media_type=JSON, headers=headers)
+    return ErrorResponse(err, error_body(err), err.status if 400 <= err.status < 600 else 500)
 
 
 def _anthropic_errors(handler: Handler) -> Handler:
@@ -566,7 +564,7 @@ class AnthropicRoutes:
             return Message(message_id, model, builder.blocks, stop.stop_reason, stop.stop_sequence,
                            _usage(builder.done))
 
-        return await respond(request, self._service(), [req], message_id, stream=body.stream,
+        return await respond(request, self._service(), [req], message_id, model=model, stream=body.stream,
                              encoder=AnthropicStream(message_id, model), collect=collect,
                              keepalive_s=self.config.sse_keepalive_s)
 

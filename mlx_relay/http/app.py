@@ -50,6 +50,7 @@ from mlx_relay.http.openai_types import (
 )
 from mlx_relay.http.openapi import build_openapi
 from mlx_relay.http.replies import choice_requests
+from mlx_relay.http.request_log import RequestLog
 from mlx_relay.http.responses_routes import responses_routes
 from mlx_relay.http.streaming import respond
 from mlx_relay.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -191,7 +192,7 @@ class OpenAIRoutes:
         reqs = choice_requests(to_chat_request(body), body.n)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, self._service(), reqs, rid, stream=body.stream,
+        return await respond(request, self._service(), reqs, rid, model=model, stream=body.stream,
                              encoder=ChatStream(body.n, rid, model, include_usage, body.logprobs),
                              collect=lambda items: collect_chat(items, body.n, rid, model, body.logprobs),
                              keepalive_s=self.config.sse_keepalive_s)
@@ -201,7 +202,7 @@ class OpenAIRoutes:
         model = self._check_model(body.model)
         reqs = to_requests(body)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        return await respond(request, self._service(), reqs, rid, stream=body.stream,
+        return await respond(request, self._service(), reqs, rid, model=model, stream=body.stream,
                              encoder=CompletionStream(reqs, body.n, rid, model, body),
                              collect=lambda items: collect_completion(items, reqs, body.n, rid, model, body),
                              keepalive_s=self.config.sse_keepalive_s, raw=True)
@@ -289,5 +290,6 @@ def create_app(
         lifespan=lifespan,
     )
     app.add_middleware(AuthMiddleware, keys=config.api_keys)
-    app.add_middleware(RequestGuard, limits=config.limits, respond=_respond_error)  # outermost
+    app.add_middleware(RequestGuard, limits=config.limits, respond=_respond_error)
+    app.add_middleware(RequestLog, log_prompts=config.log_prompts, respond=_respond_error)  # outermost
     return app

@@ -1,4 +1,7 @@
-"""Errors as HTTP responses in the OpenAI error shape, with the right status and headers."""
+"""Errors as HTTP responses in the OpenAI error shape, with the right status and headers.
+
+Every error answer (OpenAI's shape or Anthropic's) is an `ErrorResponse`: sent, it writes the
+error into the request's record for the request log (`http/request_record.py`)."""
 
 from __future__ import annotations
 
@@ -9,9 +12,11 @@ import uuid
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from mlx_relay.errors import InternalError, InvalidRequest, NotReady, Overloaded, RelayError, UnprocessableRequest
 from mlx_relay.http.openai_types import ErrorBody, ErrorDetail
+from mlx_relay.http.request_record import record_of
 from mlx_relay.runtime import ActorStopped
 
 log = logging.getLogger(__name__)
@@ -54,12 +59,25 @@ def error_body(err: RelayError) -> bytes:
     )
 
 
+class ErrorResponse(Response):
+    """An error answer (JSON, Retry-After where the error says when to come back) that tells the
+    request log which error it answers."""
+
+    def __init__(self, err: RelayError, body: bytes, status: int) -> None:
+        headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, Overloaded | NotReady) else {}
+        super().__init__(body, status_code=status, media_type="application/json", headers=headers)
+        self.error = err
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        record = record_of(scope)
+        if record is not None:
+            record.fail(self.error)
+        await super().__call__(scope, receive, send)
+
+
 def error_response(exc: BaseException) -> Response:
     err = as_relay_error(exc)
-    headers = {}
-    if isinstance(err, Overloaded | NotReady):
-        headers["Retry-After"] = str(err.retry_after_s)
-    return Response(error_body(err), status_code=err.status, media_type="application/json", headers=headers)
+    return ErrorResponse(err, error_body(err), err.status)
 
 
 async def handle_exception(request: Request, exc: Exception) -> Response:

@@ -32,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlx_relay.config import RequestLimits
 from mlx_relay.errors import PayloadTooLarge, RelayError, RequestTimeout
+from mlx_relay.http.request_record import record_of
 from mlx_relay.memory import release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class RequestGuard:
             await self.app(scope, guarded_receive, guarded_send)
         except ClientStalled as exc:  # the server closes the connection: the response is incomplete
             log.warning("%s %s: %s; closing", scope.get("method"), scope["path"], exc)
+            record = record_of(scope)
+            if record is not None:
+                record.fail(exc, "client_stalled")
         finally:
             if state["received"] >= TRIM_AFTER_BYTES:  # once the connection's buffers are gone too
                 timer = threading.Timer(TRIM_DELAY_S, release_freed_memory)

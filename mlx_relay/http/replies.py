@@ -22,7 +22,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from mlx_relay.chat.output import ReplyEvent
 from mlx_relay.errors import InvalidRequest
-from mlx_relay.service import ChatRequest, ChatService
+from mlx_relay.service import ChatRequest, ChatService, ReplyTally
 
 Item = tuple[int, ReplyEvent | Exception]
 MAX_N = 16  # choices per request (the one check of `n`; Admission also bounds it by --max-num-seqs)
@@ -51,16 +51,18 @@ class Replies:
 
 
 async def open_replies(stack: AsyncExitStack, service: ChatService, reqs: list[ChatRequest],
-                       rid: str, *, raw: bool = False) -> Replies:
+                       rid: str, *, raw: bool = False, tallies: list[ReplyTally] | None = None) -> Replies:
     """Admit and start every choice inside `stack` (ids: `rid`, then `rid-1`, ...). One choice
-    takes its slot inside `ChatService.reply`; n choices take n slots together first."""
+    takes its slot inside `ChatService.reply`; n choices take n slots together first.
+    `tallies`: one per choice, kept up to date by the replies (the request log's)."""
+    tally: list[ReplyTally | None] = list(tallies) if tallies else [None] * len(reqs)
     if len(reqs) == 1:
-        ctx = service.reply(reqs[0], rid, raw=True) if raw else service.reply(reqs[0], rid)
+        ctx = service.reply(reqs[0], rid, raw=raw, tally=tally[0])
         return Replies([await stack.enter_async_context(ctx)])
     admitted = await stack.enter_async_context(service.admit(rid, len(reqs)))
     streams: list[AsyncIterator[ReplyEvent]] = []
     for i, req in enumerate(reqs):
-        ctx = service.reply(req, rid if i == 0 else f"{rid}-{i}", admitted=admitted, raw=raw)
+        ctx = service.reply(req, rid if i == 0 else f"{rid}-{i}", admitted=admitted, raw=raw, tally=tally[i])
         streams.append(await stack.enter_async_context(ctx))
     return Replies(streams)
 

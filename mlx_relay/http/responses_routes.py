@@ -663,7 +663,7 @@ class ResponsesRoutes:
             finished()
             return response
 
-        return await respond(request, self._service(), [req], response.id, stream=body.stream,
+        return await respond(request, self._service(), [req], response.id, model=model, stream=body.stream,
                              encoder=ResponsesStream(assembler, finished), collect=collect,
                              keepalive_s=self.config.sse_keepalive_s)
 

@@ -61,6 +61,7 @@ def build_server(config: ServerConfig, lifecycle: Lifecycle, relay: Relay | None
             port=config.port,
             http=HeaderDeadlineProtocol.with_header_timeout(config.limits.read_timeout_s),
             log_level=config.log_level,
+            log_config=None,  # uvicorn's lines go to the root logger, in the process's --log-format
             access_log=config.log_level == "debug",
             lifespan="on",
             timeout_graceful_shutdown=5,  # after the drain, only idle connections are left

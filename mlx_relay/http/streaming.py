@@ -14,6 +14,10 @@ Messages, Responses): one pump, one keep-alive, one disconnect path; a format su
 The generation and its admission slot live in an exit stack the response owns; a client that
 goes away cancels the response's task group (Starlette's way), never polled, and the stack then
 ends the generations.
+
+`respond` also fills the request's record for the request log (`http/request_record.py`): the
+model, the response id and a `ReplyTally` per choice; `sse_body` adds a failure and whether the
+terminal frames went out (a stream without them was cut: the client went away).
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from mlx_relay.chat.output import ReplyEvent
-from mlx_relay.errors import RelayError
+from mlx_relay.errors import ClientDisconnected, RelayError
 from mlx_relay.http.replies import Item, open_replies
+from mlx_relay.http.request_record import RequestRecord, record_of
 from mlx_relay.service import ChatRequest, ChatService
 
 T = TypeVar("T")
@@ -93,10 +98,11 @@ class ScopedStreamingResponse(StreamingResponse):
                 await self._stack.aclose()
 
 
-async def sse_body(items: ObjectReceiveStream[Item], encoder: SSEEncoder, keepalive_s: float) -> AsyncIterator[bytes]:
+async def sse_body(items: ObjectReceiveStream[Item], encoder: SSEEncoder, keepalive_s: float,
+                   record: RequestRecord | None = None) -> AsyncIterator[bytes]:
     """The one keep-alive loop: the encoder's frames for the items the pumps send, an SSE
     comment whenever none came for `keepalive_s`, and the terminal frames (waiting is cancelled,
-    never the pumps)."""
+    never the pumps). `record`: told of a failure, and when the terminal frames are out."""
     for frame in encoder.start():
         yield frame
     async with items:
@@ -115,13 +121,19 @@ async def sse_body(items: ObjectReceiveStream[Item], encoder: SSEEncoder, keepal
             assert item is not None
             index, ev = item
             if isinstance(ev, Exception):
+                if record is not None:
+                    record.fail(ev)
                 for frame in encoder.failed(ev):
                     yield frame
+                if record is not None:
+                    record.stream_ended = True
                 return
             for frame in encoder.event(index, ev):
                 yield frame
     for frame in encoder.end():
         yield frame
+    if record is not None:
+        record.stream_ended = True
 
 
 async def watch_disconnect(request: Request, scope: anyio.CancelScope) -> None:
@@ -154,23 +166,26 @@ async def until_disconnect(request: Request, work: Awaitable[T],
     if failed:
         raise failed[0]
     if not result:  # the client went away; nobody reads this
-        raise RelayError("client disconnected")
+        raise ClientDisconnected("client disconnected")
     return result[0]
 
 
-async def respond(request: Request, service: ChatService, reqs: list[ChatRequest], rid: str, *, stream: bool,
-                  encoder: SSEEncoder, collect: Callable[[ObjectReceiveStream[Item]], Awaitable[msgspec.Struct]],
+async def respond(request: Request, service: ChatService, reqs: list[ChatRequest], rid: str, *, model: str,
+                  stream: bool, encoder: SSEEncoder,
+                  collect: Callable[[ObjectReceiveStream[Item]], Awaitable[msgspec.Struct]],
                   keepalive_s: float, raw: bool = False) -> Response:
     """Every route's response: admit and start every choice (a refusal is a clean error before
     anything is sent), then stream the encoder's frames or collect one body."""
+    record = record_of(request.scope)
+    tallies = record.begin(model, rid, reqs, stream) if record is not None else None
     stack = AsyncExitStack()
     try:
-        replies = await open_replies(stack, service, reqs, rid, raw=raw)
+        replies = await open_replies(stack, service, reqs, rid, raw=raw, tallies=tallies)
     except BaseException:
         await stack.aclose()
         raise
     if stream:
-        return ScopedStreamingResponse(sse_body(replies.receive, encoder, keepalive_s), stack, replies.run)
+        return ScopedStreamingResponse(sse_body(replies.receive, encoder, keepalive_s, record), stack, replies.run)
     async with stack:
         body = await until_disconnect(request, collect(replies.receive), replies.run)
     return Response(msgspec.json.encode(body), media_type="application/json")
