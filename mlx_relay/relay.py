@@ -13,7 +13,8 @@ background (what the HTTP server does, so `/health` reports loading/warming).
 `health()` tells the truth about the actors: crashed ones restart on their own (the server is
 "degraded" meanwhile); if one cannot be restarted the relay is "failed" and `failed` is set (the
 HTTP server then exits non-zero). `drain()` is the graceful stop: no new requests, the running
-ones finish within a deadline, the rest are ended with a retryable error.
+ones finish within a deadline, the rest are ended with a retryable error, then the prefix cache is
+flushed (`Flush`: the hook for a cache tier that outlives the process).
 
 `metrics` is the server's own (`mlx_relay.metrics.ServerMetrics`): the ChatService observes the
 request path into it, and `scrape()` adds what the actors count (asked at scrape time).
@@ -82,6 +83,7 @@ class Health(msgspec.Struct, frozen=True):
 class DrainReport(msgspec.Struct, frozen=True):
     seconds: float
     ended: int  # generations ended by the deadline (their streams got a retryable error)
+    flushed: Flushed | None = None  # the prefix cache's flush, the drain's last step (None: no cache)
 
 
 class ChatResult(msgspec.Struct, frozen=True):
@@ -227,7 +229,7 @@ class Relay:
     async def drain(self, timeout_s: float) -> DrainReport:
         """Stop admitting (new and queued requests get 503 + Retry-After), let the running ones
         finish for up to `timeout_s`, then end the rest with `ServerShuttingDown` (every stream
-        still gets its terminal event)."""
+        still gets its terminal event), and flush the prefix cache (`_flush_for_exit`)."""
         tic = time.monotonic()
         await self._set_state("draining")
         ended = 0
@@ -238,7 +240,21 @@ class Relay:
                                                 f"within the {timeout_s:g}s drain"))
             with anyio.move_on_after(5.0):  # their responses write the terminal events and let go
                 await self.admission.request(WhenIdle())
-        return DrainReport(seconds=round(time.monotonic() - tic, 3), ended=ended)
+        flushed = await self._flush_for_exit()
+        return DrainReport(seconds=round(time.monotonic() - tic, 3), ended=ended, flushed=flushed)
+
+    async def _flush_for_exit(self) -> Flushed | None:
+        """The drain's last step, once no request runs: the PrefixCacheStore's `Flush` (where a
+        tier of the cache that outlives the process writes out what it holds before the snapshots
+        are dropped). A store that cannot answer does not hold the exit up."""
+        if self.service is None or self.service.prefix_store is None:
+            return None
+        try:
+            with anyio.fail_after(30.0):
+                return await self.flush_prefix_cache()
+        except Exception as exc:
+            log.warning("the prefix cache could not be flushed at exit: %s", type(exc).__name__)
+            return None
 
     # -- the API -------------------------------------------------------------------------------------
     def _service(self) -> ChatService:

@@ -54,7 +54,10 @@ class Lifecycle:
             tg.start_soon(self._watch_failure, relay)
             await self._drain.wait()
             report = await relay.drain(drain_timeout_s)
-            log.warning("drained in %.1fs (%d requests ended at the deadline)", report.seconds, report.ended)
+            flushed = "" if report.flushed is None else (
+                f"; prefix cache flushed ({report.flushed.entries} snapshots, {report.flushed.bytes} bytes)")
+            log.warning("drained in %.1fs (%d requests ended at the deadline)%s", report.seconds, report.ended,
+                        flushed)
             if self.on_drained is not None:
                 self.on_drained()
             tg.cancel_scope.cancel()

@@ -199,14 +199,15 @@ def _delta_of(ev: object) -> Delta | None:
 
 class ChatStream:
     """`chat.completion.chunk` frames (`streaming.SSEEncoder`): a role chunk per choice, deltas,
-    a finish chunk per choice, the usage chunk when asked for, `[DONE]`; a failure is an error
-    frame and `[DONE]`."""
+    a finish chunk per choice, the usage chunk when asked for, `[DONE]`; a failure is a finish
+    chunk for each choice still open, an error frame and `[DONE]`."""
 
     def __init__(self, n: int, rid: str, model: str, include_usage: bool, want_logprobs: bool) -> None:
         self.n, self.rid, self.model = n, rid, model
         self.include_usage, self.want_logprobs = include_usage, want_logprobs
         self.created = int(time.time())
         self.dones: list[ReplyDone] = []
+        self.ended: set[int] = set()  # the choices that finished
 
     @property
     def done(self) -> bool:
@@ -224,6 +225,7 @@ class ChatStream:
     def event(self, index: int, ev: ReplyEvent) -> list[bytes]:
         if isinstance(ev, ReplyDone):
             self.dones.append(ev)
+            self.ended.add(index)
             return [self._choice(ChunkChoice(index, Delta(), ev.finish_reason))]
         delta = _delta_of(ev)
         if delta is None:
@@ -234,7 +236,10 @@ class ChatStream:
         return [self._choice(ChunkChoice(index, delta, None, logprobs))]
 
     def failed(self, exc: Exception) -> list[bytes]:
-        return [b"data: " + error_body(as_relay_error(exc)) + b"\n\n", DONE]
+        """Every choice still open gets its finish chunk ("length": cut before it ended), then the
+        error frame says why (clients such as openai-python raise it) and `[DONE]` ends the stream."""
+        cut = [self._choice(ChunkChoice(i, Delta(), "length")) for i in range(self.n) if i not in self.ended]
+        return [*cut, b"data: " + error_body(as_relay_error(exc)) + b"\n\n", DONE]
 
     def end(self) -> list[bytes]:
         usage = []
