@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="byte budget (default: 20%% of the GPU's memory or working set, 10%% of RAM on CPU)")
     pc.add_argument("--prefix-min-snapshot-tokens", type=int, default=256,
                     help="system prompts shorter than this are not snapshotted (default 256)")
+    pc.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                    help="keep snapshots on disk too (safetensors, a directory per model under DIR): system "
+                         "prompts as soon as they are snapshotted, others when memory evicts them or the server "
+                         "drains; a later request, also after a restart, restores from disk instead of prefilling")
+    pc.add_argument("--prefix-cache-disk-gb", type=float, default=20.0,
+                    help="disk budget of --prefix-cache-dir, least recently used files go first (default 20)")
     sp = serve.add_argument_group("SpecPrefill (a small draft model picks which tokens of a long prompt are prefilled)")
     sp.add_argument("--specprefill-draft-model", default=None, metavar="MODEL",
                     help="draft checkpoint with the served model's tokenizer (dir or Hub id); turns SpecPrefill on")
@@ -195,6 +201,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefix_cache=not args.no_prefix_cache,
         prefix_cache_bytes=_gib(args.prefix_cache_gb),
         prefix_min_snapshot_tokens=args.prefix_min_snapshot_tokens,
+        prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_disk_bytes=_gib(args.prefix_cache_disk_gb),
         max_model_len=args.max_model_len,
         memory_limit_bytes=_gib(args.memory_limit_gb),
         cache_limit_bytes=_gib(args.cache_limit_gb),

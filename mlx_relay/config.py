@@ -55,6 +55,13 @@ class EngineConfig(msgspec.Struct, frozen=True):
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None  # byte budget; None: a share of the device's memory
     prefix_min_snapshot_tokens: int = 256  # shorter system prompts are not snapshotted
+    # the prefix cache's disk tier: snapshots written under this directory (a directory per model)
+    # survive restarts; None: memory only
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: int = 20 << 30  # the disk tier's byte budget (LRU over files)
+    # host copies of snapshots waiting for the disk; past this, writes are dropped (counted)
+    # rather than held (a slow disk never holds up decoding)
+    prefix_cache_disk_queue_bytes: int = 1 << 30
     max_model_len: int | None = None  # caps the context length the checkpoint declares (None: as declared)
     memory_limit_bytes: int | None = None  # mx.set_memory_limit (None: MLX's default)
     cache_limit_bytes: int | None = None  # mx.set_cache_limit: freed buffers MLX keeps for reuse

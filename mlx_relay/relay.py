@@ -38,6 +38,7 @@ from mlx_relay.actors.gpu_executor import GPUExecutor, GPUPeers
 from mlx_relay.actors.media_router import MediaRouter
 from mlx_relay.actors.normalizer import Normalizer
 from mlx_relay.actors.prefix_cache_store import PrefixCacheConfig, PrefixCacheStore
+from mlx_relay.actors.prefix_disk_tier import DiskTierConfig
 from mlx_relay.actors.specprefill_scorer import SpecPrefillScorer
 from mlx_relay.actors.text_mtp_executor import TextMTPExecutor
 from mlx_relay.actors.vision_executor import VisionExecutor
@@ -57,7 +58,14 @@ from mlx_relay.messages.gpu import (
     TokenDelta,
     Warmup,
 )
-from mlx_relay.messages.prefix_cache import Flush, Flushed, GetPrefixStats, PrefixStats
+from mlx_relay.messages.prefix_cache import (
+    Flush,
+    Flushed,
+    GetPrefixStats,
+    Persisted,
+    PersistPrefixCache,
+    PrefixStats,
+)
 from mlx_relay.messages.prompt import DescribePrompts, PromptFeatures
 from mlx_relay.messages.specprefill import GetSpecPrefillStats, SpecPrefillReport
 from mlx_relay.messages.text_mtp import GetMTPStats, MTPCalibration
@@ -179,7 +187,12 @@ class Relay:
             await system.start(text, engine_cfg, info)
             await system.start(vision, engine_cfg, gpu)
             if store is not None:
-                store_cfg = PrefixCacheConfig(info.prefix_cache_bytes, cfg.engine.prefix_min_snapshot_tokens)
+                disk = None
+                if engine_cfg.prefix_cache_dir is not None and info.snapshot_identity is not None:
+                    disk = DiskTierConfig(engine_cfg.prefix_cache_dir, engine_cfg.prefix_cache_disk_bytes,
+                                          info.snapshot_identity)
+                store_cfg = PrefixCacheConfig(info.prefix_cache_bytes, cfg.engine.prefix_min_snapshot_tokens,
+                                              disk=disk)
                 await system.start(store, store_cfg, gpu)
             if scorer is not None:
                 await system.start(scorer, sp_cfg)
@@ -312,6 +325,17 @@ class Relay:
         if service.prefix_store is None:
             return Flushed(0, 0)
         return await service.prefix_store.ask(Flush())
+
+    async def persist_prefix_cache(self, timeout_s: float = 30.0) -> Persisted:
+        """The drain's hook for the prefix cache's disk tier: write every snapshot held in memory
+        that is worth keeping and not on disk yet, and wait for the writes under way, within
+        `timeout_s` (what is left is counted in `pending`). Persisted(enabled=False) without
+        `prefix_cache_dir`; safe to call at any time, also while requests run."""
+        service = self._service()
+        if service.prefix_store is None:
+            return Persisted(False)
+        result: Persisted = await service.prefix_store.request(PersistPrefixCache(timeout_s))
+        return result
 
     @asynccontextmanager
     async def generate(self, request: ChatRequest, request_id: str | None = None) -> AsyncIterator[EngineEvents]:

@@ -297,7 +297,8 @@ class ChatService:
         if store is None or self.info.prefix_cache_bytes <= 0 or prompt.media is None:
             return None  # off, or media that cannot be keyed
         stack.push_async_callback(_tell_shielded, store, Release(rid))
-        return await store.ask(Lookup(rid, prompt.token_ids, prompt.media, prompt.system_end, prompt.reply_start,
+        # a request: a plan restored from disk is answered once the file is loaded, off the store's mailbox
+        return await store.request(Lookup(rid, prompt.token_ids, prompt.media, prompt.system_end, prompt.reply_start,
                                       multi_turn=prompt.multi_turn, has_tools=bool(req.tools)))
 
     async def _plan_decode(self, rid: str, req: ChatRequest, prompt: Prompt, params: SamplingParams,

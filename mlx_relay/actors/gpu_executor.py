@@ -2,6 +2,7 @@
 
     requester --Generate (stream)--> GPUExecutor --> TokenDelta ..., Finished
     GPUExecutor --SnapshotTaken--> PrefixCacheStore --FreeSnapshots--> GPUExecutor
+    PrefixCacheStore --SaveSnapshot / LoadSnapshot--> GPUExecutor --SnapshotSaved / SnapshotLoaded--> store
     GPUExecutor --FeaturesEncoded--> VisionExecutor --FreeFeatures--> GPUExecutor
     GPUExecutor --ScoringOutcome--> SpecPrefillScorer;  --MTPOutcome--> TextMTPExecutor
 
@@ -14,18 +15,38 @@ stream events to their streams, side results to the actors that own them (refere
 construction). A cancelled stream removes its row at the next step boundary. If the thread
 dies, the actor crashes and its supervisor restarts it (reloading the model); the requests it
 held get an error, new ones are served by the fresh instance.
+
+The prefix cache's disk tier (the store decides, this actor executes): a snapshot to write is
+copied to host bytes on the GPU thread, between steps (one copy of arrays already evaluated),
+and written by a writer thread, one file at a time; host copies waiting for the disk are bounded
+(`EngineConfig.prefix_cache_disk_queue_bytes`), past that a write is dropped and reported, never
+waited for. A file to load is read and checksummed by a reader thread, then turned into a
+snapshot on the GPU thread, each tensor checked against the model's cache layout (probed at
+start, when the disk tier is on). A file that fails any check is reported, never loaded into a
+request and never a crash.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import msgspec
 
+from mlx_relay.cache.snapshot_files import (
+    SnapshotFileError,
+    SnapshotIdentity,
+    library_versions,
+    model_fingerprint,
+    read_verified,
+    write_atomic,
+)
 from mlx_relay.config import EngineConfig, SpecPrefillConfig
 from mlx_relay.engine.core import EngineCore, StepOutput
 from mlx_relay.engine.gpu_thread import GPUThread
@@ -41,9 +62,9 @@ from mlx_relay.messages.gpu import (
     TokenDelta,
     Warmup,
 )
-from mlx_relay.messages.prefix_cache import FreeSnapshots
+from mlx_relay.messages.prefix_cache import FreeSnapshots, LoadSnapshot, SaveSnapshot, SnapshotLoaded, SnapshotSaved
 from mlx_relay.messages.vision import FreeFeatures
-from mlx_relay.runtime import Actor, ActorRef, ReplyStream
+from mlx_relay.runtime import Actor, ActorRef, ReplyStream, RuntimeFault
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +80,8 @@ class GPUPeers:
 
 
 class GPUExecutor(Actor):
-    accepts = (Generate, Describe, Warmup, GetEngineStats, FreeSnapshots, FreeFeatures, AbortAll)
+    accepts = (Generate, Describe, Warmup, GetEngineStats, FreeSnapshots, FreeFeatures, AbortAll, SaveSnapshot,
+               LoadSnapshot)
     mailbox_capacity = 1024
 
     def __init__(self, config: EngineConfig, specprefill: SpecPrefillConfig, peers: GPUPeers,
@@ -73,6 +95,9 @@ class GPUExecutor(Actor):
         self._core: EngineCore | None = None
         self._aborting: str | None = None  # the drain's deadline passed: every generation ends
         self.info: ModelInfo | None = None
+        self._write_pending = 0  # bytes of snapshot copies waiting for the disk
+        self._writer: anyio.CapacityLimiter | None = None  # one file written at a time
+        self._reader: anyio.CapacityLimiter | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -103,10 +128,22 @@ class GPUExecutor(Actor):
         context = loaded.info.context_length
         if self.config.max_model_len is not None:
             context = min(context, self.config.max_model_len)
+        identity = None
+        if self.config.prefix_cache_dir is not None and budget > 0:
+            identity = await self._snapshot_identity(thread, self._core, Path(loaded.info.model_path))
         self.info = msgspec.structs.replace(loaded.info, prefix_cache_bytes=budget, context_length=context,
-                                            draft=self._core.draft)
+                                            draft=self._core.draft, snapshot_identity=identity)
         thread.stepper = self._core
         self._on_progress(f"loaded in {loaded.info.load_seconds:.1f}s")
+
+    async def _snapshot_identity(self, thread: GPUThread, core: EngineCore, model: Path) -> SnapshotIdentity:
+        """What this model's snapshot files are (and must be): its fingerprint, the caches' dtype
+        (from the layout probe), the library versions."""
+        self._writer, self._reader = anyio.CapacityLimiter(1), anyio.CapacityLimiter(2)
+        layout = await asyncio.wrap_future(thread.submit(core.snapshot_layout))
+        fingerprint = await anyio.to_thread.run_sync(model_fingerprint, model)
+        mlx_version, vlm_version = library_versions()
+        return SnapshotIdentity(fingerprint, layout.dtype, mlx_version, vlm_version)
 
     async def on_stop(self) -> None:
         thread, core = self._thread, self._core
@@ -150,6 +187,12 @@ class GPUExecutor(Actor):
             case FreeSnapshots(handles=handles, release_memory=release):
                 thread.submit(core.free_snapshots, handles, release)
                 return None
+            case SaveSnapshot():
+                await self._save(msg, thread, core)
+                return None
+            case LoadSnapshot():
+                self.start_task(lambda: self._load(msg, thread, core))
+                return None
             case FreeFeatures(content_hashes=hashes):
                 thread.submit(core.free_features, hashes)
                 return None
@@ -162,6 +205,62 @@ class GPUExecutor(Actor):
                     thread.submit(core.cancel, sid)
                 return len(ended)
         raise TypeError(type(msg).__name__)
+
+    # -- the prefix cache's disk tier --------------------------------------------------------------
+    async def _save(self, msg: SaveSnapshot, thread: GPUThread, core: EngineCore) -> None:
+        """Copy the snapshot out on the GPU thread now (in order with the store's frees), write
+        it off the loop; past the queue bound, drop it."""
+        if self._write_pending and self._write_pending + msg.nbytes > self.config.prefix_cache_disk_queue_bytes:
+            if msg.free_after:
+                thread.submit(core.free_snapshots, [msg.handle])
+            await self._to_store(SnapshotSaved(msg.key, error="busy"))
+            return
+        copied = thread.submit(core.encode_snapshot, msg.handle, msg.metadata, msg.free_after)
+        self._write_pending += msg.nbytes
+        self.start_task(lambda: self._write(msg, copied))
+
+    async def _write(self, msg: SaveSnapshot, copied: Future[memoryview]) -> None:
+        try:
+            data = await asyncio.wrap_future(copied)
+            name, size = await anyio.to_thread.run_sync(write_atomic, Path(msg.directory), msg.key, data,
+                                                        limiter=self._writer)
+            result = SnapshotSaved(msg.key, name, size)
+        except KeyError:
+            result = SnapshotSaved(msg.key, error="gone")
+        except Exception as exc:  # a full disk, a copy MLX refused: reported, never a crash
+            log.warning("prefix snapshot not written: %s: %s", type(exc).__name__, exc)
+            result = SnapshotSaved(msg.key, error="io", detail=f"{type(exc).__name__}: {exc}")
+        finally:
+            self._write_pending -= msg.nbytes
+        await self._to_store(result)
+
+    async def _load(self, msg: LoadSnapshot, thread: GPUThread, core: EngineCore) -> None:
+        tic = time.perf_counter()
+        try:
+            data = await anyio.to_thread.run_sync(read_verified, Path(msg.path), msg.identity, msg.length,
+                                                  limiter=self._reader)
+            handle, nbytes = await asyncio.wrap_future(thread.submit(core.load_snapshot, data, msg.length))
+            result = SnapshotLoaded(msg.key, handle, nbytes, seconds=time.perf_counter() - tic)
+        except SnapshotFileError as exc:
+            log.warning("prefix snapshot %s not used (%s): %s", msg.path, exc.reason, exc)
+            result = SnapshotLoaded(msg.key, error=exc.reason, detail=str(exc), seconds=time.perf_counter() - tic)
+        except OSError as exc:
+            log.warning("prefix snapshot %s could not be read: %s", msg.path, exc)
+            result = SnapshotLoaded(msg.key, error="io", detail=str(exc), seconds=time.perf_counter() - tic)
+        except Exception as exc:  # whatever else MLX says about a file's contents: not used, not a crash
+            log.warning("prefix snapshot %s not used: %s: %s", msg.path, type(exc).__name__, exc)
+            result = SnapshotLoaded(msg.key, error="corrupt", detail=f"{type(exc).__name__}: {exc}",
+                                    seconds=time.perf_counter() - tic)
+        await self._to_store(result)
+
+    async def _to_store(self, msg: SnapshotSaved | SnapshotLoaded) -> None:
+        store = self.peers.prefix_store
+        if store is None:
+            return
+        try:
+            await store.tell(msg)
+        except RuntimeFault:  # the store is stopping (shutdown): nothing is waiting for this
+            log.debug("prefix store gone; %s dropped", type(msg).__name__)
 
     def on_cancel(self, stream: ReplyStream) -> None:
         if self._streams.pop(stream.id, None) is not None and self._thread and self._core:

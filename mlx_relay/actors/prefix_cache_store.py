@@ -26,14 +26,27 @@ agent; a reply ending in tool calls implies declared tools, since undeclared one
 parsed, so the Lookup-time signal covers it and the engine need not report how a reply ended).
 A one-shot chat gets none (counted in `turns_skipped`). Under pressure the index evicts turn
 snapshots that were never hit first. Stats are kept per snapshot kind (`by_kind`).
+
+With a snapshot directory (`--prefix-cache-dir`) the store also runs the disk tier
+(`prefix_disk_tier.DiskTier`): snapshots worth keeping are written to disk, evicted ones are
+spilled there rather than lost, and a lookup whose longest match is on disk is answered off the
+mailbox (a job: `Lookup` through `request`) once the GPUExecutor has loaded it, then exactly as
+a memory hit. `PersistPrefixCache` is the drain's hook: write what is only in memory, wait for
+the writes under way.
+
+    ChatService --Lookup (request)--> store [--LoadSnapshot--> GPUExecutor --SnapshotLoaded-->] PrefixPlan
+    store --SaveSnapshot--> GPUExecutor --SnapshotSaved--> store
+    drain --PersistPrefixCache (request)--> store --> Persisted
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
+import anyio
 import msgspec
 
+from mlx_relay.actors.prefix_disk_tier import DiskTier, DiskTierConfig
 from mlx_relay.cache.prefix_index import Entry, Inserted, PrefixIndex, SnapshotKind
 from mlx_relay.cache.prefix_keys import MediaSpan, PrefixKeys
 from mlx_relay.messages.prefix_cache import (
@@ -42,18 +55,31 @@ from mlx_relay.messages.prefix_cache import (
     FreeSnapshots,
     GetPrefixStats,
     Lookup,
+    Persisted,
+    PersistPrefixCache,
     PrefixPlan,
     PrefixStats,
     Release,
+    SnapshotLoaded,
+    SnapshotSaved,
     SnapshotTaken,
 )
-from mlx_relay.runtime import Actor, ActorRef, ReplyStream
+from mlx_relay.runtime import Actor, ActorRef, Rejection, ReplyStream
+
+#: Snapshot kinds written to disk as soon as they are taken (shared by every conversation that
+#: starts with them); turns are written when the memory tier evicts them, or by a drain.
+WRITE_THROUGH: frozenset[str] = frozenset({"system", "media"})
+
+
+class NeedsRequest(Rejection):
+    """A message answered off the mailbox was sent with `ask` (it needs `request`)."""
 
 
 class PrefixCacheConfig(msgspec.Struct, frozen=True):
     budget_bytes: int  # the GPUExecutor's (`ModelInfo.prefix_cache_bytes`)
     min_snapshot_tokens: int = 256  # a shorter system prompt is not worth a snapshot
     snapshot_turns: bool = True
+    disk: DiskTierConfig | None = None  # the disk tier (None: off)
 
 
 class _Pending(msgspec.Struct):
@@ -64,24 +90,33 @@ class _Pending(msgspec.Struct):
     planned: dict[int, SnapshotKind] = {}  # snapshot length -> why it was asked for
 
 
+Message = (Lookup | SnapshotTaken | Release | Flush | GetPrefixStats | SnapshotSaved | SnapshotLoaded
+           | PersistPrefixCache)
+
+
 class PrefixCacheStore(Actor):
-    accepts = (Lookup, SnapshotTaken, Release, Flush, GetPrefixStats)
+    accepts = (Lookup, SnapshotTaken, Release, Flush, GetPrefixStats, SnapshotSaved, SnapshotLoaded,
+               PersistPrefixCache)
     mailbox_capacity = 4096
 
     def __init__(self, config: PrefixCacheConfig, gpu: ActorRef) -> None:
         self.config = config
         self.gpu = gpu
         self.index = PrefixIndex(config.budget_bytes)
+        self.disk = DiskTier(config.disk, gpu, self.start_task) if config.disk is not None else None
         self._pending: dict[str, _Pending] = {}
         self._inserts = self._rejected = self._turns_skipped = 0
 
-    async def receive(self, msg: Lookup | SnapshotTaken | Release | Flush | GetPrefixStats,
-                      stream: ReplyStream | None) -> object:
+    async def on_start(self) -> None:
+        if self.disk is not None:
+            await self.disk.start()
+
+    async def receive(self, msg: Message, stream: ReplyStream | None) -> object:
         match msg:
             case Lookup():
-                return self._lookup(msg)
+                return await self._lookup_or_load(msg, stream)
             case SnapshotTaken():
-                await self._free(self._insert(msg))
+                await self._after_insert(self._insert(msg), msg)
                 return None
             case Release():
                 pending = self._pending.pop(msg.request_id, None)
@@ -90,21 +125,63 @@ class PrefixCacheStore(Actor):
                 return None
             case Flush():
                 evicted = self.index.flush()
-                handles = [e.handle for e in evicted.entries]
-                await self.gpu.tell(FreeSnapshots(handles, release_memory=True))
+                await self._evict(evicted.entries, release_memory=True)
                 return Flushed(len(evicted.entries), evicted.nbytes)
             case GetPrefixStats():
                 return self._stats()
+            case SnapshotSaved():
+                if self.disk is not None:
+                    self.disk.saved(msg)
+                return None
+            case SnapshotLoaded():
+                await self._loaded(msg)
+                return None
+            case PersistPrefixCache(timeout_s=timeout):
+                disk = self.disk
+                if disk is None:
+                    return _reply(stream, Persisted(False))
+                # system and media snapshots first, then turns, most recently used first
+                entries = sorted(reversed(self.index.entries()), key=lambda e: e.kind not in WRITE_THROUGH)
+                return self._answer_later(stream, lambda: disk.persist(entries, timeout))
         raise TypeError(type(msg).__name__)
 
     async def on_stop(self) -> None:
         self._pending.clear()
 
+    def _answer_later(self, stream: ReplyStream | None, job: Callable[[], Awaitable[msgspec.Struct]]) -> None:
+        if stream is None:  # it waits for replies this mailbox must go on handling
+            raise NeedsRequest("send PersistPrefixCache with `request`, not `ask`")
+        self.start_job(stream, job)
+
     # -- decisions ------------------------------------------------------------------------------
-    def _lookup(self, msg: Lookup) -> PrefixPlan:
+    async def _lookup_or_load(self, msg: Lookup, stream: ReplyStream | None) -> PrefixPlan | None:
+        """The plan at once, or (the longest match is on disk, longer than memory's) after the
+        GPUExecutor has loaded it, off the mailbox. `ask` always gets the plan at once."""
         keys = PrefixKeys(msg.tokens, msg.media)
+        disk = self.disk
+        if disk is not None and stream is not None:
+            peek = self.index.peek(keys)
+            candidate = disk.candidate(keys, peek.length if peek is not None else 0)
+            if candidate is not None:
+                done = await disk.load(candidate)
+
+                async def after_load() -> PrefixPlan:
+                    with anyio.move_on_after(disk.config.load_timeout_s):
+                        await done.wait()
+                    plan = self._lookup(msg, keys)
+                    if plan.restore_length == candidate.length:
+                        disk.hit(candidate.length)
+                    return plan
+
+                self.start_job(stream, after_load)
+                return None
+        return _reply(stream, self._lookup(msg, keys))
+
+    def _lookup(self, msg: Lookup, keys: PrefixKeys) -> PrefixPlan:
         match = self.index.match(keys)
         entry = match.entry
+        if entry is not None and self.disk is not None:
+            self.disk.used(entry.key)
         old = self._pending.pop(msg.request_id, None)
         if old is not None and old.pinned is not None:  # a reused id: its earlier pin goes
             self.index.release(old.pinned)
@@ -154,12 +231,65 @@ class PrefixCacheStore(Actor):
         result = self.index.insert(keys, snap.length, snap.handle, snap.nbytes, kind)
         if isinstance(result, Inserted):
             self._inserts += 1
-            return result.evicted
+            return [result.entry, *result.evicted]
         self._rejected += 1
         return [*result.evicted, result.handle]
 
-    async def _free(self, items: Sequence[Entry | int]) -> None:
-        handles = [i if isinstance(i, int) else i.handle for i in items]
+    async def _after_insert(self, items: Sequence[Entry | int], snap: SnapshotTaken) -> None:
+        """Free (or spill) what the insert pushed out; write a new system or media snapshot
+        through to disk; a turn taken from a restored turn supersedes it."""
+        inserted = items[0] if items and isinstance(items[0], Entry) and items[0].handle == snap.handle else None
+        rest = items[1:] if inserted is not None else items
+        await self._evict([i for i in rest if isinstance(i, Entry)])
+        await self._free([i for i in rest if isinstance(i, int)])
+        disk = self.disk
+        if disk is None or inserted is None:
+            return
+        pending = self._pending.get(snap.request_id)
+        if snap.generated and pending is not None and pending.pinned is not None:
+            restored = self.index.entry(pending.pinned)
+            if restored is not None and restored.kind == "turn":
+                disk.superseded(restored.handle)
+        if inserted.kind in WRITE_THROUGH and disk.worth_writing(inserted):
+            await disk.save(inserted, free_after=False)
+
+    async def _loaded(self, msg: SnapshotLoaded) -> None:
+        """A file the disk tier asked for is loaded (into the memory tier) or failed."""
+        disk = self.disk
+        if disk is None:
+            if msg.handle is not None:
+                await self._free([msg.handle])
+            return
+        entry, done = disk.loaded(msg)
+        if msg.handle is not None:
+            if entry is None:
+                await self._free([msg.handle])
+            else:
+                result = self.index.insert_key(entry.key, entry.length, msg.handle, msg.nbytes, entry.kind)
+                if isinstance(result, Inserted):
+                    await self._evict(result.evicted)
+                else:  # already there (a prefill took it meanwhile), or no room: not kept
+                    await self._evict(result.evicted)
+                    await self._free([result.handle])
+        if done is not None:
+            done.set()
+
+    async def _evict(self, entries: Sequence[Entry], release_memory: bool = False) -> None:
+        """Entries the memory tier let go: spilled to disk where worth it, freed otherwise."""
+        free: list[int] = []
+        disk = self.disk
+        for e in entries:
+            if disk is not None and disk.worth_writing(e):
+                disk.forget(e.handle)
+                await disk.save(e, free_after=True)  # the GPUExecutor frees it once copied out
+            else:
+                if disk is not None:
+                    disk.forget(e.handle)
+                free.append(e.handle)
+        if free or release_memory:
+            await self.gpu.tell(FreeSnapshots(free, release_memory=release_memory))
+
+    async def _free(self, handles: list[int]) -> None:
         if handles:
             await self.gpu.tell(FreeSnapshots(handles))
 
@@ -169,4 +299,14 @@ class PrefixCacheStore(Actor):
         return PrefixStats(**msgspec.structs.asdict(stats), enabled=True, inserts=self._inserts,
                            rejected=self._rejected, system_entries=kinds["system"].entries,
                            media_entries=kinds["media"].entries, turn_entries=kinds["turn"].entries,
-                           turns_skipped=self._turns_skipped)
+                           turns_skipped=self._turns_skipped,
+                           disk=self.disk.stats() if self.disk is not None else None)
+
+
+def _reply(stream: ReplyStream | None, item: msgspec.Struct) -> msgspec.Struct | None:
+    """A reply to `ask` (returned) or to `request` (sent on its stream)."""
+    if stream is None:
+        return item
+    stream.send(item)
+    stream.close()
+    return None

@@ -127,6 +127,20 @@ class PrefixIndex:
         self._misses += 1
         return Match(None)
 
+    def peek(self, keys: PrefixKeys) -> Entry | None:
+        """What `match` would return, without pinning or counting anything."""
+        for length in sorted((n for n in self._lengths if n < len(keys)), reverse=True):
+            if (entry := self._lru.get(keys.key(length))) is not None:
+                return entry
+        return None
+
+    def entry(self, handle: int) -> Entry | None:
+        return self._by_handle.get(handle)
+
+    def entries(self) -> list[Entry]:
+        """Held entries, least recently used first."""
+        return list(self._lru.values())
+
     def has(self, keys: PrefixKeys, length: int) -> bool:
         """Whether the prompt's first `length` tokens already have a snapshot (no hit counted)."""
         return length in self._lengths and keys.key(length) in self._lru
@@ -141,7 +155,11 @@ class PrefixIndex:
     # -- updates ------------------------------------------------------------------------------
     def insert(self, keys: PrefixKeys, length: int, handle: int, nbytes: int,
                kind: SnapshotKind) -> Inserted | Rejected:
-        key = keys.key(length)
+        return self.insert_key(keys.key(length), length, handle, nbytes, kind)
+
+    def insert_key(self, key: bytes, length: int, handle: int, nbytes: int,
+                   kind: SnapshotKind) -> Inserted | Rejected:
+        """As `insert`, keyed directly (a snapshot restored from disk carries its key)."""
         if key in self._lru:
             self._lru.move_to_end(key)
             return Rejected("duplicate", handle)

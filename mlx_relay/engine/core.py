@@ -8,7 +8,8 @@ vLLM v1's `EngineCore.step` and nano-vllm's `step` have this shape. The pieces, 
 `scheduler.py` (queue, slots, lane routing), the lanes behind `lanes.Lane` (`mtp_lane.py`,
 `plain_lane.py`, `library_lane.py`), `scoring.py` (SpecPrefill's draft, where it lives),
 `output.py` (detokenizing, stop strings, finishing), `logits.py` (each row's processor chain),
-`snapshots.py` and `features.py` (prefix-cache snapshots and image features behind handles).
+`snapshots.py` and `features.py` (prefix-cache snapshots and image features behind handles),
+`snapshot_codec.py` (snapshots to and from file bytes, for the prefix cache's disk tier).
 
 `step` returns a `StepOutput`: the events of each request's stream and the side results for the
 policy actors (snapshots taken, scoring outcomes, features encoded, MTP outcomes), each typed.
@@ -41,6 +42,7 @@ from mlx_relay.engine.row_prefill import sparse_row
 from mlx_relay.engine.rows import LaneName, Row
 from mlx_relay.engine.scheduler import Scheduler, StepPlan
 from mlx_relay.engine.scoring import ScoringStage
+from mlx_relay.engine.snapshot_codec import CacheLayout, decode, encode, probe_layout
 from mlx_relay.engine.snapshots import Snapshot, SnapshotPool
 from mlx_relay.errors import GenerationFailed
 from mlx_relay.memory import release_freed_memory
@@ -109,6 +111,7 @@ class EngineCore:
         self.output = OutputStage()
         self.chains = LogitsChains(tok, info.vocab_size, info.eos_token_ids, config.seed)
         self.snapshots = SnapshotPool()
+        self._layout: CacheLayout | None = None  # the caches' layout (the disk tier's check), probed once
         self.features = FeatureStore()
         self._rows: dict[int, Row] = {}  # every row the engine holds, by id
         self._mtp_totals = [0, 0, 0, 0]  # rounds, drafted, accepted, eager rounds (compiled round on)
@@ -148,6 +151,28 @@ class EngineCore:
             mx.clear_cache()
             release_freed_memory(collect=False)
         return freed
+
+    def snapshot_layout(self) -> CacheLayout:
+        """The live model's cache layout (and its MTP head's): what a snapshot file must fit."""
+        if self._layout is None:
+            mtp = self.lanes.get("mtp")
+            self._layout = probe_layout(self._model.language_model, mtp.head if isinstance(mtp, MTPLane) else None)
+        return self._layout
+
+    def encode_snapshot(self, handle: int, metadata: dict[str, str], free_after: bool = False) -> memoryview:
+        """A held snapshot as safetensors bytes (one host copy; the file is written off this
+        thread); `free_after`: the snapshot is dropped once copied. KeyError: no such snapshot."""
+        try:
+            return encode(self.snapshots.get(handle), metadata)
+        finally:
+            if free_after:
+                self.snapshots.free([handle])
+
+    def load_snapshot(self, data: bytes, length: int) -> tuple[int, int]:
+        """A verified file's bytes as a new snapshot, checked against the cache layout:
+        (handle, bytes held). `SnapshotFileError` when it does not fit."""
+        snap = decode(data, length, self.snapshot_layout())
+        return self.snapshots.add(snap), snap.nbytes
 
     def free_features(self, hashes: list[str]) -> None:
         self.features.free(hashes)

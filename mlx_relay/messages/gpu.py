@@ -8,6 +8,7 @@ from typing import Literal
 
 import msgspec
 
+from mlx_relay.cache.snapshot_files import SnapshotIdentity
 from mlx_relay.chat.output import TokenLogprob
 from mlx_relay.media.tensors import VisionInputs
 from mlx_relay.messages.prefix_cache import PrefixPlan
@@ -155,3 +156,5 @@ class ModelInfo(msgspec.Struct, frozen=True):
     load_seconds: float
     prefix_cache_bytes: int = 0  # the prefix cache's byte budget (0: off)
     draft: DraftInfo | None = None  # SpecPrefill's draft model, when one is loaded
+    # what the prefix cache's snapshot files must match (None: the disk tier is off)
+    snapshot_identity: SnapshotIdentity | None = None

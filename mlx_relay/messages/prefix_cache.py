@@ -1,6 +1,8 @@
 """Messages of the PrefixCacheStore (`actors/prefix_cache_store.py`) and the snapshots it keys:
 the requester looks up a plan, the GPUExecutor reports the snapshots it took, the store tells the
-GPUExecutor which to free."""
+GPUExecutor which to free. With the disk tier on, the store also tells the GPUExecutor which
+snapshots to write to disk (`SaveSnapshot` -> `SnapshotSaved`) and which file to load into a new
+snapshot handle (`LoadSnapshot` -> `SnapshotLoaded`); a drain asks it to `PersistPrefixCache`."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import msgspec
 
 from mlx_relay.cache.prefix_index import IndexStats
 from mlx_relay.cache.prefix_keys import MediaSpan
+from mlx_relay.cache.snapshot_files import RejectReason, SnapshotIdentity
 
 
 class PrefixPlan(msgspec.Struct, frozen=True):
@@ -68,8 +71,101 @@ class Flushed(msgspec.Struct, frozen=True):
     bytes: int
 
 
+class SaveSnapshot(msgspec.Struct, frozen=True):
+    """Tell (store -> GPUExecutor): write snapshot `handle` to a file in `directory`, `metadata`
+    in its header. `free_after`: the store no longer keeps it in memory (evicted): free it once
+    copied out. `nbytes` (what it holds) counts against the GPUExecutor's write-queue bound; past
+    the bound the write is dropped. Answered with SnapshotSaved."""
+
+    key: bytes
+    handle: int
+    nbytes: int
+    directory: str
+    metadata: dict[str, str]
+    free_after: bool = False
+
+
+class SnapshotSaved(msgspec.Struct, frozen=True):
+    """Tell (GPUExecutor -> store): the file of `key` is on disk (`name`, `nbytes`), or `error`:
+    "busy" (dropped: the write queue was full), "gone" (the handle was already freed), "io"."""
+
+    key: bytes
+    name: str = ""
+    nbytes: int = 0
+    error: Literal["busy", "gone", "io"] | None = None
+    detail: str = ""
+
+
+class LoadSnapshot(msgspec.Struct, frozen=True):
+    """Tell (store -> GPUExecutor): read the file at `path` off the GPU thread, check it (size,
+    checksum, `identity`, `length`, then every tensor against the live model's cache layout) and
+    make it a snapshot handle. Answered with SnapshotLoaded."""
+
+    key: bytes
+    path: str
+    length: int
+    identity: SnapshotIdentity
+
+
+class SnapshotLoaded(msgspec.Struct, frozen=True):
+    """Tell (GPUExecutor -> store): `handle` now holds the file's snapshot (`nbytes` held), or
+    `error` says why the file cannot be used ("io": it could not be read, the file is kept)."""
+
+    key: bytes
+    handle: int | None = None
+    nbytes: int = 0
+    error: RejectReason | Literal["io"] | None = None
+    detail: str = ""
+    seconds: float = 0.0  # read, check and load
+
+
+class PersistPrefixCache(msgspec.Struct, frozen=True):
+    """Request (a drain, an operator): write every snapshot held in memory that is worth keeping
+    and not on disk yet, then wait for the writes under way, all within `timeout_s`. Reply:
+    Persisted. Without the disk tier: Persisted(enabled=False)."""
+
+    timeout_s: float = 30.0
+
+
+class Persisted(msgspec.Struct, frozen=True):
+    enabled: bool
+    written: int = 0  # files written by this request
+    bytes: int = 0
+    failed: int = 0  # writes that did not land (dropped, errors)
+    pending: int = 0  # writes still under way at the deadline
+    seconds: float = 0.0
+
+
 class GetPrefixStats(msgspec.Struct, frozen=True):
     """Ask. Reply: PrefixStats."""
+
+
+class DiskStats(msgspec.Struct, frozen=True):
+    """The disk tier's counters (`PrefixStats.disk`)."""
+
+    directory: str
+    entries: int
+    bytes: int
+    budget_bytes: int
+    reserved_bytes: int  # writes under way
+    pinned: int  # files being loaded
+    found_at_start: int  # usable files the start-up scan found
+    hits: int  # lookups restored from a snapshot loaded from disk
+    hit_tokens: int
+    loads: int
+    load_seconds: float  # read + check + load, summed
+    rejected: dict[str, int]  # files never loaded into a request, by reason (removed): corrupt,
+    # truncated, mismatch (another model, dtype, library version or format), missing, layout
+    load_errors: int  # files that could not be read (kept)
+    writes: int
+    written_bytes: int
+    writes_dropped: int  # the write queue was full (the disk slower than snapshots come)
+    write_errors: int
+    writes_skipped: int  # larger than the budget left by pinned files, or superseded turns
+    pending_writes: int
+    evictions: int  # files deleted to stay within the budget
+    evicted_bytes: int
+    temporaries_removed: int  # half-written files of an earlier run
 
 
 class PrefixStats(IndexStats, frozen=True):
@@ -82,3 +178,4 @@ class PrefixStats(IndexStats, frozen=True):
     media_entries: int
     turn_entries: int
     turns_skipped: int  # turn snapshots not taken: a one-shot chat, no next turn likely
+    disk: DiskStats | None = None  # the disk tier (None: off)

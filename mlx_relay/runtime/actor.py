@@ -77,6 +77,12 @@ class Actor:
         only (`ActorCrashed`). The consumer leaving cancels the job."""
         self.cell.start_job(stream, job)
 
+    def start_task(self, task: Callable[[], Awaitable[None]]) -> None:
+        """Run `task` as a task of the cell beside the actor's loop, answering nobody: background
+        work the actor owns (a file write, a load whose result the actor tells itself or another
+        actor). It is cancelled when the actor stops or restarts; a failure crashes the actor."""
+        self.cell.start_task(task)
+
     @property
     def ref(self) -> ActorRef:
         return self.cell.ref
@@ -177,6 +183,26 @@ class ActorCell:
         self.stopped = anyio.Event()
         self._jobs: TaskGroup | None = None
         self._job_scopes: dict[int, anyio.CancelScope] = {}
+        self._task_scopes: set[anyio.CancelScope] = set()
+
+    def start_task(self, task: Callable[[], Awaitable[None]]) -> None:
+        assert self._jobs is not None, "tasks run while the cell runs"
+        scope = anyio.CancelScope()
+        self._task_scopes.add(scope)
+        self._jobs.start_soon(self._run_task, task, scope)
+
+    async def _run_task(self, task: Callable[[], Awaitable[None]], scope: anyio.CancelScope) -> None:
+        try:
+            with scope:
+                try:
+                    await task()
+                except BaseException as exc:
+                    if not is_failure(exc):
+                        raise
+                    log.error("actor %s: a background task failed", self.name, exc_info=exc)
+                    self.mailbox.put_control(Envelope(Crash(f"a background task failed: {type(exc).__name__}: {exc}")))
+        finally:
+            self._task_scopes.discard(scope)
 
     def start_job(self, stream: ReplyStream, job: Callable[[], Awaitable[msgspec.Struct]]) -> None:
         assert self._jobs is not None, "jobs run while the cell runs"
@@ -206,7 +232,7 @@ class ActorCell:
                 self.held.pop(stream.id, None)
 
     def _cancel_jobs(self) -> None:
-        for scope in self._job_scopes.values():
+        for scope in (*self._job_scopes.values(), *self._task_scopes):
             scope.cancel()
 
     def stream_cancelled(self, stream: ReplyStream) -> None:
