@@ -369,3 +369,57 @@ async def test_jobs_run_beside_the_mailbox_and_fail_alone() -> None:
         with anyio.fail_after(1):
             while await ref.ask(Get()) != 1:
                 await anyio.sleep(0.01)
+
+
+class Background(msgspec.Struct):
+    seconds: float
+    fail: bool = False
+
+
+class Tasker(Actor):
+    """Runs Background as a task of its own (`start_task`): nobody waits for it; it tells itself
+    the result (Add) through its mailbox."""
+
+    accepts = (Background, Add, Get)
+
+    def __init__(self, log: list[str]) -> None:
+        self.total = 0
+        self.log = log
+
+    async def receive(self, msg, stream):
+        match msg:
+            case Background(seconds=s, fail=fail):
+                async def task() -> None:
+                    try:
+                        await anyio.sleep(s)
+                    except anyio.get_cancelled_exc_class():
+                        self.log.append("cancelled")
+                        raise
+                    if fail:
+                        raise RuntimeError("a background write failed")
+                    await self.ref.tell(Add(1))
+
+                self.start_task(task)
+            case Add(n=n):
+                self.total += n
+            case Get():
+                return self.total
+
+
+async def test_background_tasks_run_beside_the_mailbox_crash_the_actor_and_end_with_it() -> None:
+    log: list[str] = []
+    async with ActorSystem(policy=FAST) as system:
+        ref = await system.spawn(Tasker, log, name="t")
+        with anyio.fail_after(2):
+            for _ in range(3):
+                await ref.tell(Background(0.2))
+            assert await ref.ask(Get()) == 0  # answered while the tasks run
+            while await ref.ask(Get()) != 3:
+                await anyio.sleep(0.01)
+            await ref.tell(Background(0.0, fail=True))  # a failing task crashes its actor ...
+            while system.cell("t").restarts != 1:
+                await anyio.sleep(0.01)
+            assert await ref.ask(Get()) == 0  # ... which restarts fresh
+        await ref.tell(Background(5.0))
+        await anyio.sleep(0.05)
+    assert log == ["cancelled"]  # the actor's stop ends its tasks

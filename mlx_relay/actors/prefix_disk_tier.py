@@ -22,6 +22,7 @@ request prefills as it would have without it.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -184,8 +185,10 @@ class DiskTier:
             return None
         self._delete([e.name for e in evicted])
         write = self._writing[entry.key] = _Write(entry.nbytes, entry.length, entry.kind, anyio.Event())
+        # a write id: every file's bytes (so its checksum, so its name) are its own, and a file
+        # deleted late (eviction, rejection) is never a newer file of the same snapshot
         meta = {**self.config.identity.metadata(), "relay.key": entry.key.hex(), "relay.length": str(entry.length),
-                "relay.kind": entry.kind}
+                "relay.kind": entry.kind, "relay.write": uuid.uuid4().hex}
         await self.gpu.tell(SaveSnapshot(entry.key, entry.handle, entry.nbytes, str(self.directory), meta,
                                          free_after))
         return write.done
