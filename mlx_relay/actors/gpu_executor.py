@@ -20,10 +20,10 @@ The prefix cache's disk tier (the store decides, this actor executes): a snapsho
 copied to host bytes on the GPU thread, between steps (one copy of arrays already evaluated),
 and written by a writer thread, one file at a time; host copies waiting for the disk are bounded
 (`EngineConfig.prefix_cache_disk_queue_bytes`), past that a write is dropped and reported, never
-waited for. A file to load is read and checksummed by a reader thread, then turned into a
-snapshot on the GPU thread, each tensor checked against the model's cache layout (probed at
-start, when the disk tier is on). A file that fails any check is reported, never loaded into a
-request and never a crash.
+waited for. A file to load is checked and checksummed by a reader thread (which also brings it
+into the page cache), then loaded by MLX on the GPU thread (one copy from memory), each tensor
+checked against the model's cache layout (probed at start, when the disk tier is on). A file
+that fails any check is reported, never loaded into a request and never a crash.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from mlx_relay.cache.snapshot_files import (
     SnapshotIdentity,
     library_versions,
     model_fingerprint,
-    read_verified,
+    verify,
     write_atomic,
 )
 from mlx_relay.config import EngineConfig, SpecPrefillConfig
@@ -219,12 +219,14 @@ class GPUExecutor(Actor):
         self._write_pending += msg.nbytes
         self.start_task(lambda: self._write(msg, copied))
 
-    async def _write(self, msg: SaveSnapshot, copied: Future[memoryview]) -> None:
+    async def _write(self, msg: SaveSnapshot, copied: Future[tuple[memoryview, float]]) -> None:
         try:
-            data = await asyncio.wrap_future(copied)
+            data, copy_seconds = await asyncio.wrap_future(copied)
+            tic = time.perf_counter()
             name, size = await anyio.to_thread.run_sync(write_atomic, Path(msg.directory), msg.key, data,
                                                         limiter=self._writer)
-            result = SnapshotSaved(msg.key, name, size)
+            result = SnapshotSaved(msg.key, name, size, copy_seconds=copy_seconds,
+                                   write_seconds=time.perf_counter() - tic)
         except KeyError:
             result = SnapshotSaved(msg.key, error="gone")
         except Exception as exc:  # a full disk, a copy MLX refused: reported, never a crash
@@ -237,9 +239,8 @@ class GPUExecutor(Actor):
     async def _load(self, msg: LoadSnapshot, thread: GPUThread, core: EngineCore) -> None:
         tic = time.perf_counter()
         try:
-            data = await anyio.to_thread.run_sync(read_verified, Path(msg.path), msg.identity, msg.length,
-                                                  limiter=self._reader)
-            handle, nbytes = await asyncio.wrap_future(thread.submit(core.load_snapshot, data, msg.length))
+            await anyio.to_thread.run_sync(verify, Path(msg.path), msg.identity, msg.length, limiter=self._reader)
+            handle, nbytes = await asyncio.wrap_future(thread.submit(core.load_snapshot, msg.path, msg.length))
             result = SnapshotLoaded(msg.key, handle, nbytes, seconds=time.perf_counter() - tic)
         except SnapshotFileError as exc:
             log.warning("prefix snapshot %s not used (%s): %s", msg.path, exc.reason, exc)

@@ -67,6 +67,8 @@ class _Counters(msgspec.Struct):
     load_errors: int = 0
     writes: int = 0
     written_bytes: int = 0
+    copy_seconds: float = 0.0
+    write_seconds: float = 0.0
     writes_dropped: int = 0
     write_errors: int = 0
     writes_skipped: int = 0
@@ -198,9 +200,11 @@ class DiskTier:
         if write is None:
             return
         c = self._counters
+        c.copy_seconds += msg.copy_seconds
         if msg.error is None:
             c.writes += 1
             c.written_bytes += msg.nbytes
+            c.write_seconds += msg.write_seconds
             entry = DiskEntry(msg.key, write.length, write.kind, msg.name, msg.nbytes, time.time())  # type: ignore[arg-type]
             evicted = self.index.add(entry, write.reserved)
             self._delete([e.name for e in evicted if e.name != msg.name or e.key not in self.index])
@@ -248,6 +252,8 @@ class DiskTier:
                          reserved_bytes=s.reserved_bytes, pinned=s.pinned, found_at_start=c.found_at_start,
                          hits=c.hits, hit_tokens=c.hit_tokens, loads=c.loads, load_seconds=round(c.load_seconds, 4),
                          rejected=dict(c.rejected), load_errors=c.load_errors, writes=c.writes,
-                         written_bytes=c.written_bytes, writes_dropped=c.writes_dropped, write_errors=c.write_errors,
+                         written_bytes=c.written_bytes, copy_seconds=round(c.copy_seconds, 4),
+                         write_seconds=round(c.write_seconds, 4), writes_dropped=c.writes_dropped,
+                         write_errors=c.write_errors,
                          writes_skipped=c.writes_skipped, pending_writes=len(self._writing), evictions=s.evictions,
                          evicted_bytes=s.evicted_bytes, temporaries_removed=c.temporaries_removed)

@@ -14,8 +14,8 @@ reads headers only.
   file, which the next scan removes, never a half-written snapshot under a real name);
 - `scan`: the directory's files that match this identity (the others are removed and counted by
   reason), metadata only;
-- `read_verified`: a file's bytes, checked (size, checksum, identity, key, length) or a typed
-  `SnapshotFileError`.
+- `verify`: a file checked (size, checksum, identity, key, length) before MLX loads it, or a
+  typed `SnapshotFileError`.
 
 The model fingerprint covers config.json and each weights file's name, size, safetensors header
 and samples of its bytes (a fine-tune of the same architecture differs), not its path.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import struct
@@ -51,10 +52,10 @@ __all__ = [
     "library_versions",
     "model_fingerprint",
     "namespace_dir",
-    "read_verified",
     "remove_files",
     "scan",
     "touch_files",
+    "verify",
     "write_atomic",
 ]
 
@@ -266,21 +267,29 @@ def scan(directory: Path, identity: SnapshotIdentity) -> ScanResult:
     return ScanResult(files, rejected, temporaries)
 
 
-def read_verified(path: Path, identity: SnapshotIdentity, length: int) -> bytes:
-    """The whole file, checked: size against its header, checksum against its name, metadata
-    against `identity` and the expected `length`. Marks the file used (mtime) on success."""
+def verify(path: Path, identity: SnapshotIdentity, length: int) -> int:
+    """Check a file before MLX loads it: size against its header, checksum (over a read-only
+    mapping: no copy) against its name, metadata against `identity` and the expected `length`.
+    Returns its size; marks it used (mtime). The file's pages are then in the page cache, so the
+    GPU thread's `mx.load` of it is one copy from memory. Files are immutable once written (a new
+    write is a new name), so what is loaded is what was checked."""
     m = _NAME.match(path.name)
     if m is None:
         raise SnapshotCorrupt("not a snapshot file name")
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise SnapshotTruncated("shorter than a safetensors header")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                n = struct.unpack("<Q", data[:8])[0]
+                meta, implied = _parse_header(data[:8 + min(n, _MAX_HEADER)], size)
+                if implied > size:
+                    raise SnapshotTruncated(f"{size} bytes, its header says {implied}")
+                if _checksum(data) != m.group(2):
+                    raise SnapshotCorrupt("checksum mismatch")
     except FileNotFoundError:
         raise SnapshotMissing(str(path)) from None
-    meta, implied = _parse_header(data, len(data))
-    if implied > len(data):
-        raise SnapshotTruncated(f"{len(data)} bytes, its header says {implied}")
-    if _checksum(data) != m.group(2):
-        raise SnapshotCorrupt("checksum mismatch")
     got, _kind = _check_meta(meta, identity, m.group(1))
     if got != length:
         raise SnapshotCorrupt(f"holds {got} tokens, expected {length}")
@@ -288,7 +297,7 @@ def read_verified(path: Path, identity: SnapshotIdentity, length: int) -> bytes:
         os.utime(path)
     except OSError:
         pass
-    return data
+    return size
 
 
 def remove_files(directory: Path, names: Iterable[str]) -> None:

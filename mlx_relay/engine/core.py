@@ -159,19 +159,22 @@ class EngineCore:
             self._layout = probe_layout(self._model.language_model, mtp.head if isinstance(mtp, MTPLane) else None)
         return self._layout
 
-    def encode_snapshot(self, handle: int, metadata: dict[str, str], free_after: bool = False) -> memoryview:
+    def encode_snapshot(self, handle: int, metadata: dict[str, str],
+                        free_after: bool = False) -> tuple[memoryview, float]:
         """A held snapshot as safetensors bytes (one host copy; the file is written off this
-        thread); `free_after`: the snapshot is dropped once copied. KeyError: no such snapshot."""
+        thread) and the seconds the copy held this thread; `free_after`: the snapshot is dropped
+        once copied. KeyError: no such snapshot."""
+        tic = time.perf_counter()
         try:
-            return encode(self.snapshots.get(handle), metadata)
+            return encode(self.snapshots.get(handle), metadata), time.perf_counter() - tic
         finally:
             if free_after:
                 self.snapshots.free([handle])
 
-    def load_snapshot(self, data: bytes, length: int) -> tuple[int, int]:
-        """A verified file's bytes as a new snapshot, checked against the cache layout:
-        (handle, bytes held). `SnapshotFileError` when it does not fit."""
-        snap = decode(data, length, self.snapshot_layout())
+    def load_snapshot(self, source: str | bytes, length: int) -> tuple[int, int]:
+        """A verified file (its path, or its bytes) as a new snapshot, checked against the cache
+        layout: (handle, bytes held). `SnapshotFileError` when it does not fit."""
+        snap = decode(source, length, self.snapshot_layout())
         return self.snapshots.add(snap), snap.nbytes
 
     def free_features(self, hashes: list[str]) -> None:

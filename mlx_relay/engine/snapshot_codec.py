@@ -3,8 +3,10 @@ prefix cache's disk tier.
 
 `encode` turns a held `Snapshot` into the bytes of one safetensors file (MLX's own
 `mx.save_safetensors`, into memory: one host copy of the already evaluated arrays; the file is
-written off this thread, `cache.snapshot_files.write_atomic`). `decode` turns verified bytes back
-into a `Snapshot` whose tensors are checked, name by name, against the live model's cache layout
+written off this thread, `cache.snapshot_files.write_atomic`). `decode` loads a file already
+checked off this thread (`cache.snapshot_files.verify`: size, checksum, identity; its pages then
+in the page cache, so MLX's `mx.load` is one copy from memory) into a `Snapshot` whose tensors
+are checked, name by name, against the live model's cache layout
 (`probe_layout`: one token through fresh caches, at start) before any of them can reach a
 request: a file that does not fit raises `SnapshotLayoutError` and is never restored.
 
@@ -134,11 +136,11 @@ def _entries(arrays: dict[str, mx.array], prefix: str, layout: tuple[LayerLayout
     return out
 
 
-def decode(data: bytes, length: int, layout: CacheLayout) -> Snapshot:
-    """A `Snapshot` of `length` tokens from a verified file's bytes, every tensor checked against
-    `layout` (the head's caches are kept only where this engine has the head)."""
+def decode(source: str | bytes, length: int, layout: CacheLayout) -> Snapshot:
+    """A `Snapshot` of `length` tokens from a verified file (its path, or its bytes), every tensor
+    checked against `layout` (the head's caches are kept only where this engine has the head)."""
     try:
-        loaded = mx.load(io.BytesIO(data), format="safetensors")
+        loaded = mx.load(io.BytesIO(source) if isinstance(source, bytes) else source, format="safetensors")
     except Exception as exc:  # MLX's parser: a file that passed the checksum but is no safetensors
         raise SnapshotCorrupt(f"MLX could not read it: {exc}") from None
     assert isinstance(loaded, dict)

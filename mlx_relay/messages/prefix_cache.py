@@ -94,6 +94,8 @@ class SnapshotSaved(msgspec.Struct, frozen=True):
     nbytes: int = 0
     error: Literal["busy", "gone", "io"] | None = None
     detail: str = ""
+    copy_seconds: float = 0.0  # the host copy, on the GPU thread (between steps)
+    write_seconds: float = 0.0  # waiting for the writer thread and writing (off the GPU thread)
 
 
 class LoadSnapshot(msgspec.Struct, frozen=True):
@@ -159,6 +161,8 @@ class DiskStats(msgspec.Struct, frozen=True):
     load_errors: int  # files that could not be read (kept)
     writes: int
     written_bytes: int
+    copy_seconds: float  # host copies for the writes, on the GPU thread (between steps), summed
+    write_seconds: float  # the writes themselves, off the GPU thread, summed
     writes_dropped: int  # the write queue was full (the disk slower than snapshots come)
     write_errors: int
     writes_skipped: int  # larger than the budget left by pinned files, or superseded turns
