@@ -40,6 +40,17 @@ def test_log_flags_reach_the_config() -> None:
     assert config.log_format == "text" and not config.log_prompts and config.drain_timeout_s == 30.0
 
 
+def test_prefix_disk_flags_reach_the_engine_config() -> None:
+    from mlx_relay.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args([
+        "serve", "m", "--prefix-cache-dir", "/ssd/relay", "--prefix-cache-disk-gb", "2.5"])
+    engine = config_from_args(args).engine
+    assert engine.prefix_cache_dir == "/ssd/relay" and engine.prefix_cache_disk_bytes == 5 << 29
+    engine = config_from_args(build_parser().parse_args(["serve", "m"])).engine
+    assert engine.prefix_cache_dir is None and engine.prefix_cache_disk_bytes == 20 << 30
+
+
 def test_serve_starts_announces_and_stops(fp32_model: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
