@@ -188,7 +188,7 @@ class GPUExecutor(Actor):
                 thread.submit(core.free_snapshots, handles, release)
                 return None
             case SaveSnapshot():
-                await self._save(msg, thread, core)
+                self._save(msg, thread, core)
                 return None
             case LoadSnapshot():
                 self.start_task(lambda: self._load(msg, thread, core))
@@ -207,13 +207,14 @@ class GPUExecutor(Actor):
         raise TypeError(type(msg).__name__)
 
     # -- the prefix cache's disk tier --------------------------------------------------------------
-    async def _save(self, msg: SaveSnapshot, thread: GPUThread, core: EngineCore) -> None:
+    def _save(self, msg: SaveSnapshot, thread: GPUThread, core: EngineCore) -> None:
         """Copy the snapshot out on the GPU thread now (in order with the store's frees), write
         it off the loop; past the queue bound, drop it."""
         if self._write_pending and self._write_pending + msg.nbytes > self.config.prefix_cache_disk_queue_bytes:
             if msg.free_after:
                 thread.submit(core.free_snapshots, [msg.handle])
-            await self._to_store(SnapshotSaved(msg.key, error="busy"))
+            # told from a task: this mailbox never waits on the store's (which may be waiting on this one)
+            self.start_task(lambda: self._to_store(SnapshotSaved(msg.key, error="busy")))
             return
         copied = thread.submit(core.encode_snapshot, msg.handle, msg.metadata, msg.free_after)
         self._write_pending += msg.nbytes

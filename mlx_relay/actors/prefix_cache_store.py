@@ -142,7 +142,8 @@ class PrefixCacheStore(Actor):
                     return _reply(stream, Persisted(False))
                 # system and media snapshots first, then turns, most recently used first
                 entries = sorted(reversed(self.index.entries()), key=lambda e: e.kind not in WRITE_THROUGH)
-                return self._answer_later(stream, lambda: disk.persist(entries, timeout))
+                return self._answer_later(stream, lambda: disk.persist(
+                    entries, lambda e: self.index.entry(e.handle) is not None, timeout))
         raise TypeError(type(msg).__name__)
 
     async def on_stop(self) -> None:

@@ -216,15 +216,18 @@ class DiskTier:
                 c.write_errors += 1
         write.done.set()
 
-    async def persist(self, entries: list[Entry], timeout_s: float) -> Persisted:
-        """Write `entries` (those worth it, one at a time: the write queue is never the limit),
-        wait for every write under way, and persist last-use times; all within `timeout_s`."""
+    async def persist(self, entries: list[Entry], held: Callable[[Entry], bool], timeout_s: float) -> Persisted:
+        """Write `entries` (those still `held` in memory and worth it, one at a time: the write
+        queue is never the limit), wait for every write under way, and persist last-use times;
+        all within `timeout_s`."""
         tic = time.perf_counter()
         before = (self._counters.writes, self._counters.written_bytes,
                   self._counters.writes_dropped + self._counters.write_errors)
         with anyio.move_on_after(timeout_s):
             for entry in entries:
-                if self.worth_writing(entry) and (done := await self.save(entry, free_after=False)) is not None:
+                if not held(entry) or not self.worth_writing(entry):
+                    continue
+                if (done := await self.save(entry, free_after=False)) is not None:
                     await done.wait()
             while self._writing:
                 await next(iter(self._writing.values())).done.wait()

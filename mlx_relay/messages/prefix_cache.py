@@ -131,7 +131,7 @@ class PersistPrefixCache(msgspec.Struct, frozen=True):
 
 class Persisted(msgspec.Struct, frozen=True):
     enabled: bool
-    written: int = 0  # files written by this request
+    written: int = 0  # files written while it ran
     bytes: int = 0
     failed: int = 0  # writes that did not land (dropped, errors)
     pending: int = 0  # writes still under way at the deadline
