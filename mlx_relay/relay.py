@@ -92,6 +92,7 @@ class DrainReport(msgspec.Struct, frozen=True):
     seconds: float
     ended: int  # generations ended by the deadline (their streams got a retryable error)
     flushed: Flushed | None = None  # the prefix cache's flush, the drain's last step (None: no cache)
+    persisted: Persisted | None = None  # the disk tier's writes before the flush (None: no disk tier)
 
 
 class ChatResult(msgspec.Struct, frozen=True):
@@ -253,8 +254,23 @@ class Relay:
                                                 f"within the {timeout_s:g}s drain"))
             with anyio.move_on_after(5.0):  # their responses write the terminal events and let go
                 await self.admission.request(WhenIdle())
+        persisted = await self._persist_for_exit()
         flushed = await self._flush_for_exit()
-        return DrainReport(seconds=round(time.monotonic() - tic, 3), ended=ended, flushed=flushed)
+        return DrainReport(seconds=round(time.monotonic() - tic, 3), ended=ended, flushed=flushed,
+                           persisted=persisted)
+
+    async def _persist_for_exit(self) -> Persisted | None:
+        """Before the flush: the disk tier (`--prefix-cache-dir`) writes what it holds only in
+        memory and waits for its writes under way (30 s at most), so the next process restores
+        the warm sessions. None without a disk tier, or if the store cannot answer."""
+        if self.service is None or self.service.prefix_store is None or self.config.engine.prefix_cache_dir is None:
+            return None
+        try:
+            with anyio.fail_after(35.0):
+                return await self.persist_prefix_cache(30.0)
+        except Exception as exc:
+            log.warning("the prefix cache's disk tier could not be written at exit: %s", type(exc).__name__)
+            return None
 
     async def _flush_for_exit(self) -> Flushed | None:
         """The drain's last step, once no request runs: the PrefixCacheStore's `Flush` (where a

@@ -260,3 +260,16 @@ async def test_store_writes_system_through_spills_evictions_and_skips_superseded
     stats = await store.receive(GetPrefixStats(), None)
     assert isinstance(stats, PrefixStats) and stats.disk is not None
     assert (stats.disk.writes_dropped, stats.disk.pending_writes, stats.disk.reserved_bytes) == (1, 2, 200)
+
+
+async def test_the_drain_writes_the_disk_tier_before_the_flush(fp32_model: Path, tmp_path: Path) -> None:
+    """SIGTERM's path (`Relay.drain`): an agent's turn snapshot held only in memory is on disk
+    once the drain returns, before the flush drops the memory tier."""
+    async with Relay.start(fp32_model, prefix_cache_dir=str(tmp_path), **CACHE) as relay:
+        await relay.chat(agent([], "Run the tests"), tools=TOOLS, **OPTS)
+        directory = Path((await relay.prefix_cache_stats())["prefix_cache"]["disk"]["directory"])
+        before = set(os.listdir(directory))
+        drained = await relay.drain(5.0)
+    assert drained.persisted is not None and drained.persisted.written == 1 and drained.persisted.pending == 0
+    assert drained.flushed is not None
+    assert len(set(os.listdir(directory)) - before) == 1
