@@ -2,7 +2,7 @@
 # wheels stashed by the first call, the repo on PYTHONPATH, the tokenizer unpacked.
 set -euo pipefail
 source .device-kit/part2/setup.sh
-if [ ! -f /tmp/site/.extra-wheels-v6 ]; then
+if [ ! -f /tmp/site/.extra-wheels-v7 ]; then
   # every non-MLX wheel once: the stash's, plus those of .device-kit/extra the stash lacks (a wheel
   # named twice stops pip); the marker is written only when pip succeeded
   shopt -s nullglob
@@ -10,7 +10,7 @@ if [ ! -f /tmp/site/.extra-wheels-v6 ]; then
   for w in .device-kit/extra/*.whl; do [ -f "/root/stash/wheels/$(basename "$w")" ] || wheels+=("$w"); done
   shopt -u nullglob
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}" \
-    && touch /tmp/site/.extra-wheels-v6 || { echo "device_env.sh: installing the wheels failed" >&2; return 1; }
+    && touch /tmp/site/.extra-wheels-v7 || { echo "device_env.sh: installing the wheels failed" >&2; return 1; }
 fi
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export MLX_RELAY_CACHE=/root/mlx-relay-cache
