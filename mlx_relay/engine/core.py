@@ -204,7 +204,10 @@ class EngineCore:
             # drained after a burst: MLX's freed buffers (prefill chunks and batch states, which MLX
             # keeps for reuse up to its cache limit: 139 GB of an H200 after 64 streams) go back to
             # the device; a lone agent's few buffers stay below the bound and stay cached
+            cached = mx.get_cache_memory()
             mx.clear_cache()
+            log.info("idle: gave %.2f GB of MLX's buffer cache back (%.2f GB in use)", cached / 1e9,
+                     mx.get_active_memory() / 1e9)
         return out
 
     def _execute(self, plan: StepPlan, out: StepOutput) -> _Executed:
