@@ -15,15 +15,27 @@ and kernel compilation), and whether its greedy tokens equal the library's over 
 (bf16 on a GPU may round differently; the float32 tests pin exactness). Writes JSON.
 
     python benchmarks/bench_decode_step.py [MODEL_DIR] [--batch 1,4] [--out out.json]
+
+`--count-ops`: instead of timing, the operations one step evaluates, per variant (MLX's own graph
+export, `mx.export_to_dot`, of one step's logits and new cache state): every primitive, and
+those that launch work (views such as reshapes, broadcasts, slices and transposes launch nothing;
+a compiled function's fused elementwise chain is one). On a GPU each launching primitive is
+about one kernel launch, and the step is launch-bound (`../shared` GPU notes: ~2,345 kernels per
+token for the library's step), so this counts what the compiled step saves, on any machine.
+On the CPU backend MLX's fast primitives (rms_norm, rope, attention) expand into the ops they are
+made of, so counts there exceed what a GPU launches; compare variants, not machines.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
+import re
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -120,6 +132,40 @@ class Ours:
         return mx.argmax(self.step_fn(tokens, state), axis=-1).astype(mx.int32)
 
 
+# primitives that make a view or change metadata only: no kernel on the GPU
+VIEWS = frozenset({"Reshape", "Broadcast", "Slice", "Transpose", "AsStrided", "ExpandDims", "Squeeze",
+                   "StopGradient", "Depends", "Split", "Flatten", "Unflatten", "BroadcastAxes", "NumberOfElements"})
+
+
+def step_ops(variant: Any) -> collections.Counter[str]:
+    """The primitives of one (unevaluated) step: its next tokens and every array of its new cache state."""
+    state, tokens = variant.start()
+    mx.eval(tokens)
+    nxt = variant.step(state, tokens, 0)
+    if isinstance(state, DecodeState):
+        outs = [a for pair in state.kv for a in pair] + list(state.conv) + list(state.ssm)
+    else:
+        outs = [a for c in state for a in (c.state if isinstance(c.state, (list, tuple)) else [c.state])
+                if isinstance(a, mx.array)]
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, nxt, *outs)
+        dot = Path(f.name).read_text()
+    labels = re.findall(r'label ="([^"]+)", shape=rectangle', dot)
+    mx.eval(nxt, *outs)
+    return collections.Counter(labels)
+
+
+def count_ops(lm: Any, rows: list[tuple[list[Any], mx.array]], prompt_len: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, v in {"library": Library(lm, rows, prompt_len), "eager": Ours(lm, rows, False),
+                    "compiled": Ours(lm, rows, True)}.items():
+        ops = step_ops(v)
+        launching = {k: n for k, n in ops.items() if k not in VIEWS}
+        out[name] = {"primitives": sum(ops.values()), "launching": sum(launching.values()),
+                     "by_primitive": dict(sorted(launching.items(), key=lambda kv: -kv[1]))}
+    return out
+
+
 def run_pass(variant: Any, steps: int, rows: int) -> tuple[float, float, list[list[int]]]:
     """(ms per step, host ms per step, tokens per row) over `steps` pipelined steps."""
     state, tokens = variant.start()
@@ -148,6 +194,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--count-ops", action="store_true", help="count one step's operations instead of timing")
     args = parser.parse_args()
     model = Path(args.model) if args.model else fixture_path(FixtureSpec("bf16", 0))
     loaded = load_model(model)
@@ -159,6 +206,14 @@ def main() -> None:
                                "repeats": args.repeats, "batches": {}}
     for b in (int(x) for x in args.batch.split(",")):
         rows = [prefill(lm, [rng.randrange(100, vocab - 1) for _ in range(args.prompt_tokens)]) for _ in range(b)]
+        if args.count_ops:
+            counted = count_ops(lm, rows, args.prompt_tokens)
+            results["batches"][str(b)] = counted
+            print(f"batch {b}: " + "; ".join(f"{n} {c['launching']} launching of {c['primitives']} primitives"
+                                             for n, c in counted.items()), flush=True)
+            for n, c in counted.items():
+                print(f"  {n}: " + ", ".join(f"{k} {v}" for k, v in list(c["by_primitive"].items())[:14]))
+            continue
         variants = {"library": Library(lm, rows, args.prompt_tokens), "eager": Ours(lm, rows, False),
                     "compiled": Ours(lm, rows, True)}
         first_call: dict[str, float] = {}

@@ -48,7 +48,7 @@ def main() -> None:
             try:
                 out = fn(q, k, v, a, b, A_log, dt_bias, states)
                 mx.eval(out)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 print(f"B={B} {name}: {type(exc).__name__}: {exc}")
                 continue
             times = []
@@ -60,8 +60,8 @@ def main() -> None:
             print(f"B={B} {name}: {sorted(times)[10] * 1e3:.2f} ms per 30 updates", flush=True)
         if len(results) == 2:
             (y0, s0), (y1, s1) = results.values()
-            dy = max(mx.max(mx.abs(a_.astype(mx.float32) - b_.astype(mx.float32))).item() for a_, b_ in zip(y0, y1))
-            ds = max(mx.max(mx.abs(a_ - b_)).item() for a_, b_ in zip(s0, s1))
+            dy = max(mx.max(mx.abs(a_.astype(mx.float32) - b_.astype(mx.float32))).item() for a_, b_ in zip(y0, y1, strict=True))
+            ds = max(mx.max(mx.abs(a_ - b_)).item() for a_, b_ in zip(s0, s1, strict=True))
             print(f"B={B} max |dy| {dy:.3g}, max |dstate| {ds:.3g}")
 
 
