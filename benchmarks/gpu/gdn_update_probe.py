@@ -60,7 +60,8 @@ def main() -> None:
             print(f"B={B} {name}: {sorted(times)[10] * 1e3:.2f} ms per 30 updates", flush=True)
         if len(results) == 2:
             (y0, s0), (y1, s1) = results.values()
-            dy = max(mx.max(mx.abs(a_.astype(mx.float32) - b_.astype(mx.float32))).item() for a_, b_ in zip(y0, y1, strict=True))
+            dy = max(mx.max(mx.abs(a_.astype(mx.float32) - b_.astype(mx.float32))).item()
+                     for a_, b_ in zip(y0, y1, strict=True))
             ds = max(mx.max(mx.abs(a_ - b_)).item() for a_, b_ in zip(s0, s1, strict=True))
             print(f"B={B} max |dy| {dy:.3g}, max |dstate| {ds:.3g}")
 
