@@ -17,6 +17,14 @@ Memory: every weight is drawn in bf16 one decoder layer at a time, evaluated and
 before the next, with MLX's buffer cache off, so the peak stays near the final 8-bit size
 (a whole-model random init ran out of GPU memory; ../shared/device/README.md).
 `--tiny` builds the same architecture at toy size, for checking the script on a CPU.
+
+`--mtp-agree RATE` (0 < RATE <= 1; issue 17.5) builds the 35B-A3B shape with chosen values instead
+of noise (benchmarks/gpu/mtp_agree.py): the target's greedy next token is a fixed long cycle over
+the regular vocabulary (the fixtures' bigram construction), and the MTP head drafts the target's
+next token on a set share of the cycle, so MTP's block-2 acceptance is RATE; every layer, expert
+and projection is still full size, 8-bit and computed. After quantization it checks the chain, the
+head's agreement and the whole target on a window of the cycle, and prints the figures. With
+`--tiny` the hidden size is 256 (not 64) so that the bigram stays exact over the full vocabulary.
 """
 
 from __future__ import annotations
@@ -85,6 +93,8 @@ TINY_OVERRIDES: dict[str, Any] = {
 }
 TINY_VISION: dict[str, Any] = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                                "out_hidden_size": 64, "num_position_embeddings": 64}
+# --tiny --mtp-agree: the cycle's logit margin is ~sqrt(hidden / 2) competitor deviations, too thin at 64
+TINY_AGREE_HIDDEN = 256
 
 # SpecPrefill's draft: the text shape of the dense Qwen3.5-0.8B, the same vocabulary, no MoE, no MTP head.
 TEXT_DRAFT: dict[str, Any] = {
@@ -128,7 +138,7 @@ def special_ids(tokenizer_dir: Path) -> dict[str, int]:
     return {t["content"]: t["id"] for t in tok["added_tokens"]}
 
 
-def make_config(tokenizer_dir: Path, tiny: bool, shape: str = "35b-a3b") -> dict[str, Any]:
+def make_config(tokenizer_dir: Path, tiny: bool, shape: str = "35b-a3b", agree: bool = False) -> dict[str, Any]:
     if shape == "draft":
         return make_draft_config(tokenizer_dir, tiny)
     text = copy.deepcopy(TEXT_35B_A3B)
@@ -136,6 +146,8 @@ def make_config(tokenizer_dir: Path, tiny: bool, shape: str = "35b-a3b") -> dict
     if tiny:
         text.update(copy.deepcopy(TINY_OVERRIDES))
         vision.update(TINY_VISION)
+        if agree:
+            text["hidden_size"] = vision["out_hidden_size"] = TINY_AGREE_HIDDEN
     return _full_config(tokenizer_dir, text, vision, "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")
 
 
@@ -185,32 +197,45 @@ def _init_value(name: str, shape: tuple[int, ...], dtype: Any) -> Any:
     return (mx.random.normal(shape) * 0.02).astype(dtype)
 
 
-def randomize(module: Any, prefix: str) -> None:
+def _agree_init_value(name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+    """--mtp-agree: residual branches' output projections drawn small (mtp_agree.py), the rest as usual."""
+    from mtp_agree import RESIDUAL_OUT_SUFFIXES, residual_out_value
+
+    if name.endswith(RESIDUAL_OUT_SUFFIXES):
+        return residual_out_value(shape, dtype)
+    return _init_value(name, shape, dtype)
+
+
+def randomize(module: Any, prefix: str, init: Any = _init_value) -> None:
     """Replace every parameter of `module` with a random bf16 draw, evaluated one at a time."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
     for name, value in tree_flatten(module.parameters()):
-        new = _init_value(f"{prefix}.{name}", tuple(value.shape), mx.bfloat16)
+        new = init(f"{prefix}.{name}", tuple(value.shape), mx.bfloat16)
         mx.eval(new)
         module.update(tree_unflatten([(name, new)]))
 
 
-def build_mtp_head(config: dict[str, Any], predicate: Any, group_size: int, bits: int) -> dict[str, Any]:
-    """Random weights for the checkpoint's one-layer MTP head, quantized like the decoder layers."""
+def build_mtp_head(config: dict[str, Any], predicate: Any, group_size: int, bits: int, agree: bool = False) -> Any:
+    """Random weights for the checkpoint's one-layer MTP head, quantized like the decoder layers
+    (`agree`: fc = [diag(+1, -1) | 0] and small residual outputs, mtp_agree.py); the module."""
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx.utils import tree_flatten
     from mlx_vlm.speculative.drafters.qwen3_5_mtp import Qwen3_5MTPDraftModel
     from mlx_vlm.speculative.drafters.qwen3_5_mtp.config import Qwen3_5MTPConfig
 
     head = Qwen3_5MTPDraftModel(Qwen3_5MTPConfig.from_dict({"text_config": copy.deepcopy(config["text_config"])}))
-    randomize(head, "mtp")
+    randomize(head, "mtp", _agree_init_value if agree else _init_value)
+    if agree:
+        from mtp_agree import fc_value
+
+        head.fc.update({"weight": fc_value(config["text_config"]["hidden_size"], mx.bfloat16)})
     nn.quantize(head, group_size, bits,
                 class_predicate=lambda p, m: p != "fc" and predicate(f"language_model.model.layers.0.{p[9:]}", m)
                 if p.startswith("layers.0.") else False)
     mx.eval(head.parameters())
-    return {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())}
+    return head
 
 
 def copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
@@ -249,7 +274,7 @@ def build_draft(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Pat
     return out
 
 
-def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Path:
+def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: float | None = None) -> Path:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -259,7 +284,18 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Path:
     tic = time.perf_counter()
     mx.random.seed(seed)
     mx.set_cache_limit(0)
-    config = make_config(tokenizer_dir, tiny)
+    agree = mtp_agree is not None
+    config = make_config(tokenizer_dir, tiny, agree=agree)
+    plan = None
+    if mtp_agree is not None:
+        from mtp_agree import make_plan
+
+        # the cycle: regular tokens only (no added token, none past the tokenizer's vocabulary)
+        plan = make_plan(mtp_agree, min(special_ids(tokenizer_dir).values()), seed)
+        print(f"mtp-agree {mtp_agree}: pattern {2 * plan.a} agree / {plan.b} disagree per {plan.period} "
+              f"positions (block-2 acceptance {plan.design_rate:.4f}), cycle of {len(plan.order)} tokens",
+              flush=True)
+    init = _agree_init_value if agree else _init_value
     model = qwen3_5_moe.Model(qwen3_5_moe.ModelConfig.from_dict(copy.deepcopy(config)))
     group_size, bits = 64, 8
     model_predicate = getattr(model, "quant_predicate", None)
@@ -273,19 +309,35 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Path:
 
     lm = model.language_model
     for i, layer in enumerate(lm.model.layers):
-        randomize(layer, f"language_model.model.layers.{i}")
+        randomize(layer, f"language_model.model.layers.{i}", init)
         nn.quantize(layer, group_size, bits,
                     class_predicate=lambda p, m, i=i: predicate(f"language_model.model.layers.{i}.{p}", m))
         mx.eval(layer.parameters())
         print(f"layer {i + 1}/{len(lm.model.layers)} ({time.perf_counter() - tic:.1f}s)", flush=True)
-    for name, sub in (("language_model.model.embed_tokens", lm.model.embed_tokens),
-                      ("language_model.model.norm", lm.model.norm), ("language_model.lm_head", lm.lm_head)):
-        randomize(sub, name)
+    if plan is None:
+        for name, sub in (("language_model.model.embed_tokens", lm.model.embed_tokens),
+                          ("language_model.model.norm", lm.model.norm), ("language_model.lm_head", lm.lm_head)):
+            randomize(sub, name)
+    else:
+        from mtp_agree import embed_and_head
+
+        randomize(lm.model.norm, "language_model.model.norm")
+        text = config["text_config"]
+        embed, lm_head = embed_and_head(plan, text["vocab_size"], text["hidden_size"], mx.bfloat16)
+        lm.model.embed_tokens.update({"weight": embed})
+        lm.lm_head.update({"weight": lm_head})
+        del embed, lm_head
     nn.quantize(lm, group_size, bits,
                 class_predicate=lambda p, m: not p.startswith("model.layers") and predicate(f"language_model.{p}", m))
     randomize(model.vision_tower, "vision_tower")
     mx.eval(model.parameters())
-    mtp = build_mtp_head(config, predicate, group_size, bits)
+    head = build_mtp_head(config, predicate, group_size, bits, agree=agree)
+    if plan is not None:
+        from mtp_agree import check_chain
+
+        print(check_chain(lm, head, plan).line(), flush=True)
+    mtp = {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())}
+    del head
     config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
     n_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     out.mkdir(parents=True, exist_ok=True)
@@ -308,11 +360,18 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, default="35b-a3b",
                         help="35b-a3b: the 8-bit MoE target (default); draft: SpecPrefill's small dense bf16 draft")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mtp-agree", type=float, default=None, metavar="RATE",
+                        help="35b-a3b only: the target a fixed long bigram cycle, the MTP head agreeing with it "
+                             "at block-2 acceptance RATE (0 < RATE <= 1; mtp_agree.py)")
     args = parser.parse_args()
     if args.shape == "draft":
+        if args.mtp_agree is not None:
+            parser.error("--mtp-agree builds the 35b-a3b shape only")
         build_draft(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed)
     else:
-        build(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed)
+        if args.mtp_agree is not None and not 0.0 < args.mtp_agree <= 1.0:
+            parser.error(f"--mtp-agree must be in (0, 1], got {args.mtp_agree}")
+        build(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed, mtp_agree=args.mtp_agree)
 
 
 if __name__ == "__main__":
