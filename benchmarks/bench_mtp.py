@@ -16,6 +16,8 @@ Decode tok/s counts only steady decoding (after every row of the batch has its f
 Round cost = time of one MTP round / time of one plain decode step at the same B (ours).
 Acceptance = accepted drafts / drafted tokens. Prompts are `--prompt-tokens` tokens of a text
 sample (the model's own tokenizer), distinct per row; greedy; `--max-tokens` new tokens.
+Greedy identity: every measured run's tokens, row by row, against the first `ours_plain` run's
+(`greedy_identical`; `greedy_differs` names the variants that did not match).
 
     python benchmarks/bench_mtp.py MODEL_DIR [--batch 1,4,16] [--block 2] [--out results.json]
 """
@@ -53,7 +55,7 @@ def prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
 
 
 def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, block: int,
-             verify: str = "batched", compile_mtp: bool = True) -> dict[str, float]:
+             verify: str = "batched", compile_mtp: bool = True) -> dict[str, Any]:
     config = EngineConfig(model_path=loaded.info.model_path, max_num_seqs=len(batch),
                           prefill_batch_size=min(8, len(batch)), prefill_step_size=2048, seed=0, mtp=mtp,
                           mtp_block_size=block, mtp_max_batch=len(batch) if mtp else 0, mtp_verify=verify,
@@ -63,6 +65,7 @@ def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, bl
         engine.add(i, Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens, mtp=mtp),
                                mtp_block=block if mtp else None))
     started: set[int] = set()
+    ids: list[list[int]] = [[] for _ in batch]
     tokens = 0
     steady_start = None
     steps = rounds0 = acc0 = dr0 = 0
@@ -71,6 +74,7 @@ def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, bl
         for sid, ev in events:
             if isinstance(ev, TokenDelta):
                 started.add(sid)
+                ids[sid].extend(ev.token_ids)
                 if steady_start is not None:
                     tokens += len(ev.token_ids)
             elif not isinstance(ev, Finished):
@@ -90,11 +94,11 @@ def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, bl
     drafted = st.mtp_drafted - dr0
     return {"tok_s": tokens / elapsed if elapsed else float("nan"), "tokens": tokens, "seconds": elapsed,
             "steps": steps, "step_ms": 1000 * elapsed / max(steps, 1), "rounds": rounds,
-            "acceptance": (st.mtp_accepted - acc0) / drafted if drafted else float("nan")}
+            "acceptance": (st.mtp_accepted - acc0) / drafted if drafted else float("nan"), "ids": ids}
 
 
 def run_raw(model: Any, processor: Any, drafter: Any, batch: list[list[int]], max_tokens: int,
-            block: int, batch_only: bool = False) -> dict[str, float]:
+            block: int, batch_only: bool = False) -> dict[str, Any]:
     """mlx-vlm's own loops, steady decode only (timer starts at the batch's last first token)."""
     from mlx_vlm.generate.ar import BatchGenerator
 
@@ -102,16 +106,19 @@ def run_raw(model: Any, processor: Any, drafter: Any, batch: list[list[int]], ma
         from mlx_vlm import stream_generate
 
         times = []
+        out: list[int] = []
         kw = {"draft_model": drafter, "draft_kind": "mtp", "draft_block_size": block} if drafter is not None else {}
         if drafter is not None:
             drafter.accept_lens = []
         for r in stream_generate(model, processor, processor.tokenizer.decode(batch[0]), max_tokens=max_tokens,
                                  temperature=0.0, **kw):
             times.append((time.perf_counter(), r.generation_tokens))
+            if r.token is not None:
+                out.append(int(r.token))
         (t0, n0), (t1, n1) = times[0], times[-1]
         acc = drafter.accept_lens if drafter is not None else []
         return {"tok_s": (n1 - n0) / (t1 - t0), "tokens": n1 - n0, "seconds": t1 - t0,
-                "acceptance": (sum(acc) / (len(acc) * (block - 1))) if acc else float("nan")}
+                "acceptance": (sum(acc) / (len(acc) * (block - 1))) if acc else float("nan"), "ids": [out]}
     kw = {"draft_model": drafter, "draft_kind": "mtp", "draft_block_size": block} if drafter is not None else {}
     gen = BatchGenerator(model.language_model, processor, completion_batch_size=len(batch) + 8,
                          prefill_batch_size=min(8, len(batch)), compute_logprobs=False, greedy_sampling=True, **kw)
@@ -119,20 +126,23 @@ def run_raw(model: Any, processor: Any, drafter: Any, batch: list[list[int]], ma
     for p in batch:
         e = model.get_input_embeddings(mx.array([p]), None)
         embeds.append({k: v for k, v in e.to_dict().items() if v is not None})
-    gen.insert(batch, max_tokens=[max_tokens] * len(batch), prompt_kwargs=embeds)
+    uids = gen.insert(batch, max_tokens=[max_tokens] * len(batch), prompt_kwargs=embeds)
     started: set[int] = set()
+    by_uid: dict[int, list[int]] = {u: [] for u in uids}
     tokens, t0 = 0, None
     while gen.has_work:
         _, responses = gen.next()
         for r in responses:
             if t0 is not None:
                 tokens += 1
+            by_uid[r.uid].append(int(r.token))
             started.add(r.uid)
         if t0 is None and len(started) == len(batch):
             t0 = time.perf_counter()
     elapsed = time.perf_counter() - (t0 or time.perf_counter())
     gen.close()
-    return {"tok_s": tokens / elapsed if elapsed else float("nan"), "tokens": tokens, "seconds": elapsed}
+    return {"tok_s": tokens / elapsed if elapsed else float("nan"), "tokens": tokens, "seconds": elapsed,
+            "ids": [by_uid[u] for u in uids]}
 
 
 def main() -> None:
@@ -162,10 +172,11 @@ def main() -> None:
     variants = ["ours_mtp", "ours_plain"] + (["ours_mtp_exact"] if args.exact else [])
     variants += ["ours_mtp_eager"] if args.eager_mtp else []
     variants += [] if args.no_raw else ["raw_mtp", "raw_plain"]
-    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    identity: dict[str, list[str]] = {}
     for b in (int(x) for x in args.batch.split(",")):
         batch = prompts(tok, b, args.prompt_tokens)
-        per: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+        per: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
         warm = [[p[:16] for p in batch]]
         for v in variants:  # unmeasured pass: compile this batch's shapes
             run_variant(v, loaded, drafter, warm[0], 8, args.block, args.raw_batch_only)
@@ -173,10 +184,15 @@ def main() -> None:
             order = variants if rep % 2 == 0 else variants[::-1]
             for v in order:
                 per[v].append(run_variant(v, loaded, drafter, batch, args.max_tokens, args.block, args.raw_batch_only))
+        identity[str(b)] = greedy_differs(per, args.max_tokens)
         results[str(b)] = per
         line = ", ".join(f"{v} {statistics.median(r['tok_s'] for r in per[v]):.1f} tok/s" for v in variants)
         print(f"B={b}: {line}", flush=True)
     rows = summarize(results)
+    for row in rows:
+        differs = identity[str(row["batch"])]
+        row["greedy_identical"] = not differs
+        row["greedy_differs"] = ",".join(differs) or "-"
     table = rows_markdown(rows)
     print(table)
     if args.out is not None:
@@ -203,7 +219,18 @@ def run_variant(v: str, loaded: Any, drafter: Any, batch: list[list[int]], max_t
                    raw_batch_only)
 
 
-def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> list[dict[str, Any]]:
+def greedy_differs(per: dict[str, list[dict[str, Any]]], max_tokens: int) -> list[str]:
+    """The variants whose tokens (any run, any row, first `max_tokens`) differ from the first
+    `ours_plain` run's; each run's `ids` are dropped (the JSON keeps the figures only)."""
+    ref = [ids[:max_tokens] for ids in per["ours_plain"][0]["ids"]]
+    differs = []
+    for v, runs in per.items():
+        if any([ids[:max_tokens] for ids in r.pop("ids")] != ref for r in runs):
+            differs.append(v)
+    return differs
+
+
+def summarize(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
     rows = []
     for b, per in results.items():
         med = {v: statistics.median(r["tok_s"] for r in runs) for v, runs in per.items()}
