@@ -52,6 +52,10 @@ class NotFound(RelayError):
 class ModelNotFound(NotFound):
     code = "model_not_found"
 
+    def __init__(self, message: str, *, model: str | None = None, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.model = model  # the name the client asked for (the request log's `model`)
+
 
 class Overloaded(RelayError):
     """Too many requests queued: try again later (429 with Retry-After)."""

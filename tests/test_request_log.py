@@ -106,6 +106,12 @@ def test_errors_log_their_type_and_a_bad_request_id_is_replaced(server: LiveServ
                    json={"model": "tiny", "max_tokens": 4, "messages": []}, timeout=60)
     assert r.status_code == 400 and r.json()["type"] == "error" and r.headers["x-request-id"] != "claude\x7f"
     assert line(request_log, r.headers["x-request-id"])["error_type"] == "invalid_request_error"
+    # a model this server does not serve: the line names the one asked for
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"x-request-id": "other-model"},
+                   json={"model": "other", "messages": user(), "max_tokens": 2}, timeout=60)
+    assert r.status_code == 404
+    fields = line(request_log, "other-model")
+    assert fields["model"] == "other" and fields["error"] == "ModelNotFound" and fields["status"] == 404
     r = httpx.get(server.url + "/v1/nothing-here", headers={"x-request-id": "probe-1"})
     assert r.status_code == 404 and r.headers["x-request-id"] == "probe-1"
     assert line(request_log, "probe-1")["error"] == "NotFound"

@@ -124,7 +124,8 @@ class OpenAIRoutes:
         aliases = self.config.model_aliases
         if model is None or model in (served, self.config.model) or model in aliases or "*" in aliases:
             return served
-        raise ModelNotFound(f"the model '{model}' does not exist; this server serves '{served}'", param="model")
+        raise ModelNotFound(f"the model '{model}' does not exist; this server serves '{served}'", model=model,
+                            param="model")
 
     async def health(self, request: Request) -> Response:
         """200 only when ready; 503 + Retry-After while loading, warming, degraded (an actor is

@@ -14,7 +14,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from mlx_relay.errors import InternalError, InvalidRequest, NotReady, Overloaded, RelayError, UnprocessableRequest
+from mlx_relay.errors import (
+    InternalError,
+    InvalidRequest,
+    ModelNotFound,
+    NotReady,
+    Overloaded,
+    RelayError,
+    UnprocessableRequest,
+)
 from mlx_relay.http.openai_types import ErrorBody, ErrorDetail
 from mlx_relay.http.request_record import record_of
 from mlx_relay.runtime import ActorStopped
@@ -72,6 +80,8 @@ class ErrorResponse(Response):
         record = record_of(scope)
         if record is not None:
             record.fail(self.error)
+            if record.model is None and isinstance(self.error, ModelNotFound):
+                record.model = self.error.model
         await super().__call__(scope, receive, send)
 
 
