@@ -5,8 +5,6 @@ and bench_mtp on the `--tiny` model are in benchmarks/gpu/README.md; they take m
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -14,16 +12,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_relay.testing.scripts import load_script
+
 _SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu" / "mtp_agree.py"
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mtp_agree", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("mtp_agree", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(_SCRIPT, "mtp_agree")
 
 
 @pytest.mark.parametrize("rate", [0.6, 0.75, 0.8, 1.0, 0.33])

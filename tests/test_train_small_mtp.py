@@ -3,25 +3,20 @@ and the written checkpoint loads strictly with ``mlx_vlm.load`` and ``load_draft
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from mlx_relay.testing.scripts import load_script
+
 _SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "train_small_mtp.py"
 
 
 def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_small_mtp", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("train_small_mtp", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(_SCRIPT, "train_small_mtp")
 
 
 def test_corpus_selection_is_deterministic_and_skips_data_tables() -> None:
