@@ -137,7 +137,8 @@ async def concurrent_http(url: str, n: int, max_tokens: int) -> float:
 
 async def main_async(args: argparse.Namespace) -> dict:
     model = Path(args.model) if args.model else fixture_path(FixtureSpec("bf16", 0))
-    async with Relay.start(model, max_num_seqs=16, mtp=args.mtp) as relay:
+    ours = dict(args.ours)
+    async with Relay.start(model, max_num_seqs=16, mtp=args.mtp, **ours) as relay:
         assert relay.service is not None
         from mlx_relay.messages.prompt import Render
 
@@ -153,7 +154,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 
     raws = await asyncio.to_thread(raw_loops, model, prompt_ids, args.max_tokens, args.rounds)
 
-    config = default_config(model, served_model_name="bench", max_num_seqs=16, max_queue=64, mtp=args.mtp)
+    config = default_config(model, served_model_name="bench", max_num_seqs=16, max_queue=64, mtp=args.mtp, **ours)
     with LiveServer(config) as server:
         async with httpx.AsyncClient(timeout=600) as client:
             await http_stream(client, server.url, args.max_tokens)  # warm
@@ -175,6 +176,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         "generated_tokens": generated,
         "rounds": args.rounds,
         "mtp": args.mtp,
+        "ours_overrides": ours,
         "commit": source_commit(),
         "batch1_decode_tok_s": med,
         "batch1_samples": samples,
@@ -185,9 +187,15 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {p: version(p) for p in ("mlx", "mlx-lm", "mlx-vlm", "mlx-relay")}
+    def one(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:  # run from a source tree (the GPU kit puts the repo on PYTHONPATH)
+            return "source tree"
+
+    return {p: one(p) for p in ("mlx", "mlx-lm", "mlx-vlm", "mlx-relay")}
 
 
 def to_markdown(r: dict) -> str:
@@ -218,6 +226,18 @@ def to_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
+def override(text: str) -> tuple[str, object]:
+    """KEY=VALUE, a `build_config` override; the value read as JSON where it parses
+    (numbers, true/false, null), else as a string."""
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint dir (default: the bf16 tiny fixture)")
@@ -226,6 +246,9 @@ def main() -> None:
     parser.add_argument("--mtp", action="store_true",
                         help="our paths with MTP (off by default: the raw loops decode plainly, and the tiny "
                              "fixtures' random heads are never right)")
+    parser.add_argument("--ours", type=override, action="append", default=[], metavar="KEY=VALUE",
+                        help="a server setting for our paths (build_config's names), e.g. prefill_shapes=exact "
+                             "warmup=false: on a GPU the fixed-shape prefill warm-up takes minutes at start")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     result = asyncio.run(main_async(args))

@@ -283,6 +283,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup-repeats", type=int, default=0, help="unmeasured passes first (1 on CUDA)")
     ap.add_argument("--no-peer", action="store_true", help="skip mlx-vlm's server")
+    ap.add_argument("--ours-flags", default="", metavar="FLAGS",
+                    help="flags added to ours (every variant), e.g. on a GPU \"--prefill-shapes exact --no-warmup\" "
+                         "with --warmup-repeats 1: the fixed-shape warm-up takes minutes per server start")
     ap.add_argument("--ours-variant", action="append", default=None, metavar="NAME=FLAGS",
                     help="also run ours with these extra serve flags, e.g. no-mtp=--no-mtp (repeatable)")
     ap.add_argument("--port", type=int, default=8931)
@@ -302,7 +305,7 @@ def main() -> None:
         args.model = str(fixture_path(FixtureSpec(variant="fp32", max_position_embeddings=16384)))
     tok = AutoTokenizer.from_pretrained(args.model)
     base = [sys.executable, "-m", "mlx_relay.cli", "serve", args.model, "--port", str(args.port),
-            "--prefix-min-snapshot-tokens", "64", "--log-level", "warning"]
+            "--prefix-min-snapshot-tokens", "64", "--log-level", "warning", *args.ours_flags.split()]
     ours = [("ours", base)]
     for variant in args.ours_variant or []:
         name, _, flags = variant.partition("=")

@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# The in-process GPU figures of issue 17.3/17.4, one after another on one machine, no server:
-#   1. memory_release_probe.py: does freed MLX memory go back to the device (CUDA backend)
-#   2. bench_decode_step.py: mlx-vlm's own decode step vs ours (eager, compiled), per token
-#   3. bench_mtp.py: an MTP round (compiled and eager) against a plain step; raw mlx-vlm with and
-#      without its drafter
-# Runs in the background (a device call lasts 10 minutes at most) and is collected:
-#   bash benchmarks/gpu/device_steps.sh start    # builds the model if needed, starts the run
-#   bash benchmarks/gpu/device_steps.sh wait 560 # copies what is done to $OUT/steps
-# Knobs: BATCH (1,4), BLOCK (2), MTP_TOKENS (64), STEPS (32), REPEATS (3).
-# AGREE="0.6 0.75 0.8" (issue 17.5) runs instead, per rate, one after another: build a model whose MTP
-#   head agrees at that block-2 acceptance (build_random_model.py --mtp-agree, 38.6 GB) into AGREE_DIR
-#   (/root/agree-model), bench_mtp.py on it at batch 1 (BLOCK 2, MTP_TOKENS 128, REPEATS 2), delete it.
-#   The disk (64 GB) holds one such model: on the device the plain $MODEL is deleted first.
-#   Results: steps/build_agree_RATE.txt (the build's chain check), steps/mtp_agree_RATE.{json,md,txt}.
-# LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR: a dry run off the device (with AGREE: TOK=tokenizer dir,
+# In-process and single-server GPU figures, one job after another on one machine, in the background
+# (a device call lasts 10 minutes at most) and collected:
+#   JOBS="overhead disk snapio agree" bash benchmarks/gpu/device_steps.sh start  # builds the model if needed
+#   bash benchmarks/gpu/device_steps.sh wait 560   # copies what is done to $OUT/steps
+# Jobs (JOBS, default "probe step mtp"; results in $OUT/steps/):
+#   probe    memory_release_probe.py: does freed MLX memory go back to the device (CUDA backend)
+#   step     bench_decode_step.py: mlx-vlm's own decode step vs ours (eager, compiled), per token
+#   mtp      bench_mtp.py: an MTP round (compiled and eager) against a plain step; raw mlx-vlm with and
+#            without its drafter
+#   overhead bench_decode.py (issue 17.2): batch-1 decode through the raw mlx-vlm loop, our in-process
+#            API and our HTTP SSE server, one process, the model loaded once per path; ours without the
+#            start-up warm-up (exact prefill shapes; the first, unmeasured round compiles)
+#   disk     bench_prefix_cache.py --scenarios restart (issue 18.3): an 8K system prompt cold, as a
+#            memory hit, and as a disk hit after a restart; ours --no-mtp, and mlx_vlm.server with APC disk
+#   snapio   bench_snapshot_io.py --tokens 8192: a snapshot's copy, write, read and load
+#   agree    (issue 17.5) per rate of AGREE (default "0.6 0.75 0.8"): build a model whose MTP head agrees
+#            at that block-2 acceptance (build_random_model.py --mtp-agree, 38.6 GB) into AGREE_DIR
+#            (/root/agree-model), bench_mtp.py on it at batch 1 (BLOCK 2, MTP_TOKENS 128, REPEATS 2),
+#            delete it. The disk (64 GB) holds one such model: the plain $MODEL is deleted first, so
+#            put agree last. Results: build_agree_RATE.txt (the build's chain check), mtp_agree_RATE.*
+# Knobs: BATCH (1,4), BLOCK (2), MTP_TOKENS (64), STEPS (32), REPEATS (3), ROUNDS (3, overhead),
+#   DISK_REPEATS (3).
+# LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR: a dry run off the device (with agree: TOK=tokenizer dir,
 #   BUILD_FLAGS=--tiny, AGREE_DIR=DIR).
 RUN=${RUN:-/root/steps}
 if [ "${1:-start}" = wait ]; then
@@ -24,17 +32,18 @@ if [ "${1:-start}" = wait ]; then
 fi
 if [ "${LOCAL:-0}" = 1 ]; then set -euo pipefail; else source benchmarks/gpu/device_env.sh; fi
 mkdir -p $RUN/out $RUN/src && cp -r mlx_relay benchmarks $RUN/src/
-if [ -n "${AGREE:-}" ]; then
-  [ "${LOCAL:-0}" = 1 ] || rm -rf "$MODEL"  # the plain model (38 GB): two do not fit on the disk
-else
-  [ -f "$MODEL/config.json" ] || python3 benchmarks/gpu/build_random_model.py "$MODEL" --tokenizer /root/tok 2>&1 | tail -2
+JOBS=${JOBS:-probe step mtp}
+if [ "$JOBS" != agree ] && [ ! -f "$MODEL/config.json" ]; then
+  python3 benchmarks/gpu/build_random_model.py "$MODEL" --tokenizer /root/tok 2>&1 | tail -2
 fi
 cat > $RUN/run.sh <<'EOS'
 set -uo pipefail
 O=$RUN/out; t0=$(date +%s)
 say() { echo "$(( $(date +%s) - t0 ))s $*" | tee -a $RUN/progress.txt; }
-if [ -n "$AGREE" ]; then
-  for r in $AGREE; do
+for job in $JOBS; do case $job in
+agree)
+  [ "$LOCAL" = 1 ] || rm -rf "$MODEL"  # the plain model (38 GB): two do not fit on the disk
+  for r in ${AGREE:-0.6 0.75 0.8}; do
     rm -rf "$AGREE_DIR"
     if python3 benchmarks/gpu/build_random_model.py "$AGREE_DIR" --tokenizer "$TOK" --mtp-agree "$r" $BUILD_FLAGS \
         > $O/build_agree_$r.txt 2>&1; then
@@ -46,21 +55,34 @@ if [ -n "$AGREE" ]; then
       say "build agree $r failed: $(tail -n 1 $O/build_agree_$r.txt)"
     fi
     rm -rf "$AGREE_DIR"
-  done
-  touch $RUN/done
-  exit 0
-fi
-python3 benchmarks/gpu/memory_release_probe.py --gb 40 > $O/memory_release.txt 2>&1; say "memory probe done"
-python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,4}" --steps "${STEPS:-32}" \
-  --repeats "${REPEATS:-3}" --out $O/decode_step.json > $O/decode_step.txt 2>&1; say "decode step done"
-python3 benchmarks/bench_mtp.py "$MODEL" --batch "${BATCH:-1,4}" --block "${BLOCK:-2}" --eager-mtp \
-  --max-tokens "${MTP_TOKENS:-64}" --repeats 2 --out $O/mtp.json > $O/mtp.txt 2>&1; say "mtp done"
+  done ;;
+probe)
+  python3 benchmarks/gpu/memory_release_probe.py --gb 40 > $O/memory_release.txt 2>&1; say "memory probe done" ;;
+step)
+  python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,4}" --steps "${STEPS:-32}" \
+    --repeats "${REPEATS:-3}" --out $O/decode_step.json > $O/decode_step.txt 2>&1; say "decode step done" ;;
+mtp)
+  python3 benchmarks/bench_mtp.py "$MODEL" --batch "${BATCH:-1,4}" --block "${BLOCK:-2}" --eager-mtp \
+    --max-tokens "${MTP_TOKENS:-64}" --repeats 2 --out $O/mtp.json > $O/mtp.txt 2>&1; say "mtp done" ;;
+overhead)
+  python3 benchmarks/bench_decode.py --model "$MODEL" --rounds "${ROUNDS:-3}" --ours prefill_shapes=exact \
+    --ours warmup=false --out $O/overhead > $O/overhead.txt 2>&1; say "overhead done (rc $?)" ;;
+disk)
+  python3 benchmarks/bench_prefix_cache.py "$MODEL" --scenarios restart --repeats "${DISK_REPEATS:-3}" \
+    --warmup-repeats 1 --ours-flags "--no-mtp --prefill-shapes exact --no-warmup" \
+    --out $O/prefix_disk > $O/prefix_disk.txt 2>&1; say "disk done (rc $?)" ;;
+snapio)
+  python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
+  say "snapio done (rc $?)" ;;
+*) say "unknown job $job" ;;
+esac; done
 touch $RUN/done
 EOS
 rm -f $RUN/done $RUN/progress.txt
 cd $RUN/src
 setsid nohup env RUN="$RUN" MODEL="${MODEL:-}" PYTHONPATH="$RUN/src:${PYTHONPATH:-}" BATCH="${BATCH:-}" BLOCK="${BLOCK:-}" \
   MTP_TOKENS="${MTP_TOKENS:-}" STEPS="${STEPS:-}" REPEATS="${REPEATS:-}" AGREE="${AGREE:-}" \
+  JOBS="$JOBS" LOCAL="${LOCAL:-0}" ROUNDS="${ROUNDS:-}" DISK_REPEATS="${DISK_REPEATS:-}" \
   AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
   bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "steps started (pid $!)"
