@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-shapes", default="auto", choices=["auto", "fixed", "exact"],
                        help="prefill chunks at a few fixed lengths, all run at warm-up (no first-shape "
                             "stalls on a GPU), or at the prompts' own lengths; auto: fixed on a GPU")
+    serve.add_argument("--engine-process", default="auto", choices=["auto", "on", "off"],
+                       help="run the engine (model, batching, decode steps) in a process of its own, so that "
+                            "no Python of the HTTP server delays a step; auto: on where MLX has a GPU "
+                            "(Metal or CUDA), off on the CPU backend")
     logs = serve.add_argument_group("logs (one line per request, on the mlx_relay.requests logger)")
     logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     logs.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -193,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         compile_decode=not args.no_compile,
         compile_mtp=not args.no_compile_mtp,
         prefill_shapes=args.prefill_shapes,
+        engine_process=args.engine_process,
         mtp=not args.no_mtp,
         mtp_block_size=args.mtp_block_size,
         mtp_max_batch=args.mtp_max_batch,

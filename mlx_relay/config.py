@@ -68,6 +68,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # when the engine drains with more than this cached, MLX's cache is cleared (the device gets a
     # burst's buffers back); None: the cache limit if given, else 5% of the device's memory
     idle_cache_bytes: int | None = None
+    # where the engine (GPU thread + EngineCore) runs: "on", a process of its own (msgpack frames
+    # over a pipe; no Python of the server's shares its GIL); "off", a thread of the server's;
+    # "auto": on where MLX's default device is a GPU (Metal or CUDA), off on the CPU backend
+    engine_process: Literal["auto", "on", "off"] = "auto"
 
 
 class SpecPrefillConfig(msgspec.Struct, frozen=True):

@@ -1,4 +1,4 @@
-"""GPUExecutor: the actor that owns the device; every MLX operation runs on its one thread.
+"""GPUExecutor: the actor that owns the device; every MLX operation runs on its engine's one thread.
 
     requester --Generate (stream)--> GPUExecutor --> TokenDelta ..., Finished
     GPUExecutor --SnapshotTaken--> PrefixCacheStore --FreeSnapshots--> GPUExecutor
@@ -8,17 +8,23 @@
 
 It executes what the policy actors decided (each `Generate` carries their plans) and reports
 back what it did; it decides nothing about what is cached or how a request decodes. On the event
-loop it keeps the reply stream of each request; on its `GPUThread` it loads the model (and
-SpecPrefill's draft model, which scores prompts here, where it lives), warms the kernels and
-steps the `EngineCore`. Each step's `StepOutput` is posted to the loop in one call and routed:
-stream events to their streams, side results to the actors that own them (references given at
-construction). A cancelled stream removes its row at the next step boundary. If the thread
-dies, the actor crashes and its supervisor restarts it (reloading the model); the requests it
-held get an error, new ones are served by the fresh instance.
+loop it keeps the reply stream of each request; its engine (`engine/handle.py`: a `GPUThread`
+stepping the `EngineCore`) loads the model (and SpecPrefill's draft model, which scores prompts
+here, where it lives), warms the kernels and steps. The engine runs on a thread of this process,
+or in a process of its own (`EngineConfig.engine_process`; "auto": on a GPU), where no Python of
+the server (HTTP, SSE encoding, the other actors) shares the GIL with the thread that launches
+the kernels; commands and outputs then cross a pipe as msgpack frames (`engine/wire.py`), and the
+message handling here is the same either way. Each step's `StepOutput` is posted to the loop in
+one call and routed: stream events to their streams, side results to the actors that own them
+(references given at construction). A cancelled stream removes its row at the next step
+boundary. If the engine dies (its thread fails, its process is killed), the actor crashes and its
+supervisor restarts it (a fresh thread or process reloads the model); the requests it held get an
+error, new ones are served by the fresh instance.
 
-The prefix cache's disk tier (the store decides, this actor executes): a snapshot to write is
-copied to host bytes on the GPU thread, between steps (one copy of arrays already evaluated),
-and written by a writer thread, one file at a time; host copies waiting for the disk are bounded
+The prefix cache's disk tier (the store decides, this actor executes, the engine does the I/O
+where it runs, so snapshot bytes never cross the pipe): a snapshot to write is copied to host
+bytes on the GPU thread, between steps (one copy of arrays already evaluated), and written by a
+writer thread, one file at a time; host copies waiting for the disk are bounded here
 (`EngineConfig.prefix_cache_disk_queue_bytes`), past that a write is dropped and reported, never
 waited for. A file to load is checked and checksummed by a reader thread (which also brings it
 into the page cache), then loaded by MLX on the GPU thread (one copy from memory), each tensor
@@ -30,27 +36,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 
 import anyio
-import msgspec
 
-from mlx_relay.cache.snapshot_files import (
-    SnapshotFileError,
-    SnapshotIdentity,
-    library_versions,
-    model_fingerprint,
-    verify,
-    write_atomic,
-)
 from mlx_relay.config import EngineConfig, SpecPrefillConfig
-from mlx_relay.engine.core import EngineCore, StepOutput
-from mlx_relay.engine.gpu_thread import GPUThread
-from mlx_relay.engine.loader import LoadedModel, apply_memory_limits, default_prefix_cache_bytes, load_model
+from mlx_relay.engine.core import StepOutput
+from mlx_relay.engine.engine_process import EngineProcessDied
+from mlx_relay.engine.gpu_thread import GPUThreadDied
+from mlx_relay.engine.handle import EngineCallbacks, EngineHandle
+from mlx_relay.engine.placement import open_engine
 from mlx_relay.errors import InvalidRequest, ServerShuttingDown
 from mlx_relay.messages.gpu import (
     AbortAll,
@@ -91,79 +88,48 @@ class GPUExecutor(Actor):
         self.peers = peers
         self._on_progress = on_progress or (lambda _msg: None)
         self._streams: dict[int, ReplyStream] = {}
-        self._thread: GPUThread | None = None
-        self._core: EngineCore | None = None
+        self._engine: EngineHandle | None = None
         self._aborting: str | None = None  # the drain's deadline passed: every generation ends
         self.info: ModelInfo | None = None
         self._write_pending = 0  # bytes of snapshot copies waiting for the disk
-        self._writer: anyio.CapacityLimiter | None = None  # one file written at a time
-        self._reader: anyio.CapacityLimiter | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def on_start(self) -> None:
         loop = asyncio.get_running_loop()
         ref = self.ref
-
-        def on_fatal(exc: BaseException) -> None:
-            loop.call_soon_threadsafe(ref.crash, f"GPU thread died: {type(exc).__name__}: {exc}")
-
-        def on_output(out: StepOutput) -> None:
-            loop.call_soon_threadsafe(self._deliver, out)
-
-        thread = self._thread = GPUThread("mlx-gpu", on_fatal, on_output)
-        thread.start()
-        await asyncio.wrap_future(thread.submit(apply_memory_limits, self.config))
-        self._on_progress(f"loading {self.config.model_path}")
-        loaded: LoadedModel = await asyncio.wrap_future(thread.submit(load_model, Path(self.config.model_path)))
-        budget = 0
-        if self.config.prefix_cache:
-            budget = self.config.prefix_cache_bytes
-            if budget is None:
-                budget = await asyncio.wrap_future(thread.submit(default_prefix_cache_bytes))
-        draft = self.specprefill.draft_model
-        if draft is not None:
-            self._on_progress(f"loading the SpecPrefill draft {draft}")
-        self._core = await asyncio.wrap_future(thread.submit(
-            lambda: EngineCore(loaded, self.config, prefix_cache=budget > 0, draft_model=draft)))
-        context = loaded.info.context_length
-        if self.config.max_model_len is not None:
-            context = min(context, self.config.max_model_len)
-        identity = None
-        if self.config.prefix_cache_dir is not None and budget > 0:
-            identity = await self._snapshot_identity(thread, self._core, Path(loaded.info.model_path))
-        self.info = msgspec.structs.replace(loaded.info, prefix_cache_bytes=budget, context_length=context,
-                                            draft=self._core.draft, snapshot_identity=identity)
-        thread.stepper = self._core
-        self._on_progress(f"loaded in {loaded.info.load_seconds:.1f}s")
-
-    async def _snapshot_identity(self, thread: GPUThread, core: EngineCore, model: Path) -> SnapshotIdentity:
-        """What this model's snapshot files are (and must be): its fingerprint, the caches' dtype
-        (from the layout probe), the library versions."""
-        self._writer, self._reader = anyio.CapacityLimiter(1), anyio.CapacityLimiter(2)
-        layout = await asyncio.wrap_future(thread.submit(core.snapshot_layout))
-        fingerprint = await anyio.to_thread.run_sync(model_fingerprint, model)
-        mlx_version, vlm_version = library_versions()
-        return SnapshotIdentity(fingerprint, layout.dtype, mlx_version, vlm_version)
+        callbacks = EngineCallbacks(
+            on_output=lambda out: loop.call_soon_threadsafe(self._deliver, out),
+            on_fatal=lambda reason: loop.call_soon_threadsafe(ref.crash, reason),
+            on_progress=lambda text: loop.call_soon_threadsafe(self._on_progress, text))
+        engine = open_engine(self.config, self.specprefill, callbacks)
+        try:
+            await anyio.to_thread.run_sync(engine.start)
+            self.info = await asyncio.wrap_future(engine.boot())
+        except BaseException:
+            with anyio.CancelScope(shield=True):  # a failed start leaves no thread busy, no process behind
+                await anyio.to_thread.run_sync(engine.stop, 30.0)
+            raise
+        self._engine = engine
 
     async def on_stop(self) -> None:
-        thread, core = self._thread, self._core
-        self._thread = self._core = None
-        if thread is None:
+        engine, self._engine = self._engine, None
+        if engine is None:
             return
-        if core is not None:
-            try:
-                self._deliver(await asyncio.wrap_future(thread.submit(core.close)))
-            except Exception:
-                log.exception("engine close failed")
-        await asyncio.to_thread(thread.stop, 30.0)
+        try:
+            self._deliver(await asyncio.wrap_future(engine.close()))
+        except (GPUThreadDied, EngineProcessDied) as exc:  # it died: nothing to close
+            log.info("engine not closed: %s", exc)
+        except Exception:
+            log.exception("engine close failed")
+        await anyio.to_thread.run_sync(engine.stop, 30.0)
         for stream in self._streams.values():
             stream.close()
         self._streams.clear()
 
     # -- messages ----------------------------------------------------------------------------------
     async def receive(self, msg: object, stream: ReplyStream | None) -> object:
-        thread, core, info = self._thread, self._core, self.info
-        assert thread is not None and core is not None and info is not None
+        engine, info = self._engine, self.info
+        assert engine is not None and info is not None
         match msg:
             case Generate(prompt_tokens=tokens):
                 assert stream is not None
@@ -173,28 +139,30 @@ class GPUExecutor(Actor):
                     raise InvalidRequest(f"the prompt is empty or has token ids outside [0, {info.vocab_size})",
                                          param="prompt")
                 self._streams[stream.id] = stream
-                thread.submit(core.add, stream.id, msg)
+                engine.add(stream.id, msg)
                 return None
             case Describe():
                 return info
             case Warmup():
-                report = await asyncio.wrap_future(thread.submit(core.warmup))
+                report = await asyncio.wrap_future(engine.warmup())
                 log.info("warm-up took %.1fs%s", report.seconds, "" if report.mtp_round_cost is None
                          else f"; an MTP round costs {report.mtp_round_cost:.2f} plain decode steps")
                 return report
             case GetEngineStats():
-                return await asyncio.wrap_future(thread.submit(core.stats))
+                return await asyncio.wrap_future(engine.stats())
             case FreeSnapshots(handles=handles, release_memory=release):
-                thread.submit(core.free_snapshots, handles, release)
+                engine.free_snapshots(handles, release)
                 return None
             case SaveSnapshot():
-                self._save(msg, thread, core)
+                self._save(msg, engine)
                 return None
             case LoadSnapshot():
-                self.start_task(lambda: self._load(msg, thread, core))
+                loaded = engine.load_snapshot(msg)
+                self.start_task(lambda: self._reply_to_store(loaded, lambda exc: SnapshotLoaded(
+                    msg.key, error="io", detail=f"{type(exc).__name__}: {exc}")))
                 return None
             case FreeFeatures(content_hashes=hashes):
-                thread.submit(core.free_features, hashes)
+                engine.free_features(hashes)
                 return None
             case AbortAll(reason=reason):
                 self._aborting = reason
@@ -202,57 +170,39 @@ class GPUExecutor(Actor):
                 self._streams.clear()
                 for sid, open_stream in ended:
                     open_stream.fail(ServerShuttingDown(reason))
-                    thread.submit(core.cancel, sid)
+                    engine.cancel(sid)
                 return len(ended)
         raise TypeError(type(msg).__name__)
 
     # -- the prefix cache's disk tier --------------------------------------------------------------
-    def _save(self, msg: SaveSnapshot, thread: GPUThread, core: EngineCore) -> None:
-        """Copy the snapshot out on the GPU thread now (in order with the store's frees), write
-        it off the loop; past the queue bound, drop it."""
+    def _save(self, msg: SaveSnapshot, engine: EngineHandle) -> None:
+        """The engine copies the snapshot out now (in order with the store's frees) and writes it;
+        past the queue bound, drop it."""
         if self._write_pending and self._write_pending + msg.nbytes > self.config.prefix_cache_disk_queue_bytes:
             if msg.free_after:
-                thread.submit(core.free_snapshots, [msg.handle])
+                engine.free_snapshots([msg.handle])
             # told from a task: this mailbox never waits on the store's (which may be waiting on this one)
             self.start_task(lambda: self._to_store(SnapshotSaved(msg.key, error="busy")))
             return
-        copied = thread.submit(core.encode_snapshot, msg.handle, msg.metadata, msg.free_after)
+        saved = engine.save_snapshot(msg)
         self._write_pending += msg.nbytes
-        self.start_task(lambda: self._write(msg, copied))
 
-    async def _write(self, msg: SaveSnapshot, copied: Future[tuple[memoryview, float]]) -> None:
-        try:
-            data, copy_seconds = await asyncio.wrap_future(copied)
-            tic = time.perf_counter()
-            name, size = await anyio.to_thread.run_sync(write_atomic, Path(msg.directory), msg.key, data,
-                                                        limiter=self._writer)
-            result = SnapshotSaved(msg.key, name, size, copy_seconds=copy_seconds,
-                                   write_seconds=time.perf_counter() - tic)
-        except KeyError:
-            result = SnapshotSaved(msg.key, error="gone")
-        except Exception as exc:  # a full disk, a copy MLX refused: reported, never a crash
-            log.warning("prefix snapshot not written: %s: %s", type(exc).__name__, exc)
-            result = SnapshotSaved(msg.key, error="io", detail=f"{type(exc).__name__}: {exc}")
-        finally:
-            self._write_pending -= msg.nbytes
-        await self._to_store(result)
+        async def written() -> None:
+            try:
+                await self._reply_to_store(saved, lambda exc: SnapshotSaved(
+                    msg.key, error="io", detail=f"{type(exc).__name__}: {exc}"))
+            finally:
+                self._write_pending -= msg.nbytes
 
-    async def _load(self, msg: LoadSnapshot, thread: GPUThread, core: EngineCore) -> None:
-        tic = time.perf_counter()
+        self.start_task(written)
+
+    async def _reply_to_store(self, outcome: Future[SnapshotSaved] | Future[SnapshotLoaded],
+                              failed: Callable[[Exception], SnapshotSaved | SnapshotLoaded]) -> None:
+        """The engine's outcome to the store; if the engine could not answer (it died), `failed`."""
         try:
-            await anyio.to_thread.run_sync(verify, Path(msg.path), msg.identity, msg.length, limiter=self._reader)
-            handle, nbytes = await asyncio.wrap_future(thread.submit(core.load_snapshot, msg.path, msg.length))
-            result = SnapshotLoaded(msg.key, handle, nbytes, seconds=time.perf_counter() - tic)
-        except SnapshotFileError as exc:
-            log.warning("prefix snapshot %s not used (%s): %s", msg.path, exc.reason, exc)
-            result = SnapshotLoaded(msg.key, error=exc.reason, detail=str(exc), seconds=time.perf_counter() - tic)
-        except OSError as exc:
-            log.warning("prefix snapshot %s could not be read: %s", msg.path, exc)
-            result = SnapshotLoaded(msg.key, error="io", detail=str(exc), seconds=time.perf_counter() - tic)
-        except Exception as exc:  # whatever else MLX says about a file's contents: not used, not a crash
-            log.warning("prefix snapshot %s not used: %s: %s", msg.path, type(exc).__name__, exc)
-            result = SnapshotLoaded(msg.key, error="corrupt", detail=f"{type(exc).__name__}: {exc}",
-                                    seconds=time.perf_counter() - tic)
+            result = await asyncio.wrap_future(outcome)
+        except Exception as exc:
+            result = failed(exc)
         await self._to_store(result)
 
     async def _to_store(self, msg: SnapshotSaved | SnapshotLoaded) -> None:
@@ -265,8 +215,8 @@ class GPUExecutor(Actor):
             log.debug("prefix store gone; %s dropped", type(msg).__name__)
 
     def on_cancel(self, stream: ReplyStream) -> None:
-        if self._streams.pop(stream.id, None) is not None and self._thread and self._core:
-            self._thread.submit(self._core.cancel, stream.id)
+        if self._streams.pop(stream.id, None) is not None and self._engine is not None:
+            self._engine.cancel(stream.id)
 
     def _deliver(self, out: StepOutput) -> None:
         """On the event loop: one step's results to their streams and their owners."""
@@ -286,10 +236,10 @@ class GPUExecutor(Actor):
         peers = self.peers
         for snap in out.snapshots:  # a snapshot nobody can take is freed at once
             if peers.prefix_store is None or not peers.prefix_store.tell_nowait(snap):
-                self._free(lambda core, h=snap.handle: core.free_snapshots([h]))
+                self._free(lambda engine, h=snap.handle: engine.free_snapshots([h]))
         for features in out.features:
             if peers.vision is None or not peers.vision.tell_nowait(features):
-                self._free(lambda core, f=features: core.free_features([h for h, _ in f.features]))
+                self._free(lambda engine, f=features: engine.free_features([h for h, _ in f.features]))
         for outcome in out.scored:
             if peers.scorer is not None and not peers.scorer.tell_nowait(outcome):
                 log.warning("the SpecPrefill outcome of %s was not counted (the scorer is busy)", outcome.request_id)
@@ -297,7 +247,6 @@ class GPUExecutor(Actor):
             if peers.text is not None:
                 peers.text.tell_nowait(mtp)
 
-    def _free(self, fn: Callable[[EngineCore], object]) -> None:
-        if self._thread is not None and self._core is not None:
-            core = self._core
-            self._thread.submit(fn, core)
+    def _free(self, fn: Callable[[EngineHandle], object]) -> None:
+        if self._engine is not None:
+            fn(self._engine)

@@ -5,7 +5,9 @@ decode, vision encoding and cache slicing all run here. Other code hands it call
 `submit` (returns a concurrent Future) and it interleaves them with the stepper's `step()`:
 commands are drained between steps, and the thread sleeps on its queue only when the stepper
 has no work. Nothing polls. Each step's result that is not empty goes to `on_output` (the
-GPUExecutor posts it to the event loop in one call).
+GPUExecutor posts it to the event loop in one call). If the loop itself fails, `on_fatal` is
+called and every command queued then or submitted later fails with `GPUThreadDied` (nobody
+waits forever on a dead thread).
 
 A stopped GPUThread finishes its commands, drops its stepper and then *parks* (blocks, as a
 daemon) instead of exiting: MLX's CPU backend can abort the process at exit when a thread that
@@ -34,6 +36,10 @@ class Stepper(Protocol):
     def step(self) -> Any: ...
 
 
+class GPUThreadDied(RuntimeError):
+    """The command was not run: the GPU thread's loop failed."""
+
+
 class _StopThread:
     pass
 
@@ -52,6 +58,7 @@ class GPUThread:
         self._on_output = on_output
         self._stopped = threading.Event()
         self._park = threading.Event()  # never set: a stopped thread waits here until exit
+        self._died: BaseException | None = None
         self.stepper: Stepper | None = None
 
     def start(self) -> None:
@@ -60,6 +67,8 @@ class GPUThread:
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
         self._queue.put((lambda: fn(*args), future))
+        if self._died is not None:  # put after the thread failed its queue: fail it here
+            self._fail_queued()
         return future
 
     def stop(self, timeout: float | None = None) -> bool:
@@ -81,10 +90,22 @@ class GPUThread:
                         self._on_output(output)
         except BaseException as exc:  # the loop itself broke: the owner restarts us
             log.exception("GPU thread died")
+            self._died = exc
+            self._fail_queued()
             self._on_fatal(exc)
         self.stepper = None
         self._stopped.set()
         self._park.wait()
+
+    def _fail_queued(self) -> None:
+        """After a failure (any thread): every command still queued fails instead of waiting."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if not isinstance(item, _StopThread) and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(GPUThreadDied(f"the GPU thread died: {type(self._died).__name__}"))
 
     def _drain(self, *, block: bool) -> bool:
         """Run queued commands; False once asked to stop."""

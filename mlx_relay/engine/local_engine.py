@@ -1,0 +1,223 @@
+"""The engine on a GPUThread of the calling process: an `EngineHandle` (`handle.py`).
+
+    GPUExecutor (thread mode) --> LocalEngine --> GPUThread --> EngineCore
+    process_main (the engine process) --> LocalEngine --> GPUThread --> EngineCore
+
+Every command is a callable on the GPU thread, run between steps; the boot (memory limits, the
+model, SpecPrefill's draft, the EngineCore, the snapshot identity) is one of them. The prefix
+cache's disk tier runs here too, so that the engine process writes and reads its files itself: a
+snapshot to write is copied to host bytes on the GPU thread and written by a writer thread, one
+file at a time; a file to load is checked and checksummed by a reader thread (two at a time,
+which also brings it into the page cache), then loaded by MLX on the GPU thread. Each outcome,
+failures included, is the store's message (`SnapshotSaved` / `SnapshotLoaded`), never a raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from mlx_relay.cache.snapshot_files import (
+    SnapshotFileError,
+    SnapshotIdentity,
+    library_versions,
+    model_fingerprint,
+    verify,
+    write_atomic,
+)
+from mlx_relay.config import EngineConfig, SpecPrefillConfig
+from mlx_relay.engine.core import EngineCore, StepOutput
+from mlx_relay.engine.gpu_thread import GPUThread, GPUThreadDied
+from mlx_relay.engine.handle import EngineCallbacks
+from mlx_relay.engine.loader import apply_memory_limits, default_prefix_cache_bytes, load_model
+from mlx_relay.messages.gpu import EngineStats, Generate, ModelInfo, WarmupReport
+from mlx_relay.messages.prefix_cache import LoadSnapshot, SaveSnapshot, SnapshotLoaded, SnapshotSaved
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class LocalEngine:
+    def __init__(self, config: EngineConfig, specprefill: SpecPrefillConfig, callbacks: EngineCallbacks,
+                 name: str = "mlx-gpu") -> None:
+        self.config = config
+        self.specprefill = specprefill
+        self._callbacks = callbacks
+        self._thread = GPUThread(name, self._died, callbacks.on_output)
+        self._core: EngineCore | None = None  # built by the boot, on the GPU thread
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="snapshot-writer")  # one file at a time
+        self._readers = ThreadPoolExecutor(2, thread_name_prefix="snapshot-reader")
+
+    def _died(self, exc: BaseException) -> None:
+        self._callbacks.on_fatal(f"GPU thread died: {type(exc).__name__}: {exc}")
+
+    def _on_core(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+        return self._thread.submit(lambda: fn(self._booted()))
+
+    def _booted(self) -> EngineCore:
+        if self._core is None:
+            raise RuntimeError("the engine has not booted")
+        return self._core
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def boot(self) -> Future[ModelInfo]:
+        return self._thread.submit(self._boot)
+
+    def _boot(self) -> ModelInfo:
+        """On the GPU thread, before any other command."""
+        config, progress = self.config, self._callbacks.on_progress
+        apply_memory_limits(config)
+        progress(f"loading {config.model_path}")
+        loaded = load_model(Path(config.model_path))
+        budget = 0
+        if config.prefix_cache:
+            budget = config.prefix_cache_bytes if config.prefix_cache_bytes is not None else (
+                default_prefix_cache_bytes())
+        draft = self.specprefill.draft_model
+        if draft is not None:
+            progress(f"loading the SpecPrefill draft {draft}")
+        core = EngineCore(loaded, config, prefix_cache=budget > 0, draft_model=draft)
+        context = loaded.info.context_length
+        if config.max_model_len is not None:
+            context = min(context, config.max_model_len)
+        identity = None
+        if config.prefix_cache_dir is not None and budget > 0:
+            identity = self._snapshot_identity(core, Path(loaded.info.model_path))
+        info = msgspec.structs.replace(loaded.info, prefix_cache_bytes=budget, context_length=context,
+                                       draft=core.draft, snapshot_identity=identity)
+        self._core = core
+        self._thread.stepper = core
+        progress(f"loaded in {loaded.info.load_seconds:.1f}s")
+        return info
+
+    @staticmethod
+    def _snapshot_identity(core: EngineCore, model: Path) -> SnapshotIdentity:
+        """What this model's snapshot files are (and must be): its fingerprint, the caches' dtype
+        (from the layout probe), the library versions."""
+        layout = core.snapshot_layout()
+        mlx_version, vlm_version = library_versions()
+        return SnapshotIdentity(model_fingerprint(model), layout.dtype, mlx_version, vlm_version)
+
+    def close(self) -> Future[StepOutput]:
+        return self._on_core(EngineCore.close)
+
+    def stop(self, timeout_s: float) -> None:
+        """The GPU thread finishes its queued commands (snapshot copies included), then the
+        writes waiting for the disk land; loads not started are dropped."""
+        self._thread.stop(timeout_s)
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True, cancel_futures=True)
+
+    # -- told between steps --------------------------------------------------------------------
+    def add(self, rid: int, req: Generate) -> None:
+        self._on_core(lambda core: core.add(rid, req))
+
+    def cancel(self, rid: int) -> None:
+        self._on_core(lambda core: core.cancel(rid))
+
+    def free_snapshots(self, handles: list[int], release_memory: bool = False) -> None:
+        self._on_core(lambda core: core.free_snapshots(handles, release_memory))
+
+    def free_features(self, hashes: list[str]) -> None:
+        self._on_core(lambda core: core.free_features(hashes))
+
+    # -- asked -------------------------------------------------------------------------------------
+    def warmup(self) -> Future[WarmupReport]:
+        return self._on_core(EngineCore.warmup)
+
+    def stats(self) -> Future[EngineStats]:
+        return self._on_core(EngineCore.stats)
+
+    # -- the prefix cache's disk tier ------------------------------------------------------------
+    def save_snapshot(self, msg: SaveSnapshot) -> Future[SnapshotSaved]:
+        result: Future[SnapshotSaved] = Future()
+        copied = self._on_core(lambda core: core.encode_snapshot(msg.handle, msg.metadata, msg.free_after))
+
+        def copied_out(done: Future[tuple[memoryview, float]]) -> None:  # on the GPU thread
+            if done.cancelled():
+                result.cancel()
+                return
+            try:
+                data, copy_seconds = done.result()
+            except KeyError:
+                result.set_result(SnapshotSaved(msg.key, error="gone"))
+                return
+            except Exception as exc:  # a copy MLX refused: reported, never a crash
+                result.set_result(_write_failed(msg, exc))
+                return
+            try:
+                self._writer.submit(_write, msg, data, copy_seconds, result)
+            except RuntimeError as exc:  # the writer is shut down (stopping)
+                result.set_result(_write_failed(msg, exc))
+
+        copied.add_done_callback(copied_out)
+        return result
+
+    def load_snapshot(self, msg: LoadSnapshot) -> Future[SnapshotLoaded]:
+        result: Future[SnapshotLoaded] = Future()
+        tic = time.perf_counter()
+
+        def loaded(done: Future[tuple[int, int]]) -> None:  # on the GPU thread
+            try:
+                handle, nbytes = done.result()
+            except BaseException as exc:
+                result.set_result(_load_failed(msg, exc, tic))
+            else:
+                result.set_result(SnapshotLoaded(msg.key, handle, nbytes, seconds=time.perf_counter() - tic))
+
+        def verified(done: Future[int]) -> None:  # on a reader thread
+            try:
+                done.result()
+            except BaseException as exc:
+                result.set_result(_load_failed(msg, exc, tic))
+                return
+            self._on_core(lambda core: core.load_snapshot(msg.path, msg.length)).add_done_callback(loaded)
+
+        try:
+            self._readers.submit(verify, Path(msg.path), msg.identity, msg.length).add_done_callback(verified)
+        except RuntimeError as exc:  # the readers are shut down (stopping)
+            result.set_result(_load_failed(msg, exc, tic))
+        return result
+
+
+def _write(msg: SaveSnapshot, data: memoryview, copy_seconds: float, result: Future[SnapshotSaved]) -> None:
+    """On the writer thread."""
+    tic = time.perf_counter()
+    try:
+        name, size = write_atomic(Path(msg.directory), msg.key, data)
+    except Exception as exc:  # a full disk: reported, never a crash
+        result.set_result(_write_failed(msg, exc))
+    else:
+        result.set_result(SnapshotSaved(msg.key, name, size, copy_seconds=copy_seconds,
+                                        write_seconds=time.perf_counter() - tic))
+
+
+def _write_failed(msg: SaveSnapshot, exc: BaseException) -> SnapshotSaved:
+    log.warning("prefix snapshot not written: %s: %s", type(exc).__name__, exc)
+    return SnapshotSaved(msg.key, error="io", detail=f"{type(exc).__name__}: {exc}")
+
+
+def _load_failed(msg: LoadSnapshot, exc: BaseException, tic: float) -> SnapshotLoaded:
+    """A file that fails any check is reported, never loaded into a request and never a crash."""
+    seconds = time.perf_counter() - tic
+    fields: dict[str, Any]
+    if isinstance(exc, SnapshotFileError):
+        log.warning("prefix snapshot %s not used (%s): %s", msg.path, exc.reason, exc)
+        fields = {"error": exc.reason, "detail": str(exc)}
+    elif isinstance(exc, OSError | GPUThreadDied | CancelledError):  # the file is kept
+        log.warning("prefix snapshot %s could not be read: %s: %s", msg.path, type(exc).__name__, exc)
+        fields = {"error": "io", "detail": str(exc)}
+    else:  # whatever else MLX says about a file's contents: not used, not a crash
+        log.warning("prefix snapshot %s not used: %s: %s", msg.path, type(exc).__name__, exc)
+        fields = {"error": "corrupt", "detail": f"{type(exc).__name__}: {exc}"}
+    return SnapshotLoaded(msg.key, seconds=seconds, **fields)
