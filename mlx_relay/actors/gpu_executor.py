@@ -93,6 +93,16 @@ class GPUExecutor(Actor):
         self.info: ModelInfo | None = None
         self._write_pending = 0  # bytes of snapshot copies waiting for the disk
 
+    @property
+    def engine(self) -> EngineHandle | None:
+        """The engine this actor runs (None: not started, or stopped)."""
+        return self._engine
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's id (None: the engine runs on a thread of this process, or none runs)."""
+        return self._engine.pid if self._engine is not None else None
+
     # -- lifecycle -------------------------------------------------------------------------------
     async def on_start(self) -> None:
         loop = asyncio.get_running_loop()

@@ -93,6 +93,10 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
     def start(self) -> None:
         ours, theirs = socket.socketpair()
         # the child imports this very package, wherever this process found it

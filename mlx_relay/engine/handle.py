@@ -31,6 +31,10 @@ class EngineCallbacks:
 
 
 class EngineHandle(Protocol):
+    @property
+    def pid(self) -> int | None:
+        """The engine's own process (None: it runs in this one)."""
+
     def start(self) -> None:
         """Start the GPU thread (or the process); blocking, briefly."""
 

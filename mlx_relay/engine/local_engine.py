@@ -67,6 +67,10 @@ class LocalEngine:
         return self._core
 
     # -- lifecycle ---------------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return None  # this process
+
     def start(self) -> None:
         self._thread.start()
 

@@ -66,6 +66,8 @@ def _known_error(err: WireError) -> Exception | None:
     cls = next((c for c in ERROR_TYPES if c.__name__ == err.kind), None)
     if cls is None:
         return None
+    if not issubclass(cls, RelayError):  # a plain exception (ModelLoadError): its message only
+        return cls(err.message)
     params = inspect.signature(cls).parameters
     kwargs = {name: getattr(err, name) for name in _FIELDS if name in params and getattr(err, name) is not None}
     return cls(err.message, **kwargs)

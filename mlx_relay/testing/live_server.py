@@ -6,7 +6,8 @@
 The server thread runs its own event loop with the server `mlx-relay serve` runs
 (`http.server.build_server`: uvicorn, the app's lifespan booting the Relay and its GPU thread,
 the same timeouts and drain); `__enter__` returns once `/health` says ready. `drain()` does what
-SIGTERM does to the real process.
+SIGTERM does to the real process. `call` runs a coroutine on the server's loop with its Relay
+(what HTTP does not expose: the engine's stats, the actors themselves).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from types import TracebackType
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -24,6 +27,8 @@ from mlx_relay.config import ServerConfig
 from mlx_relay.http.lifecycle import Lifecycle
 from mlx_relay.http.server import build_server
 from mlx_relay.relay import Relay
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -39,13 +44,24 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.config.port}"
         self.wait_ready = wait_ready
         self.timeout_s = timeout_s
-        self.lifecycle = Lifecycle()
+        self.lifecycle = Lifecycle(on_ready=self._on_ready)
+        self.relay: Relay | None = None  # once ready
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._server = build_server(msgspec.structs.replace(self.config, log_level="warning"), self.lifecycle,
                                     boot=Relay.start)
         self._thread = threading.Thread(target=self._run, name="live-server", daemon=True)
 
     def _run(self) -> None:
         asyncio.run(self._server.serve())
+
+    def _on_ready(self, relay: Relay) -> None:  # on the server's loop
+        self.relay, self._loop = relay, asyncio.get_running_loop()
+
+    def call(self, fn: Callable[[Relay], Coroutine[Any, Any, T]], timeout_s: float = 300.0) -> T:
+        """`fn(relay)` run on the server's event loop (from any other thread); its result."""
+        if self.relay is None or self._loop is None:
+            raise RuntimeError("the server is not ready")
+        return asyncio.run_coroutine_threadsafe(fn(self.relay), self._loop).result(timeout_s)
 
     def __enter__(self) -> LiveServer:
         self._thread.start()
