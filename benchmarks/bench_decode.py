@@ -4,11 +4,14 @@ Measures, in one process and alternating round by round so machine drift cancels
   (a) batch-1 decode tok/s through the raw mlx-vlm loop (`generate_step`, greedy);
   (b) the same through the in-process API (`Relay.stream_chat`);
   (c) the same through HTTP streaming (uvicorn on loopback, SSE);
-and aggregate completion tok/s at 1, 4 and 16 concurrent HTTP streams. Ours decodes plainly
-like the raw loops unless `--mtp`. Prints a markdown table
-with ratios and writes JSON next to it under benchmarks/results/.
+  (d) HTTP streaming again with the engine in a process of its own (`engine_process="on"`:
+      no Python of the server shares the GIL with the thread that steps the engine);
+and aggregate completion tok/s at 1, 4 and 16 concurrent HTTP streams. (b), (c) and the
+aggregate run the engine as `--engine-process` says (default off: on a thread of the server, so
+(c) against (d) is thread against process). Ours decodes plainly like the raw loops unless
+`--mtp`. Prints a markdown table with ratios and writes JSON next to it under benchmarks/results/.
 
-    python benchmarks/bench_decode.py [--model DIR] [--max-tokens 128] [--rounds 3]
+    python benchmarks/bench_decode.py [--model DIR] [--max-tokens 128] [--rounds 3] [--engine-process off]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
+import msgspec
 
 from mlx_relay.bench.machine import source_commit
 from mlx_relay.chat.types import ChatMessage
@@ -135,10 +139,18 @@ async def concurrent_http(url: str, n: int, max_tokens: int) -> float:
     return sum(tokens for _, tokens in results) / wall
 
 
+async def http_rounds(url: str, max_tokens: int, rounds: int) -> list[float]:
+    """Batch-1 SSE decode rates, one per round, after a warm-up request."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        await http_stream(client, url, max_tokens)  # warm
+        return [(await http_stream(client, url, max_tokens))[0] for _ in range(rounds)]
+
+
 async def main_async(args: argparse.Namespace) -> dict:
     model = Path(args.model) if args.model else fixture_path(FixtureSpec("bf16", 0))
     ours = dict(args.ours)
-    async with Relay.start(model, max_num_seqs=16, mtp=args.mtp, **ours) as relay:
+    async with Relay.start(model, max_num_seqs=16, mtp=args.mtp, **{"engine_process": args.engine_process, **ours}
+                           ) as relay:
         assert relay.service is not None
         from mlx_relay.messages.prompt import Render
 
@@ -154,18 +166,20 @@ async def main_async(args: argparse.Namespace) -> dict:
 
     raws = await asyncio.to_thread(raw_loops, model, prompt_ids, args.max_tokens, args.rounds)
 
-    config = default_config(model, served_model_name="bench", max_num_seqs=16, max_queue=64, mtp=args.mtp, **ours)
+    config = default_config(model, served_model_name="bench", max_num_seqs=16, max_queue=64, mtp=args.mtp,
+                            **{"engine_process": args.engine_process, **ours})
     with LiveServer(config) as server:
-        async with httpx.AsyncClient(timeout=600) as client:
-            await http_stream(client, server.url, args.max_tokens)  # warm
-            http = [(await http_stream(client, server.url, args.max_tokens))[0] for _ in range(args.rounds)]
+        http = await http_rounds(server.url, args.max_tokens, args.rounds)
         aggregate = {}
         for n in (1, 4, 16):
             await concurrent_http(server.url, n, args.max_tokens)  # warm this batch shape
             aggregate[n] = statistics.median([await concurrent_http(server.url, n, args.max_tokens)
                                               for _ in range(args.rounds)])
+    with LiveServer(msgspec.structs.replace(config, engine=msgspec.structs.replace(
+            config.engine, engine_process="on"))) as server:
+        http_process = await http_rounds(server.url, args.max_tokens, args.rounds)
 
-    samples = {**raws, "inproc": inproc, "http": http}
+    samples = {**raws, "inproc": inproc, "http": http, "http_process": http_process}
     med = {k: statistics.median(v) for k, v in samples.items()}
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -177,6 +191,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         "rounds": args.rounds,
         "mtp": args.mtp,
         "ours_overrides": ours,
+        "engine_process": args.engine_process,  # of the inproc and http paths (http_process: on)
         "commit": source_commit(),
         "batch1_decode_tok_s": med,
         "batch1_samples": samples,
@@ -204,7 +219,8 @@ def to_markdown(r: dict) -> str:
         f"# Decode overhead, {r['date']} ({r['machine']}, {r['backend']} backend)",
         "",
         f"Model `{Path(r['model']).name}`, {r['generated_tokens']} tokens per request, median of {r['rounds']} rounds; "
-        f"commit {r['commit']}; ours {'with' if r['mtp'] else 'without'} MTP.",
+        f"commit {r['commit']}; ours {'with' if r['mtp'] else 'without'} MTP, engine process "
+        f"{r.get('engine_process', 'off')} (HTTP SSE, engine process: on).",
         "",
         "| path | batch-1 decode tok/s | vs raw loop |",
         "|---|---:|---:|",
@@ -213,6 +229,7 @@ def to_markdown(r: dict) -> str:
         f"| {r['ratios']['raw_batchgen_over_raw']:.2f} |",
         f"| in-process API (Relay actors) | {m['inproc']:.1f} | {r['ratios']['inproc_over_raw']:.2f} |",
         f"| HTTP SSE stream | {m['http']:.1f} | {r['ratios']['http_over_raw']:.2f} |",
+        f"| HTTP SSE stream, engine process | {m['http_process']:.1f} | {r['ratios']['http_process_over_raw']:.2f} |",
         "",
         "| concurrent HTTP streams | aggregate completion tok/s | vs 1 stream |",
         "|---:|---:|---:|",
@@ -249,6 +266,9 @@ def main() -> None:
     parser.add_argument("--ours", type=override, action="append", default=[], metavar="KEY=VALUE",
                         help="a server setting for our paths (build_config's names), e.g. prefill_shapes=exact "
                              "warmup=false: on a GPU the fixed-shape prefill warm-up takes minutes at start")
+    parser.add_argument("--engine-process", choices=("auto", "on", "off"), default="off",
+                        help="where the engine of the in-process API and HTTP paths runs (default off: a thread "
+                             "of the server; the 'engine process' path always runs it in a process of its own)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
