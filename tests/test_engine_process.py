@@ -3,7 +3,8 @@ the float32 tiny VLM: its greedy tokens are the in-thread engine's, a disconnect
 the prefix cache (memory and disk tier) works across the pipe, a typed engine error arrives as
 its class, and a killed engine process ends its streams with an error, is replaced by a fresh
 one, and leaves no process behind (nor does the server when it stops). The wire format's error
-mapping is checked for every error class without a server."""
+mapping is checked for every error class without a server, and a dead GPU thread fails the
+commands sent to it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mlx_relay import errors
 from mlx_relay.actors.gpu_executor import GPUExecutor
 from mlx_relay.engine.engine_process import EngineProcess
+from mlx_relay.engine.gpu_thread import GPUThread, GPUThreadDied
 from mlx_relay.engine.handle import EngineHandle
 from mlx_relay.engine.wire import (
     ERROR_TYPES,
@@ -113,6 +115,11 @@ def test_greedy_tokens_equal_the_in_thread_engines(proc_server: LiveServer, serv
 
     tokens = proc_server.call(greedy)
     assert len(tokens) == 24 and tokens == server.call(greedy)
+    # a Ctrl-C or a service manager's SIGTERM reaches the process group: the server drains on them,
+    # and its engine process, which ignores them, still serves it
+    os.kill(pid, signal.SIGINT)
+    os.kill(pid, signal.SIGTERM)
+    assert proc_server.call(greedy) == tokens and engine_pid(proc_server) == pid
 
 
 def test_a_cancelled_stream_frees_its_row(proc_server: LiveServer) -> None:
@@ -242,3 +249,23 @@ def test_an_error_of_no_known_class_is_generation_failed_in_a_stream_and_named_f
     assert type(event_error(wire)) is errors.GenerationFailed and str(event_error(wire)) == "odd"
     failure = command_error(wire)
     assert isinstance(failure, EngineFailure) and failure.kind == "ValueError" and str(failure) == "ValueError: odd"
+
+
+def test_a_dead_gpu_thread_fails_every_command_instead_of_leaving_it_waiting() -> None:
+    """What the GPUExecutor's stop relies on after its engine died (thread or process alike)."""
+    import threading
+
+    died = threading.Event()
+
+    class Broken:
+        has_work = True
+
+        def step(self) -> None:
+            raise RuntimeError("a native panic")
+
+    thread = GPUThread("test-dying", on_fatal=lambda exc: died.set())
+    thread.stepper = Broken()
+    thread.start()
+    assert died.wait(10)
+    with pytest.raises(GPUThreadDied):
+        thread.submit(lambda: 1).result(timeout=10)

@@ -117,7 +117,7 @@ class GPUExecutor(Actor):
             self.info = await asyncio.wrap_future(engine.boot())
         except BaseException:
             with anyio.CancelScope(shield=True):  # a failed start leaves no thread busy, no process behind
-                await anyio.to_thread.run_sync(engine.stop, 30.0)
+                await anyio.to_thread.run_sync(engine.stop, 5.0)
             raise
         self._engine = engine
 

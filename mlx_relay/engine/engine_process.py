@@ -105,7 +105,7 @@ class EngineProcess:
         with theirs:  # only the child holds its end once it runs: its exit is the end of the pipe here
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "mlx_relay.engine.process_main", str(theirs.fileno()), str(self._log_level)],
-                pass_fds=(theirs.fileno(),), env=env)
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         self._conn = Connection(ours.detach())
         self._reader.start()
 

@@ -11,13 +11,16 @@ nothing between it and the pipe), one frame at a time under a lock. The process 
 (`Exit`: what is queued finishes, writes land, status 0), when the server goes away (end of the
 pipe: the server's process died, so must this one) or when its GPU thread dies (status 1, after
 telling the server). It exits through `os._exit`: the parked GPU thread (see `gpu_thread.py`)
-must not meet the interpreter's shutdown.
+must not meet the interpreter's shutdown. It ignores SIGINT and SIGTERM: a Ctrl-C in the
+terminal or a service manager's SIGTERM reaches the whole process group, and the server, which
+drains on them, still needs its engine until it says `Exit`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -93,6 +96,8 @@ class _PipeLogHandler(logging.Handler):
 
 def main(conn: Connection, log_level: int) -> None:
     """Serve until told to exit or the server is gone; then exit the process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     link = _Link(conn)
     logging.basicConfig(level=log_level, handlers=[_PipeLogHandler(link)], force=True)
     code = _serve(link)
