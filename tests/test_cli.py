@@ -51,6 +51,16 @@ def test_prefix_disk_flags_reach_the_engine_config() -> None:
     assert engine.prefix_cache_dir is None and engine.prefix_cache_disk_bytes == 20 << 30
 
 
+def test_engine_process_flag_reaches_the_engine_config_and_auto_is_the_thread_on_cpu() -> None:
+    from mlx_relay.cli import build_parser, config_from_args
+    from mlx_relay.engine.placement import wants_process
+
+    engine = config_from_args(build_parser().parse_args(["serve", "m", "--engine-process", "on"])).engine
+    assert engine.engine_process == "on" and wants_process(engine)
+    engine = config_from_args(build_parser().parse_args(["serve", "m"])).engine
+    assert engine.engine_process == "auto" and not wants_process(engine)  # these tests run on MLX's CPU backend
+
+
 def test_serve_starts_announces_and_stops(fp32_model: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(

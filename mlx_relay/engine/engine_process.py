@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -103,9 +104,13 @@ class EngineProcess:
         root = str(Path(mlx_relay.__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
         with theirs:  # only the child holds its end once it runs: its exit is the end of the pipe here
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "mlx_relay.engine.process_main", str(theirs.fileno()), str(self._log_level)],
-                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+            try:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "mlx_relay.engine.process_main", str(theirs.fileno()),
+                     str(self._log_level)], pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+            except BaseException:
+                ours.close()
+                raise
         self._conn = Connection(ours.detach())
         self._reader.start()
 
@@ -168,7 +173,7 @@ class EngineProcess:
     def _tell(self, frame: ToEngine) -> None:
         self._send(frame)
 
-    def _call(self, make: Any) -> Future[Any]:
+    def _call(self, make: Callable[[int], ToEngine]) -> Future[Any]:
         future: Future[Any] = Future()
         with self._lock:
             if self._gone is not None:
