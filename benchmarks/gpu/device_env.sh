@@ -17,3 +17,8 @@ export MLX_RELAY_CACHE=/root/mlx-relay-cache
 MODEL=/root/qwen35-35b-a3b-random-8bit
 if [ ! -f /root/tok/tokenizer.json ]; then mkdir -p /root/tok && tar xJf .device-carry/tokenizer.tar.xz -C /root/tok; fi
 # (the stash call can unpack it instead, so later calls need not carry .device-carry)
+# MLX's kernel cache from an earlier machine (device_matrix.sh brings it back), carried as
+# .device-kit/ptx/ptx-cache.tar.xz.NN: the first server start then skips minutes of NVRTC builds
+if [ ! -d /tmp/mlx ] && compgen -G ".device-kit/ptx/ptx-cache.tar.xz.*" > /dev/null; then
+  cat .device-kit/ptx/ptx-cache.tar.xz.* | tar xJf - -C /tmp
+fi

@@ -13,8 +13,15 @@
 # bench JSON per server, scenario and level, plus probe.json, memory.txt and the servers' logs;
 # `python benchmarks/gpu/summarize.py DIR` tables them.
 # Knobs: OURS_SRC (our package from `git archive`), OURS_FLAGS (e.g. --no-mtp), SERVERS
-# (default "ours mlx_vlm raw"), SHORT="1:16 64:128", AGENT="4:24 16:48", WARM=64:64,
-# PROBE=COUNT:MIN:MAX prompt lengths (10:100:8000), PROBE_VOCAB (token ids drawn below it).
+# (default "ours mlx_vlm raw"; also "oursthread": ours with the engine on a thread of the server,
+# `--engine-process off`, to compare with ours' default on a GPU, the engine in a process of its own),
+# SHORT="1:16 64:128", AGENT="4:24 16:48", WARM=64:64, per server SHORT_<name> / AGENT_<name>
+# (e.g. SHORT_mlx_vlm="1:12" AGENT_oursthread=""), PROBE=COUNT:MIN:MAX prompt lengths (10:100:8000;
+# "none" skips it), PROBE_VOCAB (token ids drawn below it).
+# `wait` brings back one archive, $OUT/matrix.tgz (a call returns at most 8 files), and at the end
+# the machine's MLX kernel cache (/tmp/mlx: NVRTC output) as $OUT/ptx-cache.tar.xz.NN (16 MB parts):
+# put them in .device-kit/ptx/ and device_env.sh unpacks them on the next machine, whose first
+# server start then skips minutes of kernel builds.
 # LOCAL=1 MODEL=DIR RUN=DIR: a dry run off the device (no kit, no nvidia-smi), to check the script.
 RUN=${RUN:-/root/matrix}
 mode=${1:-start}
@@ -25,7 +32,10 @@ if [ "$mode" = wait ]; then
     [ -f $RUN/done ] && break
     sleep 1
   done
-  mkdir -p "$OUT/matrix" && cp -r $RUN/out/. "$OUT/matrix/" 2>/dev/null || true
+  tar czf "$OUT/matrix.tgz" -C $RUN/out . 2>/dev/null || true
+  if [ -f $RUN/done ] && [ -d /tmp/mlx ] && [ "${PTX:-1}" = 1 ]; then
+    tar cJf - -C /tmp mlx | split -b 15m -d - "$OUT/ptx-cache.tar.xz."
+  fi
   tail -n 5 $RUN/progress.txt 2>/dev/null; grep "warm-up" $RUN/out/ours.log 2>/dev/null | tail -n 2
   [ -f $RUN/done ] && echo "matrix done"
   exit 0
@@ -57,22 +67,27 @@ bench() {  # target-args... -- scenario levels:requests name
   case $name in warm-*) return ;; esac  # the warm pass is not a figure
   cp "/tmp/m-$name/bench.json" "$O/$name.json" 2>/dev/null || say "$name: no result (see /tmp/m-$name.txt)"
 }
-memory() {  # label
+memory() {  # label [our url]: the device's account, and ours of MLX's active and cached bytes
   echo "$1: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null)" >> $O/memory.txt
+  [ -n "${2:-}" ] && python3 -c "import httpx; print(''.join(l + chr(10) for l in httpx.get('$2/metrics').text.splitlines() if 'memory_bytes' in l or 'snapshot_bytes' in l))" >> $O/memory.txt 2>&1
 }
+[ -f $RUN/levels.sh ] && source $RUN/levels.sh
 for name in ${SERVERS}; do
   if [ "$name" = raw ]; then
     target=(--raw-loop "$MODEL")
     bench "${target[@]}" -- short_chat "${WARM:-64:64}" "warm-raw"
-    for spec in ${SHORT}; do
+    for spec in ${SHORT_raw-$SHORT}; do
       bench "${target[@]}" -- short_chat "$spec" "short_chat-raw-c${spec%%:*}"; say "raw short_chat ${spec%%:*} done"
       [ "${spec%%:*}" = 64 ] && memory "raw after short_chat c=64"
     done
     continue
   fi
-  if [ "$name" = ours ]; then
+  short_var=SHORT_$name agent_var=AGENT_$name
+  shorts=${!short_var-$SHORT} agents=${!agent_var-$AGENT}
+  if [ "$name" = ours ] || [ "$name" = oursthread ]; then
+    extra=""; [ "$name" = oursthread ] && extra="--engine-process off"
     PYTHONPATH="${OURS_SRC:-$RUN/src}:/tmp/site" python3 -m mlx_relay.cli serve "$MODEL" --port 8000 \
-      --served-model-name qwen35-moe --max-num-seqs 64 --max-queue 512 ${OURS_FLAGS:-} > $O/ours.log 2>&1 &
+      --served-model-name qwen35-moe --max-num-seqs 64 --max-queue 512 ${OURS_FLAGS:-} $extra > $O/$name.log 2>&1 &
     health=http://127.0.0.1:8000/health
   else
     APC_ENABLED=1 APC_DISK_ENABLED=0 python3 -m mlx_vlm.server --model "$MODEL" --host 127.0.0.1 --port 8000 \
@@ -83,29 +98,32 @@ for name in ${SERVERS}; do
   ready $health $pid || { say "$name never got ready"; kill $pid 2>/dev/null; continue; }
   say "$name ready"
   target=(--target "$name=http://127.0.0.1:8000")
-  if [ "$name" = ours ]; then
+  if [ "$name" = ours ] && [ "${PROBE:-}" != none ]; then
     probe=${PROBE:-10:100:8000}; IFS=: read -r count lo hi <<< "$probe"
     python3 benchmarks/first_request_ttft.py http://127.0.0.1:8000 --count "$count" --min "$lo" --max "$hi" \
       --vocab "${PROBE_VOCAB:-240000}" --json $O/probe.json > $O/probe.txt 2>&1; say "probe: $(tail -1 $O/probe.txt)"
   fi
   bench "${target[@]}" -- short_chat "${WARM:-64:64}" "warm-$name"; say "$name warm"
-  for spec in ${SHORT}; do
+  ourl=""; [ "$name" != mlx_vlm ] && ourl=http://127.0.0.1:8000
+  for spec in ${shorts}; do
     bench "${target[@]}" -- short_chat "$spec" "short_chat-$name-c${spec%%:*}"; say "$name short_chat ${spec%%:*} done"
     if [ "${spec%%:*}" = 64 ]; then
-      memory "$name after short_chat c=64"
-      [ "$name" = ours ] && python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8000/v1/cache/stats').text)" >> $O/memory.txt
+      memory "$name after short_chat c=64" $ourl
+      [ -n "$ourl" ] && python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8000/v1/cache/stats').text)" >> $O/memory.txt
     fi
   done
-  for spec in ${AGENT}; do
+  for spec in ${agents}; do
     bench "${target[@]}" -- agent_sessions "$spec" "agent_sessions-$name-c${spec%%:*}"; say "$name agent ${spec%%:*} done"
   done
-  memory "$name after agent_sessions"
+  memory "$name after agent_sessions" $ourl
   kill $pid; wait $pid 2>/dev/null
   say "$name out-of-memory lines: $(grep -c 'out of memory' $O/$name.log)"
 done
 touch $RUN/done
 EOF
 rm -f $RUN/done $RUN/progress.txt
+levels=$(compgen -v | grep -E '^(SHORT|AGENT)_' || true)
+if [ -n "$levels" ]; then declare -p $levels > $RUN/levels.sh; else : > $RUN/levels.sh; fi
 cd $RUN/src
 # setsid: the device kills what is left of a call's session when the call ends
 setsid nohup env RUN="$RUN" PROBE="${PROBE:-}" PROBE_VOCAB="${PROBE_VOCAB:-}" PYTHONPATH="$RUN/src:/tmp/site" SERVERS="${SERVERS-ours mlx_vlm raw}" SHORT="${SHORT-1:16 64:128}" AGENT="${AGENT-4:24 16:48}" WARM="${WARM:-}" OURS_SRC="${OURS_SRC:-}" \

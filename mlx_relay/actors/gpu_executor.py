@@ -114,6 +114,8 @@ class GPUExecutor(Actor):
         engine = open_engine(self.config, self.specprefill, callbacks)
         try:
             await anyio.to_thread.run_sync(engine.start)
+            log.info("engine %s", "on a thread of this process" if engine.pid is None
+                     else f"in a process of its own (pid {engine.pid})")
             self.info = await asyncio.wrap_future(engine.boot())
         except BaseException:
             with anyio.CancelScope(shield=True):  # a failed start leaves no thread busy, no process behind
