@@ -69,7 +69,7 @@ bench() {  # target-args... -- scenario levels:requests name
 }
 memory() {  # label [our url]: the device's account, and ours of MLX's active and cached bytes
   echo "$1: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null)" >> $O/memory.txt
-  [ -n "${2:-}" ] && python3 -c "import httpx; print(''.join(l + chr(10) for l in httpx.get('$2/metrics').text.splitlines() if 'memory_bytes' in l or 'snapshot_bytes' in l))" >> $O/memory.txt 2>&1
+  [ -n "${2:-}" ] && python3 -c "import httpx; print(''.join(l + chr(10) for l in httpx.get('$2/metrics').text.splitlines() if 'memory' in l or 'snapshot_bytes' in l))" >> $O/memory.txt 2>&1
 }
 [ -f $RUN/levels.sh ] && source $RUN/levels.sh
 for name in ${SERVERS}; do

@@ -26,7 +26,7 @@ snap() {  # label
   { echo "== $1"
     nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
     nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null
-    python3 -c "import httpx; print(''.join(l + chr(10) for l in httpx.get('http://127.0.0.1:8000/metrics').text.splitlines() if ('memory_bytes' in l or 'snapshot_bytes' in l) and not l.startswith('#')))"
+    python3 -c "import httpx; print(''.join(l + chr(10) for l in httpx.get('http://127.0.0.1:8000/metrics').text.splitlines() if ('memory' in l or 'snapshot_bytes' in l) and not l.startswith('#')))"
   } >> $O/memory.txt 2>&1
 }
 for v in $VARIANTS; do

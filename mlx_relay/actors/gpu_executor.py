@@ -111,7 +111,8 @@ class GPUExecutor(Actor):
             on_output=lambda out: loop.call_soon_threadsafe(self._deliver, out),
             on_fatal=lambda reason: loop.call_soon_threadsafe(ref.crash, reason),
             on_progress=lambda text: loop.call_soon_threadsafe(self._on_progress, text))
-        engine = open_engine(self.config, self.specprefill, callbacks)
+        # (off the loop: deciding where the engine runs may ask MLX in a throwaway process)
+        engine = await anyio.to_thread.run_sync(open_engine, self.config, self.specprefill, callbacks)
         try:
             await anyio.to_thread.run_sync(engine.start)
             log.info("engine %s", "on a thread of this process" if engine.pid is None

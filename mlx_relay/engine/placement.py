@@ -1,7 +1,7 @@
 """Where the GPUExecutor's engine runs (`EngineConfig.engine_process`): in a process of its own
 (`engine_process.EngineProcess`) or on a thread of the server's (`local_engine.LocalEngine`).
 
-"auto" is the process where MLX's default device is a GPU (Metal or CUDA): there a batch-1 step
+"auto" is the process where MLX sees a GPU (Metal or CUDA): there a batch-1 step
 is bound by the host launching kernels, and in the server's process every millisecond of Python
 on the event loop (HTTP, SSE encoding, the actors) could delay it through the shared GIL. On the
 CPU backend the compute dominates and the thread is kept (tests and CPU servers use it).
@@ -10,6 +10,8 @@ CPU backend the compute dominates and the thread is kept (tests and CPU servers 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 from mlx_relay.config import EngineConfig, SpecPrefillConfig
 from mlx_relay.engine.engine_process import EngineProcess
@@ -17,11 +19,28 @@ from mlx_relay.engine.handle import EngineCallbacks, EngineHandle
 from mlx_relay.engine.loader import detect_backend
 from mlx_relay.engine.local_engine import LocalEngine
 
+_CUDA_PROBE = "import mlx.core as mx; c = getattr(mx, 'cuda', None); print(int(bool(c and c.is_available())))"
+
+
+def sees_gpu() -> bool:
+    """Whether MLX sees a GPU. On Metal, asked here. Elsewhere asked in a throwaway interpreter: on
+    CUDA the question opens a device context (about 0.5 GB of device memory on an H200, measured
+    in benchmarks/results/gpu-h200-2026-11-24f/memory/) that would stay with the server's process
+    for its whole life, while the engine that needs the device runs in a process of its own."""
+    if sys.platform == "darwin":
+        return detect_backend() == "metal"
+    try:
+        probe = subprocess.run([sys.executable, "-c", _CUDA_PROBE], capture_output=True, text=True, timeout=120,
+                               stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0 and probe.stdout.strip() == "1"
+
 
 def wants_process(config: EngineConfig) -> bool:
     if config.engine_process != "auto":
         return config.engine_process == "on"
-    return detect_backend() != "cpu"  # asks MLX which devices it has; runs nothing
+    return sees_gpu()
 
 
 def open_engine(config: EngineConfig, specprefill: SpecPrefillConfig, callbacks: EngineCallbacks) -> EngineHandle:
