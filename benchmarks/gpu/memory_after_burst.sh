@@ -6,8 +6,9 @@
 # (short_chat 16 streams), after short_chat c=64 and after 5 s idle.
 #   VARIANTS="default graphs0 cudnn0" bash benchmarks/gpu/memory_after_burst.sh start
 #   bash benchmarks/gpu/memory_after_burst.sh wait 560     # $OUT/memory.tgz
-# Variants: default; graphs0 (MLX_USE_CUDA_GRAPHS=0); cudnn0 (MLX_CUDA_USE_CUDNN_SDPA=0); thread
-# (--engine-process off). LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR: a dry run off the device.
+# Variants: default; graphs0 (MLX_USE_CUDA_GRAPHS=0); cudnn0 (MLX_CUDA_USE_CUDNN_SDPA=0); sdpa16
+# (MLX_CUDA_SDPA_CACHE_SIZE=16: cuDNN attention plans kept); conv16 (MLX_CUDA_CONV_CACHE_SIZE=16);
+# thread (--engine-process off). (The knobs are those libmlx.so 0.32.4 reads: `strings libmlx.so | grep MLX_`.) LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR: a dry run off the device.
 RUN=${RUN:-/root/membench}
 if [ "${1:-start}" = wait ]; then
   for _ in $(seq 1 "${2:-560}"); do [ -f $RUN/done ] && break; sleep 1; done
@@ -34,6 +35,8 @@ for v in $VARIANTS; do
   case $v in
     graphs0) envs=(MLX_USE_CUDA_GRAPHS=0) ;;
     cudnn0) envs=(MLX_CUDA_USE_CUDNN_SDPA=0) ;;
+    sdpa16) envs=(MLX_CUDA_SDPA_CACHE_SIZE=16) ;;
+    conv16) envs=(MLX_CUDA_CONV_CACHE_SIZE=16) ;;
     thread) flags=(--engine-process off) ;;
   esac
   env "${envs[@]}" python3 -m mlx_relay.cli serve "$MODEL" --port 8000 --served-model-name qwen35-moe \
