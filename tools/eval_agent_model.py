@@ -1,0 +1,252 @@
+"""Evaluate an agent model on held-out curriculum prompts (issue 19, point 2).
+
+Offline tooling on top of the in-process API: the model is served by :class:`mlx_relay.relay.Relay`
+(the whole actor graph: Normalizer, GPUExecutor with MTP, the reply grammar), prompts are the
+held-out split of ``tools/agent_curriculum.py`` (split 1, never trained on), greedy decoding.
+
+Measures (each the issue's):
+
+* ``needle@N``: exact match of the answer after ``</think>`` on key-value retrieval prompts of
+  about N tokens (SpecPrefill off per request; ``--specprefill-draft``/``--specprefill-keep``
+  turn it on for issue 19.4).
+* ``tool_call``: with tools declared and a request that needs one (``tool_choice`` auto, nothing
+  forced), the reply holds a well-formed call: our server's parser
+  (:class:`mlx_relay.chat.reply_parser.ReplyParser`) reads it into a tool call to a declared tool
+  whose arguments validate against its schema with ``jsonschema``; ``tool_call_exact`` also
+  wants the expected tool and arguments.
+* ``think_closed``: replies (thinking on: the prompt opens ``<think>``) that close it before the
+  answer, over every prompt run.
+* ``json_no_grammar`` / ``json_grammar``: the request asks for a JSON object in words; the
+  content parses as a JSON object, without and with ``response_format: json_object`` (which the
+  server enforces with a grammar; the prompt text is the same).
+* ``mtp_acceptance_block2``: accepted / drafted MTP tokens over all replies (``usage.mtp``'s
+  counts; the server runs with ``mtp_block_size`` 2 and the ``always`` policy).
+
+Usage::
+
+    python tools/eval_agent_model.py --model DIR --n 20 --lengths 4096 8192 16384 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import jsonschema
+import msgspec
+
+from mlx_relay.chat.output import ToolCallEnd
+from mlx_relay.chat.reply_parser import ReplyParser
+from mlx_relay.chat.types import ToolDef
+from mlx_relay.errors import RelayError, ToolCallInvalid
+
+THINK_END = "</think>"
+
+
+# --------------------------------------------------------------------------- scorers
+
+
+def split_reply(text: str, think_open: bool) -> tuple[str, str, bool]:
+    """(reasoning, content, thinking closed) of a reply whose prompt opened ``<think>`` when
+    ``think_open`` (otherwise a block the reply itself opens counts)."""
+    body = text
+    if not think_open:
+        stripped = text.lstrip()
+        if not stripped.startswith("<think>"):
+            return "", text.strip(), True
+        body = stripped[len("<think>"):]
+    i = body.find(THINK_END)
+    if i < 0:
+        return body, "", False
+    return body[:i].strip(), body[i + len(THINK_END):].strip(), True
+
+
+def score_needle(text: str, answer: str, think_open: bool) -> bool:
+    _, content, closed = split_reply(text, think_open)
+    return closed and content == answer
+
+
+@dataclass
+class ToolScore:
+    well_formed: bool  # at least one call, parsed, declared, schema-valid arguments
+    exact: bool  # the first call is the expected tool with the expected arguments
+    error: str | None = None
+
+
+def score_tool(text: str, tools: list[ToolDef], think_open: bool, expected: dict[str, Any] | None = None) -> ToolScore:
+    parser = ReplyParser(tools=tools, tool_format="qwen3_coder", think_open=think_open)
+    try:
+        events = parser.feed(text) + parser.finish("stop")
+    except ToolCallInvalid as exc:
+        return ToolScore(False, False, str(exc))
+    calls = [ev for ev in events if isinstance(ev, ToolCallEnd)]
+    if not calls:
+        return ToolScore(False, False, "no tool call")
+    schemas = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
+    for call in calls:
+        if call.name not in schemas:
+            return ToolScore(False, False, f"undeclared tool {call.name}")
+        try:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        except jsonschema.ValidationError as exc:
+            return ToolScore(False, False, f"arguments: {exc.message}")
+    first = calls[0]
+    exact = expected is not None and first.name == expected["name"] and json.loads(first.arguments) == expected[
+        "arguments"]
+    return ToolScore(True, exact)
+
+
+def score_json(text: str, think_open: bool, keys: list[str] | None = None) -> tuple[bool, bool]:
+    """(the content is a JSON object, it has exactly the requested keys)."""
+    _, content, closed = split_reply(text, think_open)
+    if not closed:
+        return False, False
+    try:
+        value = json.loads(content)
+    except ValueError:
+        return False, False
+    if not isinstance(value, dict):
+        return False, False
+    return True, keys is None or sorted(value) == sorted(keys)
+
+
+def think_closed(text: str, think_open: bool) -> bool:
+    return split_reply(text, think_open)[2]
+
+
+# --------------------------------------------------------------------------- runner
+
+
+@dataclass
+class Tally:
+    n: int = 0
+    ok: int = 0
+
+    def add(self, good: bool) -> None:
+        self.n += 1
+        self.ok += int(good)
+
+    @property
+    def rate(self) -> float:
+        return self.ok / self.n if self.n else float("nan")
+
+
+async def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from agent_curriculum import HELD_OUT, Curriculum, Example, Mix, StdlibFiller, SyntheticFiller
+
+    from mlx_relay.relay import Relay
+
+    filler = StdlibFiller() if args.filler == "stdlib" else SyntheticFiller()
+    cur = Curriculum(args.model, filler, Mix(no_think=0.0), seed=args.seed)
+    overrides: dict[str, Any] = {"mtp_block_size": 2, "mtp_policy": "always", "prefix_cache": False}
+    if args.max_model_len:
+        overrides["max_model_len"] = args.max_model_len
+    if args.specprefill_draft:
+        overrides["specprefill_draft_model"] = str(args.specprefill_draft)
+    tallies: dict[str, Tally] = {}
+    samples: list[dict[str, Any]] = []
+    mtp = [0, 0]  # drafted, accepted
+
+    def tally(name: str) -> Tally:
+        return tallies.setdefault(name, Tally())
+
+    async with Relay.start(args.model, **overrides) as relay:
+
+        async def run(ex: Example, measure: str, max_tokens: int, **params: Any) -> str:
+            tools = msgspec.to_builtins(ex.tools) if ex.tools else None
+            sp: dict[str, Any] = {"specprefill": False}
+            if args.specprefill_draft:
+                sp = {"specprefill": True, "specprefill_keep": args.specprefill_keep}
+            t0 = time.perf_counter()
+            try:
+                res = await relay.chat(ex.prompt_messages(), tools=tools, enable_thinking=True, temperature=0.0,
+                                       max_tokens=max_tokens, **sp, **params)
+            except RelayError as exc:
+                samples.append({"measure": measure, "error": f"{type(exc).__name__}: {exc}"})
+                tally("think_closed").add(False)
+                return ""
+            mtp[0] += res.mtp_drafted
+            mtp[1] += res.mtp_accepted
+            tally("think_closed").add(think_closed(res.text, True))
+            if len(samples) < args.keep_samples:
+                samples.append({"measure": measure, "prompt_tokens": res.prompt_tokens, "text": res.text[:400],
+                                "seconds": round(time.perf_counter() - t0, 3)})
+            return res.text
+
+        for length in args.lengths:
+            for i in range(args.n):
+                ex = cur.example(HELD_OUT, i, "needle", length)
+                text = await run(ex, f"needle@{length}", 48)
+                assert ex.answer is not None
+                tally(f"needle@{length}").add(score_needle(text, ex.answer, True))
+        for i in range(args.n):
+            ex = cur.example(HELD_OUT, i, "tool")
+            assert ex.tools is not None
+            text = await run(ex, "tool_call", 160)
+            score = score_tool(text, ex.tools, True, ex.call)
+            tally("tool_call").add(score.well_formed)
+            tally("tool_call_exact").add(score.exact)
+        for i in range(args.n):
+            ex = cur.example(HELD_OUT, i, "json")
+            for name, fmt in (("json_no_grammar", None), ("json_grammar", {"type": "json_object"})):
+                text = await run(ex, name, 96, response_format=fmt)
+                valid, keys = score_json(text, True, ex.json_keys)
+                tally(name).add(valid)
+                tally(f"{name}_keys").add(keys)
+        for i in range(args.n):
+            for family in ("chat", "copy"):
+                ex = cur.example(HELD_OUT, i, family, 512)
+                text = await run(ex, family, 256)
+                tally(family).add(split_reply(text, True)[1] == ex.answer)
+    result = {name: asdict(t) | {"rate": t.rate} for name, t in tallies.items()}
+    result["mtp_acceptance_block2"] = {"drafted": mtp[0], "accepted": mtp[1],
+                                       "rate": mtp[1] / mtp[0] if mtp[0] else float("nan")}
+    return {"model": str(args.model), "filler": filler.name, "n": args.n,
+            "specprefill": {"draft": str(args.specprefill_draft) if args.specprefill_draft else None,
+                            "keep": args.specprefill_keep if args.specprefill_draft else None},
+            "measures": result, "samples": samples}
+
+
+TARGETS = {"needle@4096": 0.9, "needle@8192": 0.9, "tool_call": 0.9, "think_closed": 0.95,
+           "json_no_grammar": 0.8, "json_grammar": 1.0, "mtp_acceptance_block2": 0.6}
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"{'measure':24s} {'ok/n':>10s} {'rate':>7s} {'target':>7s}"]
+    for name, m in result["measures"].items():
+        okn = f"{m.get('ok', m.get('accepted'))}/{m.get('n', m.get('drafted'))}"
+        target = TARGETS.get(name)
+        lines.append(f"{name:24s} {okn:>10s} {m['rate']:7.3f} {'' if target is None else f'{target:7.2f}'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--n", type=int, default=20, help="held-out prompts per measure")
+    p.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384], help="needle prompt tokens")
+    p.add_argument("--seed", type=int, default=0, help="the curriculum's seed (the model's training seed)")
+    p.add_argument("--filler", choices=("synthetic", "stdlib"), default="synthetic")
+    p.add_argument("--max-model-len", type=int, default=0, help="cap the served context (0: the checkpoint's)")
+    p.add_argument("--specprefill-draft", type=Path, default=None, help="SpecPrefill on, with this draft")
+    p.add_argument("--specprefill-keep", type=float, default=0.3)
+    p.add_argument("--keep-samples", type=int, default=6, help="replies kept in the JSON")
+    p.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
+    args = p.parse_args(argv)
+    result = anyio.run(evaluate, args)
+    print(table(result))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+if __name__ == "__main__":
+    main()
