@@ -1,0 +1,297 @@
+"""Train ``relay-tiny-agent`` from the agent curriculum (issue 19, point 1).
+
+A sibling of ``tools/train_small_mtp.py`` sharing its model code (:class:`TargetWithMTP`: the
+Qwen3.5 VLM with its MTP head, trained jointly), its checkpoint writer (HF names and layouts,
+float32, so ``mlx_vlm.load`` and our server load the result strictly), its learning-rate rule
+and its optimizer-state file for ``--resume``. What differs:
+
+* the data: rows of ``tools/agent_curriculum.py`` conversations (each rendered by the server's
+  own prompt renderer and chat template), packed to the stage's sequence length and padded;
+* the loss: cross-entropy only where the loss mask is set (assistant turns), for the target's
+  next token and for the MTP head's token ``t+2``;
+* a sequence-length schedule (``--schedule 1024:2000,4096:600,16384:200``: stages of
+  ``length:steps``), with the batch per stage ``--tokens-per-step // length`` (at least 1), so
+  the model learns the template's shapes on short rows first, then retrieval over long ones;
+* ``--max-position`` (the checkpoint's declared context, default 32768).
+
+Rows are made by ``--workers`` processes (0: in this one), a few steps ahead of the optimizer;
+row ``b`` of step ``s`` is example stream ``s * 1024 + b`` of the training split, so the data
+depends only on ``--seed`` (the evaluation uses the held-out split, never trained on).
+
+Toy CPU smoke (a minute; proves the loop, the checkpoint and the evaluation end to end)::
+
+    python tools/train_agent_model.py --out /tmp/agent-smoke --hidden 64 --intermediate 128 \
+        --layers 4 --schedule 256:20,1024:10 --tokens-per-step 2048 --warmup 5
+    python tools/eval_agent_model.py --model /tmp/agent-smoke --n 2 --lengths 1024
+
+The training call proposed for one H200 is in the report of issue 19's groundwork (and the
+README of the trained model, once it exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).parent))
+from agent_curriculum import TRAIN, Curriculum, Mix, StdlibFiller, SyntheticFiller
+from train_small_mtp import (
+    TargetWithMTP,
+    learning_rate,
+    reexec_with_blas_shim,
+    save_checkpoint,
+    save_train_state,
+    small_config,
+    train_state_path,
+)
+
+from mlx_relay.testing.fixtures import FixtureSpec, build_fixture
+from mlx_relay.testing.tokenizer_builder import token_id
+
+ROWS_PER_STEP_MAX = 1024
+
+
+def parse_schedule(text: str) -> list[tuple[int, int]]:
+    """``"1024:2000,4096:600"`` -> ``[(1024, 2000), (4096, 600)]``."""
+    stages = []
+    for part in text.split(","):
+        length, steps = part.split(":")
+        stages.append((int(length), int(steps)))
+    if not stages or any(length < 64 or steps < 1 for length, steps in stages):
+        raise ValueError(f"bad --schedule {text!r}")
+    return stages
+
+
+def masked_losses(vlm: nn.Module, mtp: nn.Module, tokens: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
+    """(target next-token loss, MTP token-``t+2`` loss), mean cross-entropy over masked targets
+    (the same hidden states and positions as ``train_small_mtp.joint_losses``)."""
+    lm = vlm.language_model
+    seq = tokens.shape[1]
+    text_pos = mx.broadcast_to(mx.arange(seq, dtype=mx.int32)[None, None, :], (3, 1, seq))
+    h = lm.model(tokens, position_ids=text_pos)
+    ce = nn.losses.cross_entropy(lm.lm_head(h[:, :-1]), tokens[:, 1:], reduction="none")
+    m1 = mask[:, 1:].astype(mx.float32)
+    main = (ce * m1).sum() / mx.maximum(m1.sum(), 1.0)
+    emb = lm.model.embed_tokens(tokens[:, 1:])
+    pos = mx.arange(seq - 1, dtype=mx.int32)[None, :]
+    mh = mtp._forward_hidden(emb, h[:, :-1], None, pos)
+    ce2 = nn.losses.cross_entropy(lm.lm_head(mh[:, :-1]), tokens[:, 2:], reduction="none")
+    m2 = mask[:, 2:].astype(mx.float32)
+    return main, (ce2 * m2).sum() / mx.maximum(m2.sum(), 1.0)
+
+
+# --------------------------------------------------------------------------- rows (worker side)
+
+_WORKER: dict[str, Any] = {}  # one Curriculum per worker process, set by its initializer only
+
+
+def _init_worker(out: str, filler: str, seed: int) -> None:
+    _WORKER["cur"] = Curriculum(Path(out), StdlibFiller() if filler == "stdlib" else SyntheticFiller(),
+                                Mix(), seed=seed)
+    _WORKER["pad"] = token_id("<|endoftext|>")
+
+
+def _make_row(task: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    length, index = task
+    enc = _WORKER["cur"].row(TRAIN, index, length, _WORKER["pad"])
+    return enc.ids, enc.mask
+
+
+class Rows:
+    """Batches of curriculum rows, made in worker processes (or inline) a few steps ahead."""
+
+    def __init__(self, out: Path, filler: str, seed: int, workers: int, ahead: int = 4) -> None:
+        self.pool = None
+        if workers > 0:
+            ctx = multiprocessing.get_context("spawn")
+            self.pool = ctx.Pool(workers, _init_worker, (str(out), filler, seed))
+        else:
+            _init_worker(str(out), filler, seed)
+        self.ahead = ahead
+        self.queue: deque[Any] = deque()
+
+    def _submit(self, tasks: list[tuple[int, int]]) -> Any:
+        if self.pool is None:
+            return [_make_row(t) for t in tasks]
+        return self.pool.map_async(_make_row, tasks)
+
+    def batches(self, plan: list[tuple[int, int, int]]) -> Any:
+        """``plan``: (step, length, batch) per step; yields (ids, mask) arrays per step."""
+        it = iter(plan)
+        for step, length, batch in it:
+            self.queue.append(self._submit([(length, step * ROWS_PER_STEP_MAX + b) for b in range(batch)]))
+            if len(self.queue) >= self.ahead:
+                break
+        pending = list(it)
+        while self.queue:
+            job = self.queue.popleft()
+            if pending:
+                step, length, batch = pending.pop(0)
+                self.queue.append(self._submit([(length, step * ROWS_PER_STEP_MAX + b) for b in range(batch)]))
+            rows = job if isinstance(job, list) else job.get()
+            yield np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+# --------------------------------------------------------------------------- training
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=640)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--linear-head-dim", type=int, default=32)
+    p.add_argument("--max-position", type=int, default=32768)
+    p.add_argument("--schedule", default="1024:2000,4096:600,16384:200", help="length:steps,...")
+    p.add_argument("--tokens-per-step", type=int, default=65536)
+    p.add_argument("--filler", choices=("synthetic", "stdlib"), default="synthetic")
+    p.add_argument("--workers", type=int, default=0, help="row-making processes (0: inline)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.05)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--mtp-weight", type=float, default=1.0)
+    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--max-seconds", type=float, default=0.0, help="stop (and save) after this long; 0 = no limit")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--metrics", type=Path, default=None)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-blas-shim", action="store_true")
+    args = p.parse_args(argv)
+    args.stages = parse_schedule(args.schedule)
+    args.steps = sum(steps for _, steps in args.stages)  # learning_rate() reads args.steps
+    return args
+
+
+def step_plan(args: argparse.Namespace, start: int) -> list[tuple[int, int, int]]:
+    plan, step = [], 0
+    for length, steps in args.stages:
+        batch = min(max(args.tokens_per_step // length, 1), ROWS_PER_STEP_MAX)
+        for _ in range(steps):
+            if step >= start:
+                plan.append((step, length, batch))
+            step += 1
+    return plan
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    out: Path = args.out
+    spec = FixtureSpec("fp32", args.seed, args.hidden, args.intermediate, args.layers, args.max_position)
+    config = small_config(spec, args.linear_head_dim)
+    if not args.resume:
+        build_fixture(out, spec)  # tokenizer, chat template, processor files (weights replaced below)
+        (out / "mlx_relay_fixture.json").unlink(missing_ok=True)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    print(f"device {mx.default_device()}, mlx {mx.__version__}, stages {args.stages}", flush=True)
+
+    mx.random.seed(args.seed)
+    model = TargetWithMTP(config)
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    print(f"params: {n_params / 1e6:.3f} M ({4 * n_params / 1e6:.1f} MB as float32)", flush=True)
+    model.vlm.vision_tower.freeze()
+    opt = optim.AdamW(learning_rate=learning_rate(args, 0), weight_decay=args.weight_decay)
+    state_path = train_state_path(out)
+    start = 0
+    if args.resume and state_path.is_file():
+        from mlx.utils import tree_unflatten
+
+        saved = mx.load(str(state_path))
+        start = int(saved.pop("__step__").item())
+        model.update(tree_unflatten([(k[2:], v) for k, v in saved.items() if k.startswith("p.")]))
+        opt.init(model.trainable_parameters())
+        opt.state = tree_unflatten([(k[2:], v) for k, v in saved.items() if k.startswith("o.")])
+        print(f"resumed at step {start}", flush=True)
+
+    def loss_fn(m: TargetWithMTP, tokens: mx.array, mask: mx.array) -> tuple[mx.array, tuple[mx.array, mx.array]]:
+        main_loss, mtp_loss = masked_losses(m.vlm, m.mtp, tokens, mask)
+        return main_loss + args.mtp_weight * mtp_loss, (main_loss, mtp_loss)
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+    opt.init(model.trainable_parameters())
+    state = [model.state, opt.state]
+
+    def step(tokens: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
+        (_, (main_loss, mtp_loss)), grads = grad_fn(model, tokens, mask)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        return main_loss, mtp_loss
+
+    if not args.no_compile:
+        step = mx.compile(step, inputs=state, outputs=state)
+
+    rows = Rows(out, args.filler, args.seed, args.workers)
+    plan = step_plan(args, start)
+    history: list[dict[str, float]] = []
+    t_start = t_log = time.perf_counter()
+    acc = [0.0, 0.0, 0]
+    done = start
+    trained_tokens = 0
+    try:
+        for (it, length, batch), (ids, mask) in zip(plan, rows.batches(plan), strict=True):
+            now = time.perf_counter()
+            if args.max_seconds > 0 and now - t_start > args.max_seconds:
+                break
+            lr = learning_rate(args, it, (now - t_start) / args.max_seconds if args.max_seconds > 0 else 0.0)
+            opt.learning_rate = lr
+            main_loss, mtp_loss = step(mx.array(ids), mx.array(mask))
+            mx.eval(state, main_loss, mtp_loss)
+            acc[0] += main_loss.item()
+            acc[1] += mtp_loss.item()
+            acc[2] += 1
+            trained_tokens += int(mask.sum())
+            done = it + 1
+            if done % args.log_every == 0 or done == len(plan) + start:
+                now = time.perf_counter()
+                k = acc[2]
+                rec = {"step": done, "length": length, "batch": batch, "loss": acc[0] / k, "mtp_loss": acc[1] / k,
+                       "lr": lr, "seconds": now - t_start}
+                history.append(rec)
+                print(f"step {done} (len {length} x {batch}): loss {rec['loss']:.3f} (ppl {math.exp(rec['loss']):.1f})"
+                      f"  mtp {rec['mtp_loss']:.3f}  lr {lr:.2e}  {k / (now - t_log):.2f} steps/s  "
+                      f"{now - t_start:.0f}s", flush=True)
+                acc = [0.0, 0.0, 0]
+                t_log = now
+            if done % args.save_every == 0:
+                save_checkpoint(model, out)
+                save_train_state(model, opt, done, state_path)
+    finally:
+        rows.close()
+    size = save_checkpoint(model, out)
+    save_train_state(model, opt, done, state_path)
+    seconds = time.perf_counter() - t_start
+    print(f"saved step {done} ({size / 1e6:.2f} MB model.safetensors) after {seconds:.0f}s; "
+          f"{trained_tokens} assistant tokens trained", flush=True)
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "params": n_params, "steps": done,
+              "train_seconds": seconds, "history": history, "trained_tokens": trained_tokens}
+    if args.metrics is not None:
+        args.metrics.parent.mkdir(parents=True, exist_ok=True)
+        args.metrics.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+if __name__ == "__main__":
+    if "--no-blas-shim" not in sys.argv[1:] and mx.default_device() == mx.cpu:
+        reexec_with_blas_shim(Path("/tmp/small-mtp/blas-shim"))
+    main()
