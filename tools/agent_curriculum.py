@@ -195,7 +195,7 @@ class Curriculum:
         self.mix = mix or Mix()
         self.seed = seed
         self.im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.chars_per_token = 3.0  # refined as filler is tokenized
+        self.chars_per_token = 6  # filler characters drawn per token asked for (then cut to the count)
 
     # -- examples ------------------------------------------------------------------------------
     def rng(self, split: int, index: int) -> np.random.Generator:
@@ -217,13 +217,11 @@ class Curriculum:
         return ex
 
     def _filler(self, rng: np.random.Generator, split: int, tokens: int) -> str:
-        text = self.filler.text(rng, split, max(int(tokens * self.chars_per_token), 1))
-        n = len(self.tokenizer.backend_tokenizer.encode_batch_fast([text], add_special_tokens=False)[0])
-        if n > 0:
-            self.chars_per_token = 0.8 * self.chars_per_token + 0.2 * len(text) / n
-            if n > tokens:  # trim to about the budget
-                text = text[: max(int(len(text) * tokens / n), 1)]
-        return text
+        """Filler text of at most ``tokens`` tokens (cut at a token boundary; stateless, so an
+        example depends only on its seed)."""
+        text = self.filler.text(rng, split, max(tokens * self.chars_per_token, 1))
+        offsets = self.tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0].offsets
+        return text[: offsets[tokens - 1][1]] if len(offsets) > tokens else text
 
     def _needle(self, rng: np.random.Generator, split: int, length: int) -> Example:
         pairs = [(_key(rng), _value(rng)) for _ in range(int(rng.integers(1, 5)))]

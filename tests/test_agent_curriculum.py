@@ -1,0 +1,168 @@
+"""The agent curriculum (``tools/agent_curriculum.py``), the evaluation's scorers
+(``tools/eval_agent_model.py``) and the trainer's pieces (``tools/train_agent_model.py``),
+on the fp32 fixture's tokenizer and chat template (the same as relay-tiny-coder's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mlx_relay.chat.types import FunctionDef, ToolDef
+from mlx_relay.testing.scripts import load_script
+
+_TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+
+def _script(name: str) -> ModuleType:
+    return load_script(_TOOLS / f"{name}.py", name)
+
+
+@pytest.fixture(scope="module")
+def cur(fp32_model: Path) -> Any:
+    tool = _script("agent_curriculum")
+    return tool.Curriculum(fp32_model, seed=0)
+
+
+def _segments(enc: Any) -> list[tuple[int, int]]:
+    """[start, end) of each run of masked tokens."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], enc.mask.astype(np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def _replies(cur: Any, enc: Any) -> list[str]:
+    return [cur.tokenizer.decode(enc.ids[a:b].tolist()) for a, b in _segments(enc)]
+
+
+def test_examples_are_deterministic_by_seed_and_split(cur: Any, fp32_model: Path) -> None:
+    tool = _script("agent_curriculum")
+    for i in range(6):
+        a, b = cur.encode(cur.example(tool.TRAIN, i)), cur.encode(cur.example(tool.TRAIN, i))
+        assert np.array_equal(a.ids, b.ids) and np.array_equal(a.mask, b.mask)
+    train = [cur.encode(cur.example(tool.TRAIN, i, "needle", 256)).ids.tolist() for i in range(3)]
+    held = [cur.encode(cur.example(tool.HELD_OUT, i, "needle", 256)).ids.tolist() for i in range(3)]
+    assert not set(map(tuple, train)) & set(map(tuple, held))
+    other = tool.Curriculum(fp32_model, seed=1)
+    assert other.encode(other.example(tool.TRAIN, 0, "needle", 256)).ids.tolist() != train[0]
+
+
+@pytest.mark.parametrize("family", ["needle", "copy", "tool", "json", "chat"])
+def test_masks_cover_exactly_the_assistant_turns(cur: Any, family: str) -> None:
+    tool = _script("agent_curriculum")
+    im_end = cur.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for i in range(4):
+        ex = cur.example(tool.TRAIN, i, family, 512)
+        enc = cur.encode(ex)  # also checks every turn's server prompt is a prefix of the conversation
+        turns = [m for m in ex.messages if m.role == "assistant"]
+        segments = _segments(enc)
+        assert len(segments) == len(turns)
+        for (a, b), message, reply in zip(segments, turns, _replies(cur, enc), strict=True):
+            assert enc.ids[b - 1] == im_end and im_end not in enc.ids[a:b - 1].tolist()
+            assert cur.tokenizer.decode(enc.ids[:a].tolist()).endswith("<|im_start|>assistant\n" + (
+                "<think>\n" if ex.thinking else "<think>\n\n</think>\n\n"))
+            assert "<|im_start|>" not in reply and "<tool_response>" not in reply
+            assert (message.content or "") in reply
+
+
+def test_every_thinking_block_closes(cur: Any) -> None:
+    tool = _script("agent_curriculum")
+    for i in range(30):
+        ex = cur.example(tool.TRAIN, i, length=512)
+        text = cur.tokenizer.decode(cur.encode(ex).ids.tolist())
+        assert text.count("<think>") == text.count("</think>") >= 1
+        for reply in _replies(cur, cur.encode(ex)):
+            assert reply.count("</think>") == (1 if ex.thinking else 0)
+
+
+def test_tool_example_round_trips_through_the_server_parser(cur: Any) -> None:
+    tool, ev = _script("agent_curriculum"), _script("eval_agent_model")
+    for i in range(8):
+        ex = cur.example(tool.TRAIN, i, "tool")
+        first = _replies(cur, cur.encode(ex))[0].removesuffix("<|im_end|>")
+        assert "<tool_call>\n<function=" + ex.call["name"] + ">" in first
+        score = ev.score_tool(first, ex.tools, ex.thinking, ex.call)
+        assert score.well_formed and score.exact, (score.error, first)
+
+
+def test_json_example_answer_parses_with_the_requested_keys(cur: Any) -> None:
+    tool, ev = _script("agent_curriculum"), _script("eval_agent_model")
+    for i in range(8):
+        ex = cur.example(tool.TRAIN, i, "json")
+        reply = _replies(cur, cur.encode(ex))[0].removesuffix("<|im_end|>")
+        assert ev.score_json(reply, ex.thinking, ex.json_keys) == (True, True)
+        assert json.loads(ex.answer) == json.loads(reply.split("</think>")[-1])
+
+
+def test_needle_prompt_has_the_asked_length_and_answer(cur: Any) -> None:
+    tool = _script("agent_curriculum")
+    ex = cur.example(tool.HELD_OUT, 0, "needle", 2048)
+    prompt = cur.prompt_ids(ex)
+    assert 1600 < len(prompt) <= 2048
+    assert f"is {ex.answer}." in cur.tokenizer.decode(prompt)
+
+
+def test_rows_are_packed_to_length_and_padding_is_masked(cur: Any) -> None:
+    tool = _script("agent_curriculum")
+    pad = cur.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    for i in range(3):
+        row = cur.row(tool.TRAIN, i, 384, pad)
+        assert row.ids.shape == row.mask.shape == (384,)
+        assert row.mask.any()
+        assert not row.mask[row.ids == pad].any()
+
+
+# --------------------------------------------------------------------------- the scorers
+
+
+def _tools() -> list[ToolDef]:
+    params = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"]}
+    return [ToolDef(FunctionDef("get_weather", "Get a weather.", params))]
+
+
+def _call(name: str, days: str) -> str:
+    return (f"I will call it.\n</think>\n\n<tool_call>\n<function={name}>\n<parameter=city>\nOslo\n</parameter>\n"
+            f"<parameter=days>\n{days}\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_tool_scorer_on_hand_made_replies() -> None:
+    ev = _script("eval_agent_model")
+    expected = {"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}
+    right = ev.score_tool(_call("get_weather", "3"), _tools(), True, expected)
+    assert right.well_formed and right.exact
+    other_args = ev.score_tool(_call("get_weather", "4"), _tools(), True, expected)
+    assert other_args.well_formed and not other_args.exact
+    undeclared = ev.score_tool(_call("get_time", "3"), _tools(), True, expected)
+    assert not undeclared.well_formed and "not a declared tool" in (undeclared.error or "")
+    assert not ev.score_tool(_call("get_weather", "soon"), _tools(), True, expected).well_formed
+    assert ev.score_tool("It is sunny.", _tools(), False).error == "no tool call"
+    assert not ev.score_tool(_call("get_weather", "3").removesuffix("</tool_call>"), _tools(), True).well_formed
+
+
+def test_think_json_and_needle_scorers_on_hand_made_replies() -> None:
+    ev = _script("eval_agent_model")
+    assert ev.think_closed("ok\n</think>\n\nhi", True)
+    assert not ev.think_closed("still thinking about it", True)
+    assert ev.think_closed("plain answer", False) and not ev.think_closed("<think>\nhmm", False)
+    assert ev.score_json('x\n</think>\n\n{"a": 1, "b": "c"}', True, ["b", "a"]) == (True, True)
+    assert ev.score_json('x\n</think>\n\n{"a": 1}', True, ["a", "b"]) == (True, False)
+    assert ev.score_json('x\n</think>\n\n{"a": 1,', True) == (False, False)
+    assert ev.score_json("x\n</think>\n\n[1, 2]", True) == (False, False)
+    assert ev.score_json('{"a": 1}', True) == (False, False)  # thinking never closed
+    assert ev.score_needle("The code is 123.\n</think>\n\n123456", "123456", True)
+    assert not ev.score_needle("</think>\n\n123457", "123456", True)
+    assert not ev.score_needle("123456", "123456", True)
+
+
+def test_schedule_and_step_plan() -> None:
+    tr = _script("train_agent_model")
+    args = tr.parse_args(["--out", "x", "--schedule", "1024:3,16384:2", "--tokens-per-step", "65536"])
+    assert args.stages == [(1024, 3), (16384, 2)] and args.steps == 5
+    assert tr.step_plan(args, 0) == [(0, 1024, 64), (1, 1024, 64), (2, 1024, 64), (3, 16384, 4), (4, 16384, 4)]
+    assert tr.step_plan(args, 4) == [(4, 16384, 4)]
+    with pytest.raises(ValueError):
+        tr.parse_schedule("16:0")
