@@ -166,3 +166,36 @@ def test_schedule_and_step_plan() -> None:
     assert tr.step_plan(args, 4) == [(4, 16384, 4)]
     with pytest.raises(ValueError):
         tr.parse_schedule("16:0")
+
+
+def test_masked_losses_equal_the_plain_losses_under_a_full_mask() -> None:
+    import mlx.core as mx
+
+    from mlx_relay.testing.fixtures import FixtureSpec
+
+    tr, small = _script("train_agent_model"), _script("train_small_mtp")
+    mx.random.seed(0)
+    model = small.TargetWithMTP(small.small_config(FixtureSpec("fp32", 0, 64, 128, 4), 16))
+    tokens = mx.array(np.random.default_rng(0).integers(0, 1000, (2, 24)), dtype=mx.int32)
+    plain = small.joint_losses(model.vlm, model.mtp, tokens)
+    full = tr.masked_losses(model.vlm, model.mtp, tokens, mx.ones(tokens.shape, dtype=mx.bool_))
+    for a, b in zip(plain, full, strict=True):
+        assert a.item() == pytest.approx(b.item(), rel=1e-5)
+    none = tr.masked_losses(model.vlm, model.mtp, tokens, mx.zeros(tokens.shape, dtype=mx.bool_))
+    assert [x.item() for x in none] == [0.0, 0.0]
+
+
+@pytest.mark.timeout(120)
+def test_a_few_masked_steps_write_a_checkpoint_that_loads(tmp_path: Path) -> None:
+    import mlx_vlm
+
+    tr = _script("train_agent_model")
+    out = tmp_path / "agent"
+    result = tr.main(["--out", str(out), "--hidden", "64", "--intermediate", "128", "--layers", "4",
+                      "--linear-head-dim", "16", "--schedule", "256:2,384:1", "--tokens-per-step", "512",
+                      "--warmup", "1", "--log-every", "1", "--no-compile"])
+    assert [h["length"] for h in result["history"]] == [256, 256, 384]
+    assert all(np.isfinite(h["loss"]) and np.isfinite(h["mtp_loss"]) for h in result["history"])
+    assert result["trained_tokens"] > 0
+    assert json.loads((out / "config.json").read_text())["text_config"]["max_position_embeddings"] == 32768
+    mlx_vlm.load(str(out), strict=True)
