@@ -368,12 +368,14 @@ class Curriculum:
         used, k = 0, 0
         while True:
             room = length - used
-            budget = room if k == 0 else int(self.rng(split, index * 1000 + k).integers(room // 8 + 1, room + 1))
+            if room < 16:
+                break
+            budget = room if used == 0 else int(self.rng(split, index * 1000 + k).integers(room // 8 + 1, room + 1))
             ex = self.example(split, index * 1000 + k, length=max(budget, 64))
             enc = self.encode(ex)
             k += 1
             if len(enc.ids) > room:
-                if k > 3 or used > 0:
+                if used > 0 or k >= 64:  # a row is never left empty while a short family can fill it
                     break
                 continue
             ids.append(enc.ids)

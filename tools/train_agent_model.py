@@ -21,8 +21,8 @@ depends only on ``--seed`` (the evaluation uses the held-out split, never traine
 Toy CPU smoke (a minute; proves the loop, the checkpoint and the evaluation end to end)::
 
     python tools/train_agent_model.py --out /tmp/agent-smoke --hidden 64 --intermediate 128 \
-        --layers 4 --schedule 256:20,1024:10 --tokens-per-step 2048 --warmup 5
-    python tools/eval_agent_model.py --model /tmp/agent-smoke --n 2 --lengths 1024
+        --layers 4 --schedule 512:20,1024:10 --tokens-per-step 2048 --warmup 5 --log-every 5
+    python tools/eval_agent_model.py --model /tmp/agent-smoke --n 2 --lengths 1024 4096
 
 The training call proposed for one H200 is in the report of issue 19's groundwork (and the
 README of the trained model, once it exists).
