@@ -12,7 +12,10 @@ and its optimizer-state file for ``--resume``. What differs:
 * a sequence-length schedule (``--schedule 1024:2000,4096:600,16384:200``: stages of
   ``length:steps``), with the batch per stage ``--tokens-per-step // length`` (at least 1), so
   the model learns the template's shapes on short rows first, then retrieval over long ones;
-* ``--max-position`` (the checkpoint's declared context, default 32768).
+* ``--max-position`` (the checkpoint's declared context, default 32768);
+* the learning rate follows the steps of the whole schedule only; ``--max-seconds`` just stops
+  (and saves), so a run split over ``--resume`` calls (a lent GPU's per-command limit) follows
+  one warmup-and-cosine curve.
 
 Rows are made by ``--workers`` processes (0: in this one), a few steps ahead of the optimizer;
 row ``b`` of step ``s`` is example stream ``s * 1024 + b`` of the training split, so the data
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             now = time.perf_counter()
             if args.max_seconds > 0 and now - t_start > args.max_seconds:
                 break
-            lr = learning_rate(args, it, (now - t_start) / args.max_seconds if args.max_seconds > 0 else 0.0)
+            lr = learning_rate(args, it)  # by steps of the whole schedule: one curve across --resume calls
             opt.learning_rate = lr
             main_loss, mtp_loss = step(mx.array(ids), mx.array(mask))
             mx.eval(state, main_loss, mtp_loss)
