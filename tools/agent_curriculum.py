@@ -31,6 +31,16 @@ Filler: ``synthetic`` (sentences from a fixed word list, written here: no licenc
 trained on, split into training and held-out files by the same path hash as
 ``tools/train_small_mtp.py``).
 
+Vocabulary: the fixtures' 1026-token byte-level BPE is kept. It holds every special token the
+template writes (``<|im_start|>``, ``<|im_end|>``, ``<think>``, ``</think>``, ``<tool_call>``,
+``</tool_call>``, ``<tool_response>``, ``</tool_response>``; ``<function=`` and ``<parameter=`` are
+plain text in Qwen's vocabulary too), it encodes any text (byte-level), contexts are measured in
+tokens (1.9 characters a token on the synthetic filler, 2.3 on the stdlib: 16K tokens are 30-38 KB
+of text), its embedding and ``lm_head`` cost 0.5 M parameters at hidden 256 (a 32K vocabulary
+would cost 16 M, over the 30 MB budget in float32), and SpecPrefill needs the draft and the
+target to share one tokenizer: the fixtures, relay-tiny-coder and this model can draft for each
+other (issue 19, point 4).
+
 Held-out split by seed: example ``i`` of split ``s`` draws from ``numpy.random.default_rng((seed,
 split, i))`` with split 0 = train, 1 = held-out; the evaluation uses split 1 only.
 

@@ -143,7 +143,7 @@ async def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
     from mlx_relay.relay import Relay
 
-    filler = StdlibFiller() if args.filler == "stdlib" else SyntheticFiller()
+    filler = StdlibFiller(args.stdlib) if args.filler == "stdlib" else SyntheticFiller()
     cur = Curriculum(args.model, filler, Mix(no_think=0.0), seed=args.seed)
     overrides: dict[str, Any] = {"mtp_block_size": 2, "mtp_policy": "always", "prefix_cache": False}
     if args.max_model_len:
@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384], help="needle prompt tokens")
     p.add_argument("--seed", type=int, default=0, help="the curriculum's seed (the model's training seed)")
     p.add_argument("--filler", choices=("synthetic", "stdlib"), default="synthetic")
+    p.add_argument("--stdlib", type=Path, default=None, help="the stdlib filler's root (default: this Python's)")
     p.add_argument("--max-model-len", type=int, default=0, help="cap the served context (0: the checkpoint's)")
     p.add_argument("--specprefill-draft", type=Path, default=None, help="SpecPrefill on, with this draft")
     p.add_argument("--specprefill-keep", type=float, default=0.3)

@@ -27,8 +27,19 @@ Toy CPU smoke (a minute; proves the loop, the checkpoint and the evaluation end 
         --layers 4 --schedule 512:20,1024:10 --tokens-per-step 2048 --warmup 5 --log-every 5
     python tools/eval_agent_model.py --model /tmp/agent-smoke --n 2 --lengths 1024 4096
 
-The training call proposed for one H200 is in the report of issue 19's groundwork (and the
-README of the trained model, once it exists).
+Proposed run on one H200 (MLX's CUDA backend; ``benchmarks/gpu/README.md`` has the kit; the
+stdlib filler travels as a tarball unpacked to ``/tmp/stdlib``, as for relay-tiny-coder). The
+model: hidden 256, MLP 640, 8 layers (6 GatedDeltaNet + 2 gated attention), 32768 positions,
+6.40 M parameters with the MTP head, 25.6 MB as float32. The schedule: 1,500 steps of 1K rows,
+400 of 4K, 150 of 16K, 64K tokens a step (134 M tokens). The same call three times (a lent GPU
+allows 10 minutes a command; the first call drops ``--resume``), then the evaluation::
+
+    python3 tools/train_agent_model.py --out /root/run/relay-tiny-agent --filler stdlib \
+        --stdlib /tmp/stdlib --hidden 256 --intermediate 640 --layers 8 --max-position 32768 \
+        --schedule 1024:1500,4096:400,16384:150 --tokens-per-step 65536 --lr 3e-3 --warmup 150 \
+        --workers 12 --log-every 50 --save-every 250 --max-seconds 480 --resume
+    python3 tools/eval_agent_model.py --model /root/run/relay-tiny-agent --filler stdlib \
+        --stdlib /tmp/stdlib --n 50 --lengths 4096 8192 16384 --out /root/run/agent-eval.json
 """
 
 from __future__ import annotations
@@ -101,9 +112,9 @@ def masked_losses(vlm: nn.Module, mtp: nn.Module, tokens: mx.array, mask: mx.arr
 _WORKER: dict[str, Any] = {}  # one Curriculum per worker process, set by its initializer only
 
 
-def _init_worker(out: str, filler: str, seed: int) -> None:
-    _WORKER["cur"] = Curriculum(Path(out), StdlibFiller() if filler == "stdlib" else SyntheticFiller(),
-                                Mix(), seed=seed)
+def _init_worker(out: str, filler: str, stdlib: str | None, seed: int) -> None:
+    chosen = StdlibFiller(Path(stdlib) if stdlib else None) if filler == "stdlib" else SyntheticFiller()
+    _WORKER["cur"] = Curriculum(Path(out), chosen, Mix(), seed=seed)
     _WORKER["pad"] = token_id("<|endoftext|>")
 
 
@@ -116,13 +127,13 @@ def _make_row(task: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
 class Rows:
     """Batches of curriculum rows, made in worker processes (or inline) a few steps ahead."""
 
-    def __init__(self, out: Path, filler: str, seed: int, workers: int, ahead: int = 4) -> None:
+    def __init__(self, out: Path, filler: str, stdlib: Path | None, seed: int, workers: int, ahead: int = 4) -> None:
         self.pool = None
+        init = (str(out), filler, str(stdlib) if stdlib else None, seed)
         if workers > 0:
-            ctx = multiprocessing.get_context("spawn")
-            self.pool = ctx.Pool(workers, _init_worker, (str(out), filler, seed))
+            self.pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, init)
         else:
-            _init_worker(str(out), filler, seed)
+            _init_worker(*init)
         self.ahead = ahead
         self.queue: deque[Any] = deque()
 
@@ -168,6 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule", default="1024:2000,4096:600,16384:200", help="length:steps,...")
     p.add_argument("--tokens-per-step", type=int, default=65536)
     p.add_argument("--filler", choices=("synthetic", "stdlib"), default="synthetic")
+    p.add_argument("--stdlib", type=Path, default=None, help="the stdlib filler's root (default: this Python's)")
     p.add_argument("--workers", type=int, default=0, help="row-making processes (0: inline)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.05)
@@ -244,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_compile:
         step = mx.compile(step, inputs=state, outputs=state)
 
-    rows = Rows(out, args.filler, args.seed, args.workers)
+    rows = Rows(out, args.filler, args.stdlib, args.seed, args.workers)
     plan = step_plan(args, start)
     history: list[dict[str, float]] = []
     t_start = t_log = time.perf_counter()
