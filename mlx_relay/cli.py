@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "drains; a later request, also after a restart, restores from disk instead of prefilling")
     pc.add_argument("--prefix-cache-disk-gb", type=float, default=20.0,
                     help="disk budget of --prefix-cache-dir, least recently used files go first (default 20)")
+    pc.add_argument("--prefix-cache-preload", type=_fraction, default=0.5, metavar="FRACTION",
+                    help="once the server is ready, load --prefix-cache-dir's files into memory, most recently "
+                         "used first, up to this share of the memory budget (default 0.5; 0: off)")
     sp = serve.add_argument_group("SpecPrefill (a small draft model picks which tokens of a long prompt are prefilled)")
     sp.add_argument("--specprefill-draft-model", default=None, metavar="MODEL",
                     help="draft checkpoint with the served model's tokenizer (dir or Hub id); turns SpecPrefill on")
@@ -169,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="put each request's prompt and reply text in its log line (off: counts and timings only)")
     add_bench_parser(sub)
     return parser
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1: {text}")
+    return value
 
 
 def _gib(value: float | None) -> int | None:
@@ -208,6 +222,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefix_min_snapshot_tokens=args.prefix_min_snapshot_tokens,
         prefix_cache_dir=args.prefix_cache_dir,
         prefix_cache_disk_bytes=_gib(args.prefix_cache_disk_gb),
+        prefix_cache_preload=args.prefix_cache_preload,
         max_model_len=args.max_model_len,
         memory_limit_bytes=_gib(args.memory_limit_gb),
         cache_limit_bytes=_gib(args.cache_limit_gb),

@@ -59,6 +59,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # survive restarts; None: memory only
     prefix_cache_dir: str | None = None
     prefix_cache_disk_bytes: int = 20 << 30  # the disk tier's byte budget (LRU over files)
+    # once the server is ready, the disk tier's files (most recently used first) are loaded into
+    # the memory tier up to this share of its budget; 0: none (each is loaded by its first hit)
+    prefix_cache_preload: float = 0.5
     # host copies of snapshots waiting for the disk; past this, writes are dropped (counted)
     # rather than held (a slow disk never holds up decoding)
     prefix_cache_disk_queue_bytes: int = 1 << 30
@@ -72,6 +75,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # over a pipe; no Python of the server's shares its GIL); "off", a thread of the server's;
     # "auto": on where MLX's default device is a GPU (Metal or CUDA), off on the CPU backend
     engine_process: Literal["auto", "on", "off"] = "auto"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prefix_cache_preload <= 1.0:
+            raise ValueError("EngineConfig.prefix_cache_preload must be in [0, 1]")
 
 
 class SpecPrefillConfig(msgspec.Struct, frozen=True):

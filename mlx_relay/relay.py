@@ -65,6 +65,7 @@ from mlx_relay.messages.prefix_cache import (
     Persisted,
     PersistPrefixCache,
     PrefixStats,
+    PreloadPrefixCache,
 )
 from mlx_relay.messages.prompt import DescribePrompts, PromptFeatures
 from mlx_relay.messages.specprefill import GetSpecPrefillStats, SpecPrefillReport
@@ -193,7 +194,7 @@ class Relay:
                     disk = DiskTierConfig(engine_cfg.prefix_cache_dir, engine_cfg.prefix_cache_disk_bytes,
                                           info.snapshot_identity)
                 store_cfg = PrefixCacheConfig(info.prefix_cache_bytes, cfg.engine.prefix_min_snapshot_tokens,
-                                              disk=disk)
+                                              disk=disk, preload=engine_cfg.prefix_cache_preload)
                 await system.start(store, store_cfg, gpu)
             if scorer is not None:
                 await system.start(scorer, sp_cfg)
@@ -215,6 +216,8 @@ class Relay:
                     await text.ask(MTPCalibration(report.mtp_round_cost))
             await self._set_state("ready")
             progress("ready")
+            if store is not None:  # the disk tier warms the memory tier, behind readiness
+                await store.tell(PreloadPrefixCache())
         except Exception as exc:
             log.exception("boot failed")
             self.error = exc

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 import pytest
@@ -133,7 +134,8 @@ async def test_a_new_server_restores_from_disk_and_bad_files_are_counted_never_u
     _rewrite(files[4], {"relay.dtype": "bfloat16"})
     _rewrite(files[5], {"relay.mlx": "0.0.1"})
     _rewrite(files[6], dtype=np.float16)  # a right header over tensors the model's caches do not take
-    async with Relay.start(fp32_model, prefix_cache_dir=str(root), **CACHE) as relay:
+    # no preload: each file is loaded (and checked) by its first lookup
+    async with Relay.start(fp32_model, prefix_cache_dir=str(root), prefix_cache_preload=0, **CACHE) as relay:
         after = [await relay.chat(conv(i), **OPTS) for i in range(SESSIONS)]
         turn2 = await relay.chat(agent([("Run the tests", written.agent1.text)], "Now fix it"), tools=TOOLS,
                                  **OPTS)
@@ -146,12 +148,54 @@ async def test_a_new_server_restores_from_disk_and_bad_files_are_counted_never_u
     assert turn2.cached_tokens == written.agent2.cached_tokens > after[0].cached_tokens
     # the intact file, the flipped byte, the wrong tensors, the agent's system prompt and turn pass the scan
     assert disk["found_at_start"] == 5
+    assert disk["preloaded"] == {"state": "off", "entries": 0, "bytes": 0, "seconds": 0.0, "left_on_disk": 0}
     assert disk["rejected"] == {"corrupt": 1, "truncated": 1, "mismatch": 3, "missing": 0, "layout": 1}
     assert (disk["hits"], disk["loads"], disk["hit_tokens"]) == (2, 2, after[0].cached_tokens + turn2.cached_tokens)
     # the bad files are gone; their sessions' snapshots were taken and written anew
     left = set(os.listdir(d))
     assert not left & {f.name for f in files[1:]}
     assert disk["entries"] == len(left) == SESSIONS + 2 and disk["writes"] == SESSIONS - 1
+
+
+async def _preload_done(relay: Relay) -> dict[str, Any]:
+    with anyio.fail_after(60):
+        while (stats := await relay.prefix_cache_stats())["prefix_cache"]["disk"]["preloaded"]["state"] != "done":
+            await anyio.sleep(0.05)
+    return stats
+
+
+async def test_a_restarted_server_preloads_its_disk_tier_into_memory_up_to_the_cap(
+        written: Written, fp32_model: Path, tmp_path: Path) -> None:
+    """Once ready, a new server loads its files into memory, most recently used first, until the
+    next would pass the cap: the first request of a preloaded session is a memory hit (no disk
+    load on its path); a session past the cap is still restored from disk by its lookup."""
+    shutil.copytree(written.directory.parent, tmp_path / "root")
+    d = tmp_path / "root" / written.directory.name
+    for name in os.listdir(d):
+        os.utime(d / name, (500_000, 500_000))
+    os.utime(d / written.files[1], (1_000_000, 1_000_000))
+    os.utime(d / written.files[0], (2_000_000, 2_000_000))  # the most recently used
+    size = (d / written.files[0]).stat().st_size  # each session's, about (the turn's is larger)
+    budget = 10 * max((d / name).stat().st_size for name in os.listdir(d))  # room for all
+    fraction = 2.5 * size / budget  # two sessions' files and half of another
+    async with Relay.start(fp32_model, prefix_cache_dir=str(tmp_path / "root"), prefix_cache_bytes=budget,
+                           prefix_cache_preload=fraction, **CACHE) as relay:
+        before = await _preload_done(relay)
+        first = await relay.chat(conv(0), **OPTS)
+        second = await relay.chat(conv(1), **OPTS)
+        past_cap = await relay.chat(conv(2), **OPTS)
+        after = (await relay.prefix_cache_stats())["prefix_cache"]
+    pc, disk = before["prefix_cache"], before["prefix_cache"]["disk"]
+    found = len(written.files) + 2  # the sessions, the agent's system prompt and turn
+    assert disk["found_at_start"] == found and before["snapshots"]["held"] == pc["entries"] == 2
+    preloaded = disk["preloaded"]
+    assert (preloaded["entries"], preloaded["bytes"], preloaded["left_on_disk"]) == (2, pc["bytes"], found - 2)
+    assert (disk["loads"], disk["hits"], pc["hits"]) == (2, 0, 0)
+    # the preloaded sessions: memory hits, no load; past the cap: its own load from disk
+    assert [r.token_ids for r in (first, second, past_cap)] == [r.token_ids for r in written.cold[:3]]
+    assert first.cached_tokens == second.cached_tokens == past_cap.cached_tokens > 0
+    assert (after["hits"], after["disk"]["loads"], after["disk"]["hits"]) == (3, 3, 1)
+    assert after["disk"]["preloaded"] == preloaded
 
 
 async def test_the_disk_budget_keeps_the_most_recently_used_files(written: Written, tmp_path: Path) -> None:

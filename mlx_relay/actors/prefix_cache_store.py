@@ -37,6 +37,11 @@ the writes under way.
     ChatService --Lookup (request)--> store [--LoadSnapshot--> GPUExecutor --SnapshotLoaded-->] PrefixPlan
     store --SaveSnapshot--> GPUExecutor --SnapshotSaved--> store
     drain --PersistPrefixCache (request)--> store --> Persisted
+    relay --PreloadPrefixCache--> store [--LoadSnapshot--> GPUExecutor --SnapshotLoaded-->]* (once ready)
+
+Once the server is ready the store preloads the disk tier into the memory tier (`preload`: a
+share of the memory budget), so a restarted server's warm sessions are memory hits; lookups are
+never held up by it.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from mlx_relay.messages.prefix_cache import (
     PersistPrefixCache,
     PrefixPlan,
     PrefixStats,
+    PreloadPrefixCache,
     Release,
     SnapshotLoaded,
     SnapshotSaved,
@@ -80,6 +86,13 @@ class PrefixCacheConfig(msgspec.Struct, frozen=True):
     min_snapshot_tokens: int = 256  # a shorter system prompt is not worth a snapshot
     snapshot_turns: bool = True
     disk: DiskTierConfig | None = None  # the disk tier (None: off)
+    # once the server is ready, the disk tier's files are loaded into memory (most recently used
+    # first) until the next would take the memory tier past this share of `budget_bytes` (0: off)
+    preload: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.preload <= 1.0:
+            raise ValueError("PrefixCacheConfig.preload must be in [0, 1]")
 
 
 class _Pending(msgspec.Struct):
@@ -91,12 +104,12 @@ class _Pending(msgspec.Struct):
 
 
 Message = (Lookup | SnapshotTaken | Release | Flush | GetPrefixStats | SnapshotSaved | SnapshotLoaded
-           | PersistPrefixCache)
+           | PersistPrefixCache | PreloadPrefixCache)
 
 
 class PrefixCacheStore(Actor):
     accepts = (Lookup, SnapshotTaken, Release, Flush, GetPrefixStats, SnapshotSaved, SnapshotLoaded,
-               PersistPrefixCache)
+               PersistPrefixCache, PreloadPrefixCache)
     mailbox_capacity = 4096
 
     def __init__(self, config: PrefixCacheConfig, gpu: ActorRef) -> None:
@@ -106,10 +119,13 @@ class PrefixCacheStore(Actor):
         self.disk = DiskTier(config.disk, gpu, self.start_task) if config.disk is not None else None
         self._pending: dict[str, _Pending] = {}
         self._inserts = self._rejected = self._turns_skipped = 0
+        self._preload = self.disk is not None and config.preload > 0  # until it has started
 
     async def on_start(self) -> None:
         if self.disk is not None:
             await self.disk.start()
+            if self._preload:
+                self.disk.preload_planned()
 
     async def receive(self, msg: Message, stream: ReplyStream | None) -> object:
         match msg:
@@ -135,6 +151,11 @@ class PrefixCacheStore(Actor):
                 return None
             case SnapshotLoaded():
                 await self._loaded(msg)
+                return None
+            case PreloadPrefixCache():
+                if self._preload and self.disk is not None:
+                    self._preload = False
+                    self.start_task(self._preload_disk)
                 return None
             case PersistPrefixCache(timeout_s=timeout):
                 disk = self.disk
@@ -274,6 +295,18 @@ class PrefixCacheStore(Actor):
                     await self._free([result.handle])
         if done is not None:
             done.set()
+
+    async def _preload_disk(self) -> None:
+        """The disk tier's files into the memory tier, up to the preload cap (a background task:
+        lookups go on meanwhile)."""
+        assert self.disk is not None
+        cap = int(self.config.preload * self.config.budget_bytes)
+
+        def held(key: bytes) -> int | None:
+            entry = self.index.get(key)
+            return entry.nbytes if entry is not None else None
+
+        await self.disk.preload(lambda e: self.index.nbytes + e.nbytes <= cap, held)
 
     async def _evict(self, entries: Sequence[Entry], release_memory: bool = False) -> None:
         """Entries the memory tier let go: spilled to disk where worth it, freed otherwise."""

@@ -17,6 +17,12 @@ library or format version, unreadable or truncated ones are removed and counted.
 longest match is on disk (longer than what memory holds) waits for the GPUExecutor to load it,
 then goes on as a memory hit; a file that fails a check at load is counted, removed, and the
 request prefills as it would have without it.
+
+Preload (`preload`, started by the store once the server is ready): the files are loaded into the
+memory tier through the same loads, most recently used first, one at a time, until the next one
+would take the memory tier past the store's cap; a lookup meanwhile is answered as ever (a lookup
+for the file being preloaded waits for that load, never a second one). Preloaded entries are
+ordinary memory entries, their files stay on disk (an eviction does not rewrite them).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from mlx_relay.messages.prefix_cache import (
     FreeSnapshots,
     LoadSnapshot,
     Persisted,
+    PreloadStats,
     SaveSnapshot,
     SnapshotLoaded,
     SnapshotSaved,
@@ -73,6 +80,11 @@ class _Counters(msgspec.Struct):
     write_errors: int = 0
     writes_skipped: int = 0
     temporaries_removed: int = 0
+    preload: str = "off"  # PreloadStats.state
+    preloaded: int = 0
+    preloaded_bytes: int = 0
+    preload_seconds: float = 0.0
+    preload_left: int = 0
     rejected: dict[str, int] = msgspec.field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
 
 
@@ -121,14 +133,16 @@ class DiskTier:
         """The longest file for this prompt that beats the `in_memory` match's length."""
         return self.index.match(keys, above=in_memory)
 
-    async def load(self, entry: DiskEntry) -> anyio.Event:
+    async def load(self, entry: DiskEntry, *, use: bool = True) -> anyio.Event:
         """Start loading `entry` (once, however many lookups want it); set when it has landed in
-        the memory tier (or failed)."""
+        the memory tier (or failed). `use`: a request wants it (its last use moves; a preload's
+        load leaves the files' order as it is)."""
         if (under_way := self._loading.get(entry.key)) is not None:
             return under_way.done
         load = self._loading[entry.key] = _Load(entry, anyio.Event())
         self.index.pin(entry.key)
-        self.index.touch(entry.key, time.time())
+        if use:
+            self.index.touch(entry.key, time.time())
         await self.gpu.tell(LoadSnapshot(entry.key, str(self.directory / entry.name), entry.length,
                                          self.config.identity))
         return load.done
@@ -153,6 +167,36 @@ class DiskTier:
             if (gone := self.index.remove(msg.key)) is not None:
                 self._delete([gone.name])
         return None, load.done
+
+    def preload_planned(self) -> None:
+        """The store will preload once the server is ready."""
+        self._counters.preload = "waiting"
+
+    async def preload(self, fits: Callable[[DiskEntry], bool], held: Callable[[bytes], int | None]) -> None:
+        """Load the files into the memory tier, most recently used first, one at a time, while
+        `fits` (the store's cap); `held`: the bytes the memory tier holds under a key (None: not
+        there). A file removed meanwhile, or already in memory, is passed over."""
+        c = self._counters
+        c.preload = "running"
+        tic = time.perf_counter()
+        try:
+            order = sorted(self.index.entries(), key=lambda e: e.last_used, reverse=True)
+            for i, entry in enumerate(order):
+                if entry.key not in self.index or held(entry.key) is not None:
+                    continue
+                if not fits(entry):
+                    c.preload_left = sum(1 for e in order[i:] if e.key in self.index and held(e.key) is None)
+                    break
+                ours = entry.key not in self._loading  # else a lookup's load: waited for, not counted
+                done = await self.load(entry, use=False)
+                with anyio.move_on_after(self.config.load_timeout_s):
+                    await done.wait()
+                if ours and (nbytes := held(entry.key)) is not None:
+                    c.preloaded += 1
+                    c.preloaded_bytes += nbytes
+        finally:
+            c.preload_seconds = time.perf_counter() - tic
+            c.preload = "done"
 
     def hit(self, length: int) -> None:
         self._counters.hits += 1
@@ -259,4 +303,6 @@ class DiskTier:
                          write_seconds=round(c.write_seconds, 4), writes_dropped=c.writes_dropped,
                          write_errors=c.write_errors,
                          writes_skipped=c.writes_skipped, pending_writes=len(self._writing), evictions=s.evictions,
-                         evicted_bytes=s.evicted_bytes, temporaries_removed=c.temporaries_removed)
+                         evicted_bytes=s.evicted_bytes, temporaries_removed=c.temporaries_removed,
+                         preloaded=PreloadStats(c.preload, c.preloaded, c.preloaded_bytes,  # type: ignore[arg-type]
+                                                round(c.preload_seconds, 4), c.preload_left))

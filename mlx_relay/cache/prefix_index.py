@@ -141,6 +141,15 @@ class PrefixIndex:
         """Held entries, least recently used first."""
         return list(self._lru.values())
 
+    def get(self, key: bytes) -> Entry | None:
+        """The entry held under `key` (no hit counted, nothing moved)."""
+        return self._lru.get(key)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        return self._bytes
+
     def has(self, keys: PrefixKeys, length: int) -> bool:
         """Whether the prompt's first `length` tokens already have a snapshot (no hit counted)."""
         return length in self._lengths and keys.key(length) in self._lru

@@ -138,8 +138,24 @@ class Persisted(msgspec.Struct, frozen=True):
     seconds: float = 0.0
 
 
+class PreloadPrefixCache(msgspec.Struct, frozen=True):
+    """Tell (the relay, once the server is ready): load the disk tier's files into the memory
+    tier, most recently used first, one at a time, up to `PrefixCacheConfig.preload` of the
+    memory budget. Ignored without a disk tier, with preloading off, or after the first."""
+
+
 class GetPrefixStats(msgspec.Struct, frozen=True):
     """Ask. Reply: PrefixStats."""
+
+
+class PreloadStats(msgspec.Struct, frozen=True):
+    """The start-up preload of the disk tier into the memory tier (`DiskStats.preloaded`)."""
+
+    state: Literal["off", "waiting", "running", "done"]  # waiting: for the server to be ready
+    entries: int = 0  # files loaded into the memory tier by the preload
+    bytes: int = 0  # what they hold in memory
+    seconds: float = 0.0  # the preload's wall time, start to end
+    left_on_disk: int = 0  # files not preloaded: the next one would have passed the cap
 
 
 class DiskStats(msgspec.Struct, frozen=True):
@@ -170,6 +186,7 @@ class DiskStats(msgspec.Struct, frozen=True):
     evictions: int  # files deleted to stay within the budget
     evicted_bytes: int
     temporaries_removed: int  # half-written files of an earlier run
+    preloaded: PreloadStats = PreloadStats("off")
 
 
 class PrefixStats(IndexStats, frozen=True):
