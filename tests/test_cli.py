@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from mlx_relay.testing.live_server import free_port
 
@@ -44,11 +45,23 @@ def test_prefix_disk_flags_reach_the_engine_config() -> None:
     from mlx_relay.cli import build_parser, config_from_args
 
     args = build_parser().parse_args([
-        "serve", "m", "--prefix-cache-dir", "/ssd/relay", "--prefix-cache-disk-gb", "2.5"])
+        "serve", "m", "--prefix-cache-dir", "/ssd/relay", "--prefix-cache-disk-gb", "2.5",
+        "--prefix-cache-preload", "0.25"])
     engine = config_from_args(args).engine
     assert engine.prefix_cache_dir == "/ssd/relay" and engine.prefix_cache_disk_bytes == 5 << 29
+    assert engine.prefix_cache_preload == 0.25
     engine = config_from_args(build_parser().parse_args(["serve", "m"])).engine
     assert engine.prefix_cache_dir is None and engine.prefix_cache_disk_bytes == 20 << 30
+    assert engine.prefix_cache_preload == 0.5
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "half"])
+def test_a_preload_fraction_outside_0_to_1_is_a_usage_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from mlx_relay.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "m", "--prefix-cache-preload", value])
+    assert exited.value.code == 2 and "--prefix-cache-preload" in capsys.readouterr().err
 
 
 def test_engine_process_flag_reaches_the_engine_config_and_auto_is_the_thread_on_cpu() -> None:

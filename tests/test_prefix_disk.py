@@ -36,11 +36,13 @@ from mlx_relay.messages.prefix_cache import (
     Flush,
     FreeSnapshots,
     GetPrefixStats,
+    LoadSnapshot,
     Lookup,
     PrefixPlan,
     PrefixStats,
     Release,
     SaveSnapshot,
+    SnapshotLoaded,
     SnapshotSaved,
     SnapshotTaken,
 )
@@ -269,6 +271,40 @@ class _Recorder:
 
     async def tell(self, msg: object) -> None:
         self.sent.append(msg)
+
+
+async def test_a_lookup_for_a_file_being_preloaded_waits_for_that_load(written: Written, tmp_path: Path) -> None:
+    """The preload loads the most recently used file first; a lookup wanting it meanwhile (the
+    store's `DiskTier.load` for its candidate) gets that load's event, not a second load."""
+    d = tmp_path / written.directory.name
+    shutil.copytree(written.directory, d)
+    for name in os.listdir(d):
+        os.utime(d / name, (500_000, 500_000))
+    os.utime(d / written.turn_file, (3_000_000, 3_000_000))
+    gpu = _Recorder()
+    tier = DiskTier(DiskTierConfig(str(tmp_path), 1 << 30, _identity_of(d / written.turn_file)), gpu,  # type: ignore[arg-type]
+                    lambda task: None)
+    await tier.start()
+    held: dict[bytes, int] = {}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tier.preload, lambda e: not held, held.get)  # the cap: one file
+        with anyio.fail_after(10):
+            while not gpu.sent:
+                await anyio.sleep(0.01)
+        (load,) = gpu.sent
+        assert isinstance(load, LoadSnapshot) and load.path.endswith(written.turn_file)
+        assert tier.stats().preloaded.state == "running"
+        entry = tier.index.get(load.key)
+        assert entry is not None
+        lookup = await tier.load(entry)
+        assert len(gpu.sent) == 1  # no second load
+        held[load.key] = 123  # the store inserted it
+        loaded, done = tier.loaded(SnapshotLoaded(load.key, handle=1, nbytes=123))
+        assert loaded == entry and done is lookup
+        done.set()
+    preloaded = tier.stats().preloaded
+    assert (preloaded.state, preloaded.entries, preloaded.bytes) == ("done", 1, 123)
+    assert preloaded.left_on_disk == len(tier.index) - 1 and tier.stats().loads == 1
 
 
 async def test_store_writes_system_through_spills_evictions_and_skips_superseded_turns(tmp_path: Path) -> None:
