@@ -14,7 +14,9 @@ Three agent-shaped scenarios, each measured on a server process of its own (ours
              APC_DISK_PATH): a server takes each long system prompt cold, then as a memory hit
              (another user turn); it is stopped once its writes have landed (ours: the cache
              stats say so; mlx-vlm: `--peer-disk-wait` seconds), a fresh server process on the
-             same directory answers the cold request's prompt again: the disk hit. Reported:
+             same directory answers the cold request's prompt again: the disk hit (ours: after
+             the cache stats say its preload of the disk tier into memory is done, so with
+             `--prefix-cache-preload` above 0 the "disk hit" is served from memory). Reported:
              cold, memory hit, disk hit, disk/memory and cold/disk, and whether the disk hit's
              greedy reply equals the cold one's (`--restart-tokens` tokens).
 
@@ -190,6 +192,19 @@ def wait_for_writes(s: Server, expected: int, timeout: float = 600.0) -> dict[st
         time.sleep(0.2)
 
 
+def wait_for_preload(s: Server, timeout: float = 600.0) -> dict[str, Any]:
+    """Ours: poll the cache stats until the start-up preload of the disk tier has ended (or is off)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        disk = httpx.get(s.url + "/v1/cache/stats", timeout=30).json()["prefix_cache"].get("disk") or {}
+        preloaded = disk.get("preloaded") or {"state": "off"}
+        if preloaded["state"] in ("done", "off"):
+            return dict(preloaded)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{s.name}: the preload did not end: {preloaded}")
+        time.sleep(0.1)
+
+
 def scenario_restart(first: Server, second: Server, tok: Any, args: argparse.Namespace, ours: bool
                      ) -> dict[str, Any]:
     """Cold and memory hit on `first`, disk hit on `second` (a fresh process, same directory)."""
@@ -214,6 +229,7 @@ def scenario_restart(first: Server, second: Server, tok: Any, args: argparse.Nam
     same: list[bool] = []
     cached: list[int] = []
     with second:
+        preloaded = wait_for_preload(second) if ours else None
         second.chat([{"role": "user", "content": "warm up"}], 2)  # a fresh process's first request
         for (_, msgs), text in zip(prompts, cold_text, strict=True):
             d, text2, usage = second.chat(msgs, args.restart_tokens)
@@ -231,9 +247,12 @@ def scenario_restart(first: Server, second: Server, tok: Any, args: argparse.Nam
     if ours:
         out["disk_stats_after_restart"] = stats["prefix_cache"]["disk"]
         out["disk_stats_before_restart"] = disk_written
+        out["preload_before_requests"] = preloaded
     print(f"{first.name:12s} restart cold {mc * 1000:9.1f} ms  memory hit {mw * 1000:8.1f} ms  "
           f"disk hit {md * 1000:8.1f} ms  disk/memory {md / mw:.2f}  cold/disk {mc / md:.1f}  "
-          f"same reply {all(same)}  cached_tokens {cached[-1] if cached else 0}", flush=True)
+          f"same reply {all(same)}  cached_tokens {cached[-1] if cached else 0}"
+          + (f"  preloaded {preloaded.get('entries', 0)} files in {preloaded.get('seconds', 0.0):.2f} s"
+             if preloaded else ""), flush=True)
     return out
 
 
