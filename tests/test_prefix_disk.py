@@ -287,7 +287,8 @@ async def test_a_lookup_for_a_file_being_preloaded_waits_for_that_load(written: 
     await tier.start()
     held: dict[bytes, int] = {}
     async with anyio.create_task_group() as tg:
-        tg.start_soon(tier.preload, lambda e: not held, held.get)  # the cap: one file
+        landed: list[bytes] = []
+        tg.start_soon(tier.preload, lambda e: not held, held.get, landed.append)  # the cap: one file
         with anyio.fail_after(10):
             while not gpu.sent:
                 await anyio.sleep(0.01)
@@ -304,6 +305,7 @@ async def test_a_lookup_for_a_file_being_preloaded_waits_for_that_load(written: 
         done.set()
     preloaded = tier.stats().preloaded
     assert (preloaded.state, preloaded.entries, preloaded.bytes) == ("done", 1, 123)
+    assert landed == [load.key]
     assert preloaded.left_on_disk == len(tier.index) - 1 and tier.stats().loads == 1
 
 

@@ -78,6 +78,19 @@ def test_lru_eviction_skips_pinned_entries_and_reports_every_freed_handle() -> N
     assert index.stats().entries == 0 and index.stats().evictions == 4
 
 
+def test_a_demoted_entry_is_evicted_first() -> None:
+    """Preloaded files: each one loaded is demoted below those loaded before it."""
+    index = PrefixIndex(budget_bytes=300)
+    keys = [PrefixKeys([i] * 50 + [0]) for i in range(4)]
+    for i in range(3):
+        assert isinstance(index.insert(keys[i], 50, handle=i, nbytes=100, kind="system"), Inserted)
+        index.demote(keys[i].key(50))
+    assert [e.handle for e in index.entries()] == [2, 1, 0] and index.nbytes == 300
+    assert index.get(keys[1].key(50)) is not None and index.get(keys[3].key(50)) is None
+    result = index.insert(keys[3], 50, handle=3, nbytes=100, kind="turn")
+    assert isinstance(result, Inserted) and [e.handle for e in result.evicted] == [2]
+
+
 def test_duplicates_and_oversized_snapshots_are_refused_with_their_handle() -> None:
     index = PrefixIndex(budget_bytes=100)
     k = PrefixKeys(SYSTEM)

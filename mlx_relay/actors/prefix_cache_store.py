@@ -306,7 +306,8 @@ class PrefixCacheStore(Actor):
             entry = self.index.get(key)
             return entry.nbytes if entry is not None else None
 
-        await self.disk.preload(lambda e: self.index.nbytes + e.nbytes <= cap, held)
+        # each file loaded is older than those before it: it goes to the LRU's cold end
+        await self.disk.preload(lambda e: self.index.nbytes + e.nbytes <= cap, held, self.index.demote)
 
     async def _evict(self, entries: Sequence[Entry], release_memory: bool = False) -> None:
         """Entries the memory tier let go: spilled to disk where worth it, freed otherwise."""

@@ -172,10 +172,12 @@ class DiskTier:
         """The store will preload once the server is ready."""
         self._counters.preload = "waiting"
 
-    async def preload(self, fits: Callable[[DiskEntry], bool], held: Callable[[bytes], int | None]) -> None:
+    async def preload(self, fits: Callable[[DiskEntry], bool], held: Callable[[bytes], int | None],
+                      landed: Callable[[bytes], None]) -> None:
         """Load the files into the memory tier, most recently used first, one at a time, while
         `fits` (the store's cap); `held`: the bytes the memory tier holds under a key (None: not
-        there). A file removed meanwhile, or already in memory, is passed over."""
+        there); `landed`: a preloaded key is in (the store places it in its LRU order). A file
+        removed meanwhile, or already in memory, is passed over."""
         c = self._counters
         c.preload = "running"
         tic = time.perf_counter()
@@ -194,6 +196,7 @@ class DiskTier:
                 if ours and (nbytes := held(entry.key)) is not None:
                     c.preloaded += 1
                     c.preloaded_bytes += nbytes
+                    landed(entry.key)
         finally:
             c.preload_seconds = time.perf_counter() - tic
             c.preload = "done"

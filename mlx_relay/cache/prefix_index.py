@@ -145,6 +145,12 @@ class PrefixIndex:
         """The entry held under `key` (no hit counted, nothing moved)."""
         return self._lru.get(key)
 
+    def demote(self, key: bytes) -> None:
+        """Make `key` the least recently used entry (a preloaded file: each one loaded goes
+        before the ones loaded earlier, which were used more recently)."""
+        if key in self._lru:
+            self._lru.move_to_end(key, last=False)
+
     @property
     def nbytes(self) -> int:
         """Bytes held now."""
