@@ -349,7 +349,10 @@ async def test_the_drain_writes_the_disk_tier_before_the_flush(fp32_model: Path,
     once the drain returns, before the flush drops the memory tier."""
     async with Relay.start(fp32_model, prefix_cache_dir=str(tmp_path), **CACHE) as relay:
         await relay.chat(agent([], "Run the tests"), tools=TOOLS, **OPTS)
-        directory = Path((await relay.prefix_cache_stats())["prefix_cache"]["disk"]["directory"])
+        with anyio.fail_after(30):  # the system prompt's own write (at once, off the request) lands first
+            while (disk := (await relay.prefix_cache_stats())["prefix_cache"]["disk"])["pending_writes"]:
+                await anyio.sleep(0.02)
+        directory = Path(disk["directory"])
         before = set(os.listdir(directory))
         drained = await relay.drain(5.0)
     assert drained.persisted is not None and drained.persisted.written == 1 and drained.persisted.pending == 0
