@@ -65,6 +65,7 @@ from agent_curriculum import TRAIN, Curriculum, Mix, StdlibFiller, SyntheticFill
 from train_small_mtp import (
     TargetWithMTP,
     learning_rate,
+    load_train_state,
     reexec_with_blas_shim,
     save_checkpoint,
     save_train_state,
@@ -230,13 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     state_path = train_state_path(out)
     start = 0
     if args.resume and state_path.is_file():
-        from mlx.utils import tree_unflatten
-
-        saved = mx.load(str(state_path))
-        start = int(saved.pop("__step__").item())
-        model.update(tree_unflatten([(k[2:], v) for k, v in saved.items() if k.startswith("p.")]))
-        opt.init(model.trainable_parameters())
-        opt.state = tree_unflatten([(k[2:], v) for k, v in saved.items() if k.startswith("o.")])
+        start = load_train_state(model, opt, state_path)
         print(f"resumed at step {start}", flush=True)
 
     def loss_fn(m: TargetWithMTP, tokens: mx.array, mask: mx.array) -> tuple[mx.array, tuple[mx.array, mx.array]]:

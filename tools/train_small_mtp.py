@@ -522,6 +522,16 @@ def save_train_state(model: TargetWithMTP, opt: optim.Optimizer, done: int, path
     mx.save_safetensors(str(path), flat)
 
 
+def load_train_state(model: TargetWithMTP, opt: optim.Optimizer, path: Path) -> int:
+    """Restore what `save_train_state` wrote into `model` and `opt`; returns the step it was at."""
+    saved = mx.load(str(path))
+    step = int(saved.pop("__step__").item())
+    model.update(tree_unflatten([(k[len("p.") :], v) for k, v in saved.items() if k.startswith("p.")]))
+    opt.init(model.trainable_parameters())
+    opt.state = tree_unflatten([(k[len("o.") :], v) for k, v in saved.items() if k.startswith("o.")])
+    return step
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out: Path = args.out
@@ -558,11 +568,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     state_path = train_state_path(out)
     start_step = 0
     if args.resume and state_path.is_file():
-        saved = mx.load(str(state_path))
-        start_step = int(saved.pop("__step__").item())
-        model.update(tree_unflatten([(k[len("p.") :], v) for k, v in saved.items() if k.startswith("p.")]))
-        opt.init(model.trainable_parameters())
-        opt.state = tree_unflatten([(k[len("o.") :], v) for k, v in saved.items() if k.startswith("o.")])
+        start_step = load_train_state(model, opt, state_path)
         print(f"resumed at step {start_step}")
 
     def loss_fn(m: TargetWithMTP, tokens: mx.array) -> tuple[mx.array, tuple[mx.array, mx.array]]:
