@@ -109,6 +109,8 @@ def test_scrape_names_labels_and_counters_that_move(server: LiveServer) -> None:
     assert {dict(labels)["reason"] for name, labels in after
             if name == "mlx_relay:admission_rejections_total"} == set(REJECT_REASONS)
     assert value(after, "gpu_memory_bytes", kind="active") > 0
+    kinds = {dict(labels)["kind"] for name, labels in after if name == "mlx_relay:gpu_memory_bytes"}
+    assert kinds == {"active", "cache"}  # the CUDA pool's kinds only where MLX runs on CUDA (not here)
     assert value(after, "prefix_cache_snapshot_bytes", tier="memory") > 0
 
 

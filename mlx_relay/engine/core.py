@@ -28,6 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_relay.config import EngineConfig
+from mlx_relay.engine.cuda_memory import CudaMemory
 from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.features import FeatureStore
 from mlx_relay.engine.lanes import Lane, LaneStep, RowSpec
@@ -117,6 +118,7 @@ class EngineCore:
         self._mtp_totals = [0, 0, 0, 0]  # rounds, drafted, accepted, eager rounds (compiled round on)
         self._prefill_totals = [0, 0]  # chunks, rows
         # what MLX may keep cached while idle (EngineConfig.idle_cache_bytes)
+        self._cuda = CudaMemory.open() if info.backend == "cuda" else None  # the driver's pool, beside MLX
         self._idle_cache_bytes = next((b for b in (config.idle_cache_bytes, config.cache_limit_bytes) if b is not None),
                                       device_memory_bytes()[0] // 20)
 
@@ -200,15 +202,33 @@ class EngineCore:
         executed = self._execute(plan, out)
         self._update(executed, out)
         out.events = self.output.take()
-        if not self.has_work and mx.get_cache_memory() > self._idle_cache_bytes:
-            # drained after a burst: MLX's freed buffers (prefill chunks and batch states, which MLX
-            # keeps for reuse up to its cache limit: 139 GB of an H200 after 64 streams) go back to
-            # the device; a lone agent's few buffers stay below the bound and stay cached
-            cached = mx.get_cache_memory()
-            mx.clear_cache()
+        if not self.has_work:
+            self._release_idle_memory()
+        return out
+
+    def _release_idle_memory(self) -> None:
+        """Drained after a burst: MLX's freed buffers (prefill chunks and batch states, which MLX
+        keeps for reuse up to its cache limit) and, on CUDA, what the driver's memory pool still
+        reserves under them go back to the device; a lone agent's few buffers stay below the
+        bound and stay cached."""
+        cached = mx.get_cache_memory()
+        before = self._cuda.read() if self._cuda is not None else None
+        spare = before.reserved - before.used if before is not None else 0
+        if cached + spare <= self._idle_cache_bytes:
+            return
+        mx.clear_cache()
+        if self._cuda is None or before is None:
             log.info("idle: gave %.2f GB of MLX's buffer cache back (%.2f GB in use)", cached / 1e9,
                      mx.get_active_memory() / 1e9)
-        return out
+            return
+        cleared = self._cuda.read()
+        self._cuda.trim()
+        after = self._cuda.read()
+        log.info("idle: gave %.2f GB of MLX's buffer cache back (%.2f GB in use); CUDA pool reserved "
+                 "%.2f GB -> %.2f GB after the clear -> %.2f GB after a trim (high %.2f GB); device in use "
+                 "%s GB", cached / 1e9, mx.get_active_memory() / 1e9, before.reserved / 1e9,
+                 cleared.reserved / 1e9, after.reserved / 1e9, after.reserved_high / 1e9,
+                 "?" if after.device_used is None else f"{after.device_used / 1e9:.2f}")
 
     def _execute(self, plan: StepPlan, out: StepOutput) -> _Executed:
         executed = _Executed()
@@ -386,6 +406,8 @@ class EngineCore:
             log.info("compiled MTP round traced at %d batch sizes", rounds)
         cost = self._mtp_round_cost(prompt) if "mtp" in self.lanes else None
         mx.clear_cache()  # the warm-up's buffers, dozens of shapes of them
+        if self._cuda is not None:
+            self._cuda.trim()  # and what the driver's pool still reserved under them
         return WarmupReport(time.perf_counter() - tic, cost)
 
     def _mtp_round_cost(self, prompt: list[int], tokens: int = 32) -> float | None:
@@ -421,5 +443,13 @@ class EngineCore:
                            features=len(self.features), feature_bytes=self.features.bytes,
                            prefill_chunks=self._prefill_totals[0], prefill_rows=self._prefill_totals[1],
                            active_memory_bytes=mx.get_active_memory(), cache_memory_bytes=mx.get_cache_memory(),
-                           peak_memory_bytes=mx.get_peak_memory())
+                           peak_memory_bytes=mx.get_peak_memory(), **self._cuda_stats())
+
+    def _cuda_stats(self) -> dict[str, int]:
+        if self._cuda is None:
+            return {}
+        pool = self._cuda.read()
+        return {"cuda_pool_reserved_bytes": pool.reserved, "cuda_pool_used_bytes": pool.used,
+                "cuda_pool_reserved_high_bytes": pool.reserved_high,
+                **({"device_used_bytes": pool.device_used} if pool.device_used is not None else {})}
 

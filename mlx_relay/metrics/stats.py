@@ -98,10 +98,21 @@ class StatsCollector(Collector):
 
     def _engine(self, e: EngineStats) -> Iterator[Metric]:
         yield self._by(GaugeMetricFamily(PREFIX + "gpu_memory_bytes", "MLX's device memory: in arrays (active), "
-                                         "freed but kept for reuse (cache)", labels=["model_name", "kind"]),
-                       {"active": e.active_memory_bytes, "cache": e.cache_memory_bytes})
+                                         "freed but kept for reuse (cache); on CUDA the driver's pool under "
+                                         "it: reserved from the device, handed out (cuda_pool_*)",
+                                         labels=["model_name", "kind"]),
+                       {"active": e.active_memory_bytes, "cache": e.cache_memory_bytes,
+                        **({"cuda_pool_reserved": e.cuda_pool_reserved_bytes,
+                            "cuda_pool_used": e.cuda_pool_used_bytes}
+                           if e.cuda_pool_reserved_bytes is not None and e.cuda_pool_used_bytes is not None else {})})
         yield self._gauge("gpu_memory_peak_bytes", "The most MLX held in arrays at once since start",
                           e.peak_memory_bytes)
+        if e.cuda_pool_reserved_high_bytes is not None:
+            yield self._gauge("cuda_pool_reserved_high_bytes", "The most the CUDA driver's memory pool under "
+                              "MLX reserved at once since start", e.cuda_pool_reserved_high_bytes)
+        if e.device_used_bytes is not None:
+            yield self._gauge("device_memory_used_bytes", "The device's memory in use, every process on it",
+                              e.device_used_bytes)
         yield self._gauge("prefix_cache_snapshot_bytes", "Bytes of prefix-cache snapshots held, by tier",
                           e.snapshot_bytes, tier="memory")
         yield self._gauge("prefix_cache_snapshots", "Prefix-cache snapshots held, by tier", e.snapshots,
