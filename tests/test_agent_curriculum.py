@@ -5,6 +5,7 @@ on the fp32 fixture's tokenizer and chat template (the same as relay-tiny-coder'
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -163,8 +164,16 @@ def test_schedule_and_step_plan() -> None:
     tr = _script("train_agent_model")
     args = tr.parse_args(["--out", "x", "--schedule", "1024:3,16384:2", "--tokens-per-step", "65536"])
     assert args.stages == [(1024, 3), (16384, 2)] and args.steps == 5
-    assert tr.step_plan(args, 0) == [(0, 1024, 64), (1, 1024, 64), (2, 1024, 64), (3, 16384, 4), (4, 16384, 4)]
-    assert tr.step_plan(args, 4) == [(4, 16384, 4)]
+    assert tr.stage_plans(args, 0) == [[(0, 1024, 64), (1, 1024, 64), (2, 1024, 64)],
+                                       [(3, 16384, 4), (4, 16384, 4)]]
+    assert tr.stage_plans(args, 4) == [[], [(4, 16384, 4)]]
+    assert tr.stage_deadlines(args) == [math.inf, math.inf]
+    timed = tr.parse_args(["--out", "x", "--schedule", "1024:3,16384:2", "--max-seconds", "100",
+                           "--stage-time-shares", "3,1"])
+    assert timed.shares == [0.75, 0.25] and tr.stage_deadlines(timed) == [75.0, 100.0]
+    assert timed.steps > 10**9  # the learning rate follows the time
+    with pytest.raises(SystemExit):
+        tr.parse_args(["--out", "x", "--schedule", "1024:3", "--stage-time-shares", "1"])  # no --max-seconds
     with pytest.raises(ValueError):
         tr.parse_schedule("16:0")
 

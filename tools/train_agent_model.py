@@ -136,7 +136,6 @@ class Rows:
         else:
             _init_worker(*init)
         self.ahead = ahead
-        self.queue: deque[Any] = deque()
 
     def _submit(self, tasks: list[tuple[int, int]]) -> Any:
         if self.pool is None:
@@ -145,17 +144,18 @@ class Rows:
 
     def batches(self, plan: list[tuple[int, int, int]]) -> Any:
         """``plan``: (step, length, batch) per step; yields (ids, mask) arrays per step."""
+        queue: deque[Any] = deque()  # this plan's jobs (a stage left early leaves its own behind)
         it = iter(plan)
         for step, length, batch in it:
-            self.queue.append(self._submit([(length, step * ROWS_PER_STEP_MAX + b) for b in range(batch)]))
-            if len(self.queue) >= self.ahead:
+            queue.append(self._submit([(length, step * ROWS_PER_STEP_MAX + b) for b in range(batch)]))
+            if len(queue) >= self.ahead:
                 break
-        pending = list(it)
-        while self.queue:
-            job = self.queue.popleft()
+        pending = deque(it)
+        while queue:
+            job = queue.popleft()
             if pending:
-                step, length, batch = pending.pop(0)
-                self.queue.append(self._submit([(length, step * ROWS_PER_STEP_MAX + b) for b in range(batch)]))
+                step, length, batch = pending.popleft()
+                queue.append(self._submit([(length, step * ROWS_PER_STEP_MAX + b) for b in range(batch)]))
             rows = job if isinstance(job, list) else job.get()
             yield np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
@@ -190,6 +190,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop (and save) after this long; 0 = no limit")
+    p.add_argument("--stage-time-shares", default=None,
+                   help="with --max-seconds: each stage also ends once its share of the time is spent "
+                        "(cumulative, e.g. 0.45,0.3,0.25), and the learning rate follows the time, so a "
+                        "run of unknown speed still reaches every stage")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--metrics", type=Path, default=None)
     p.add_argument("--no-compile", action="store_true")
@@ -197,18 +201,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.stages = parse_schedule(args.schedule)
     args.steps = sum(steps for _, steps in args.stages)  # learning_rate() reads args.steps
+    args.shares = None
+    if args.stage_time_shares is not None:
+        shares = [float(x) for x in args.stage_time_shares.split(",")]
+        if len(shares) != len(args.stages) or any(x <= 0 for x in shares) or args.max_seconds <= 0:
+            raise SystemExit("--stage-time-shares needs one positive share per stage and --max-seconds")
+        args.shares = [x / sum(shares) for x in shares]
+        args.steps = sys.maxsize  # the cosine follows the time alone (stages may end early)
     return args
 
 
-def step_plan(args: argparse.Namespace, start: int) -> list[tuple[int, int, int]]:
-    plan, step = [], 0
+def stage_plans(args: argparse.Namespace, start: int) -> list[list[tuple[int, int, int]]]:
+    """Per stage, its (step, length, batch) from step `start` on (stages before it are empty)."""
+    plans, step = [], 0
     for length, steps in args.stages:
         batch = min(max(args.tokens_per_step // length, 1), ROWS_PER_STEP_MAX)
-        for _ in range(steps):
-            if step >= start:
-                plan.append((step, length, batch))
-            step += 1
-    return plan
+        plans.append([(s, length, batch) for s in range(step, step + steps) if s >= start])
+        step += steps
+    return plans
+
+
+def stage_deadlines(args: argparse.Namespace) -> list[float]:
+    """Seconds into the run at which each stage ends (its cumulative time share; else only the cap)."""
+    cap = args.max_seconds if args.max_seconds > 0 else math.inf
+    if args.shares is None:
+        return [cap] * len(args.stages)
+    return [cap * sum(args.shares[:i + 1]) for i in range(len(args.shares))]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -252,19 +270,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         step = mx.compile(step, inputs=state, outputs=state)
 
     rows = Rows(out, args.filler, args.stdlib, args.seed, args.workers)
-    plan = step_plan(args, start)
+    plans = stage_plans(args, start)
+    last_step = sum(steps for _, steps in args.stages)
     history: list[dict[str, float]] = []
     t_start = t_log = time.perf_counter()
     acc = [0.0, 0.0, 0]
     done = start
-    trained_tokens = 0
+    trained_steps = trained_tokens = 0
+
+    def trained() -> Any:
+        """(step, length, batch), (ids, mask) of every stage, each until its deadline."""
+        for plan, deadline in zip(plans, stage_deadlines(args), strict=True):
+            if time.perf_counter() - t_start > deadline:
+                continue
+            for item in zip(plan, rows.batches(plan), strict=True):
+                if time.perf_counter() - t_start > deadline:
+                    break
+                yield item
+
     try:
-        for (it, length, batch), (ids, mask) in zip(plan, rows.batches(plan), strict=True):
-            now = time.perf_counter()
-            if args.max_seconds > 0 and now - t_start > args.max_seconds:
-                break
-            lr = learning_rate(args, it)  # by steps of the whole schedule: one curve across --resume calls
+        for (it, length, batch), (ids, mask) in trained():
+            if args.shares is None:  # by steps of the whole schedule: one curve across --resume calls
+                lr = learning_rate(args, it)
+            else:  # warm up by steps trained, then by the time spent
+                lr = learning_rate(args, trained_steps, (time.perf_counter() - t_start) / args.max_seconds)
             opt.learning_rate = lr
+            trained_steps += 1
             main_loss, mtp_loss = step(mx.array(ids), mx.array(mask))
             mx.eval(state, main_loss, mtp_loss)
             acc[0] += main_loss.item()
@@ -272,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             acc[2] += 1
             trained_tokens += int(mask.sum())
             done = it + 1
-            if done % args.log_every == 0 or done == len(plan) + start:
+            if trained_steps % args.log_every == 0 or done == last_step:
                 now = time.perf_counter()
                 k = acc[2]
                 rec = {"step": done, "length": length, "batch": batch, "loss": acc[0] / k, "mtp_loss": acc[1] / k,
@@ -283,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{now - t_start:.0f}s", flush=True)
                 acc = [0.0, 0.0, 0]
                 t_log = now
-            if done % args.save_every == 0:
+            if trained_steps % args.save_every == 0:
                 save_checkpoint(model, out)
                 save_train_state(model, opt, done, state_path)
     finally:

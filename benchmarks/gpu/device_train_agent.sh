@@ -12,7 +12,9 @@
 # brings back $OUT/agent.tar.xz.NN (the checkpoint, the training log and metrics, the evaluation;
 # 15 MB parts: cat them | tar xJf -) once done, and the log's tail each time.
 # Knobs: SCHEDULE (1024:1500,4096:400,16384:150), TOKENS (65536 per step), HIDDEN (256),
-# INTERMEDIATE (640), LAYERS (8), LR (3e-3), WARMUP (150), WORKERS (12), LENGTHS ("4096 8192 16384").
+# INTERMEDIATE (640), LAYERS (8), LR (3e-3), WARMUP (150), WORKERS (12), LENGTHS ("4096 8192 16384"),
+# SHARES (0.45,0.3,0.25: each stage's share of TRAIN_SECONDS, so every stage is reached whatever the
+# device's speed; the learning rate follows the time).
 # LOCAL=1 RUN=DIR OUT=DIR (and small knobs): a dry run off the device.
 RUN=${RUN:-/root/agent}
 if [ "${1:-start}" = wait ]; then
@@ -34,7 +36,8 @@ python3 tools/train_agent_model.py --out $O/relay-tiny-agent "${filler[@]}" --hi
   --intermediate "${INTERMEDIATE:-640}" --layers "${LAYERS:-8}" --max-position 32768 \
   --schedule "${SCHEDULE:-1024:1500,4096:400,16384:150}" --tokens-per-step "${TOKENS:-65536}" --lr "${LR:-3e-3}" \
   --warmup "${WARMUP:-150}" --workers "${WORKERS:-12}" --log-every 25 --save-every 250 \
-  --max-seconds "${TRAIN_SECONDS:-1200}" --metrics $O/train_metrics.jsonl > $O/train.log 2>&1
+  --max-seconds "${TRAIN_SECONDS:-1200}" --stage-time-shares "${SHARES:-0.45,0.3,0.25}" \
+  --metrics $O/train_metrics.jsonl > $O/train.log 2>&1
 echo "train rc $?" >> $O/train.log
 python3 tools/eval_agent_model.py --model $O/relay-tiny-agent "${filler[@]}" --n "${EVAL_N:-50}" \
   --lengths ${LENGTHS:-4096 8192 16384} --out $O/agent-eval.json > $O/eval.txt 2>&1
@@ -46,5 +49,5 @@ cd $RUN/src
 setsid nohup env RUN="$RUN" PYTHONPATH="$RUN/src:${PYTHONPATH:-}" FILLER="${FILLER:-}" HIDDEN="${HIDDEN:-}" \
   INTERMEDIATE="${INTERMEDIATE:-}" LAYERS="${LAYERS:-}" SCHEDULE="${SCHEDULE:-}" TOKENS="${TOKENS:-}" LR="${LR:-}" \
   WARMUP="${WARMUP:-}" WORKERS="${WORKERS:-}" TRAIN_SECONDS="${TRAIN_SECONDS:-}" EVAL_N="${EVAL_N:-}" \
-  LENGTHS="${LENGTHS:-}" bash $RUN/run.sh > $RUN/run.log 2>&1 &
+  LENGTHS="${LENGTHS:-}" SHARES="${SHARES:-}" bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "agent training started (pid $!)"
