@@ -14,9 +14,15 @@
 # Knobs: SCHEDULE (1024:1500,4096:400,16384:150), TOKENS (65536 per step), HIDDEN (256),
 # INTERMEDIATE (640), LAYERS (8), LR (3e-3), WARMUP (150), WORKERS (12), LENGTHS ("4096 8192 16384"),
 # SHARES (0.45,0.3,0.25: each stage's share of TRAIN_SECONDS, so every stage is reached whatever the
-# device's speed; the learning rate follows the time).
+# device's speed; the learning rate follows the time), NO_COMPILE (1: the eager step; a compiled
+# step spent 8 minutes of NVRTC builds, 200 kernels, on an H100 before its first step).
 # LOCAL=1 RUN=DIR OUT=DIR (and small knobs): a dry run off the device.
 RUN=${RUN:-/root/agent}
+if [ "${1:-start}" = ckpt ]; then  # the checkpoint alone, once trained (the evaluation may still run)
+  grep -q "train rc" $RUN/out/train.log && tar cJf - -C $RUN out/relay-tiny-agent out/train.log \
+    out/train_metrics.jsonl | split -b 15m -d - "$OUT/ckpt.tar.xz." && echo "checkpoint back"
+  exit 0
+fi
 if [ "${1:-start}" = wait ]; then
   for _ in $(seq 1 "${2:-560}"); do [ -f $RUN/done ] && break; sleep 1; done
   tail -n 3 $RUN/out/train.log 2>/dev/null; tail -n 12 $RUN/out/eval.txt 2>/dev/null
@@ -37,7 +43,7 @@ python3 tools/train_agent_model.py --out $O/relay-tiny-agent "${filler[@]}" --hi
   --schedule "${SCHEDULE:-1024:1500,4096:400,16384:150}" --tokens-per-step "${TOKENS:-65536}" --lr "${LR:-3e-3}" \
   --warmup "${WARMUP:-150}" --workers "${WORKERS:-12}" --log-every 25 --save-every 250 \
   --max-seconds "${TRAIN_SECONDS:-1200}" --stage-time-shares "${SHARES:-0.45,0.3,0.25}" \
-  --metrics $O/train_metrics.jsonl > $O/train.log 2>&1
+  ${NO_COMPILE:+--no-compile} ${RESUME:+--resume} --metrics $O/train_metrics.jsonl > $O/train.log 2>&1
 echo "train rc $?" >> $O/train.log
 python3 tools/eval_agent_model.py --model $O/relay-tiny-agent "${filler[@]}" --n "${EVAL_N:-50}" \
   --lengths ${LENGTHS:-4096 8192 16384} --out $O/agent-eval.json > $O/eval.txt 2>&1
@@ -49,5 +55,5 @@ cd $RUN/src
 setsid nohup env RUN="$RUN" PYTHONPATH="$RUN/src:${PYTHONPATH:-}" FILLER="${FILLER:-}" HIDDEN="${HIDDEN:-}" \
   INTERMEDIATE="${INTERMEDIATE:-}" LAYERS="${LAYERS:-}" SCHEDULE="${SCHEDULE:-}" TOKENS="${TOKENS:-}" LR="${LR:-}" \
   WARMUP="${WARMUP:-}" WORKERS="${WORKERS:-}" TRAIN_SECONDS="${TRAIN_SECONDS:-}" EVAL_N="${EVAL_N:-}" \
-  LENGTHS="${LENGTHS:-}" SHARES="${SHARES:-}" bash $RUN/run.sh > $RUN/run.log 2>&1 &
+  LENGTHS="${LENGTHS:-}" SHARES="${SHARES:-}" NO_COMPILE="${NO_COMPILE:-}" RESUME="${RESUME:-}" bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "agent training started (pid $!)"

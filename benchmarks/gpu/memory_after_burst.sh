@@ -8,7 +8,9 @@
 #   bash benchmarks/gpu/memory_after_burst.sh wait 560     # $OUT/memory.tgz
 # Variants: default; graphs0 (MLX_USE_CUDA_GRAPHS=0); cudnn0 (MLX_CUDA_USE_CUDNN_SDPA=0); sdpa16
 # (MLX_CUDA_SDPA_CACHE_SIZE=16: cuDNN attention plans kept); conv16 (MLX_CUDA_CONV_CACHE_SIZE=16);
-# thread (--engine-process off). (The knobs are those libmlx.so 0.32.4 reads: `strings libmlx.so | grep MLX_`.) LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR: a dry run off the device.
+# thread (--engine-process off); cache8 (--cache-limit-gb 8: MLX keeps at most 8 GB of freed buffers).
+# Since 88f0c55 /metrics also reads the CUDA driver's pool under MLX (cuda_pool_reserved/used, its
+# high-water mark, the device's memory in use) and the engine's log says what the idle release trims. (The knobs are those libmlx.so 0.32.4 reads: `strings libmlx.so | grep MLX_`.) LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR: a dry run off the device.
 RUN=${RUN:-/root/membench}
 if [ "${1:-start}" = wait ]; then
   for _ in $(seq 1 "${2:-560}"); do [ -f $RUN/done ] && break; sleep 1; done
@@ -27,7 +29,7 @@ snap() {  # label
   { echo "== $1"
     nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
     nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null
-    python3 -c "import httpx; print(''.join(l + chr(10) for l in httpx.get('http://127.0.0.1:8000/metrics').text.splitlines() if ('memory' in l or 'snapshot_bytes' in l) and not l.startswith('#')))"
+    python3 -c "import httpx; print(''.join(l + chr(10) for l in httpx.get('http://127.0.0.1:8000/metrics').text.splitlines() if ('memory' in l or 'snapshot_bytes' in l or 'cuda_pool' in l) and not l.startswith('#')))"
   } >> $O/memory.txt 2>&1
 }
 for v in $VARIANTS; do
@@ -38,6 +40,7 @@ for v in $VARIANTS; do
     sdpa16) envs=(MLX_CUDA_SDPA_CACHE_SIZE=16) ;;
     conv16) envs=(MLX_CUDA_CONV_CACHE_SIZE=16) ;;
     thread) flags=(--engine-process off) ;;
+    cache8) flags=(--cache-limit-gb 8) ;;
   esac
   env "${envs[@]}" python3 -m mlx_relay.cli serve "$MODEL" --port 8000 --served-model-name qwen35-moe \
     --max-num-seqs 64 --max-queue 512 --no-mtp "${flags[@]}" > $O/$v.log 2>&1 &
@@ -55,6 +58,7 @@ for v in $VARIANTS; do
     --requests 64 --no-plots --out /tmp/mb-$v > /dev/null 2>&1
   cp /tmp/mb-$v/bench.json $O/short_chat-$v-c64.json 2>/dev/null
   snap "$v after short_chat c=64"; sleep 5; snap "$v after 5 s idle"
+  grep -h "idle:" $O/$v.log | tail -n 3 >> $O/memory.txt
   say "$v done"
   kill $pid; wait $pid 2>/dev/null
 done
