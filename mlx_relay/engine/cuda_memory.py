@@ -8,7 +8,8 @@ memory pool, and the driver keeps memory returned to that pool *reserved* (still
 in `nvidia-smi`) until a synchronization trims it past the pool's release threshold. Issue 17.1
 asked where ~100 GB held after a 64-stream burst go when MLX accounts for 38 GB: this module
 reads the pool (reserved, in use, high-water) and the device's free memory through the public
-CUDA driver API (`libcuda.so.1`, ctypes), and can trim the pool's unused reservation.
+CUDA driver API (`libcuda.so.1`, ctypes); the engine's idle release counts the pool's unused
+reservation (`mx.clear_cache()` gives it back; measured on an H200, no trim needed).
 
 Nothing here touches MLX: the pool is the driver's object, shared with MLX by design
 (`cudaDeviceGetDefaultMemPool`). Where there is no CUDA driver (CPU, Metal) `CudaMemory.open`
@@ -79,7 +80,3 @@ class CudaMemory:
                            reserved_high=self._attribute(_RESERVED_MEM_HIGH),
                            release_threshold=self._attribute(_RELEASE_THRESHOLD),
                            device_used=int(total.value - free.value) if known else None)
-
-    def trim(self, keep_bytes: int = 0) -> None:
-        """Give the pool's unused reservation above `keep_bytes` back to the device."""
-        self._lib.cuMemPoolTrimTo(self._pool, ctypes.c_size_t(keep_bytes))
