@@ -8,7 +8,9 @@ PORT ?= 8000
 MODEL ?=
 TEST_WORKERS ?= 2
 
-.PHONY: install serve test lint bench clean
+REPLICAS ?= 2
+
+.PHONY: install serve cluster test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +25,10 @@ install: $(STAMP)
 ## Serve the embedded tiny model (or MODEL=<hf-dir-or-repo>) on $(HOST):$(PORT).
 serve: install
 	$(VENV)/bin/mlx-relay serve $(MODEL) --host $(HOST) --port $(PORT)
+
+## $(REPLICAS) replicas of the embedded model (or MODEL=...) on $(PORT)+1.. behind SMG's cache-aware router on $(PORT).
+cluster: install
+	$(VENV)/bin/mlx-relay cluster $(MODEL) --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
 
 ## Lint, then run the whole test suite on the tiny models (TEST_WORKERS processes, a file each at a time).
 test: install

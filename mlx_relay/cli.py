@@ -1,4 +1,4 @@
-"""Command line: `mlx-relay serve [MODEL] ...` (and later subcommands such as `bench`).
+"""Command line: `mlx-relay serve [MODEL] ...`, `mlx-relay bench ...` and `mlx-relay cluster ...`.
 
 Parses flags into a typed `ServerConfig` and hands it to the HTTP server. While the model
 loads and warms, a progress line shows what is happening and for how long.
@@ -17,6 +17,9 @@ from collections.abc import Callable, Sequence
 from mlx_relay.bench.cli import add_parser as add_bench_parser
 from mlx_relay.bench.cli import run_from_args as run_bench
 from mlx_relay.chat.types import TOOL_FORMATS
+from mlx_relay.cluster.cli import add_parser as add_cluster_parser
+from mlx_relay.cluster.cli import run_from_args as run_cluster
+from mlx_relay.cluster.cli import split_args
 from mlx_relay.config import ServerConfig, build_config
 from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
 from mlx_relay.http.server import serve
@@ -172,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--log-prompts", action="store_true",
                       help="put each request's prompt and reply text in its log line (off: counts and timings only)")
     add_bench_parser(sub)
+    add_cluster_parser(sub)
     return parser
 
 
@@ -259,14 +263,21 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, args.log_format if args.command == "serve" else "text")
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, serve_args = split_args(parser, argv)
+    if serve_args and args.command != "cluster":
+        parser.error(f"unrecognized arguments: {' '.join(serve_args)}")
+    # cluster: its own lines are printed; its health polls are not worth a log line each
+    configure_logging(getattr(args, "log_level", "warning"), args.log_format if args.command == "serve" else "text")
     if args.command == "serve":
         # json logs: the boot's progress as log lines too, so that every line on stderr is JSON
         progress = _progress_printer() if args.log_format == "text" else logging.getLogger("mlx_relay.boot").info
         return serve(config_from_args(args), Relay.start, progress)
     if args.command == "bench":
         return run_bench(args)
+    if args.command == "cluster":
+        return run_cluster(args, serve_args)
     return 2
 
 

@@ -33,6 +33,7 @@ from mlx_relay.http.body import decode_body
 from mlx_relay.http.errors import as_relay_error, error_response
 from mlx_relay.http.guard import RequestGuard
 from mlx_relay.http.lifecycle import Lifecycle
+from mlx_relay.http.loads import parse_include, worker_loads
 from mlx_relay.http.openai_chat import ChatStream, collect_chat, to_chat_request
 from mlx_relay.http.openai_completions import (
     CompletionRequest,
@@ -153,6 +154,15 @@ class OpenAIRoutes:
 
     async def openapi(self, request: Request) -> Response:
         return self._openapi
+
+    async def loads(self, request: Request) -> Response:
+        """What a router polls for load (`http/loads.py`): Admission's counters in SMG's schema."""
+        parse_include(request.query_params.get("include"))
+        try:
+            stats = await self.relay.stats()
+        except RuntimeFault:  # Admission itself is restarting or stopped
+            raise NotReady("the server's admission is restarting") from None
+        return _json(worker_loads(stats))
 
     async def metrics(self, request: Request) -> Response:
         return Response(await self.relay.scrape(), media_type=METRICS_CONTENT_TYPE)
@@ -275,6 +285,7 @@ def create_app(
             Route("/health", routes.health, methods=["GET"]),
             Route("/openapi.json", routes.openapi, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
+            Route("/v1/loads", routes.loads, methods=["GET"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),

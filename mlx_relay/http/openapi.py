@@ -17,6 +17,7 @@ from starlette.routing import BaseRoute, Route
 
 from mlx_relay.http.anthropic_types import CountTokensRequest, Message, MessagesRequest, TokenCount
 from mlx_relay.http.anthropic_types import ErrorBody as AnthropicError
+from mlx_relay.http.loads import WorkerLoads
 from mlx_relay.http.openai_completions import Completion, CompletionRequest
 from mlx_relay.http.openai_types import (
     ChatCompletion,
@@ -52,6 +53,8 @@ ROUTES: dict[tuple[str, str], Operation] = {
                                   "failed) otherwise", HealthBody, open=True),
     ("/openapi.json", "GET"): Operation("This document", None),
     ("/metrics", "GET"): Operation("Prometheus metrics (text exposition format 0.0.4)", None, text=True),
+    ("/v1/loads", "GET"): Operation("Load for a router in front (SMG's WorkerLoadResponse: running, waiting, "
+                                    "slots)", WorkerLoads),
     ("/v1/models", "GET"): Operation("The served model", ModelList),
     ("/v1/models/{model}", "GET"): Operation("One model", ModelCard, path_param="model"),
     ("/v1/chat/completions", "POST"): _chat_ops("Chat completions (OpenAI)", ChatCompletionRequest, ChatCompletion),

@@ -1,0 +1,242 @@
+"""`mlx-relay cluster`: 2 replicas of the fp32 fixture behind SMG's cache-aware router, on loopback,
+started by the real command (a subprocess), driven through the router as an agent would.
+
+One cluster for the whole file, in the order a run meets things: (a) a session's second turn lands
+on the replica holding its prefix, (b) several sessions spread over both replicas, (c) a replica
+killed (SIGKILL) mid-stream: the stream in flight on it ends with an error event, every session
+continues on the survivor (re-prefilled there), then SIGTERM stops the router and drains the
+survivor, leaving no process behind. Which replica served a request is read from each replica's
+own `/metrics` (`mlx_relay:prompt_tokens_total` grows on the one that ran it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+MODEL = "tiny"
+
+
+class Cluster:
+    def __init__(self, proc: subprocess.Popen[str], port: int, lines: list[str]) -> None:
+        self.proc = proc
+        self.url = f"http://127.0.0.1:{port}"
+        self.replicas = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+        self.lines = lines
+        self.pids = {url: _field(lines, f"url={url} ready", "pid") for url in self.replicas}
+        self.router_pid = _field(lines, "router pid=", "pid")
+
+
+def _field(lines: list[str], marker: str, key: str) -> int:
+    line = next(ln for ln in lines if marker in ln)
+    return int(line.split(f"{key}=")[1].split()[0])
+
+
+def _free_base(count: int) -> int:
+    """A port P with P..P+count-1 free on loopback."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
+
+
+@pytest.fixture(scope="module")
+def cluster(fp32_model: Path) -> Iterator[Cluster]:
+    port = _free_base(4)  # router, 2 replicas, the router's metrics
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    argv = [sys.executable, "-m", "mlx_relay.cli", "cluster", str(fp32_model), "--replicas", "2",
+            "--port", str(port), "--ready-timeout", "120",
+            "--served-model-name", MODEL, "--no-warmup", "--drain-timeout", "3", "--log-level", "warning"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the supervisor's own lines, until ready (or it exits)
+        lines.append(line.strip())
+        if "cluster ready" in line:
+            break
+    assert any("cluster ready" in ln for ln in lines), lines
+    threading.Thread(target=lambda: lines.extend(ln.strip() for ln in proc.stdout or ()), daemon=True).start()
+    live = Cluster(proc, port, lines)
+    try:
+        yield live
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            for pid in (*live.pids.values(), live.router_pid):
+                _kill_quietly(pid)
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _prompt_tokens(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("mlx_relay:prompt_tokens_total"))
+
+
+def _system(session: int) -> str:
+    """A few hundred tokens of an agent's system prompt, distinct per session from its first word."""
+    rules = " ".join(f"Rule {k}: keep module {k} small, typed and tested." for k in range(24))
+    return f"Session {session} agent. You are a careful coding agent. {rules}"
+
+
+def _chat(url: str, messages: list[dict[str, Any]], max_tokens: int = 4) -> dict[str, Any]:
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                       "max_tokens": max_tokens}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _turn(cluster: Cluster, messages: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """One request through the router; its reply and the replica that ran it."""
+    before = {u: n for u in cluster.replicas if (n := _reachable_prompt_tokens(u)) is not None}
+    reply = _chat(cluster.url, messages)
+    grew = [u for u, n in before.items() if _prompt_tokens(u) > n]
+    assert len(grew) == 1, grew
+    return reply, grew[0]
+
+
+def _reachable_prompt_tokens(url: str) -> float | None:
+    try:
+        return _prompt_tokens(url)
+    except httpx.TransportError:
+        return None  # the killed replica
+
+
+def _next_turn(messages: list[dict[str, Any]], reply: dict[str, Any], user: str) -> list[dict[str, Any]]:
+    return [*messages, {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+            {"role": "user", "content": user}]
+
+
+def test_worker_loads_as_smg_reads_them(cluster: Cluster) -> None:
+    """`/v1/loads` in SMG's schema (what it polls for load), and a bad section is a 400."""
+    r = httpx.get(cluster.replicas[0] + "/v1/loads", params={"include": "core,disagg,queues,memory"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["dp_rank_count"] == 1 and len(body["loads"]) == 1
+    load = body["loads"][0]
+    assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
+    assert load["max_running_requests"] == 16 and load["token_usage"] == 0.0
+    bad = httpx.get(cluster.replicas[0] + "/v1/loads", params={"include": "core,gpus"})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["type"] == "invalid_request_error" and bad.json()["error"]["param"] == "include"
+    workers = httpx.get(cluster.url + "/workers").json()["workers"]  # SMG's view: both registered, healthy
+    assert sorted(w["url"] for w in workers) == cluster.replicas
+    assert all(w["is_healthy"] and w["status"] == "ready" for w in workers)
+
+
+def test_affinity_spread_and_a_replica_killed(cluster: Cluster) -> None:
+    # (b) first turns of 6 sessions, 3 at a time (as agents arrive): SMG spreads them
+    firsts = [[{"role": "system", "content": _system(i)}, {"role": "user", "content": f"Task {i}: add a parser."}]
+              for i in range(6)]
+    before = {u: _prompt_tokens(u) for u in cluster.replicas}
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda m: _chat(cluster.url, m), firsts))
+    served = {u: _prompt_tokens(u) - before[u] for u in cluster.replicas}
+    assert all(n > 0 for n in served.values()), served  # both replicas took sessions
+
+    # (a) each session's second turn: on the replica holding its prefix, cached >= 90% of turn 1
+    sessions: dict[int, tuple[list[dict[str, Any]], str, int]] = {}
+    for i, (msgs, first) in enumerate(zip(firsts, replies, strict=True)):
+        msgs2 = _next_turn(msgs, first, "Now add its tests.")
+        reply, replica = _turn(cluster, msgs2)
+        cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert first["usage"]["prompt_tokens"] > 300
+        assert cached >= 0.9 * first["usage"]["prompt_tokens"], (i, cached, first["usage"])
+        sessions[i] = (_next_turn(msgs2, reply, "Make it faster."), replica, reply["usage"]["prompt_tokens"])
+    assert {replica for _, replica, _ in sessions.values()} == set(cluster.replicas)
+    # the second turn stays where the first ran: its own replica's index held the prefix
+    victim = cluster.replicas[1]
+    moved = [i for i, (_, replica, _) in sessions.items() if replica == victim]
+
+    # (c) a stream in flight on the victim (a session of its own), then SIGKILL mid-stream
+    stream_msgs = sessions[moved[0]][0]
+    events: list[str] = []
+    first_token = threading.Event()
+
+    def stream() -> None:
+        body = {"model": MODEL, "messages": stream_msgs, "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            events.append(f"status {r.status_code}")
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    if '"content"' in line:
+                        first_token.set()
+
+    before_victim = _prompt_tokens(victim)
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first_token.wait(30)
+    assert _prompt_tokens(victim) > before_victim  # it runs on the victim
+    os.kill(cluster.pids[victim], signal.SIGKILL)
+    t.join(30)
+    assert not t.is_alive()  # no hang
+    # what SMG does: the 200 stream gets an error event, then [DONE] (no finish_reason chunk)
+    assert events[0] == "status 200" and events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))
+    assert error["error"]["type"] == "stream_error", error
+    assert not any('"finish_reason":"length"' in e for e in events)
+
+    # every session completes afterwards: the victim's on the survivor (re-prefilled, then cached)
+    survivor = cluster.replicas[0]
+    for msgs, replica, previous_prompt in sessions.values():
+        reply, ran_on = _turn(cluster, msgs)
+        assert ran_on == survivor
+        usage = reply["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        if replica == victim:
+            assert cached < 0.5 * usage["prompt_tokens"]  # re-prefilled: the survivor never saw it
+            again, ran_on = _turn(cluster, _next_turn(msgs, reply, "And document it."))
+            assert ran_on == survivor
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
+        else:
+            assert cached >= 0.9 * previous_prompt  # untouched by the kill
+    assert _wait_for_line(cluster, "replica 2 (pid")  # the supervisor saw it go and kept the cluster up
+    assert cluster.proc.poll() is None
+
+
+def _wait_for_line(cluster: Cluster, text: str, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(text in ln for ln in cluster.lines):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigterm_stops_everything(cluster: Cluster) -> None:
+    """SIGTERM: the router stops, the survivor drains, the supervisor exits 0, no process left."""
+    cluster.proc.send_signal(signal.SIGTERM)
+    assert cluster.proc.wait(60) == 0
+    for pid in (*cluster.pids.values(), cluster.router_pid):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert _wait_for_line(cluster, "cluster stopped")
