@@ -1,0 +1,68 @@
+"""The prefill's forward over batch caches: the whole model, or this process's pipeline stage
+(GPU thread only).
+
+`PrefillBatch` runs each chunk through `forward.prefill(...)` and turns the last positions of the
+rows it finishes into first tokens after `forward.share(...)`:
+- `ModelForward`: mlx-vlm's language model called once over the chunk (`batch_caches.batched`),
+  its final (normed) hidden states;
+- `StageForward` (`pipeline_stage.Stage`): the same call over this stage's layers only. A stage
+  after the first takes the previous stage's hidden states as the call's `inputs_embeds` (a public
+  argument: the model then skips its embedding), a stage before the last sends the hidden state
+  after its last layer (`capture_layer_ids`, a public argument) on. The send is tied into the
+  stage's last cache (`mx.depends`, as mlx-lm's qwen3_5 pipeline does), so that evaluating the
+  caches alone, as a chunk that finishes no row does, still sends. `share` gathers the last
+  stage's rows on every rank, only the few the first tokens need, so every rank computes the same
+  logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_relay.engine.batch_caches import batched
+from mlx_relay.engine.pipeline_stage import Stage
+
+
+class ModelForward:
+    def __init__(self, lm: Any) -> None:
+        self.lm = lm
+
+    def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array) -> mx.array:
+        """[B, n, D]: the final hidden states of the chunk (on this rank: see `share`)."""
+        result = self.lm(ids, inputs_embeds=embeds, cache=caches,
+                         **batched(position_ids=positions, return_hidden=True, skip_logits=True))
+        return result.hidden_states[-1]
+
+    def share(self, x: mx.array) -> mx.array:
+        """Rows of `prefill`'s output as the model's output on every rank."""
+        return x
+
+
+class StageForward(ModelForward):
+    def __init__(self, lm: Any, stage: Stage) -> None:
+        super().__init__(lm)
+        self.stage = stage
+
+    def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array) -> mx.array:
+        stage = self.stage
+        if not stage.first:
+            like = embeds if embeds is not None else self.lm.model.embed_tokens(ids)  # its shape only
+            embeds = stage.receive(like)
+        last_layer = len(self.lm.model.layers) - 1
+        result = self.lm(ids, inputs_embeds=embeds, cache=caches,
+                         **batched(position_ids=positions, return_hidden=True, skip_logits=True,
+                                   capture_layer_ids=[] if stage.last else [last_layer]))
+        if stage.last:
+            return result.hidden_states[-1]
+        sent = stage.send(result.hidden_states[0])
+        tail = caches[-1]
+        if hasattr(tail, "keys"):  # BatchKVCache
+            tail.keys = mx.depends(tail.keys, sent)
+        else:  # ArraysCache: conv window and recurrent state
+            tail[0] = mx.depends(tail[0], sent)
+        return sent
+
+    def share(self, x: mx.array) -> mx.array:
+        return self.stage.share(x)
