@@ -56,9 +56,10 @@ def load_stage(path: Path, config: PipelineConfig, group: Any) -> tuple[LoadedMo
     its verify forward runs the whole model (docs/pipeline.md)."""
     loaded = load_model(path, lazy=True)
     try:
-        stage = shard_language_model(loaded.model.language_model, group, config.split)
+        start, end = shard_language_model(loaded.model.language_model, group.rank(), group.size(), config.split)
     except UnsupportedSplit as exc:
         raise PipelineSetupError(str(exc)) from exc
+    stage = Stage(group, group.rank(), group.size(), start, end)
     mx.eval(loaded.model.parameters())
     log.info("pipeline rank %d of %d: layers %d..%d", stage.rank, stage.size, stage.start, stage.end - 1)
     info = msgspec.structs.replace(loaded.info, has_mtp=False)

@@ -75,10 +75,10 @@ def split_layers(n_layers: int, size: int, split: tuple[int, ...] | None = None)
     return list(split)
 
 
-def shard_language_model(lm: Any, group: Any, split: tuple[int, ...] | None = None) -> Stage:
-    """Keep only this rank's layers in mlx-vlm's language model `lm` (in place); its Stage."""
+def shard_language_model(lm: Any, rank: int, size: int, split: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """Keep only rank `rank`'s layers (of `size` ranks) in mlx-vlm's language model `lm` (in
+    place); the range [start, end) of the model's layers it keeps."""
     layers = list(lm.model.layers)
-    rank, size = group.rank(), group.size()
     counts = split_layers(len(layers), size, split)
     start = sum(counts[rank + 1:])  # rank r runs the layers after those of ranks r+1 ... size-1
     end = start + counts[rank]
@@ -94,4 +94,4 @@ def shard_language_model(lm: Any, group: Any, split: tuple[int, ...] | None = No
     lm.model.layers = mine
     lm.model.fa_idx = next(i for i, layer in enumerate(mine) if not layer.is_linear)
     lm.model.ssm_idx = next(i for i, layer in enumerate(mine) if layer.is_linear)
-    return Stage(group, rank, size, start, end)
+    return start, end
