@@ -1,5 +1,6 @@
-"""One model over two processes (`serve --pipeline`, docs/pipeline.md): greedy replies equal the
-unsharded server's, alone, two at once (continuous batching) and on a second turn that restores
+"""One model over two processes (`serve --pipeline`, docs/pipeline.md): replies equal the
+unsharded server's, greedy and seeded-sampled through MTP (the head on every rank, the verify
+pipelined), two at once on the plain lane (continuous batching) and on a second turn that restores
 from the prefix cache; and the library behaviour the stages rely on.
 
 The ranks run on loopback with MLX's ring backend, started as `mlx.launch` starts them (each rank
@@ -32,9 +33,8 @@ from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer, free_port
 
 NAME = "tiny8"
-# both servers: the prefix cache snapshots system prompts from 16 tokens on; no MTP (a pipeline
-# runs none, and the comparison is of the same decode path)
-FLAGS: dict[str, Any] = {"max_num_seqs": 4, "prefix_min_snapshot_tokens": 16, "mtp": False}
+# both servers: the prefix cache snapshots system prompts from 16 tokens on; MTP wherever it can run
+FLAGS: dict[str, Any] = {"max_num_seqs": 4, "prefix_min_snapshot_tokens": 16, "mtp_policy": "always"}
 SYSTEM = "You are a careful assistant who answers in short sentences about the Python standard library."
 
 
@@ -61,7 +61,7 @@ def pipeline(eight_layers: Path, tmp_path_factory: pytest.TempPathFactory
     port = free_port()
     cmd = [sys.executable, "-m", "mlx_relay.cli", "serve", str(eight_layers), "--pipeline", "--pipeline-backend",
            "ring", "--served-model-name", NAME, "--port", str(port), "--max-num-seqs", "4",
-           "--prefix-min-snapshot-tokens", "16", "--no-mtp", "--log-level", "warning"]
+           "--prefix-min-snapshot-tokens", "16", "--mtp-policy", "always", "--log-level", "warning"]
     ranks: dict[int, subprocess.Popen[bytes]] = {}
     for rank in (1, 0):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "HF_HUB_OFFLINE": "1"}
@@ -90,9 +90,9 @@ def pipeline(eight_layers: Path, tmp_path_factory: pytest.TempPathFactory
                 p.wait(10)
 
 
-def _chat(url: str, messages: list[dict[str, str]], max_tokens: int = 16) -> tuple[str, int]:
+def _chat(url: str, messages: list[dict[str, str]], max_tokens: int = 16, **extra: Any) -> tuple[str, int]:
     r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "model": NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        "model": NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
     assert r.status_code == 200, r.text
     body = r.json()
     return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -141,14 +141,21 @@ def test_two_ranks_reply_as_the_unsharded_server(
         pipeline: tuple[str, dict[int, subprocess.Popen[bytes]]], reference: LiveServer) -> None:
     url, ranks = pipeline
     prompts = ["Name three modules for files.", "What does itertools.chain do?"]
-    for prompt in prompts:  # alone
+    for prompt in prompts:  # alone, greedy: MTP's compiled round
         messages = [{"role": "user", "content": prompt}]
         assert _chat(url, messages) == _chat(reference.url, messages)
-    # two at once: they decode together in one batch
+    # sampled with a seed: MTP's eager round (the batched verify through the stages)
+    messages = [{"role": "user", "content": prompts[0]}]
+    sampled = {"temperature": 0.8, "seed": 3}
+    assert _chat(url, messages, 24, **sampled) == _chat(reference.url, messages, 24, **sampled)
+    drafted = [line for line in httpx.get(url + "/metrics").text.splitlines()
+               if line.startswith("mlx_relay:spec_decode_num_draft_tokens_total")]
+    assert drafted and float(drafted[0].split()[-1]) > 0  # MTP ran over the two ranks
+    # two at once on the plain lane (MTP off for them): they decode together in one batch
     pairs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}] for p in prompts]
     with ThreadPoolExecutor(2) as pool:
-        sharded = list(pool.map(lambda m: _chat(url, m, 24), pairs))
-    assert [text for text, _ in sharded] == [_chat(reference.url, m, 24)[0] for m in pairs]
+        sharded = list(pool.map(lambda m: _chat(url, m, 24, mtp=False), pairs))
+    assert [text for text, _ in sharded] == [_chat(reference.url, m, 24, mtp=False)[0] for m in pairs]
     # the next turn of the first conversation restores from the prefix cache on both servers
     turn = [*pairs[0], {"role": "assistant", "content": sharded[0][0]}, {"role": "user", "content": "And json?"}]
     text, cached = _chat(url, turn)

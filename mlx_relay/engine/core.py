@@ -93,20 +93,22 @@ class EngineCore:
                                compiled=config.compile_decode,
                                fixed_prefill_shapes=config.prefill_shapes == "fixed"
                                or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage)}
-        # a pipeline stage runs every row on the plain lane: mlx-vlm's BatchGenerator and the MTP
-        # lane's verify forward run the whole model (docs/pipeline.md)
+        # a pipeline stage runs no library lane: mlx-vlm's BatchGenerator runs the whole model
         if not prefix_cache and stage is None:
             self.lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
                                                 prefill_batch_size=config.prefill_batch_size,
                                                 prefill_step_size=config.prefill_step_size)
         mtp_block = None
-        if config.mtp and info.has_mtp and config.mtp_max_batch > 0 and stage is None:
-            exact = config.mtp_verify == "exact" or (config.mtp_verify == "auto" and info.backend == "metal")
+        if config.mtp and info.has_mtp and config.mtp_max_batch > 0:
+            # a pipeline stage verifies with the batched forward: mlx-vlm's exact verifier runs the
+            # whole model in one call
+            exact = stage is None and (config.mtp_verify == "exact"
+                                       or (config.mtp_verify == "auto" and info.backend == "metal"))
             head = MTPHead.load(Path(info.model_path), lm, exact=exact)
             self.lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size,
                                         prefill_step_size=config.prefill_step_size,
                                         eos_token_ids=info.eos_token_ids, exact_verify=exact,
-                                        compiled=config.compile_mtp)
+                                        compiled=config.compile_mtp, stage=stage)
             mtp_block = config.mtp_block_size
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs, mtp_block=mtp_block,
                                    mtp_max_batch=config.mtp_max_batch,

@@ -52,8 +52,7 @@ def join_group(config: PipelineConfig) -> Any:
 
 
 def load_stage(path: Path, config: PipelineConfig, group: Any) -> tuple[LoadedModel, Stage]:
-    """The model with only this rank's layers evaluated, and its stage. The MTP head stays unused:
-    its verify forward runs the whole model (docs/pipeline.md)."""
+    """The model with only this rank's layers evaluated, and its stage."""
     loaded = load_model(path, lazy=True)
     try:
         start, end = shard_language_model(loaded.model.language_model, group.rank(), group.size(), config.split)
@@ -62,8 +61,7 @@ def load_stage(path: Path, config: PipelineConfig, group: Any) -> tuple[LoadedMo
     stage = Stage(group, group.rank(), group.size(), start, end)
     mx.eval(loaded.model.parameters())
     log.info("pipeline rank %d of %d: layers %d..%d", stage.rank, stage.size, stage.start, stage.end - 1)
-    info = msgspec.structs.replace(loaded.info, has_mtp=False)
-    return LoadedModel(loaded.model, loaded.processor, info), stage
+    return loaded, stage
 
 
 def prefix_cache_budget(config: EngineConfig) -> int:

@@ -12,17 +12,26 @@ rows it finishes into first tokens after `forward.share(...)`:
   stage's last cache (`mx.depends`, as mlx-lm's qwen3_5 pipeline does), so that evaluating the
   caches alone, as a chunk that finishes no row does, still sends. `share` gathers the last
   stage's rows on every rank, only the few the first tokens need, so every rank computes the same
-  logits.
+  logits. Called like the language model (`__call__`), it stands in for it in the MTP lane's
+  prefill and batched verify, sharing every position's hidden state (the MTP head, which every
+  rank holds, reads them all).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
 from mlx_relay.engine.batch_caches import batched
 from mlx_relay.engine.pipeline_stage import Stage
+
+
+class StageOutput(NamedTuple):
+    """What a `StageForward` call answers in place of the model's output: the model's final hidden
+    states, on every rank (the MTP lane reads `hidden_states[-1]`)."""
+
+    hidden_states: list[mx.array]
 
 
 class ModelForward:
@@ -46,14 +55,26 @@ class StageForward(ModelForward):
         self.stage = stage
 
     def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array) -> mx.array:
+        return self.hidden(ids, embeds, caches, **batched(position_ids=positions))
+
+    def __call__(self, ids: mx.array, inputs_embeds: mx.array | None = None, cache: Any = None,
+                 **kwargs: Any) -> StageOutput:
+        """As the language model's call with `return_hidden` (the MTP lane's prefill and verify):
+        the whole model's final hidden states on every rank (every position: the MTP head reads
+        them all)."""
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("return_hidden", "skip_logits")}
+        return StageOutput([self.share(self.hidden(ids, inputs_embeds, cache, **kwargs))])
+
+    def hidden(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], **kwargs: Any) -> mx.array:
+        """This stage's part of the forward; the final hidden states on the last stage, what was
+        sent on elsewhere."""
         stage = self.stage
         if not stage.first:
             like = embeds if embeds is not None else self.lm.model.embed_tokens(ids)  # its shape only
             embeds = stage.receive(like)
         last_layer = len(self.lm.model.layers) - 1
-        result = self.lm(ids, inputs_embeds=embeds, cache=caches,
-                         **batched(position_ids=positions, return_hidden=True, skip_logits=True,
-                                   capture_layer_ids=[] if stage.last else [last_layer]))
+        kwargs["capture_layer_ids"] = [] if stage.last else [last_layer]
+        result = self.lm(ids, inputs_embeds=embeds, cache=caches, return_hidden=True, skip_logits=True, **kwargs)
         if stage.last:
             return result.hidden_states[-1]
         sent = stage.send(result.hidden_states[0])
