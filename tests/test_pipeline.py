@@ -1,7 +1,8 @@
 """One model over two processes (`serve --pipeline`, docs/pipeline.md): replies equal the
 unsharded server's, greedy and seeded-sampled through MTP (the head on every rank, the verify
-pipelined), two at once on the plain lane (continuous batching) and on a second turn that restores
-from the prefix cache; and the library behaviour the stages rely on.
+pipelined), two at once on the plain lane (continuous batching), on a second turn that restores
+from the prefix cache, with an image (the vision tower on every rank) and prefilled sparsely by
+SpecPrefill (the draft on every rank); and the library behaviour the stages rely on.
 
 The ranks run on loopback with MLX's ring backend, started as `mlx.launch` starts them (each rank
 `MLX_RANK` and `MLX_HOSTFILE`, a hostfile this test writes with free ports). The model is the fp32
@@ -10,6 +11,8 @@ fixture with 8 layers: the 4-layer one has a single attention layer, and every s
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import signal
@@ -24,6 +27,7 @@ from typing import Any
 import httpx
 import mlx.core as mx
 import pytest
+from PIL import Image
 
 from mlx_relay.engine.batch_caches import as_batch_caches, batched
 from mlx_relay.engine.loader import load_model
@@ -33,8 +37,10 @@ from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer, free_port
 
 NAME = "tiny8"
-# both servers: the prefix cache snapshots system prompts from 16 tokens on; MTP wherever it can run
-FLAGS: dict[str, Any] = {"max_num_seqs": 4, "prefix_min_snapshot_tokens": 16, "mtp_policy": "always"}
+# both servers: the prefix cache snapshots system prompts from 16 tokens on; MTP wherever it can
+# run; SpecPrefill (the 4-layer fixture as the draft) from 160 uncached tokens on
+FLAGS: dict[str, Any] = {"max_num_seqs": 4, "prefix_min_snapshot_tokens": 16, "mtp_policy": "always",
+                         "specprefill_threshold": 160, "specprefill_chunk_size": 16}
 SYSTEM = "You are a careful assistant who answers in short sentences about the Python standard library."
 
 
@@ -44,14 +50,15 @@ def eight_layers() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(eight_layers: Path) -> Iterator[LiveServer]:
-    config = default_config(eight_layers, served_model_name=NAME, warmup=False, **FLAGS)
+def reference(eight_layers: Path, fp32_model: Path) -> Iterator[LiveServer]:
+    config = default_config(eight_layers, served_model_name=NAME, warmup=False,
+                            specprefill_draft_model=str(fp32_model), **FLAGS)
     with LiveServer(config) as live:
         yield live
 
 
 @pytest.fixture(scope="module")
-def pipeline(eight_layers: Path, tmp_path_factory: pytest.TempPathFactory
+def pipeline(eight_layers: Path, fp32_model: Path, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[tuple[str, dict[int, subprocess.Popen[bytes]]]]:
     """`mlx-relay serve --pipeline` as two ranks (rank 0 serves HTTP); warm-up on, so that the
     warm-up runs in lockstep too."""
@@ -61,7 +68,9 @@ def pipeline(eight_layers: Path, tmp_path_factory: pytest.TempPathFactory
     port = free_port()
     cmd = [sys.executable, "-m", "mlx_relay.cli", "serve", str(eight_layers), "--pipeline", "--pipeline-backend",
            "ring", "--served-model-name", NAME, "--port", str(port), "--max-num-seqs", "4",
-           "--prefix-min-snapshot-tokens", "16", "--mtp-policy", "always", "--log-level", "warning"]
+           "--prefix-min-snapshot-tokens", "16", "--mtp-policy", "always", "--specprefill-draft-model",
+           str(fp32_model), "--specprefill-threshold", "160", "--specprefill-chunk-size", "16",
+           "--log-level", "warning"]
     ranks: dict[int, subprocess.Popen[bytes]] = {}
     for rank in (1, 0):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "HF_HUB_OFFLINE": "1"}
@@ -90,12 +99,18 @@ def pipeline(eight_layers: Path, tmp_path_factory: pytest.TempPathFactory
                 p.wait(10)
 
 
-def _chat(url: str, messages: list[dict[str, str]], max_tokens: int = 16, **extra: Any) -> tuple[str, int]:
+def _chat(url: str, messages: list[dict[str, Any]], max_tokens: int = 16, **extra: Any) -> tuple[str, int]:
     r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
         "model": NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
     assert r.status_code == 200, r.text
     body = r.json()
     return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _red_png() -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def test_split_layers_is_mlx_lms_even_split() -> None:
@@ -161,6 +176,16 @@ def test_two_ranks_reply_as_the_unsharded_server(
     text, cached = _chat(url, turn)
     ref_text, ref_cached = _chat(reference.url, turn)
     assert text == ref_text and cached > 0 and ref_cached > 0
+    # an image: every rank encodes it, the first stage takes the merged embeddings
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                          {"type": "image_url", "image_url": {"url": _red_png()}}]}]
+    assert _chat(url, image) == _chat(reference.url, image)
+    # a long prompt: the draft scores it, the stages prefill the kept chunks
+    long = [{"role": "user", "content": " ".join(f"line {i} of the log." for i in range(40))}]
+    assert _chat(url, long) == _chat(reference.url, long)
+    runs = [line for line in httpx.get(url + "/metrics").text.splitlines()
+            if line.startswith("mlx_relay:specprefill_runs_total")]
+    assert runs and float(runs[0].split()[-1]) == 1
     # SIGTERM to rank 0 drains the server and stops the other rank too
     ranks[0].send_signal(signal.SIGTERM)
     assert ranks[0].wait(30) == 0 and ranks[1].wait(30) == 0
