@@ -14,6 +14,7 @@ follower's main thread is its GPU thread: the process has no server, no actors, 
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,12 @@ def run_follower(config: EngineConfig, specprefill: SpecPrefillConfig) -> int:
 
 
 def serve_follower(config: ServerConfig) -> int:
-    """`mlx-relay serve --pipeline` on a rank other than 0: no server, the engine only."""
+    """`mlx-relay serve --pipeline` on a rank other than 0: no server, the engine only. It ignores
+    SIGINT and SIGTERM (as the engine process does): a Ctrl-C in mlx.launch's terminal or a service
+    manager's SIGTERM reaches every rank, and rank 0, which drains on them, still needs the other
+    ranks' layers until it tells them to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     engine = msgspec.structs.replace(config.engine, model_path=str(resolve_model_path(config.model)))
     specprefill = config.specprefill
     if specprefill.draft_model is not None:
