@@ -29,6 +29,7 @@ import mlx.core as mx
 import pytest
 from PIL import Image
 
+from mlx_relay.config import PipelineConfig
 from mlx_relay.engine.batch_caches import as_batch_caches, batched
 from mlx_relay.engine.loader import load_model
 from mlx_relay.engine.pipeline_stage import UnsupportedSplit, shard_language_model, split_layers
@@ -189,3 +190,18 @@ def test_two_ranks_reply_as_the_unsharded_server(
     # SIGTERM to rank 0 drains the server and stops the other rank too
     ranks[0].send_signal(signal.SIGTERM)
     assert ranks[0].wait(30) == 0 and ranks[1].wait(30) == 0
+
+
+def test_pipeline_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_relay.cli import build_parser, config_from_args
+
+    monkeypatch.setenv("MLX_RANK", "1")
+    args = build_parser().parse_args(["serve", "m", "--pipeline", "--pipeline-backend", "ring",
+                                      "--pipeline-split", "5,3"])
+    assert config_from_args(args).engine.pipeline == PipelineConfig(True, "ring", (5, 3), rank=1)
+    assert not config_from_args(build_parser().parse_args(["serve", "m"])).engine.pipeline.enabled
+    with pytest.raises(ValueError, match="disk tier"):  # each rank's snapshot would be a file of its own
+        config_from_args(build_parser().parse_args(["serve", "m", "--pipeline", "--prefix-cache-dir", "/tmp/x"]))
+    monkeypatch.delenv("MLX_RANK")
+    with pytest.raises(SystemExit, match=r"mlx\.launch"):
+        config_from_args(build_parser().parse_args(["serve", "m", "--pipeline"]))
