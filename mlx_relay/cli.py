@@ -20,8 +20,9 @@ from mlx_relay.chat.types import TOOL_FORMATS
 from mlx_relay.cluster.cli import add_parser as add_cluster_parser
 from mlx_relay.cluster.cli import run_from_args as run_cluster
 from mlx_relay.cluster.cli import split_args
-from mlx_relay.config import ServerConfig, build_config
+from mlx_relay.config import PipelineConfig, ServerConfig, build_config
 from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
+from mlx_relay.engine.pipeline_boot import serve_follower
 from mlx_relay.http.server import serve
 from mlx_relay.log_format import configure_logging
 from mlx_relay.relay import Relay
@@ -164,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-shapes", default="auto", choices=["auto", "fixed", "exact"],
                        help="prefill chunks at a few fixed lengths, all run at warm-up (no first-shape "
                             "stalls on a GPU), or at the prompts' own lengths; auto: fixed on a GPU")
+    pp = serve.add_argument_group("pipeline (one model over several processes, started by mlx.launch)")
+    pp.add_argument("--pipeline", action="store_true",
+                    help="split the model's layers over the processes of an mlx.launch group (each rank runs this "
+                         "command; rank 0 serves HTTP, the others run their layers in lockstep; docs/pipeline.md)")
+    pp.add_argument("--pipeline-backend", default="any", choices=["any", "ring", "mpi", "nccl", "jaccl"],
+                    help="mx.distributed's backend (default any: the first available)")
+    pp.add_argument("--pipeline-split", default=None, metavar="N,N,...",
+                    help="layers per rank, rank 0 first (rank 0 runs the last layers; default: an even split)")
     serve.add_argument("--engine-process", default="auto", choices=["auto", "on", "off"],
                        help="run the engine (model, batching, decode steps) in a process of its own, so that "
                             "no Python of the HTTP server delays a step; auto: on where MLX has a GPU "
@@ -194,6 +203,24 @@ def _gib(value: float | None) -> int | None:
     return None if value is None else int(value * (1 << 30))
 
 
+def _split(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise SystemExit(f"mlx-relay: --pipeline-split: not a list of layer counts: {text!r}") from None
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the launcher set it (mlx.launch: MLX_RANK; mpirun: its own)."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if (value := os.environ.get(name)) is not None:
+            return int(value)
+    raise SystemExit("mlx-relay: --pipeline: no rank in the environment (MLX_RANK); start every rank with "
+                     "mlx.launch, e.g. mlx.launch -n 2 --backend ring -- mlx-relay serve MODEL --pipeline")
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The flags as `build_config` overrides (the same builder as the in-process API)."""
     model = args.model
@@ -217,6 +244,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         compile_mtp=not args.no_compile_mtp,
         prefill_shapes=args.prefill_shapes,
         engine_process=args.engine_process,
+        pipeline=PipelineConfig(enabled=True, backend=args.pipeline_backend, split=_split(args.pipeline_split),
+                                rank=_launcher_rank()) if args.pipeline else PipelineConfig(),
         mtp=not args.no_mtp,
         mtp_block_size=args.mtp_block_size,
         mtp_max_batch=args.mtp_max_batch,
@@ -273,7 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         # json logs: the boot's progress as log lines too, so that every line on stderr is JSON
         progress = _progress_printer() if args.log_format == "text" else logging.getLogger("mlx_relay.boot").info
-        return serve(config_from_args(args), Relay.start, progress)
+        config = config_from_args(args)
+        if config.engine.pipeline.enabled and config.engine.pipeline.rank > 0:
+            return serve_follower(config)  # a pipeline's other rank: its layers, no server
+        return serve(config, Relay.start, progress)
     if args.command == "bench":
         return run_bench(args)
     if args.command == "cluster":

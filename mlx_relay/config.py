@@ -12,6 +12,28 @@ from typing import Any, Literal
 import msgspec
 
 
+class PipelineConfig(msgspec.Struct, frozen=True):
+    """One model split by layers over the processes of an `mlx.launch` group (`engine/pipeline_*.py`).
+
+    Every process runs the same engine in lockstep; rank 0 serves HTTP and tells the others each
+    step's commands. `rank` is the launcher's (`MLX_RANK`), read once when the config is built and
+    checked against the group at boot."""
+
+    enabled: bool = False
+    # mx.distributed.init's backend: "any" takes the first available (as mlx-lm does)
+    backend: Literal["any", "ring", "mpi", "nccl", "jaccl"] = "any"
+    # layers per rank (rank 0 first; rank 0 runs the LAST layers, as mlx-lm's PipelineMixin);
+    # None: an even split, the low ranks taking the extra layers
+    split: tuple[int, ...] | None = None
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError("PipelineConfig.rank must not be negative")
+        if self.split is not None and any(n < 1 for n in self.split):
+            raise ValueError("PipelineConfig.split must hold positive layer counts")
+
+
 class EngineConfig(msgspec.Struct, frozen=True):
     """What the GPUExecutor loads and how it batches."""
 
@@ -75,10 +97,15 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # over a pipe; no Python of the server's shares its GIL); "off", a thread of the server's;
     # "auto": on where MLX's default device is a GPU (Metal or CUDA), off on the CPU backend
     engine_process: Literal["auto", "on", "off"] = "auto"
+    # one model over several processes (mlx.launch), pipelined by layers; off: this process alone
+    pipeline: PipelineConfig = PipelineConfig()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prefix_cache_preload <= 1.0:
             raise ValueError("EngineConfig.prefix_cache_preload must be in [0, 1]")
+        if self.pipeline.enabled and self.prefix_cache_dir is not None:
+            # each rank holds its own layers' state: a file per snapshot would be a file per rank
+            raise ValueError("the prefix cache's disk tier (prefix_cache_dir) does not run with pipeline")
 
 
 class SpecPrefillConfig(msgspec.Struct, frozen=True):

@@ -141,3 +141,7 @@ class ClientDisconnected(RelayError):
 
 class ModelLoadError(Exception):
     """The model could not be found or loaded (a start-up failure, not a request's)."""
+
+
+class PipelineSetupError(ModelLoadError):
+    """The pipeline's process group or its split of the model does not fit (`--pipeline`)."""

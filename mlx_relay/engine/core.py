@@ -38,6 +38,7 @@ from mlx_relay.engine.logits import LogitsChains
 from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.mtp_lane import MTPLane
 from mlx_relay.engine.output import Ending, Event, OutputStage, RowCounts
+from mlx_relay.engine.pipeline_stage import Stage
 from mlx_relay.engine.plain_lane import PlainLane
 from mlx_relay.engine.row_prefill import sparse_row
 from mlx_relay.engine.rows import LaneName, Row
@@ -79,7 +80,7 @@ class _Executed:
 
 class EngineCore:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool,
-                 draft_model: str | None = None) -> None:
+                 draft_model: str | None = None, stage: Stage | None = None) -> None:
         self.config = config
         self._model = loaded.model
         info = loaded.info
@@ -92,22 +93,27 @@ class EngineCore:
                                prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids,
                                compiled=config.compile_decode,
                                fixed_prefill_shapes=config.prefill_shapes == "fixed"
-                               or (config.prefill_shapes == "auto" and info.backend != "cpu"))}
-        if not prefix_cache:
+                               or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage)}
+        # a pipeline stage runs no library lane: mlx-vlm's BatchGenerator runs the whole model
+        if not prefix_cache and stage is None:
             self.lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
                                                 prefill_batch_size=config.prefill_batch_size,
                                                 prefill_step_size=config.prefill_step_size)
         mtp_block = None
         if config.mtp and info.has_mtp and config.mtp_max_batch > 0:
-            exact = config.mtp_verify == "exact" or (config.mtp_verify == "auto" and info.backend == "metal")
+            # a pipeline stage verifies with the batched forward: mlx-vlm's exact verifier runs the
+            # whole model in one call
+            exact = stage is None and (config.mtp_verify == "exact"
+                                       or (config.mtp_verify == "auto" and info.backend == "metal"))
             head = MTPHead.load(Path(info.model_path), lm, exact=exact)
             self.lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size,
                                         prefill_step_size=config.prefill_step_size,
                                         eos_token_ids=info.eos_token_ids, exact_verify=exact,
-                                        compiled=config.compile_mtp)
+                                        compiled=config.compile_mtp, stage=stage)
             mtp_block = config.mtp_block_size
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs, mtp_block=mtp_block,
-                                   mtp_max_batch=config.mtp_max_batch, own_prefill=prefix_cache)
+                                   mtp_max_batch=config.mtp_max_batch,
+                                   own_prefill=prefix_cache or stage is not None)
         self.scoring = ScoringStage(draft_model, tok, config.prefill_step_size)
         self.output = OutputStage()
         self.chains = LogitsChains(tok, info.vocab_size, info.eos_token_ids, config.seed)

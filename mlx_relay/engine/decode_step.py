@@ -14,6 +14,11 @@ positions are computed inside (tokens in the row's cache + its M-RoPE delta).
 mlx-vlm's qwen3_5 decode does the same arithmetic through its stateful caches;
 `tests/test_decode_step.py` pins that this step returns the same greedy tokens (float32), compiled
 or not, alone and in ragged batches.
+
+As a pipeline stage (`pipeline_stage.Stage`) the step runs the stage's layers only: a stage after
+the first receives its hidden states from the previous one, a stage before the last sends them on,
+and every rank takes the last stage's output (`Stage.share`), so every rank computes the same
+logits; the sends and receives are traced into the compiled function like any other op.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import mlx.nn as nn
 from mlx_vlm.models.qwen3_5.gated_delta import gated_delta_update
 
 from mlx_relay.engine.decode_state import DecodeState
+from mlx_relay.engine.pipeline_stage import Stage
 
 
 class UnsupportedModel(Exception):
@@ -85,12 +91,13 @@ def _attention(sa: Any, x: mx.array, keys_buf: mx.array, values_buf: mx.array, i
 class DecodeStep:
     """`step(tokens, state) -> logits`, updating `state`; compiled unless `compiled=False`."""
 
-    def __init__(self, lm: Any, *, compiled: bool = True) -> None:
+    def __init__(self, lm: Any, *, compiled: bool = True, stage: Stage | None = None) -> None:
         layers = getattr(getattr(lm, "model", None), "layers", None)
         if not layers or not all(hasattr(layer, "linear_attn" if getattr(layer, "is_linear", None) else "self_attn")
                                  for layer in layers):
             raise UnsupportedModel(f"{type(lm).__module__} is not a Qwen3.5-family language model")
         self.lm = lm
+        self.stage = stage  # a pipeline stage: only its layers, hidden states to and from its neighbours
         self.layout = tuple(bool(layer.is_linear) for layer in layers)
         self._fn = mx.compile(self._step) if compiled else self._step
 
@@ -111,6 +118,9 @@ class DecodeStep:
         columns = mx.arange(kv[0][0].shape[2])
         valid = ((columns[None, :] >= left_padding[:, None]) & (columns[None, :] <= idx))[:, None, None, :]
         h = lm.model.embed_tokens(tokens[:, None])
+        stage = self.stage
+        if stage is not None and not stage.first:
+            h = stage.receive(h)
         new_kv, new_conv, new_ssm = [], [], []
         kv_in, gdn_in = iter(kv), iter(zip(conv, ssm, strict=True))
         for layer in lm.model.layers:
@@ -126,6 +136,8 @@ class DecodeStep:
                 new_kv.append((keys_buf, values_buf))
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if stage is not None:
+            h = stage.share(h if stage.last else stage.send(h))
         h = lm.model.norm(h)
         logits = lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h)
         return logits[:, -1, :], new_kv, new_conv, new_ssm

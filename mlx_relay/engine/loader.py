@@ -132,11 +132,12 @@ def apply_memory_limits(config: EngineConfig) -> None:
         mx.set_cache_limit(CUDA_CACHE_LIMIT_BYTES)
 
 
-def load_model(path: Path) -> LoadedModel:
-    """Load on the calling thread (which must be the GPU thread)."""
+def load_model(path: Path, *, lazy: bool = False) -> LoadedModel:
+    """Load on the calling thread (which must be the GPU thread); `lazy`: the weights are read when
+    first evaluated (a pipeline stage evaluates only its own layers')."""
     tic = time.perf_counter()
     config = read_config(path)
-    model, processor = mlx_vlm.load(str(path))
+    model, processor = mlx_vlm.load(str(path), lazy=lazy)
     tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
     text_cfg = config.get("text_config", config)
     info = ModelInfo(

@@ -35,7 +35,10 @@ from mlx_relay.config import EngineConfig, SpecPrefillConfig
 from mlx_relay.engine.core import EngineCore, StepOutput
 from mlx_relay.engine.gpu_thread import GPUThread, GPUThreadDied
 from mlx_relay.engine.handle import EngineCallbacks
-from mlx_relay.engine.loader import apply_memory_limits, default_prefix_cache_bytes, load_model
+from mlx_relay.engine.loader import apply_memory_limits, load_model
+from mlx_relay.engine.pipeline_boot import join_group, load_stage, prefix_cache_budget
+from mlx_relay.engine.pipeline_stage import Stage
+from mlx_relay.engine.pipeline_sync import PipelineLeader
 from mlx_relay.messages.gpu import EngineStats, Generate, ModelInfo, WarmupReport
 from mlx_relay.messages.prefix_cache import LoadSnapshot, SaveSnapshot, SnapshotLoaded, SnapshotSaved
 
@@ -51,17 +54,18 @@ class LocalEngine:
         self.specprefill = specprefill
         self._callbacks = callbacks
         self._thread = GPUThread(name, self._died, callbacks.on_output)
-        self._core: EngineCore | None = None  # built by the boot, on the GPU thread
+        # built by the boot, on the GPU thread; with a pipeline, rank 0's core behind its leader
+        self._core: EngineCore | PipelineLeader | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="snapshot-writer")  # one file at a time
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="snapshot-reader")
 
     def _died(self, exc: BaseException) -> None:
         self._callbacks.on_fatal(f"GPU thread died: {type(exc).__name__}: {exc}")
 
-    def _on_core(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+    def _on_core(self, fn: Callable[[EngineCore | PipelineLeader], T]) -> Future[T]:
         return self._thread.submit(lambda: fn(self._booted()))
 
-    def _booted(self) -> EngineCore:
+    def _booted(self) -> EngineCore | PipelineLeader:
         if self._core is None:
             raise RuntimeError("the engine has not booted")
         return self._core
@@ -82,15 +86,17 @@ class LocalEngine:
         config, progress = self.config, self._callbacks.on_progress
         apply_memory_limits(config)
         progress(f"loading {config.model_path}")
-        loaded = load_model(Path(config.model_path))
-        budget = 0
-        if config.prefix_cache:
-            budget = config.prefix_cache_bytes if config.prefix_cache_bytes is not None else (
-                default_prefix_cache_bytes())
+        stage: Stage | None = None
+        if config.pipeline.enabled:  # rank 0 of a pipeline (pipeline_boot.py)
+            loaded, stage = load_stage(Path(config.model_path), config.pipeline, join_group(config.pipeline))
+            progress(f"pipeline: layers {stage.start}..{stage.end - 1} here, of {stage.size} processes")
+        else:
+            loaded = load_model(Path(config.model_path))
+        budget = prefix_cache_budget(config)
         draft = self.specprefill.draft_model
         if draft is not None:
             progress(f"loading the SpecPrefill draft {draft}")
-        core = EngineCore(loaded, config, prefix_cache=budget > 0, draft_model=draft)
+        core = EngineCore(loaded, config, prefix_cache=budget > 0, draft_model=draft, stage=stage)
         context = loaded.info.context_length
         if config.max_model_len is not None:
             context = min(context, config.max_model_len)
@@ -99,8 +105,8 @@ class LocalEngine:
             identity = self._snapshot_identity(core, Path(loaded.info.model_path))
         info = msgspec.structs.replace(loaded.info, prefix_cache_bytes=budget, context_length=context,
                                        draft=core.draft, snapshot_identity=identity)
-        self._core = core
-        self._thread.stepper = core
+        self._core = core if stage is None else PipelineLeader(core, stage.group)
+        self._thread.stepper = self._core
         progress(f"loaded in {loaded.info.load_seconds:.1f}s")
         return info
 
@@ -113,11 +119,14 @@ class LocalEngine:
         return SnapshotIdentity(model_fingerprint(model), layout.dtype, mlx_version, vlm_version)
 
     def close(self) -> Future[StepOutput]:
-        return self._on_core(EngineCore.close)
+        return self._on_core(lambda core: core.close())
 
     def stop(self, timeout_s: float) -> None:
         """The GPU thread finishes its queued commands (snapshot copies included), then the
-        writes waiting for the disk land; loads not started are dropped."""
+        writes waiting for the disk land; loads not started are dropped. A pipeline's other ranks
+        are told to stop first."""
+        if isinstance(self._core, PipelineLeader):
+            self._thread.submit(self._core.stop_followers)
         self._thread.stop(timeout_s)
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True, cancel_futures=True)
@@ -137,10 +146,10 @@ class LocalEngine:
 
     # -- asked -------------------------------------------------------------------------------------
     def warmup(self) -> Future[WarmupReport]:
-        return self._on_core(EngineCore.warmup)
+        return self._on_core(lambda core: core.warmup())
 
     def stats(self) -> Future[EngineStats]:
-        return self._on_core(EngineCore.stats)
+        return self._on_core(lambda core: core.stats())
 
     # -- the prefix cache's disk tier ------------------------------------------------------------
     def save_snapshot(self, msg: SaveSnapshot) -> Future[SnapshotSaved]:

@@ -55,9 +55,11 @@ from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
 from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.mtp_state import MTPState
 from mlx_relay.engine.mtp_step import MTPStep
+from mlx_relay.engine.pipeline_stage import Stage
 from mlx_relay.engine.row_prefill import RowPrefill
 from mlx_relay.engine.sampling import RowSampler, processed_logprobs
 from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
+from mlx_relay.engine.stage_forward import StageForward
 
 
 @dataclass
@@ -93,10 +95,17 @@ class MTPLane:
     name: Literal["mtp"] = "mtp"
 
     def __init__(self, lm: Any, head: MTPHead, *, block_size: int, prefill_step_size: int,
-                 eos_token_ids: Sequence[int], exact_verify: bool = True, compiled: bool = True) -> None:
+                 eos_token_ids: Sequence[int], exact_verify: bool = True, compiled: bool = True,
+                 stage: Stage | None = None) -> None:
         if block_size < 2:
             raise ValueError("MTP block size must be at least 2")
+        if stage is not None and exact_verify:
+            raise ValueError("a pipeline stage verifies with the batched forward (mlx-vlm's exact verifier runs "
+                             "the whole model)")
         self.lm = lm
+        # the prefill's and the batched verify's forward: the model, or this pipeline stage of it
+        # (which answers every rank the whole model's hidden states)
+        self._run: Any = lm if stage is None else StageForward(lm, stage)
         self.head = head
         self.k = block_size
         self.prefill_step_size = prefill_step_size
@@ -117,7 +126,8 @@ class MTPLane:
         self._step: MTPStep | None = None
         if compiled and not exact_verify:
             try:
-                self._step = MTPStep(lm, head, block_size=block_size, eos_token_ids=list(eos_token_ids))
+                self._step = MTPStep(lm, head, block_size=block_size, eos_token_ids=list(eos_token_ids),
+                                     stage=stage)
             except UnsupportedModel:
                 self._step = None
         self.compiled = compiled
@@ -263,7 +273,7 @@ class MTPLane:
         start = pre.done
         end = pre.next_end(self.prefill_step_size)
         chunk = mx.array([row.prompt[start:end]], dtype=mx.int32)
-        out = pre.forward(self.lm, end, return_hidden=True, skip_logits=True)
+        out = pre.forward(self._run, end, return_hidden=True, skip_logits=True)
         hidden = out.hidden_states[-1]  # [1, T, H]
         final = pre.finished
         if final:
@@ -514,7 +524,8 @@ class MTPLane:
         try:
             # one forward for the whole batch: the model's per-row path would run over re-merged
             # (untracked) caches
-            out = self.lm(block, cache=self._cache, **batched(return_hidden=True, skip_logits=True, rope_deltas=deltas))
+            out = self._run(block, cache=self._cache,
+                            **batched(return_hidden=True, skip_logits=True, rope_deltas=deltas))
         except BaseException:
             abort_speculative_round(txn)
             raise

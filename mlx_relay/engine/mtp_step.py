@@ -38,6 +38,7 @@ from mlx_vlm.models.qwen3_5.gated_delta import gated_delta_update_with_states
 
 from mlx_relay.engine.decode_step import UnsupportedModel, _normalize_qk
 from mlx_relay.engine.mtp_state import MTPState
+from mlx_relay.engine.pipeline_stage import Stage
 
 
 @dataclass
@@ -108,7 +109,7 @@ class MTPStep:
     """`step(state, room) -> RoundOut`, updating `state`; compiled unless `compiled=False`."""
 
     def __init__(self, lm: Any, head: Any, *, block_size: int, eos_token_ids: list[int],
-                 compiled: bool = True) -> None:
+                 compiled: bool = True, stage: Stage | None = None) -> None:
         layers = getattr(getattr(lm, "model", None), "layers", None)
         if not layers or not all(hasattr(layer, "linear_attn" if getattr(layer, "is_linear", None) else "self_attn")
                                  for layer in layers):
@@ -119,6 +120,7 @@ class MTPStep:
         if block_size < 2:
             raise ValueError("MTP block size must be at least 2")
         self.lm, self.drafter, self.k = lm, drafter, block_size
+        self.stage = stage  # a pipeline stage: its layers only in the verify, the head on every rank
         self.layout = tuple(bool(layer.is_linear) for layer in layers)
         self._embed_scale = float(getattr(lm.model, "embed_scale", 1.0))
         self._eos = tuple(sorted(set(eos_token_ids)))  # constants of the trace (no array: building costs no memory)
@@ -170,6 +172,9 @@ class MTPStep:
         positions = mx.broadcast_to(columns[None], (3, B, T))
         mask = _prefix_mask(columns, kv[0][0].shape[2])
         h = lm.model.embed_tokens(block)
+        stage = self.stage
+        if stage is not None and not stage.first:
+            h = stage.receive(h)
         new_kv, conv_ins, states = [], [], []
         kv_in, gdn_in = iter(kv), iter(zip(conv, ssm, strict=True))
         for layer in lm.model.layers:
@@ -185,6 +190,8 @@ class MTPStep:
                 new_kv.append((kb, vb))
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if stage is not None:  # every rank: the last stage's hidden states, every position
+            h = stage.share(h if stage.last else stage.send(h))
         return lm.model.norm(h), new_kv, conv_ins, states
 
     def _round(self, bonus: mx.array, draft: mx.array, seed: mx.array, lengths: mx.array, head_lengths: mx.array,

@@ -31,9 +31,11 @@ from mlx_relay.engine.decode_batch import DecodeBatch
 from mlx_relay.engine.decode_state import DecodeState, batch_bucket
 from mlx_relay.engine.decode_step import DecodeStep
 from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
+from mlx_relay.engine.pipeline_stage import Stage
 from mlx_relay.engine.prefill_batch import PrefillBatch, PrefillRow
 from mlx_relay.engine.row_prefill import RowPrefill
 from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
+from mlx_relay.engine.stage_forward import ModelForward, StageForward
 
 
 @dataclass
@@ -47,13 +49,14 @@ class PlainLane:
     name: Literal["plain"] = "plain"
 
     def __init__(self, lm: Any, *, prefill_batch_size: int, prefill_step_size: int, eos_token_ids: list[int],
-                 compiled: bool = True, fixed_prefill_shapes: bool = False) -> None:
+                 compiled: bool = True, fixed_prefill_shapes: bool = False, stage: Stage | None = None) -> None:
         self.lm = lm
         self.eos = frozenset(eos_token_ids)
         self.prefill = PrefillBatch(lm, max_rows=prefill_batch_size, token_budget=prefill_step_size,
-                                    fixed_shapes=fixed_prefill_shapes)
+                                    fixed_shapes=fixed_prefill_shapes,
+                                    forward=ModelForward(lm) if stage is None else StageForward(lm, stage))
         self.rows: dict[int, PlainRow] = {}  # every row of the lane, prefilling or decoding
-        self._step = DecodeStep(lm, compiled=compiled)
+        self._step = DecodeStep(lm, compiled=compiled, stage=stage)
         self._batch = DecodeBatch(self._step)
 
     def __len__(self) -> int:

@@ -37,9 +37,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.batch_caches import as_batch_caches, batched, extend_caches, take_rows
+from mlx_relay.engine.batch_caches import as_batch_caches, extend_caches, take_rows
 from mlx_relay.engine.row_prefill import RowPrefill
 from mlx_relay.engine.snapshots import Snapshot, snapshot_caches
+from mlx_relay.engine.stage_forward import ModelForward
 
 
 @dataclass
@@ -88,8 +89,10 @@ def _positions(pre: RowPrefill, end: int) -> mx.array:
 
 
 class PrefillBatch:
-    def __init__(self, lm: Any, *, max_rows: int, token_budget: int, fixed_shapes: bool) -> None:
+    def __init__(self, lm: Any, *, max_rows: int, token_budget: int, fixed_shapes: bool,
+                 forward: ModelForward | None = None) -> None:
         self.lm = lm
+        self.forward = forward or ModelForward(lm)  # the whole model, or this process's pipeline stage
         self.max_rows = max(1, max_rows)
         self.token_budget = max(1, token_budget)
         # fixed: chunks only at these lengths; else at the longest take (up to the budget)
@@ -133,12 +136,10 @@ class PrefillBatch:
             for c in self._caches:
                 c.prepare(lengths=takes, right_padding=[n - t for t in takes])
         ids, embeds, positions = self._inputs(n, takes)
-        result = self.lm(ids, inputs_embeds=embeds, cache=self._caches,
-                         **batched(position_ids=positions, return_hidden=True, skip_logits=True))
+        hidden = self.forward.prefill(ids, embeds, self._caches, positions)
         if padded:
             for c in self._caches:
                 c.finalize()
-        hidden = result.hidden_states[-1]
         finished: list[int] = []
         for i, row in enumerate(self.rows):
             row.pre.done += takes[i]
@@ -228,7 +229,7 @@ class PrefillBatch:
     def _first_tokens(self, hidden: mx.array, finished: Sequence[int], takes: list[int]) -> mx.array:
         rows = mx.array(finished, dtype=mx.int32)
         cols = mx.array([takes[i] - 1 for i in finished], dtype=mx.int32)  # each row's last real token
-        last = hidden[rows, cols][:, None, :]
+        last = self.forward.share(hidden[rows, cols])[:, None, :]
         logits = self.lm.speculative_logits_from_hidden(last)[:, -1, :]
         rows = []
         for j, i in enumerate(finished):

@@ -1,0 +1,98 @@
+"""A pipeline rank's start: join the process group, load this rank's stage of the model, and (on
+a rank other than 0) follow rank 0's engine until it stops (GPU thread only).
+
+    mlx.launch -n 2 -- mlx-relay serve MODEL --pipeline
+        rank 0: the server; LocalEngine._boot -> join_group, load_stage -> PipelineLeader
+        rank 1..: cli -> run_follower -> join_group, load_stage -> pipeline_sync.follow
+
+The model is loaded lazily (`mlx_vlm.load(lazy=True)`), cut to this rank's layers
+(`pipeline_stage.shard_language_model`), and only then evaluated: a rank reads its own layers'
+weights (and the embedding, head and vision tower every rank keeps) and never the others'. A
+follower's main thread is its GPU thread: the process has no server, no actors, no other MLX user.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import msgspec
+
+from mlx_relay.config import EngineConfig, PipelineConfig, ServerConfig, SpecPrefillConfig
+from mlx_relay.engine.core import EngineCore
+from mlx_relay.engine.loader import (
+    LoadedModel,
+    apply_memory_limits,
+    default_prefix_cache_bytes,
+    load_model,
+    resolve_model_path,
+)
+from mlx_relay.engine.pipeline_stage import Stage, UnsupportedSplit, shard_language_model
+from mlx_relay.engine.pipeline_sync import follow
+from mlx_relay.errors import PipelineSetupError
+
+log = logging.getLogger(__name__)
+
+
+def join_group(config: PipelineConfig) -> Any:
+    """This process's `mx.distributed` group: at least two processes, this one at the rank the
+    launcher gave it."""
+    try:
+        group = mx.distributed.init(strict=True, backend=config.backend)
+    except Exception as exc:  # MLX says why (no hostfile, no backend of that name, ...)
+        raise PipelineSetupError(f"cannot join the pipeline's process group (backend {config.backend}): {exc}. "
+                                 "Start every rank with mlx.launch") from exc
+    if group.size() < 2:
+        raise PipelineSetupError("--pipeline needs two or more processes (mlx.launch -n 2 ...)")
+    if group.rank() != config.rank:
+        raise PipelineSetupError(f"the launcher says rank {config.rank}, the process group {group.rank()}")
+    return group
+
+
+def load_stage(path: Path, config: PipelineConfig, group: Any) -> tuple[LoadedModel, Stage]:
+    """The model with only this rank's layers evaluated, and its stage."""
+    loaded = load_model(path, lazy=True)
+    try:
+        start, end = shard_language_model(loaded.model.language_model, group.rank(), group.size(), config.split)
+    except UnsupportedSplit as exc:
+        raise PipelineSetupError(str(exc)) from exc
+    stage = Stage(group, group.rank(), group.size(), start, end)
+    mx.eval(loaded.model.parameters())
+    log.info("pipeline rank %d of %d: layers %d..%d", stage.rank, stage.size, stage.start, stage.end - 1)
+    return loaded, stage
+
+
+def prefix_cache_budget(config: EngineConfig) -> int:
+    """The prefix cache's byte budget (0: off); every rank must agree on whether it is on."""
+    if not config.prefix_cache:
+        return 0
+    return config.prefix_cache_bytes if config.prefix_cache_bytes is not None else default_prefix_cache_bytes()
+
+
+def run_follower(config: EngineConfig, specprefill: SpecPrefillConfig) -> int:
+    """A rank other than 0: the same engine as rank 0's, stepped when rank 0 steps; returns 0
+    once rank 0 stops."""
+    apply_memory_limits(config)
+    group = join_group(config.pipeline)
+    loaded, stage = load_stage(Path(config.model_path), config.pipeline, group)
+    core = EngineCore(loaded, config, prefix_cache=prefix_cache_budget(config) > 0,
+                      draft_model=specprefill.draft_model, stage=stage)
+    follow(core, group)
+    return 0
+
+
+def serve_follower(config: ServerConfig) -> int:
+    """`mlx-relay serve --pipeline` on a rank other than 0: no server, the engine only. It ignores
+    SIGINT and SIGTERM (as the engine process does): a Ctrl-C in mlx.launch's terminal or a service
+    manager's SIGTERM reaches every rank, and rank 0, which drains on them, still needs the other
+    ranks' layers until it tells them to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    engine = msgspec.structs.replace(config.engine, model_path=str(resolve_model_path(config.model)))
+    specprefill = config.specprefill
+    if specprefill.draft_model is not None:
+        specprefill = msgspec.structs.replace(specprefill, draft_model=str(resolve_model_path(specprefill.draft_model)))
+    return run_follower(engine, specprefill)

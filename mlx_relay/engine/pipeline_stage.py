@@ -1,0 +1,97 @@
+"""This process's stage of a model split by layers over an `mx.distributed` group (GPU thread only).
+
+    rank size-1: embed -> layers[0:a] --send--> rank size-2: layers[a:b] --send--> ... rank 0: layers[..:n]
+    every rank: all_gather -> rank 0's final hidden state -> norm -> head -> the same logits everywhere
+
+The split is mlx-lm's `PipelineMixin.pipeline` (mlx_lm/models/pipeline.py): layers split in
+reverse, so rank 0 (the server) runs the last layers; an even split gives the low ranks the extra
+layers. mlx-vlm's qwen3_5 language model has no pipeline API, so `shard_language_model` does what
+the mixin does to its own model through the same public attributes: the decoder's `layers` list
+becomes this stage's layers (the others' weights are never evaluated when the model was loaded
+lazily) and `fa_idx` / `ssm_idx`, the layers whose caches give the masks, index into it (as
+mlx-lm's qwen3_5 `pipeline` recomputes them). The model's forward, `make_cache` and our decode
+step then run this stage's layers only; `tests/test_pipeline.py` pins that the library forward
+runs exactly the list it is given.
+
+Each stage must hold at least one attention layer and one GatedDeltaNet layer: mlx-vlm's forward
+takes its masks from both kinds' caches (`UnsupportedSplit` otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+
+class UnsupportedSplit(ValueError):
+    """The layers cannot be split so: a stage without an attention or a GatedDeltaNet layer, or
+    a split that does not fit the group or the model."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    group: Any  # mx.distributed.Group
+    rank: int
+    size: int
+    start: int  # this stage's layers are the model's [start, end)
+    end: int
+
+    @property
+    def first(self) -> bool:
+        """Runs the model's first layers (takes token ids or prompt embeddings)."""
+        return self.rank == self.size - 1
+
+    @property
+    def last(self) -> bool:
+        """Runs the model's last layers (its output is the model's)."""
+        return self.rank == 0
+
+    def receive(self, like: mx.array) -> mx.array:
+        """The previous stage's hidden state, shaped as `like`."""
+        return mx.distributed.recv_like(like, self.rank + 1, group=self.group)
+
+    def send(self, hidden: mx.array) -> mx.array:
+        """`hidden` to the next stage; the array returned carries the send (evaluate it, or
+        something depending on it, for the send to happen)."""
+        return mx.distributed.send(hidden, self.rank - 1, group=self.group)
+
+    def share(self, x: mx.array) -> mx.array:
+        """The last stage's (rank 0's) `x` on every rank (a non-last rank passes any array of
+        the same shape, e.g. what `send` returned, so that the send happens first)."""
+        return mx.distributed.all_gather(x, group=self.group)[:x.shape[0]]
+
+
+def split_layers(n_layers: int, size: int, split: tuple[int, ...] | None = None) -> list[int]:
+    """Layers per rank (rank 0 first), as mlx-lm's PipelineMixin: an even split by default."""
+    if split is None:
+        base, extra = divmod(n_layers, size)
+        return [base + (1 if r < extra else 0) for r in range(size)]
+    if len(split) != size:
+        raise UnsupportedSplit(f"the split has {len(split)} entries for {size} processes")
+    if any(s <= 0 for s in split) or sum(split) != n_layers:
+        raise UnsupportedSplit(f"the split {list(split)} must be positive and sum to the model's {n_layers} layers")
+    return list(split)
+
+
+def shard_language_model(lm: Any, rank: int, size: int, split: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """Keep only rank `rank`'s layers (of `size` ranks) in mlx-vlm's language model `lm` (in
+    place); the range [start, end) of the model's layers it keeps."""
+    layers = list(lm.model.layers)
+    counts = split_layers(len(layers), size, split)
+    start = sum(counts[rank + 1:])  # rank r runs the layers after those of ranks r+1 ... size-1
+    end = start + counts[rank]
+    for r in range(size):  # every rank checks every stage: all refuse the same split
+        lo = sum(counts[r + 1:])
+        kinds = {bool(layer.is_linear) for layer in layers[lo:lo + counts[r]]}
+        if kinds != {True, False}:
+            raise UnsupportedSplit(
+                f"rank {r} would run layers {lo}..{lo + counts[r] - 1}, which lack "
+                f"{'an attention' if True in kinds else 'a GatedDeltaNet'} layer; each stage needs both kinds "
+                f"(fewer processes, or another split)")
+    mine = layers[start:end]
+    lm.model.layers = mine
+    lm.model.fa_idx = next(i for i, layer in enumerate(mine) if not layer.is_linear)
+    lm.model.ssm_idx = next(i for i, layer in enumerate(mine) if layer.is_linear)
+    return start, end

@@ -1,0 +1,207 @@
+"""One model over two processes (`serve --pipeline`, docs/pipeline.md): replies equal the
+unsharded server's, greedy and seeded-sampled through MTP (the head on every rank, the verify
+pipelined), two at once on the plain lane (continuous batching), on a second turn that restores
+from the prefix cache, with an image (the vision tower on every rank) and prefilled sparsely by
+SpecPrefill (the draft on every rank); and the library behaviour the stages rely on.
+
+The ranks run on loopback with MLX's ring backend, started as `mlx.launch` starts them (each rank
+`MLX_RANK` and `MLX_HOSTFILE`, a hostfile this test writes with free ports). The model is the fp32
+fixture with 8 layers: the 4-layer one has a single attention layer, and every stage needs one.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import mlx.core as mx
+import pytest
+from PIL import Image
+
+from mlx_relay.config import PipelineConfig
+from mlx_relay.engine.batch_caches import as_batch_caches, batched
+from mlx_relay.engine.loader import load_model
+from mlx_relay.engine.pipeline_stage import UnsupportedSplit, shard_language_model, split_layers
+from mlx_relay.relay import default_config
+from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
+from mlx_relay.testing.live_server import LiveServer, free_port
+
+NAME = "tiny8"
+# both servers: the prefix cache snapshots system prompts from 16 tokens on; MTP wherever it can
+# run; SpecPrefill (the 4-layer fixture as the draft) from 160 uncached tokens on
+FLAGS: dict[str, Any] = {"max_num_seqs": 4, "prefix_min_snapshot_tokens": 16, "mtp_policy": "always",
+                         "specprefill_threshold": 160, "specprefill_chunk_size": 16}
+SYSTEM = "You are a careful assistant who answers in short sentences about the Python standard library."
+
+
+@pytest.fixture(scope="module")
+def eight_layers() -> Path:
+    return fixture_path(FixtureSpec(variant="fp32", seed=0, num_hidden_layers=8))
+
+
+@pytest.fixture(scope="module")
+def reference(eight_layers: Path, fp32_model: Path) -> Iterator[LiveServer]:
+    config = default_config(eight_layers, served_model_name=NAME, warmup=False,
+                            specprefill_draft_model=str(fp32_model), **FLAGS)
+    with LiveServer(config) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def pipeline(eight_layers: Path, fp32_model: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[str, dict[int, subprocess.Popen[bytes]]]]:
+    """`mlx-relay serve --pipeline` as two ranks (rank 0 serves HTTP); warm-up on, so that the
+    warm-up runs in lockstep too."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    hostfile = tmp / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlx_relay.cli", "serve", str(eight_layers), "--pipeline", "--pipeline-backend",
+           "ring", "--served-model-name", NAME, "--port", str(port), "--max-num-seqs", "4",
+           "--prefix-min-snapshot-tokens", "16", "--mtp-policy", "always", "--specprefill-draft-model",
+           str(fp32_model), "--specprefill-threshold", "160", "--specprefill-chunk-size", "16",
+           "--log-level", "warning"]
+    ranks: dict[int, subprocess.Popen[bytes]] = {}
+    for rank in (1, 0):
+        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "HF_HUB_OFFLINE": "1"}
+        log = (tmp / f"rank{rank}.log").open("wb")
+        ranks[rank] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in ranks.values()):
+                raise RuntimeError(f"a rank exited during start-up: {(tmp / 'rank0.log').read_text()[-2000:]}"
+                                   f"{(tmp / 'rank1.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        else:
+            raise TimeoutError("the pipeline did not get ready")
+        yield url, ranks
+    finally:
+        for p in ranks.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def _chat(url: str, messages: list[dict[str, Any]], max_tokens: int = 16, **extra: Any) -> tuple[str, int]:
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _red_png() -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def test_split_layers_is_mlx_lms_even_split() -> None:
+    assert split_layers(8, 2) == [4, 4]
+    assert split_layers(9, 2) == [5, 4]  # the low ranks take the extra layers
+    assert split_layers(8, 2, (6, 2)) == [6, 2]
+    with pytest.raises(UnsupportedSplit):
+        split_layers(8, 2, (4, 3))
+
+
+def test_mlx_vlms_forward_runs_exactly_the_layers_it_is_given(
+        gpu: Callable[[Callable[[], Any]], Any], eight_layers: Path, fp32_model: Path) -> None:
+    """What `shard_language_model` relies on: after the layer list and the mask indices are cut
+    to a stage, mlx-vlm's forward (batched, as the prefill calls it) and `make_cache` run only
+    those layers, a later stage takes the earlier one's hidden states as `inputs_embeds`, and the
+    two stages give exactly the whole model's hidden states."""
+    def run() -> None:
+        ids = mx.array([[5, 9, 13, 2, 7, 30]])
+        pos = mx.broadcast_to(mx.arange(6, dtype=mx.int32)[None, None, :], (3, 1, 6))
+        whole = load_model(eight_layers).model.language_model
+        out = whole(ids, cache=as_batch_caches(whole.make_cache()),
+                    **batched(position_ids=pos, return_hidden=True, skip_logits=True, capture_layer_ids=[3]))
+        middle, final = out.hidden_states[0], out.hidden_states[-1]
+        front, back = load_model(eight_layers, lazy=True), load_model(eight_layers, lazy=True)
+        assert shard_language_model(front.model.language_model, 1, 2) == (0, 4)
+        assert shard_language_model(back.model.language_model, 0, 2) == (4, 8)
+        first, last = front.model.language_model, back.model.language_model
+        assert len(first.make_cache()) == len(last.make_cache()) == 4
+        a = first(ids, cache=as_batch_caches(first.make_cache()),
+                  **batched(position_ids=pos, return_hidden=True, skip_logits=True, capture_layer_ids=[3]))
+        b = last(ids, inputs_embeds=a.hidden_states[0], cache=as_batch_caches(last.make_cache()),
+                 **batched(position_ids=pos, return_hidden=True, skip_logits=True))
+        assert mx.array_equal(a.hidden_states[0], middle).item()
+        assert mx.array_equal(b.hidden_states[-1], final).item()
+        # the 4-layer fixture has one attention layer: no two stages can each have one
+        with pytest.raises(UnsupportedSplit, match="attention"):
+            shard_language_model(load_model(fp32_model, lazy=True).model.language_model, 1, 2)
+
+    gpu(run)
+
+
+def test_two_ranks_reply_as_the_unsharded_server(
+        pipeline: tuple[str, dict[int, subprocess.Popen[bytes]]], reference: LiveServer) -> None:
+    url, ranks = pipeline
+    prompts = ["Name three modules for files.", "What does itertools.chain do?"]
+    for prompt in prompts:  # alone, greedy: MTP's compiled round
+        messages = [{"role": "user", "content": prompt}]
+        assert _chat(url, messages) == _chat(reference.url, messages)
+    # sampled with a seed: MTP's eager round (the batched verify through the stages)
+    messages = [{"role": "user", "content": prompts[0]}]
+    sampled = {"temperature": 0.8, "seed": 3}
+    assert _chat(url, messages, 24, **sampled) == _chat(reference.url, messages, 24, **sampled)
+    drafted = [line for line in httpx.get(url + "/metrics").text.splitlines()
+               if line.startswith("mlx_relay:spec_decode_num_draft_tokens_total")]
+    assert drafted and float(drafted[0].split()[-1]) > 0  # MTP ran over the two ranks
+    # two at once on the plain lane (MTP off for them): they decode together in one batch
+    pairs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}] for p in prompts]
+    with ThreadPoolExecutor(2) as pool:
+        sharded = list(pool.map(lambda m: _chat(url, m, 24, mtp=False), pairs))
+    assert [text for text, _ in sharded] == [_chat(reference.url, m, 24, mtp=False)[0] for m in pairs]
+    # the next turn of the first conversation restores from the prefix cache on both servers
+    turn = [*pairs[0], {"role": "assistant", "content": sharded[0][0]}, {"role": "user", "content": "And json?"}]
+    text, cached = _chat(url, turn)
+    ref_text, ref_cached = _chat(reference.url, turn)
+    assert text == ref_text and cached > 0 and ref_cached > 0
+    # an image: every rank encodes it, the first stage takes the merged embeddings
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                          {"type": "image_url", "image_url": {"url": _red_png()}}]}]
+    assert _chat(url, image) == _chat(reference.url, image)
+    # a long prompt: the draft scores it, the stages prefill the kept chunks
+    long = [{"role": "user", "content": " ".join(f"line {i} of the log." for i in range(40))}]
+    assert _chat(url, long) == _chat(reference.url, long)
+    runs = [line for line in httpx.get(url + "/metrics").text.splitlines()
+            if line.startswith("mlx_relay:specprefill_runs_total")]
+    assert runs and float(runs[0].split()[-1]) == 1
+    # SIGTERM to rank 0 drains the server and stops the other rank too
+    ranks[0].send_signal(signal.SIGTERM)
+    assert ranks[0].wait(30) == 0 and ranks[1].wait(30) == 0
+
+
+def test_pipeline_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_relay.cli import build_parser, config_from_args
+
+    monkeypatch.setenv("MLX_RANK", "1")
+    args = build_parser().parse_args(["serve", "m", "--pipeline", "--pipeline-backend", "ring",
+                                      "--pipeline-split", "5,3"])
+    assert config_from_args(args).engine.pipeline == PipelineConfig(True, "ring", (5, 3), rank=1)
+    assert not config_from_args(build_parser().parse_args(["serve", "m"])).engine.pipeline.enabled
+    with pytest.raises(ValueError, match="disk tier"):  # each rank's snapshot would be a file of its own
+        config_from_args(build_parser().parse_args(["serve", "m", "--pipeline", "--prefix-cache-dir", "/tmp/x"]))
+    monkeypatch.delenv("MLX_RANK")
+    with pytest.raises(SystemExit, match=r"mlx\.launch"):
+        config_from_args(build_parser().parse_args(["serve", "m", "--pipeline"]))
