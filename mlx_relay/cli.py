@@ -7,12 +7,14 @@ loads and warms, a progress line shows what is happening and for how long.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from mlx_relay.bench.cli import add_parser as add_bench_parser
 from mlx_relay.bench.cli import run_from_args as run_bench
@@ -221,6 +223,22 @@ def _launcher_rank() -> int:
                      "mlx.launch, e.g. mlx.launch -n 2 --backend ring -- mlx-relay serve MODEL --pipeline")
 
 
+def _launcher_leader_host() -> str | None:
+    """Rank 0's address as the launcher gave it (the ring hostfile's first rank, NCCL_HOST_IP or
+    MLX_JACCL_COORDINATOR's host); None where it gave none (mpirun)."""
+    if (host := os.environ.get("NCCL_HOST_IP")) is not None:
+        return host
+    if (coordinator := os.environ.get("MLX_JACCL_COORDINATOR")) is not None:
+        return coordinator.rsplit(":", 1)[0]
+    if (hostfile := os.environ.get("MLX_HOSTFILE")) is not None:
+        try:
+            hosts = json.loads(Path(hostfile).read_text())
+            return str(hosts[0][0]).rsplit(":", 1)[0]  # the ring's: [["ip:port", ...], ...], rank 0 first
+        except (OSError, ValueError, LookupError, TypeError):
+            return None
+    return None
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The flags as `build_config` overrides (the same builder as the in-process API)."""
     model = args.model
@@ -245,7 +263,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefill_shapes=args.prefill_shapes,
         engine_process=args.engine_process,
         pipeline=PipelineConfig(enabled=True, backend=args.pipeline_backend, split=_split(args.pipeline_split),
-                                rank=_launcher_rank()) if args.pipeline else PipelineConfig(),
+                                rank=_launcher_rank(), leader_host=_launcher_leader_host())
+        if args.pipeline else PipelineConfig(),
         mtp=not args.no_mtp,
         mtp_block_size=args.mtp_block_size,
         mtp_max_batch=args.mtp_max_batch,

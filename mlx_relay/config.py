@@ -26,6 +26,10 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     # None: an even split, the low ranks taking the extra layers
     split: tuple[int, ...] | None = None
     rank: int = 0
+    # where rank 0 listens for the followers' liveness connections (`engine/pipeline_watch.py`):
+    # its address as the launcher gave it (the ring hostfile's rank 0, NCCL_HOST_IP,
+    # MLX_JACCL_COORDINATOR), read once with the rank; None: every interface, announced by host name
+    leader_host: str | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 0:

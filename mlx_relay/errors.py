@@ -145,3 +145,7 @@ class ModelLoadError(Exception):
 
 class PipelineSetupError(ModelLoadError):
     """The pipeline's process group or its split of the model does not fit (`--pipeline`)."""
+
+
+class PipelineRankLost(RuntimeError):
+    """A pipeline rank died: the group cannot go on, and is not rejoined in the same process."""

@@ -74,6 +74,7 @@ from mlx_relay.messages.vision import GetVisionStats, VisionStats
 from mlx_relay.metrics import ServerMetrics
 from mlx_relay.metrics.gather import gather_stats
 from mlx_relay.runtime import ActorRef, ActorSystem
+from mlx_relay.runtime.supervision import RestartPolicy
 from mlx_relay.service import Actors, ChatRequest, ChatService, EngineEvents, SamplingDefaults
 
 log = logging.getLogger(__name__)
@@ -183,8 +184,10 @@ class Relay:
             scorer = system.reserve(SpecPrefillScorer, name="specprefill") if sp_cfg.draft_model else None
             text = system.reserve(TextMTPExecutor, name="text-mtp")
             vision = system.reserve(VisionExecutor, name="vision")
+            # a pipeline's engine is not restarted in its process (GPUExecutor): one refused start fails it
+            policy = RestartPolicy(max_start_failures=1) if engine_cfg.pipeline.enabled else None
             gpu = self.gpu = await system.spawn(GPUExecutor, engine_cfg, sp_cfg, GPUPeers(store, scorer, text, vision),
-                                                progress, name="gpu")
+                                                progress, name="gpu", policy=policy)
             info = self.info = await gpu.ask(Describe())
             await system.start(text, engine_cfg, info)
             await system.start(vision, engine_cfg, gpu)

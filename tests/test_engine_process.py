@@ -269,3 +269,22 @@ def test_a_dead_gpu_thread_fails_every_command_instead_of_leaving_it_waiting() -
     assert died.wait(10)
     with pytest.raises(GPUThreadDied):
         thread.submit(lambda: 1).result(timeout=10)
+
+
+def test_an_abandoned_gpu_thread_fails_its_running_and_queued_commands() -> None:
+    """A pipeline rank died under a collective: rank 0's GPU thread never returns from it, and
+    `abandon` fails what waits on it at once (LocalEngine, pipeline_watch.py)."""
+    import threading
+
+    stuck, release = threading.Event(), threading.Event()
+    thread = GPUThread("test-stuck", on_fatal=lambda exc: None)
+    thread.start()
+    running = thread.submit(lambda: (stuck.set(), release.wait(30)))
+    queued = thread.submit(lambda: 1)
+    assert stuck.wait(10)
+    thread.abandon(RuntimeError("rank 1 is gone"))
+    for future in (running, queued, thread.submit(lambda: 2)):
+        with pytest.raises(GPUThreadDied):
+            future.result(timeout=10)
+    release.set()  # the call returns after all: the loop ends, nothing runs the rest
+    assert thread.stop(10)

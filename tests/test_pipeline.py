@@ -58,20 +58,14 @@ def reference(eight_layers: Path, fp32_model: Path) -> Iterator[LiveServer]:
         yield live
 
 
-@pytest.fixture(scope="module")
-def pipeline(eight_layers: Path, fp32_model: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[tuple[str, dict[int, subprocess.Popen[bytes]]]]:
-    """`mlx-relay serve --pipeline` as two ranks (rank 0 serves HTTP); warm-up on, so that the
-    warm-up runs in lockstep too."""
-    tmp = tmp_path_factory.mktemp("pipeline")
+def _launch(model: Path, tmp: Path, flags: list[str]) -> Iterator[tuple[str, dict[int, subprocess.Popen[bytes]]]]:
+    """`mlx-relay serve --pipeline` as two ranks (rank 0 serves HTTP), started as mlx.launch does;
+    yields once rank 0 is ready; kills what is left at the end."""
     hostfile = tmp / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     port = free_port()
-    cmd = [sys.executable, "-m", "mlx_relay.cli", "serve", str(eight_layers), "--pipeline", "--pipeline-backend",
-           "ring", "--served-model-name", NAME, "--port", str(port), "--max-num-seqs", "4",
-           "--prefix-min-snapshot-tokens", "16", "--mtp-policy", "always", "--specprefill-draft-model",
-           str(fp32_model), "--specprefill-threshold", "160", "--specprefill-chunk-size", "16",
-           "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "mlx_relay.cli", "serve", str(model), "--pipeline", "--pipeline-backend",
+           "ring", "--served-model-name", NAME, "--port", str(port), "--log-level", "warning", *flags]
     ranks: dict[int, subprocess.Popen[bytes]] = {}
     for rank in (1, 0):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "HF_HUB_OFFLINE": "1"}
@@ -98,6 +92,16 @@ def pipeline(eight_layers: Path, fp32_model: Path, tmp_path_factory: pytest.Temp
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def pipeline(eight_layers: Path, fp32_model: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[str, dict[int, subprocess.Popen[bytes]]]]:
+    """The two ranks with the reference's flags; warm-up on, so that the warm-up runs in lockstep too."""
+    yield from _launch(eight_layers, tmp_path_factory.mktemp("pipeline"), [
+        "--max-num-seqs", "4", "--prefix-min-snapshot-tokens", "16", "--mtp-policy", "always",
+        "--specprefill-draft-model", str(fp32_model), "--specprefill-threshold", "160",
+        "--specprefill-chunk-size", "16"])
 
 
 def _chat(url: str, messages: list[dict[str, Any]], max_tokens: int = 16, **extra: Any) -> tuple[str, int]:
@@ -205,3 +209,34 @@ def test_pipeline_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("MLX_RANK")
     with pytest.raises(SystemExit, match=r"mlx\.launch"):
         config_from_args(build_parser().parse_args(["serve", "m", "--pipeline"]))
+
+
+def test_a_dead_rank_fails_the_server_instead_of_hanging_it(
+        eight_layers: Path, tmp_path: Path) -> None:
+    """SIGKILL rank 1 with a stream in flight: rank 0's GPU thread is stuck in a collective that
+    never returns, but rank 0 watches rank 1 outside MLX (pipeline_watch.py): the stream ends with
+    an error event, /health says failed, new requests get 503, and rank 0 exits 1 (its engine is
+    not restarted in-process)."""
+    for url, ranks in _launch(eight_layers, tmp_path, ["--no-warmup", "--no-mtp"]):
+        events: list[dict[str, Any]] = []
+        body = {"model": NAME, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 1000,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if len(events) == 3:  # tokens are flowing over both ranks: kill the follower
+                    ranks[1].kill()
+        assert ranks[1].wait(10) == -signal.SIGKILL
+        assert "error" in events[-1] and all("error" not in e for e in events[:-1]), events[-1]
+        assert events[-1]["error"]["type"] == "server_error"
+        health = None
+        try:
+            health = httpx.get(url + "/health", timeout=5)
+        except httpx.TransportError:  # rank 0 has already exited
+            pass
+        if health is not None:
+            assert health.status_code == 503 and health.json()["status"] in ("failed", "degraded"), health.text
+        assert ranks[0].wait(30) == 1

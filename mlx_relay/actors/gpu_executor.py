@@ -17,9 +17,12 @@ the kernels; commands and outputs then cross a pipe as msgpack frames (`engine/w
 message handling here is the same either way. Each step's `StepOutput` is posted to the loop in
 one call and routed: stream events to their streams, side results to the actors that own them
 (references given at construction). A cancelled stream removes its row at the next step
-boundary. If the engine dies (its thread fails, its process is killed), the actor crashes and its
-supervisor restarts it (a fresh thread or process reloads the model); the requests it held get an
-error, new ones are served by the fresh instance.
+boundary. If the engine dies (its thread fails, its process is killed, a pipeline rank dies), the
+requests it held end with `GenerationFailed` and the actor crashes; its supervisor restarts it (a
+fresh thread or process reloads the model) and new requests are served by the fresh instance. A
+pipeline's engine is never restarted in the same process (its process group is joined once, and
+the other ranks cannot rejoin it): the restart is refused, the actor is failed, and the server
+exits non-zero for its supervisor to restart every rank.
 
 The prefix cache's disk tier (the store decides, this actor executes, the engine does the I/O
 where it runs, so snapshot bytes never cross the pipe): a snapshot to write is copied to host
@@ -48,7 +51,7 @@ from mlx_relay.engine.engine_process import EngineProcessDied
 from mlx_relay.engine.gpu_thread import GPUThreadDied
 from mlx_relay.engine.handle import EngineCallbacks, EngineHandle
 from mlx_relay.engine.placement import open_engine
-from mlx_relay.errors import InvalidRequest, ServerShuttingDown
+from mlx_relay.errors import GenerationFailed, InvalidRequest, PipelineSetupError, ServerShuttingDown
 from mlx_relay.messages.gpu import (
     AbortAll,
     Describe,
@@ -105,11 +108,14 @@ class GPUExecutor(Actor):
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def on_start(self) -> None:
+        if self.config.pipeline.enabled and self.cell.restarts > 0:
+            raise PipelineSetupError("a pipeline's engine is not restarted in its process (the process group is "
+                                     "joined once): restart every rank")
         loop = asyncio.get_running_loop()
         ref = self.ref
         callbacks = EngineCallbacks(
             on_output=lambda out: loop.call_soon_threadsafe(self._deliver, out),
-            on_fatal=lambda reason: loop.call_soon_threadsafe(ref.crash, reason),
+            on_fatal=lambda reason: loop.call_soon_threadsafe(self._engine_died, ref, reason),
             on_progress=lambda text: loop.call_soon_threadsafe(self._on_progress, text))
         # (off the loop: deciding where the engine runs may ask MLX in a throwaway process)
         engine = await anyio.to_thread.run_sync(open_engine, self.config, self.specprefill, callbacks)
@@ -226,6 +232,16 @@ class GPUExecutor(Actor):
             await store.tell(msg)
         except RuntimeFault:  # the store is stopping (shutdown): nothing is waiting for this
             log.debug("prefix store gone; %s dropped", type(msg).__name__)
+
+    def _engine_died(self, ref: ActorRef, reason: str) -> None:
+        """On the event loop: the engine will answer nothing more; every stream ends with an error
+        (the client's message names no internals; the log has the reason), then the actor crashes."""
+        log.error("the engine died: %s", reason)
+        ended = list(self._streams.values())
+        self._streams.clear()
+        for stream in ended:
+            stream.fail(GenerationFailed("the engine stopped before this request finished; it was not completed"))
+        ref.crash(reason)
 
     def on_cancel(self, stream: ReplyStream) -> None:
         if self._streams.pop(stream.id, None) is not None and self._engine is not None:

@@ -9,6 +9,10 @@ GPUExecutor posts it to the event loop in one call). If the loop itself fails, `
 called and every command queued then or submitted later fails with `GPUThreadDied` (nobody
 waits forever on a dead thread).
 
+A thread stuck in a call that never returns (a pipeline's collective whose peer died) can be
+*abandoned* from another thread: the command it runs and every one queued or submitted later
+fail with `GPUThreadDied` at once, and the loop ends if the call ever returns.
+
 A stopped GPUThread finishes its commands, drops its stepper and then *parks* (blocks, as a
 daemon) instead of exiting: MLX's CPU backend can abort the process at exit when a thread that
 ran MLX work has ended before (ml-explore/mlx#3126, still seen with mlx 0.32.4 on Linux;
@@ -21,7 +25,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
@@ -59,6 +63,7 @@ class GPUThread:
         self._stopped = threading.Event()
         self._park = threading.Event()  # never set: a stopped thread waits here until exit
         self._died: BaseException | None = None
+        self._running: Future[Any] | None = None  # the command being run now
         self.stepper: Stepper | None = None
 
     def start(self) -> None:
@@ -78,21 +83,34 @@ class GPUThread:
             self._queue.put(_STOP)
         return self._stopped.wait(timeout) if self._thread.is_alive() else True
 
+    def abandon(self, cause: BaseException) -> None:
+        """From another thread, when the thread is stuck for good: its current command and every
+        queued or later one fail with `GPUThreadDied` now; the loop ends if the call returns."""
+        self._died = cause
+        self._fail_queued()
+        running = self._running
+        if running is not None:
+            try:
+                running.set_exception(GPUThreadDied(f"the GPU thread is abandoned: {cause}"))
+            except InvalidStateError:  # it has just finished
+                pass
+
     def _run(self) -> None:
         try:
-            while True:
+            while self._died is None:
                 busy = self.stepper is not None and self.stepper.has_work
                 if not self._drain(block=not busy):
                     break
                 if self.stepper is not None and self.stepper.has_work:
                     output = self.stepper.step()
-                    if output:
+                    if output and self._died is None:
                         self._on_output(output)
         except BaseException as exc:  # the loop itself broke: the owner restarts us
-            log.exception("GPU thread died")
-            self._died = exc
-            self._fail_queued()
-            self._on_fatal(exc)
+            if self._died is None:  # (abandoned: its owner knows already)
+                log.exception("GPU thread died")
+                self._died = exc
+                self._fail_queued()
+                self._on_fatal(exc)
         self.stepper = None
         self._stopped.set()
         self._park.wait()
@@ -118,11 +136,28 @@ class GPUThread:
                 return False
             fn, future = item
             if future.set_running_or_notify_cancel():
+                self._running = future
                 try:
-                    future.set_result(fn())
+                    result = fn()
                 except BaseException as exc:
-                    future.set_exception(exc)
+                    _settle(future, exc=exc)
+                else:
+                    _settle(future, result)
+                self._running = None
+            if self._died is not None:  # abandoned meanwhile: what is left was failed
+                return False
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return True
+
+
+def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    """A command's outcome, unless `abandon` has already failed it."""
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

@@ -10,6 +10,11 @@ snapshot to write is copied to host bytes on the GPU thread and written by a wri
 file at a time; a file to load is checked and checksummed by a reader thread (two at a time,
 which also brings it into the page cache), then loaded by MLX on the GPU thread. Each outcome,
 failures included, is the store's message (`SnapshotSaved` / `SnapshotLoaded`), never a raise.
+
+As rank 0 of a pipeline it also watches the other ranks (`pipeline_watch.FollowerWatch`). When one
+dies, the GPU thread may be inside a collective that never returns: the engine abandons the thread
+(every command waiting on it fails at once), reports its death (`on_fatal`: the GPUExecutor ends
+every stream with an error and the server fails), and its stop no longer waits for the thread.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ from mlx_relay.engine.core import EngineCore, StepOutput
 from mlx_relay.engine.gpu_thread import GPUThread, GPUThreadDied
 from mlx_relay.engine.handle import EngineCallbacks
 from mlx_relay.engine.loader import apply_memory_limits, load_model
-from mlx_relay.engine.pipeline_boot import join_group, load_stage, prefix_cache_budget
+from mlx_relay.engine.pipeline_boot import lead_group, load_stage, prefix_cache_budget
 from mlx_relay.engine.pipeline_stage import Stage
 from mlx_relay.engine.pipeline_sync import PipelineLeader
+from mlx_relay.engine.pipeline_watch import FollowerWatch
+from mlx_relay.errors import PipelineRankLost
 from mlx_relay.messages.gpu import EngineStats, Generate, ModelInfo, WarmupReport
 from mlx_relay.messages.prefix_cache import LoadSnapshot, SaveSnapshot, SnapshotLoaded, SnapshotSaved
 
@@ -56,11 +63,22 @@ class LocalEngine:
         self._thread = GPUThread(name, self._died, callbacks.on_output)
         # built by the boot, on the GPU thread; with a pipeline, rank 0's core behind its leader
         self._core: EngineCore | PipelineLeader | None = None
+        self._watch: FollowerWatch | None = None  # rank 0 of a pipeline: the followers' liveness
+        self._lost: str | None = None  # a follower died: the GPU thread is abandoned
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="snapshot-writer")  # one file at a time
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="snapshot-reader")
 
     def _died(self, exc: BaseException) -> None:
         self._callbacks.on_fatal(f"GPU thread died: {type(exc).__name__}: {exc}")
+
+    def _follower_lost(self, reason: str) -> None:
+        """On the watch's thread: a pipeline rank died; the GPU thread may never return."""
+        if self._lost is not None:
+            return
+        self._lost = reason
+        log.error("%s: the engine fails (rank 0 cannot go on without it)", reason)
+        self._thread.abandon(PipelineRankLost(reason))
+        self._callbacks.on_fatal(reason)
 
     def _on_core(self, fn: Callable[[EngineCore | PipelineLeader], T]) -> Future[T]:
         return self._thread.submit(lambda: fn(self._booted()))
@@ -88,7 +106,8 @@ class LocalEngine:
         progress(f"loading {config.model_path}")
         stage: Stage | None = None
         if config.pipeline.enabled:  # rank 0 of a pipeline (pipeline_boot.py)
-            loaded, stage = load_stage(Path(config.model_path), config.pipeline, join_group(config.pipeline))
+            group, self._watch = lead_group(config.pipeline, self._follower_lost)
+            loaded, stage = load_stage(Path(config.model_path), config.pipeline, group)
             progress(f"pipeline: layers {stage.start}..{stage.end - 1} here, of {stage.size} processes")
         else:
             loaded = load_model(Path(config.model_path))
@@ -124,10 +143,12 @@ class LocalEngine:
     def stop(self, timeout_s: float) -> None:
         """The GPU thread finishes its queued commands (snapshot copies included), then the
         writes waiting for the disk land; loads not started are dropped. A pipeline's other ranks
-        are told to stop first."""
-        if isinstance(self._core, PipelineLeader):
+        are told to stop first; after one died, nothing waits for the (abandoned) GPU thread."""
+        if isinstance(self._core, PipelineLeader) and self._lost is None:
+            if self._watch is not None:
+                self._watch.stopping()
             self._thread.submit(self._core.stop_followers)
-        self._thread.stop(timeout_s)
+        self._thread.stop(0.0 if self._lost is not None else timeout_s)
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True, cancel_futures=True)
 

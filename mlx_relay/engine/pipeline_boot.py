@@ -2,8 +2,14 @@
 a rank other than 0) follow rank 0's engine until it stops (GPU thread only).
 
     mlx.launch -n 2 -- mlx-relay serve MODEL --pipeline
-        rank 0: the server; LocalEngine._boot -> join_group, load_stage -> PipelineLeader
-        rank 1..: cli -> run_follower -> join_group, load_stage -> pipeline_sync.follow
+        rank 0: the server; LocalEngine._boot -> lead_group, load_stage -> PipelineLeader
+        rank 1..: cli -> run_follower -> follow_group, load_stage -> pipeline_sync.follow
+
+Right after joining the group, before the model loads, every rank's liveness is watched outside
+MLX (`pipeline_watch.py`): rank 0 listens, says where in its first frame, and each follower
+connects. A follower whose rank 0 is gone exits 1 at once (`os._exit`: its main thread may be
+inside a collective that never returns, and it holds nothing to save); rank 0's side is the
+LocalEngine's (it fails its engine, and the server exits non-zero).
 
 The model is loaded lazily (`mlx_vlm.load(lazy=True)`), cut to this rank's layers
 (`pipeline_stage.shard_language_model`), and only then evaluated: a rank reads its own layers'
@@ -14,7 +20,9 @@ follower's main thread is its GPU thread: the process has no server, no actors, 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +39,8 @@ from mlx_relay.engine.loader import (
     resolve_model_path,
 )
 from mlx_relay.engine.pipeline_stage import Stage, UnsupportedSplit, shard_language_model
-from mlx_relay.engine.pipeline_sync import follow
+from mlx_relay.engine.pipeline_sync import follow, share_commands
+from mlx_relay.engine.pipeline_watch import FollowerWatch, LeaderWatch, WatchLeader
 from mlx_relay.errors import PipelineSetupError
 
 log = logging.getLogger(__name__)
@@ -50,6 +59,31 @@ def join_group(config: PipelineConfig) -> Any:
     if group.rank() != config.rank:
         raise PipelineSetupError(f"the launcher says rank {config.rank}, the process group {group.rank()}")
     return group
+
+
+def lead_group(config: PipelineConfig, on_lost: Callable[[str], None]) -> tuple[Any, FollowerWatch]:
+    """Rank 0: the group, and the watch on every follower (`on_lost` from the watch's thread)."""
+    group = join_group(config)
+    watch = FollowerWatch(config.leader_host, group.size(), on_lost)
+    share_commands(group, [watch.address])
+    watch.accept()
+    return group, watch
+
+
+def follow_group(config: PipelineConfig, on_lost: Callable[[str], None]) -> tuple[Any, LeaderWatch]:
+    """A follower: the group, and its watch on rank 0 (`on_lost` from the watch's thread)."""
+    group = join_group(config)
+    first = share_commands(group, None)
+    if len(first) != 1 or not isinstance(first[0], WatchLeader):
+        raise PipelineSetupError(f"rank 0's first frame is not its watch's address: {first!r}")
+    return group, LeaderWatch(first[0], group.rank(), on_lost)
+
+
+def _leader_lost(reason: str) -> None:
+    """A follower whose rank 0 is gone: exit 1 now (its main thread may never leave the collective)."""
+    log.error("%s: this rank exits", reason)
+    logging.shutdown()
+    os._exit(1)
 
 
 def load_stage(path: Path, config: PipelineConfig, group: Any) -> tuple[LoadedModel, Stage]:
@@ -74,13 +108,14 @@ def prefix_cache_budget(config: EngineConfig) -> int:
 
 def run_follower(config: EngineConfig, specprefill: SpecPrefillConfig) -> int:
     """A rank other than 0: the same engine as rank 0's, stepped when rank 0 steps; returns 0
-    once rank 0 stops."""
+    once rank 0 stops (and exits 1 if rank 0 dies)."""
     apply_memory_limits(config)
-    group = join_group(config.pipeline)
+    group, watch = follow_group(config.pipeline, _leader_lost)
     loaded, stage = load_stage(Path(config.model_path), config.pipeline, group)
     core = EngineCore(loaded, config, prefix_cache=prefix_cache_budget(config) > 0,
                       draft_model=specprefill.draft_model, stage=stage)
     follow(core, group)
+    watch.done()
     return 0
 
 

@@ -22,7 +22,8 @@ stage's part of h. The disk tier is off with a pipeline (`EngineConfig` refuses 
 would have to be one per rank.
 
 A follower waits for its next frame inside the collective; MLX's ring backend waits there by
-polling, which keeps a CPU core busy while the server is idle (docs/pipeline.md).
+polling, which keeps a CPU core busy while the server is idle (docs/pipeline.md). A collective
+whose peer died never returns: each rank's liveness is watched outside MLX (`pipeline_watch.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import msgspec
 import numpy as np
 
 from mlx_relay.engine.core import EngineCore, StepOutput
+from mlx_relay.engine.pipeline_watch import WatchLeader
 from mlx_relay.engine.snapshot_codec import CacheLayout
 from mlx_relay.engine.wire import AddRow, CancelRow, FreeFeatureHashes, FreeSnapshotHandles
 from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, WarmupReport
@@ -60,7 +62,8 @@ class StopFollowing(msgspec.Struct, frozen=True, tag=True):
     """The server is stopping: the follower leaves its loop."""
 
 
-Command = AddRow | CancelRow | FreeSnapshotHandles | FreeFeatureHashes | StepOnce | WarmUp | CloseCore | StopFollowing
+Command = (AddRow | CancelRow | FreeSnapshotHandles | FreeFeatureHashes | StepOnce | WarmUp | CloseCore | StopFollowing
+           | WatchLeader)  # WatchLeader: the first frame only (pipeline_boot)
 
 _decoder = msgspec.msgpack.Decoder(list[Command])  # type: ignore[arg-type]
 
@@ -174,6 +177,6 @@ def follow(core: EngineCore, group: Any) -> None:
                 core.warmup()
             elif isinstance(cmd, CloseCore):
                 core.close()
-            else:
+            elif isinstance(cmd, StopFollowing):
                 log.info("pipeline rank %d: the server stopped", group.rank())
                 return
