@@ -98,6 +98,17 @@ def test_json_example_answer_parses_with_the_requested_keys(cur: Any) -> None:
         assert json.loads(ex.answer) == json.loads(reply.split("</think>")[-1])
 
 
+def test_json_budget_lets_every_held_out_reference_reply_finish_with_room(cur: Any) -> None:
+    """The evaluation's JSON budget is at least 3x each held-out reference reply (thinking and
+    answer): a reply the model would end is not cut by max_tokens and scored as invalid JSON."""
+    tool, ev = _script("agent_curriculum"), _script("eval_agent_model")
+    for i in range(40):
+        ex = cur.example(tool.HELD_OUT, i, "json")
+        reply = _replies(cur, cur.encode(ex))[0]
+        tokens = len(cur.tokenizer.encode(reply, add_special_tokens=False))
+        assert 3 * tokens <= ev.JSON_MAX_TOKENS, (tokens, reply)
+
+
 def test_needle_prompt_has_the_asked_length_and_answer(cur: Any) -> None:
     tool = _script("agent_curriculum")
     ex = cur.example(tool.HELD_OUT, 0, "needle", 2048)
@@ -155,6 +166,10 @@ def test_think_json_and_needle_scorers_on_hand_made_replies() -> None:
     assert ev.score_json('x\n</think>\n\n{"a": 1,', True) == (False, False)
     assert ev.score_json("x\n</think>\n\n[1, 2]", True) == (False, False)
     assert ev.score_json('{"a": 1}', True) == (False, False)  # thinking never closed
+    cut = ev.score_json_reply('x\n</think>{"a": "P", "a": "P", "a', "length", True, ["a"])
+    assert (cut.valid, cut.keys, cut.cut) == (False, False, True)
+    done = ev.score_json_reply('x\n</think>{"a": "P"}', "stop", True, ["a"])
+    assert (done.valid, done.keys, done.cut) == (True, True, False)
     assert ev.score_needle("The code is 123.\n</think>\n\n123456", "123456", True)
     assert not ev.score_needle("</think>\n\n123457", "123456", True)
     assert not ev.score_needle("123456", "123456", True)
