@@ -233,8 +233,9 @@ async def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 tally(name).add(score.valid)
                 tally(f"{name}_keys").add(score.keys)
                 tally(f"{name}_cut").add(score.cut)
+                finished = tally(f"{name}_finished")  # listed even when no reply finished (rate nan)
                 if finish == "stop":
-                    tally(f"{name}_finished").add(score.valid)
+                    finished.add(score.valid)
         for i in range(args.n if "chat" in args.only else 0):
             for family in ("chat", "copy"):
                 ex = cur.example(HELD_OUT, i, family, 512)
