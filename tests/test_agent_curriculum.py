@@ -98,6 +98,17 @@ def test_json_example_answer_parses_with_the_requested_keys(cur: Any) -> None:
         assert json.loads(ex.answer) == json.loads(reply.split("</think>")[-1])
 
 
+def test_json_budget_lets_every_held_out_reference_reply_finish_with_room(cur: Any) -> None:
+    """The evaluation's JSON budget is at least 3x each held-out reference reply (thinking and
+    answer): a reply the model would end is not cut by max_tokens and scored as invalid JSON."""
+    tool, ev = _script("agent_curriculum"), _script("eval_agent_model")
+    for i in range(40):
+        ex = cur.example(tool.HELD_OUT, i, "json")
+        reply = _replies(cur, cur.encode(ex))[0]
+        tokens = len(cur.tokenizer.encode(reply, add_special_tokens=False))
+        assert 3 * tokens <= ev.JSON_MAX_TOKENS, (tokens, reply)
+
+
 def test_needle_prompt_has_the_asked_length_and_answer(cur: Any) -> None:
     tool = _script("agent_curriculum")
     ex = cur.example(tool.HELD_OUT, 0, "needle", 2048)
@@ -155,6 +166,10 @@ def test_think_json_and_needle_scorers_on_hand_made_replies() -> None:
     assert ev.score_json('x\n</think>\n\n{"a": 1,', True) == (False, False)
     assert ev.score_json("x\n</think>\n\n[1, 2]", True) == (False, False)
     assert ev.score_json('{"a": 1}', True) == (False, False)  # thinking never closed
+    cut = ev.score_json_reply('x\n</think>{"a": "P", "a": "P", "a', "length", True, ["a"])
+    assert (cut.valid, cut.keys, cut.cut) == (False, False, True)
+    done = ev.score_json_reply('x\n</think>{"a": "P"}', "stop", True, ["a"])
+    assert (done.valid, done.keys, done.cut) == (True, True, False)
     assert ev.score_needle("The code is 123.\n</think>\n\n123456", "123456", True)
     assert not ev.score_needle("</think>\n\n123457", "123456", True)
     assert not ev.score_needle("123456", "123456", True)
@@ -209,3 +224,69 @@ def test_a_few_masked_steps_write_a_checkpoint_that_loads(tmp_path: Path) -> Non
     assert result["trained_tokens"] > 0
     assert json.loads((out / "config.json").read_text())["text_config"]["max_position_embeddings"] == 32768
     mlx_vlm.load(str(out), strict=True)
+
+
+def test_memory_limit_options() -> None:
+    tr = _script("train_agent_model")
+    assert tr.memory_limits(tr.parse_args(["--out", "x"])) == (4 * tr.GiB, None)  # cache bounded by default
+    assert tr.memory_limits(tr.parse_args(["--out", "x", "--cache-limit-gb", "-1", "--memory-limit-gb", "70"])) == (
+        None, 70 * tr.GiB)
+    assert tr.memory_limits(tr.parse_args(["--out", "x", "--cache-limit-gb", "0.5"])) == (tr.GiB // 2, None)
+
+
+def test_last_good_step_puts_back_the_state_before_an_unevaluated_update() -> None:
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    tr = _script("train_agent_model")
+    model = nn.Linear(4, 2)
+    opt = optim.AdamW(learning_rate=0.1)
+    x = mx.ones((3, 4))
+    grad_fn = nn.value_and_grad(model, lambda m, v: (m(v) ** 2).sum())
+    _, grads = grad_fn(model, x)
+    opt.update(model, grads)  # one evaluated step: the state to come back to
+    mx.eval(model.parameters(), opt.state)
+    before = {k: np.array(v) for k, v in tree_flatten((model.parameters(), opt.state))}
+    guard = tr.LastGoodStep(model, opt)
+    guard.hold()
+    _, grads = grad_fn(model, x)
+    opt.update(model, grads)  # a step whose evaluation would fail: assigned, never evaluated
+    assert guard.restore() and not guard.restore()
+    after = {k: np.array(v) for k, v in tree_flatten((model.parameters(), opt.state))}
+    assert after.keys() == before.keys()
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    guard.hold()
+    guard.release()
+    assert not guard.restore()  # an evaluated step is kept
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_step_saves_the_last_step_and_resume_goes_on_from_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlx.core as mx
+
+    tr = _script("train_agent_model")
+    out = tmp_path / "agent"
+    argv = ["--out", str(out), "--hidden", "64", "--intermediate", "128", "--layers", "4", "--linear-head-dim",
+            "16", "--schedule", "256:2,384:2", "--tokens-per-step", "512", "--warmup", "1", "--log-every", "1",
+            "--save-every", "100", "--no-compile", "--cache-limit-gb", "0.25"]
+    real, calls = tr.masked_losses, []
+
+    def failing_third_step(*a: Any) -> Any:  # stands for an out-of-memory in the third step
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory (injected)")
+        return real(*a)
+
+    monkeypatch.setattr(tr, "masked_losses", failing_third_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        tr.main(argv)
+    state = mx.load(str(tr.train_state_path(out)))
+    assert int(state["__step__"].item()) == 2  # saved at once (no --save-every boundary was reached)
+    assert (out / "model.safetensors").is_file()
+    monkeypatch.setattr(tr, "masked_losses", real)
+    resumed = tr.main([*argv, "--resume"])
+    assert [(h["step"], h["length"]) for h in resumed["history"]] == [(3, 384), (4, 384)]
+    assert resumed["steps"] == 4

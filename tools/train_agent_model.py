@@ -17,6 +17,15 @@ and its optimizer-state file for ``--resume``. What differs:
   (and saves), so a run split over ``--resume`` calls (a lent GPU's per-command limit) follows
   one warmup-and-cosine curve.
 
+Memory: ``--cache-limit-gb`` (default 4) bounds MLX's buffer cache, which otherwise may grow to
+the memory limit (on the CUDA backend the first H100 run held 60 of 80 GB from its first steps and
+then failed a ``cudaMallocAsync`` instead of reclaiming cached buffers); ``--memory-limit-gb``
+sets MLX's memory limit (0: MLX's default). Both are set before the model is built; each log line
+shows MLX's active, cached and peak memory. A step that fails (an out-of-memory, an interrupt)
+leaves its update unevaluated: the trainer puts back the state of the last step trained
+(:class:`LastGoodStep`), saves it with its step, and re-raises, so ``--resume`` loses nothing.
+``--save-every`` counts the steps trained in this call.
+
 Rows are made by ``--workers`` processes (0: in this one), a few steps ahead of the optimizer;
 row ``b`` of step ``s`` is example stream ``s * 1024 + b`` of the training split, so the data
 depends only on ``--seed`` (the evaluation uses the held-out split, never trained on).
@@ -58,7 +67,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 sys.path.insert(0, str(Path(__file__).parent))
 from agent_curriculum import TRAIN, Curriculum, Mix, StdlibFiller, SyntheticFiller
@@ -163,9 +172,55 @@ class Rows:
         if self.pool is not None:
             self.pool.terminate()
             self.pool.join()
+            self.pool = None
 
 
 # --------------------------------------------------------------------------- training
+
+GiB = 1 << 30
+
+
+def memory_limits(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(cache limit, memory limit) in bytes for ``mx.set_cache_limit`` / ``mx.set_memory_limit``
+    (None: leave MLX's default)."""
+    cache = int(args.cache_limit_gb * GiB) if args.cache_limit_gb >= 0 else None
+    memory = int(args.memory_limit_gb * GiB) if args.memory_limit_gb > 0 else None
+    return cache, memory
+
+
+def memory_note() -> str:
+    return (f"mem {mx.get_active_memory() / GiB:.1f} GB active, {mx.get_cache_memory() / GiB:.1f} cached, "
+            f"{mx.get_peak_memory() / GiB:.1f} peak")
+
+
+class LastGoodStep:
+    """The model's and the optimizer's state after the last step that was evaluated.
+
+    MLX is lazy: a step assigns the updated parameters and moments as unevaluated arrays, and an
+    out-of-memory surfaces in ``mx.eval``, after the assignment. ``hold`` keeps references to the
+    evaluated arrays before a step (no copy: arrays are immutable), ``release`` drops them once the
+    step is evaluated, and ``restore`` puts them back in place (the module's and the optimizer's
+    own dicts, which a compiled step captured) when the step failed. Returns whether it did."""
+
+    def __init__(self, model: nn.Module, opt: optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+        self.held: tuple[Any, dict[str, Any]] | None = None
+
+    def hold(self) -> None:
+        self.held = (tree_map(lambda a: a, self.model.parameters()), tree_map(lambda a: a, self.opt.state))
+
+    def release(self) -> None:
+        self.held = None
+
+    def restore(self) -> bool:
+        if self.held is None:
+            return False
+        params, opt_state = self.held
+        self.model.update(params)
+        self.opt.state.clear()
+        self.opt.state.update(opt_state)
+        self.held = None
+        return True
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -187,13 +242,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--mtp-weight", type=float, default=1.0)
-    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--save-every", type=int, default=500, help="save every this many steps trained in this call")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop (and save) after this long; 0 = no limit")
     p.add_argument("--stage-time-shares", default=None,
                    help="with --max-seconds: each stage also ends once its share of the time is spent "
                         "(cumulative, e.g. 0.45,0.3,0.25), and the learning rate follows the time, so a "
                         "run of unknown speed still reaches every stage")
+    p.add_argument("--cache-limit-gb", type=float, default=4.0,
+                   help="MLX's buffer cache limit (mx.set_cache_limit; -1: MLX's default, the memory limit)")
+    p.add_argument("--memory-limit-gb", type=float, default=0.0,
+                   help="MLX's memory limit (mx.set_memory_limit; 0: MLX's default)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--metrics", type=Path, default=None)
     p.add_argument("--no-compile", action="store_true")
@@ -230,7 +289,21 @@ def stage_deadlines(args: argparse.Namespace) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Train with MLX's cache and memory limits set for the run (and put back after it)."""
     args = parse_args(argv)
+    cache_limit, memory_limit = memory_limits(args)
+    old_memory = mx.set_memory_limit(memory_limit) if memory_limit is not None else None
+    old_cache = mx.set_cache_limit(cache_limit) if cache_limit is not None else None
+    try:
+        return train(args, cache_limit, memory_limit)
+    finally:
+        if old_cache is not None:
+            mx.set_cache_limit(old_cache)
+        if old_memory is not None:
+            mx.set_memory_limit(old_memory)
+
+
+def train(args: argparse.Namespace, cache_limit: int | None, memory_limit: int | None) -> dict[str, Any]:
     out: Path = args.out
     spec = FixtureSpec("fp32", args.seed, args.hidden, args.intermediate, args.layers, args.max_position)
     config = small_config(spec, args.linear_head_dim)
@@ -238,7 +311,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         build_fixture(out, spec)  # tokenizer, chat template, processor files (weights replaced below)
         (out / "mlx_relay_fixture.json").unlink(missing_ok=True)
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    print(f"device {mx.default_device()}, mlx {mx.__version__}, stages {args.stages}", flush=True)
+    print(f"device {mx.default_device()}, mlx {mx.__version__}, stages {args.stages}, cache limit "
+          f"{'default' if cache_limit is None else f'{cache_limit / GiB:g} GB'}, memory limit "
+          f"{'default' if memory_limit is None else f'{memory_limit / GiB:g} GB'}", flush=True)
 
     mx.random.seed(args.seed)
     model = TargetWithMTP(config)
@@ -288,16 +363,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     break
                 yield item
 
+    last_good = LastGoodStep(model, opt)
+    main_loss = mtp_loss = None
     try:
         for (it, length, batch), (ids, mask) in trained():
             if args.shares is None:  # by steps of the whole schedule: one curve across --resume calls
                 lr = learning_rate(args, it)
-            else:  # warm up by steps trained, then by the time spent
-                lr = learning_rate(args, trained_steps, (time.perf_counter() - t_start) / args.max_seconds)
+            else:  # warm up by the schedule's steps (so a resumed call does not warm up again), then by the time
+                lr = learning_rate(args, it, (time.perf_counter() - t_start) / args.max_seconds)
             opt.learning_rate = lr
             trained_steps += 1
+            last_good.hold()
             main_loss, mtp_loss = step(mx.array(ids), mx.array(mask))
             mx.eval(state, main_loss, mtp_loss)
+            last_good.release()
             acc[0] += main_loss.item()
             acc[1] += mtp_loss.item()
             acc[2] += 1
@@ -311,12 +390,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 history.append(rec)
                 print(f"step {done} (len {length} x {batch}): loss {rec['loss']:.3f} (ppl {math.exp(rec['loss']):.1f})"
                       f"  mtp {rec['mtp_loss']:.3f}  lr {lr:.2e}  {k / (now - t_log):.2f} steps/s  "
-                      f"{now - t_start:.0f}s", flush=True)
+                      f"{now - t_start:.0f}s  {memory_note()}", flush=True)
                 acc = [0.0, 0.0, 0]
                 t_log = now
             if trained_steps % args.save_every == 0:
                 save_checkpoint(model, out)
                 save_train_state(model, opt, done, state_path)
+    except BaseException as exc:
+        # an out-of-memory (or an interrupt) mid-step: save the last step trained, then fail as before
+        rolled_back = last_good.restore()
+        main_loss = mtp_loss = None  # the failed step's graph, if any (frees its buffers)
+        mx.clear_cache()
+        print(f"failed after step {done} ({type(exc).__name__}: {exc}); "
+              f"{'the failed step rolled back, ' if rolled_back else ''}saving step {done}", flush=True)
+        rows.close()
+        save_checkpoint(model, out)
+        save_train_state(model, opt, done, state_path)
+        print(f"saved step {done} after the failure  {memory_note()}", flush=True)
+        raise
     finally:
         rows.close()
     size = save_checkpoint(model, out)

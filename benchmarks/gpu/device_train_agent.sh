@@ -15,7 +15,10 @@
 # INTERMEDIATE (640), LAYERS (8), LR (3e-3), WARMUP (150), WORKERS (12), LENGTHS ("4096 8192 16384"),
 # SHARES (0.45,0.3,0.25: each stage's share of TRAIN_SECONDS, so every stage is reached whatever the
 # device's speed; the learning rate follows the time), NO_COMPILE (1: the eager step; a compiled
-# step spent 8 minutes of NVRTC builds, 200 kernels, on an H100 before its first step).
+# step spent 8 minutes of NVRTC builds, 200 kernels, on an H100 before its first step), CACHE_GB (4:
+# MLX's buffer cache limit in the trainer; unbounded, it held 60 of 80 GB and the run died of a
+# cudaMallocAsync out-of-memory), MEM_GB (MLX's memory limit; empty: MLX's default). A step that
+# fails saves the last step trained (RESUME=1 goes on from it).
 # LOCAL=1 RUN=DIR OUT=DIR (and small knobs): a dry run off the device.
 RUN=${RUN:-/root/agent}
 if [ "${1:-start}" = ckpt ]; then  # the checkpoint alone, once trained (the evaluation may still run)
@@ -43,6 +46,7 @@ python3 tools/train_agent_model.py --out $O/relay-tiny-agent "${filler[@]}" --hi
   --schedule "${SCHEDULE:-1024:1500,4096:400,16384:150}" --tokens-per-step "${TOKENS:-65536}" --lr "${LR:-3e-3}" \
   --warmup "${WARMUP:-150}" --workers "${WORKERS:-12}" --log-every 25 --save-every 250 \
   --max-seconds "${TRAIN_SECONDS:-1200}" --stage-time-shares "${SHARES:-0.45,0.3,0.25}" \
+  --cache-limit-gb "${CACHE_GB:-4}" ${MEM_GB:+--memory-limit-gb "$MEM_GB"} \
   ${NO_COMPILE:+--no-compile} ${RESUME:+--resume} --metrics $O/train_metrics.jsonl > $O/train.log 2>&1
 echo "train rc $?" >> $O/train.log
 python3 tools/eval_agent_model.py --model $O/relay-tiny-agent "${filler[@]}" --n "${EVAL_N:-50}" \
@@ -55,5 +59,6 @@ cd $RUN/src
 setsid nohup env RUN="$RUN" PYTHONPATH="$RUN/src:${PYTHONPATH:-}" FILLER="${FILLER:-}" HIDDEN="${HIDDEN:-}" \
   INTERMEDIATE="${INTERMEDIATE:-}" LAYERS="${LAYERS:-}" SCHEDULE="${SCHEDULE:-}" TOKENS="${TOKENS:-}" LR="${LR:-}" \
   WARMUP="${WARMUP:-}" WORKERS="${WORKERS:-}" TRAIN_SECONDS="${TRAIN_SECONDS:-}" EVAL_N="${EVAL_N:-}" \
-  LENGTHS="${LENGTHS:-}" SHARES="${SHARES:-}" NO_COMPILE="${NO_COMPILE:-}" RESUME="${RESUME:-}" bash $RUN/run.sh > $RUN/run.log 2>&1 &
+  LENGTHS="${LENGTHS:-}" SHARES="${SHARES:-}" NO_COMPILE="${NO_COMPILE:-}" RESUME="${RESUME:-}" \
+  CACHE_GB="${CACHE_GB:-}" MEM_GB="${MEM_GB:-}" bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "agent training started (pid $!)"
