@@ -14,7 +14,7 @@
 # Knobs: SCHEDULE (1024:1500,4096:400,16384:150), TOKENS (65536 per step), HIDDEN (256),
 # INTERMEDIATE (640), LAYERS (8), LR (3e-3), WARMUP (150), WORKERS (12), LENGTHS ("4096 8192 16384"),
 # SHARES (0.45,0.3,0.25: each stage's share of TRAIN_SECONDS, so every stage is reached whatever the
-# device's speed; the learning rate follows the time), NO_COMPILE (1: the eager step; a compiled
+# device's speed; the learning rate follows the time), NO_COMPILE (default 1: the eager step, 0 compiles it; a compiled
 # step spent 8 minutes of NVRTC builds, 200 kernels, on an H100 before its first step), CACHE_GB (4:
 # MLX's buffer cache limit in the trainer; unbounded, it held 60 of 80 GB and the run died of a
 # cudaMallocAsync out-of-memory), MEM_GB (MLX's memory limit; empty: MLX's default). A step that
@@ -47,7 +47,7 @@ python3 tools/train_agent_model.py --out $O/relay-tiny-agent "${filler[@]}" --hi
   --warmup "${WARMUP:-150}" --workers "${WORKERS:-12}" --log-every 25 --save-every 250 \
   --max-seconds "${TRAIN_SECONDS:-1200}" --stage-time-shares "${SHARES:-0.45,0.3,0.25}" \
   --cache-limit-gb "${CACHE_GB:-4}" ${MEM_GB:+--memory-limit-gb "$MEM_GB"} \
-  ${NO_COMPILE:+--no-compile} ${RESUME:+--resume} --metrics $O/train_metrics.jsonl > $O/train.log 2>&1
+  $( [ "${NO_COMPILE:-1}" = 1 ] && echo --no-compile ) ${RESUME:+--resume} --metrics $O/train_metrics.jsonl > $O/train.log 2>&1
 echo "train rc $?" >> $O/train.log
 python3 tools/eval_agent_model.py --model $O/relay-tiny-agent "${filler[@]}" --n "${EVAL_N:-50}" \
   --lengths ${LENGTHS:-4096 8192 16384} --out $O/agent-eval.json > $O/eval.txt 2>&1
