@@ -1,12 +1,14 @@
 """`mlx-relay cluster`: 2 replicas of the fp32 fixture behind SMG's cache-aware router, on loopback,
 started by the real command (a subprocess), driven through the router as an agent would.
 
-One cluster for the whole file, in the order a run meets things: (a) a session's second turn lands
-on the replica holding its prefix, (b) several sessions spread over both replicas, (c) a replica
-killed (SIGKILL) mid-stream: the stream in flight on it ends with an error event, every session
-continues on the survivor (re-prefilled there), then SIGTERM stops the router and drains the
-survivor, leaving no process behind. Which replica served a request is read from each replica's
-own `/metrics` (`mlx_relay:prompt_tokens_total` grows on the one that ran it).
+One cluster for the file's main story, in the order a run meets things: (a) a session's second turn
+lands on the replica holding its prefix, (b) several sessions spread over both replicas, (c) a
+replica killed (SIGKILL) with two requests running on it: the stream ends with an error event, the
+non-streamed one is run again by SMG on the survivor (a 200), every session continues on the
+survivor (re-prefilled there), then SIGTERM stops the router and drains the survivor, leaving no
+process behind. Last, a cluster of 1 replica whose supervisor is SIGKILLed: its children follow it.
+Which replica served a request is read from each replica's own `/metrics`
+(`mlx_relay:prompt_tokens_total` grows on the one that ran it).
 """
 
 from __future__ import annotations
