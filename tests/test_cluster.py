@@ -219,7 +219,7 @@ def test_affinity_spread_and_a_replica_killed(cluster: Cluster) -> None:
     u = threading.Thread(target=non_streamed)
     u.start()
     assert _wait_for(lambda: _running(victim) == 2 or not u.is_alive())
-    assert u.is_alive()  # the non-streamed one runs on the victim too, unfinished
+    assert u.is_alive() and _running(victim) == 2  # the non-streamed one runs on the victim too, unfinished
     os.kill(cluster.pids[victim], signal.SIGKILL)
     t.join(30)
     assert not t.is_alive()  # no hang
