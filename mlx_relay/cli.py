@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT: seconds running requests may finish before they are ended "
                             "(a second signal exits at once; default 30)")
+    serve.add_argument("--exit-on-stdin-eof", action="store_true",
+                       help="drain and exit, as on SIGTERM, when stdin (a pipe) reaches its end: the process "
+                            "holding its other end has exited, however it died (`mlx-relay cluster` sets this "
+                            "on its replicas)")
     media = serve.add_argument_group("image and video inputs (data: URLs are always accepted)")
     media.add_argument("--allowed-local-media-dir", default=None, metavar="DIR",
                        help="accept local file paths / file:// URLs, only under DIR")
@@ -239,6 +244,14 @@ def _launcher_leader_host() -> str | None:
     return None
 
 
+def _stdin_is_a_pipe() -> bool:
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (OSError, ValueError, AttributeError):  # closed, or replaced by an object without a descriptor
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The flags as `build_config` overrides (the same builder as the in-process API)."""
     model = args.model
@@ -304,6 +317,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model_aliases=tuple(args.model_alias or ()),
         default_max_tokens=args.default_max_tokens,
         drain_timeout_s=args.drain_timeout,
+        exit_on_stdin_eof=args.exit_on_stdin_eof,
         log_level=args.log_level,
         log_format=args.log_format,
         log_prompts=args.log_prompts,
@@ -322,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # json logs: the boot's progress as log lines too, so that every line on stderr is JSON
         progress = _progress_printer() if args.log_format == "text" else logging.getLogger("mlx_relay.boot").info
         config = config_from_args(args)
+        if config.exit_on_stdin_eof and not _stdin_is_a_pipe():
+            parser.error("--exit-on-stdin-eof needs stdin to be a pipe (or a socket) whose end means 'exit'")
         if config.engine.pipeline.enabled and config.engine.pipeline.rank > 0:
             return serve_follower(config)  # a pipeline's other rank: its layers, no server
         return serve(config, Relay.start, progress)

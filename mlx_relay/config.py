@@ -227,6 +227,9 @@ class ServerConfig(msgspec.Struct, frozen=True):
     default_max_tokens: int = 4096
     sse_keepalive_s: float = 10.0
     drain_timeout_s: float = 30.0  # on SIGTERM: how long running requests may finish before they are ended
+    # drain and exit when stdin reaches its end: the supervisor holding the pipe's other end has
+    # exited, however it died (`mlx-relay cluster` starts its replicas so)
+    exit_on_stdin_eof: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"  # the process's log lines (`log_format.py`)
     # the request log's lines carry the prompt's and the reply's text (off: only counts and timings)

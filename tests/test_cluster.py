@@ -1,12 +1,14 @@
 """`mlx-relay cluster`: 2 replicas of the fp32 fixture behind SMG's cache-aware router, on loopback,
 started by the real command (a subprocess), driven through the router as an agent would.
 
-One cluster for the whole file, in the order a run meets things: (a) a session's second turn lands
-on the replica holding its prefix, (b) several sessions spread over both replicas, (c) a replica
-killed (SIGKILL) mid-stream: the stream in flight on it ends with an error event, every session
-continues on the survivor (re-prefilled there), then SIGTERM stops the router and drains the
-survivor, leaving no process behind. Which replica served a request is read from each replica's
-own `/metrics` (`mlx_relay:prompt_tokens_total` grows on the one that ran it).
+One cluster for the file's main story, in the order a run meets things: (a) a session's second turn
+lands on the replica holding its prefix, (b) several sessions spread over both replicas, (c) a
+replica killed (SIGKILL) with two requests running on it: the stream ends with an error event, the
+non-streamed one is run again by SMG on the survivor (a 200), every session continues on the
+survivor (re-prefilled there), then SIGTERM stops the router and drains the survivor, leaving no
+process behind. Last, a cluster of 1 replica whose supervisor is SIGKILLed: its children follow it.
+Which replica served a request is read from each replica's own `/metrics`
+(`mlx_relay:prompt_tokens_total` grows on the one that ran it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,13 +33,19 @@ MODEL = "tiny"
 
 
 class Cluster:
-    def __init__(self, proc: subprocess.Popen[str], port: int, lines: list[str]) -> None:
+    def __init__(self, proc: subprocess.Popen[str], port: int, replicas: int, lines: list[str]) -> None:
         self.proc = proc
         self.url = f"http://127.0.0.1:{port}"
-        self.replicas = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+        self.replicas = [f"http://127.0.0.1:{port + i}" for i in range(1, replicas + 1)]
         self.lines = lines
         self.pids = {url: _field(lines, f"url={url} ready", "pid") for url in self.replicas}
         self.router_pid = _field(lines, "router pid=", "pid")
+
+    def kill_all(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        for pid in (*self.pids.values(), self.router_pid):
+            _kill_quietly(pid)
 
 
 def _field(lines: list[str], marker: str, key: str) -> int:
@@ -63,11 +71,11 @@ def _free_base(count: int) -> int:
     raise RuntimeError("no free port range")
 
 
-@pytest.fixture(scope="module")
-def cluster(fp32_model: Path) -> Iterator[Cluster]:
-    port = _free_base(4)  # router, 2 replicas, the router's metrics
+def _start_cluster(model: Path, replicas: int) -> Cluster:
+    """`mlx-relay cluster` as a subprocess, once it says it is ready (its later lines keep coming)."""
+    port = _free_base(replicas + 2)  # router, replicas, the router's metrics
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    argv = [sys.executable, "-m", "mlx_relay.cli", "cluster", str(fp32_model), "--replicas", "2",
+    argv = [sys.executable, "-m", "mlx_relay.cli", "cluster", str(model), "--replicas", str(replicas),
             "--port", str(port), "--ready-timeout", "120",
             "--served-model-name", MODEL, "--no-warmup", "--drain-timeout", "3", "--log-level", "warning"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -79,14 +87,16 @@ def cluster(fp32_model: Path) -> Iterator[Cluster]:
             break
     assert any("cluster ready" in ln for ln in lines), lines
     threading.Thread(target=lambda: lines.extend(ln.strip() for ln in proc.stdout or ()), daemon=True).start()
-    live = Cluster(proc, port, lines)
+    return Cluster(proc, port, replicas, lines)
+
+
+@pytest.fixture(scope="module")
+def cluster(fp32_model: Path) -> Iterator[Cluster]:
+    live = _start_cluster(fp32_model, 2)
     try:
         yield live
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            for pid in (*live.pids.values(), live.router_pid):
-                _kill_quietly(pid)
+        live.kill_all()
 
 
 def _kill_quietly(pid: int) -> None:
@@ -176,7 +186,9 @@ def test_affinity_spread_and_a_replica_killed(cluster: Cluster) -> None:
     victim = cluster.replicas[1]
     moved = [i for i, (_, replica, _) in sessions.items() if replica == victim]
 
-    # (c) a stream in flight on the victim (a session of its own), then SIGKILL mid-stream
+    # (c) two requests in flight on the victim, then SIGKILL: a stream (a session of its own) and a
+    # non-streamed one (a new session whose system prompt extends the stream's, so SMG's tree sends it
+    # to the victim, while its rerun gives the survivor no snapshot the victim's sessions could use)
     stream_msgs = sessions[moved[0]][0]
     events: list[str] = []
     first_token = threading.Event()
@@ -191,11 +203,23 @@ def test_affinity_spread_and_a_replica_killed(cluster: Cluster) -> None:
                     if '"content"' in line:
                         first_token.set()
 
+    unary_msgs = [{"role": "system", "content": stream_msgs[0]["content"] + " Keep a changelog."},
+                  {"role": "user", "content": "Task 6: add a CLI."}]
+    unary: list[httpx.Response] = []
+
+    def non_streamed() -> None:
+        body = {"model": MODEL, "messages": unary_msgs, "max_tokens": 200}
+        unary.append(httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60))
+
     before_victim = _prompt_tokens(victim)
     t = threading.Thread(target=stream)
     t.start()
     assert first_token.wait(30)
     assert _prompt_tokens(victim) > before_victim  # it runs on the victim
+    u = threading.Thread(target=non_streamed)
+    u.start()
+    assert _wait_for(lambda: _running(victim) == 2 or not u.is_alive())
+    assert u.is_alive() and _running(victim) == 2  # the non-streamed one runs on the victim too, unfinished
     os.kill(cluster.pids[victim], signal.SIGKILL)
     t.join(30)
     assert not t.is_alive()  # no hang
@@ -219,17 +243,33 @@ def test_affinity_spread_and_a_replica_killed(cluster: Cluster) -> None:
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
         else:
             assert cached >= 0.9 * previous_prompt  # untouched by the kill
+    # the non-streamed request in flight on the victim: SMG saw the connection fail and sent it again
+    # to the survivor, which ran it whole (a chat completion is buffered by SMG, so it stays retryable)
+    u.join(60)
+    assert not u.is_alive()
+    assert unary[0].status_code == 200, unary[0].text
+    done = unary[0].json()
+    assert done["choices"][0]["finish_reason"] in ("length", "stop") and done["usage"]["completion_tokens"] > 0
     assert _wait_for_line(cluster, "replica 2 (pid")  # the supervisor saw it go and kept the cluster up
     assert cluster.proc.poll() is None
 
 
-def _wait_for_line(cluster: Cluster, text: str, timeout_s: float = 5.0) -> bool:
+def _running(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("mlx_relay:num_requests_running"))
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(text in ln for ln in cluster.lines):
+        if condition():
             return True
         time.sleep(0.05)
     return False
+
+
+def _wait_for_line(cluster: Cluster, text: str, timeout_s: float = 5.0) -> bool:
+    return _wait_for(lambda: any(text in ln for ln in cluster.lines), timeout_s)
 
 
 def test_sigterm_stops_everything(cluster: Cluster) -> None:
@@ -240,3 +280,24 @@ def test_sigterm_stops_everything(cluster: Cluster) -> None:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert _wait_for_line(cluster, "cluster stopped")
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for a reaper counts: it runs nothing). `ps` says so on Linux and macOS."""
+    ps = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
+    return ps.returncode != 0 or ps.stdout.strip().startswith("Z")
+
+
+def test_supervisor_killed_takes_its_children(fp32_model: Path) -> None:
+    """A SIGKILL of the `cluster` process itself (it can do nothing about it): its children's stdin
+    pipes reach their end, so the replica drains and exits and SMG stops; no process is left. A
+    cluster of its own (1 replica): the file's cluster was stopped by SIGTERM above."""
+    small = _start_cluster(fp32_model, 1)
+    try:
+        children = (*small.pids.values(), small.router_pid)
+        assert not any(_gone(pid) for pid in children)
+        small.proc.kill()
+        small.proc.wait(10)
+        assert _wait_for(lambda: all(_gone(pid) for pid in children), 20), [(p, _gone(p)) for p in children]
+    finally:
+        small.kill_all()

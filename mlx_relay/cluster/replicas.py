@@ -2,12 +2,17 @@
 
 It runs in a session of its own, so a Ctrl-C at the terminal reaches only the supervisor, which
 then sends each replica exactly one SIGTERM (our serve drains on the first and exits at once on a
-second). Ready is what its `/health` says (200 once the model is loaded and warmed).
+second). Its stdin is a pipe whose write end only the supervisor holds (and never writes to): if
+the supervisor dies, even by SIGKILL, the kernel closes that end and the child reads end-of-file,
+on which our serve drains and exits (`--exit-on-stdin-eof`) and SMG stops (`smg_main.py`). So no
+child outlives the supervisor, on Linux and macOS alike, without polling. Ready is what its
+`/health` says (200 once the model is loaded and warmed).
 """
 
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 
 import anyio
@@ -29,12 +34,13 @@ def serve_argv(model: str | None, host: str, port: int, serve_args: tuple[str, .
     argv = [sys.executable, "-m", "mlx_relay.cli", "serve"]
     if model is not None:
         argv.append(model)
-    return [*argv, "--host", host, "--port", str(port), *serve_args]
+    return [*argv, "--host", host, "--port", str(port), "--exit-on-stdin-eof", *serve_args]
 
 
 class Child:
-    """A subprocess the supervisor owns: started in its own session, stopped with one signal and
-    a deadline, killed past it."""
+    """A subprocess the supervisor owns: started in its own session with stdin a pipe from the
+    supervisor (its end is the child's lifeline), stopped with one signal and a deadline, killed
+    past it."""
 
     def __init__(self, name: str, argv: list[str]) -> None:
         self.name = name
@@ -47,7 +53,7 @@ class Child:
         return self.process.pid
 
     async def start(self) -> None:
-        self.process = await anyio.open_process(self.argv, stdin=None, stdout=None, stderr=None,
+        self.process = await anyio.open_process(self.argv, stdin=subprocess.PIPE, stdout=None, stderr=None,
                                                 start_new_session=True)
 
     @property

@@ -1,7 +1,8 @@
 """SMG, the router in front: its command line from a `RouterConfig`, and its readiness (every
 worker registered and healthy, from SMG's own `GET /workers`).
 
-SMG is run as `python -m smg launch` with this interpreter (the `cluster` extra installs it). What it
+SMG is run as `smg launch` with this interpreter (the `cluster` extra installs it), through
+`smg_main.py`, which stops it when its stdin ends (the supervisor is gone). What it
 reads from each worker is documented in docs/cluster.md: `/health` (registration and periodic
 probes), `/v1/models` (the model id), `/v1/loads` (load, every `load_poll_interval_s`).
 """
@@ -25,7 +26,7 @@ class RouterMissing(Exception):
 def router_argv(config: RouterConfig, worker_urls: tuple[str, ...]) -> list[str]:
     if importlib.util.find_spec("smg") is None:
         raise RouterMissing("SMG is not installed: pip install 'mlx-relay[cluster]' (or pip install smg)")
-    argv = [sys.executable, "-m", "smg", "launch",
+    argv = [sys.executable, "-m", "mlx_relay.cluster.smg_main", "launch",
             "--host", config.host, "--port", str(config.port),
             "--worker-urls", *worker_urls,
             "--policy", config.policy,

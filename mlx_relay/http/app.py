@@ -8,6 +8,7 @@ Starlette cancels the response's task group and the generation and its slot are 
 
 from __future__ import annotations
 
+import functools
 import hmac
 import time
 import uuid
@@ -276,7 +277,8 @@ def create_app(
             async with start(config=config, wait_ready=False, on_progress=life.on_progress) as booted:
                 routes._relay = booted
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(life.run, booted, config.drain_timeout_s)
+                    tg.start_soon(functools.partial(life.run, booted, config.drain_timeout_s,
+                                                    drain_on_stdin_eof=config.exit_on_stdin_eof))
                     yield
                     tg.cancel_scope.cancel()
 

@@ -1,13 +1,17 @@
 """The server process's lifetime as the app sees it: boot progress, ready, failure (an actor that
 cannot be restarted) and the graceful drain (`Relay.drain`), asked for from any thread or signal
-handler. `http/server.py` wires it to uvicorn and the process's exit code; the app's lifespan
-(`http/app.py`) runs it beside the relay.
+handler, or by the end of stdin (`--exit-on-stdin-eof`: a supervisor that holds the pipe's other
+end and never writes to it has died, even by SIGKILL, and the kernel closed its end). `http/server.py`
+wires it to uvicorn and the process's exit code; the app's lifespan (`http/app.py`) runs it beside
+the relay.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -44,14 +48,17 @@ class Lifecycle:
         if self._loop is not None and self._drain is not None:
             self._loop.call_soon_threadsafe(self._drain.set)
 
-    async def run(self, relay: Relay, drain_timeout_s: float) -> None:
-        """In the app's lifespan, beside the relay: announce, watch for failure, drain on request."""
+    async def run(self, relay: Relay, drain_timeout_s: float, *, drain_on_stdin_eof: bool = False) -> None:
+        """In the app's lifespan, beside the relay: announce, watch for failure, drain on request
+        (and, with `drain_on_stdin_eof`, when stdin ends)."""
         self._loop, self._drain = asyncio.get_running_loop(), asyncio.Event()
         if self._drain_asked:
             self._drain.set()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._announce, relay)
             tg.start_soon(self._watch_failure, relay)
+            if drain_on_stdin_eof:
+                tg.start_soon(self._drain_on_stdin_eof)
             await self._drain.wait()
             report = await relay.drain(drain_timeout_s)
             flushed = "" if report.flushed is None else (
@@ -62,6 +69,12 @@ class Lifecycle:
                 self.on_drained()
             tg.cancel_scope.cancel()
 
+    async def _drain_on_stdin_eof(self) -> None:
+        await stdin_closed(sys.stdin.fileno())
+        log.warning("stdin closed (the process that started this server is gone): draining")
+        assert self._drain is not None
+        self._drain.set()
+
     async def _announce(self, relay: Relay) -> None:
         await relay.ready.wait()
         if self.on_ready is not None and relay.error is None:
@@ -71,3 +84,12 @@ class Lifecycle:
         await relay.failed.wait()
         if self.on_failed is not None:
             self.on_failed(f"{type(relay.error).__name__}: {relay.error}" if relay.error else "failed")
+
+
+async def stdin_closed(fd: int) -> None:
+    """Returns when the pipe on `fd` reaches its end (every writer closed it); what is written
+    to it is read and dropped. Waits on the event loop, no thread and no polling."""
+    while True:
+        await anyio.wait_readable(fd)
+        if not os.read(fd, 65536):
+            return
