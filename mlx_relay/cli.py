@@ -344,7 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return run_bench(args)
     if args.command == "cluster":
-        return run_cluster(args, serve_args)
+        # the serve flags it passes on, checked by serve's own parser before anything starts
+        return run_cluster(args, serve_args, parser.parse_args(["serve", *serve_args]))
     return 2
 
 

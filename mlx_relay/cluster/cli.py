@@ -66,10 +66,8 @@ def split_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argpar
     return args, rest
 
 
-def config_from_args(args: argparse.Namespace, serve_args: list[str]) -> ClusterConfig:
-    from mlx_relay.cli import build_parser  # the serve flags are checked by serve's own parser
-
-    serve = build_parser().parse_args(["serve", *serve_args])
+def config_from_args(args: argparse.Namespace, serve_args: list[str], serve: argparse.Namespace) -> ClusterConfig:
+    """`serve`: `serve_args` as serve's own parser read them (mlx_relay/cli.py owns it)."""
     for flag in ("--host", "--port"):
         if any(a == flag or a.startswith(flag + "=") for a in serve_args):
             raise SystemExit(f"mlx-relay cluster: {flag} is the cluster's own (replicas take --port+1..)")
@@ -85,9 +83,9 @@ def config_from_args(args: argparse.Namespace, serve_args: list[str]) -> Cluster
                          drain_timeout_s=serve.drain_timeout)
 
 
-def run_from_args(args: argparse.Namespace, serve_args: list[str]) -> int:
+def run_from_args(args: argparse.Namespace, serve_args: list[str], serve: argparse.Namespace) -> int:
     try:
-        config = config_from_args(args, serve_args)
+        config = config_from_args(args, serve_args, serve)
     except ValueError as exc:
         print(f"mlx-relay cluster: {exc}", file=sys.stderr)
         return 2
