@@ -40,6 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import anyio
+import msgspec
 
 from mlx_relay.bench.machine import library_versions
 from mlx_relay.bench.tables import rows_markdown
@@ -220,6 +221,12 @@ async def amain(args: argparse.Namespace) -> None:
     async with Relay.start(str(args.target), **overrides) as relay:
         meta["ready_s"] = round(time.perf_counter() - tic, 1)
         print(f"ready after {meta['ready_s']}s", flush=True)
+        draft_info = relay.info.draft if relay.info is not None else None
+        if draft_info is not None:  # which library runs the draft (mlx-vlm for a qwen3_5-family one)
+            meta["draft_info"] = msgspec.to_builtins(draft_info)
+            print(f"draft: {draft_info.model_type} through {draft_info.library}, "
+                  f"{draft_info.attention_layers} attention layers scored, loaded in {draft_info.load_seconds:.1f}s",
+                  flush=True)
         for n in lengths:
             results[str(n)] = await run_length(relay, maker, n, modes, args, specprefill)
             print(f"L={n} done after {time.perf_counter() - tic:.1f}s", flush=True)

@@ -1,7 +1,8 @@
 """SpecPrefill's draft scorer on real tiny models (CPU): the query reconstruction pinned against
-each supported attention module, scores against an independent float64 reference, chunking
-invariance, and the refusals (another vocabulary, attention the probes cannot rebuild, a
-draft whose activations are not finite)."""
+each supported attention module (mlx_lm's and mlx_vlm's), scores against an independent float64
+reference, the hybrid draft's scores the same through mlx_vlm (chunked GatedDeltaNet scan) as
+through mlx_lm (per-token loop), chunking invariance, and the refusals (another vocabulary,
+attention the probes cannot rebuild, a draft whose activations are not finite)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_vlm.models.cache import KVCache as VlmKVCache
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from transformers import AutoTokenizer
 
+from mlx_relay.engine.draft_library import load_draft
 from mlx_relay.engine.draft_scorer import (
     DraftIncompatible,
     DraftScorer,
@@ -34,6 +37,7 @@ from mlx_relay.engine.draft_scorer import (
     query_layout,
 )
 from mlx_relay.errors import GenerationFailed, ModelLoadError
+from mlx_relay.specprefill.selection import select_chunks
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 
 TOKENIZER_FILES = (
@@ -133,7 +137,11 @@ def draft_paths(draft_path: Path, tiny_checkpoints: dict[str, Path]) -> dict[str
 
 @pytest.fixture(scope="module")
 def scorers(draft_paths: dict[str, Path], target_tokenizer: Any) -> dict[str, DraftScorer]:
-    return {name: DraftScorer.load(path, target_tokenizer) for name, path in draft_paths.items()}
+    """Each draft as served (the hybrid qwen3_5 one through mlx_vlm), and ``qwen3_5_lm``: the
+    same hybrid checkpoint through mlx_lm, the path it took before."""
+    loaded = {name: DraftScorer.load(path, target_tokenizer) for name, path in draft_paths.items()}
+    loaded["qwen3_5_lm"] = DraftScorer.load(draft_paths["qwen3_5"], target_tokenizer, library="mlx-lm")
+    return loaded
 
 
 def _run(scorer: DraftScorer, tokens: list[int], *, chunk: int, window: int) -> tuple[list[float], int]:
@@ -165,26 +173,32 @@ def _reference_attention(q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarr
     return probs / probs.sum(axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_vlm", "qwen3", "llama"])
 def test_reconstructed_queries_and_cached_keys_reproduce_the_attention(arch: str, draft_paths: dict[str, Path]) -> None:
-    """Pins what the probes rely on in mlx_lm: the queries rebuilt from the attention input and
-    the post-RoPE keys/values in KVCache.state give back the module's own output (second chunk,
-    so RoPE offsets and keys from an earlier call are covered)."""
-    model, _ = mlx_lm.load(str(draft_paths[arch]))
-    caches = make_prompt_cache(model)
-    index = next(i for i, c in enumerate(caches) if type(c) is KVCache)
+    """Pins what the probes rely on in mlx_lm and mlx_vlm (``qwen3_5_vlm``: the hybrid draft's
+    gated attention as mlx_vlm builds it, multimodal RoPE): the queries rebuilt from the
+    attention input and the post-RoPE keys/values of the layer's KVCache give back the module's
+    own output (second chunk, so RoPE offsets and keys from an earlier call are covered)."""
+    vlm = arch == "qwen3_5_vlm"
+    if vlm:
+        model = load_draft(draft_paths["qwen3_5"], "mlx-vlm").model
+        index = next(i for i, c in enumerate(model.make_cache()) if type(c) is VlmKVCache)
+    else:
+        model, _ = mlx_lm.load(str(draft_paths[arch]))
+        index = next(i for i, c in enumerate(make_prompt_cache(model)) if type(c) is KVCache)
     attn = model.layers[index].self_attn
     layout = query_layout(attn)
-    assert layout.gated == (arch == "qwen3_5")
+    assert layout.gated == arch.startswith("qwen3_5")
 
     x = mx.random.normal((1, 13, model.layers[index].input_layernorm.weight.shape[0]), key=mx.random.key(3))
     first, second = x[:, :6], x[:, 6:]
-    cache = KVCache()
+    cache = VlmKVCache() if vlm else KVCache()
     attn(first, mask=create_attention_mask(first, cache), cache=cache)
     expected = attn(second, mask=create_attention_mask(second, cache), cache=cache)
 
     queries, gate = project_queries(attn, layout, second, offset=6)
-    keys, values, offset = cache.state
+    offset = cache.offset
+    keys, values = cache.state[:2]
     assert offset == 13
     k = np.array(keys[..., :offset, :], dtype=np.float64)
     v = np.array(values[..., :offset, :], dtype=np.float64)
@@ -200,20 +214,28 @@ def test_reconstructed_queries_and_cached_keys_reproduce_the_attention(arch: str
 # --------------------------------------------------------------------------- 2. outputs unchanged
 
 
+def _logits(output: Any) -> np.ndarray:
+    """mlx_lm's models return the logits, mlx_vlm's language models an output holding them."""
+    return np.array(getattr(output, "logits", output))
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_lm"])
 def test_wrapping_leaves_the_logits_bit_identical(
-    draft_path: Path, scorers: dict[str, DraftScorer], tokens: list[int]
+    name: str, draft_path: Path, scorers: dict[str, DraftScorer], tokens: list[int]
 ) -> None:
-    plain, _ = mlx_lm.load(str(draft_path))
-    scorer = scorers["qwen3_5"]
+    scorer = scorers[name]
+    library = "mlx-lm" if name == "qwen3_5_lm" else "mlx-vlm"
+    assert scorer.info.library == library
+    plain = load_draft(draft_path, library).model
     assert scorer.info.attention_layers == 1
     assert isinstance(scorer.model.layers[3].self_attn, QueryProbe)
     inputs = mx.array([tokens[:64]])
-    before = np.array(plain(inputs))
-    np.testing.assert_array_equal(np.array(scorer.model(inputs)), before)
+    before = _logits(plain(inputs))
+    np.testing.assert_array_equal(_logits(scorer.model(inputs)), before)
     _run(scorer, tokens, chunk=40, window=8)  # a scoring job in between changes nothing either
-    np.testing.assert_array_equal(np.array(scorer.model(inputs)), before)
+    np.testing.assert_array_equal(_logits(scorer.model(inputs)), before)
     cache = make_prompt_cache(scorer.model)
-    np.testing.assert_array_equal(np.array(scorer.model(inputs, cache=cache)), before)
+    np.testing.assert_array_equal(_logits(scorer.model(inputs, cache=cache)), before)
 
 
 # --------------------------------------------------------------------------- 3. the scores
@@ -236,7 +258,7 @@ def test_chunk_bounds_cover_the_prompt_and_end_with_the_window() -> None:
         chunk_bounds(10, 0, 4)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_lm", "qwen3", "llama"])
 def test_scores_are_one_finite_nonnegative_value_per_token_whatever_the_chunking(
     arch: str, scorers: dict[str, DraftScorer], tokens: list[int]
 ) -> None:
@@ -290,11 +312,14 @@ def _reference_scores(path: Path, tokens: list[int], window: int) -> np.ndarray:
     return np.mean(rows, axis=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_lm", "llama"])
 def test_scores_follow_the_window_of_last_queries(
     arch: str, scorers: dict[str, DraftScorer], draft_paths: dict[str, Path], tokens: list[int]
 ) -> None:
+    """Against the reference computed by mlx_lm's plain forward in one call (for the hybrid
+    draft scored through mlx_vlm too: the library does not change the scores)."""
     scorer = scorers[arch]
+    arch = arch.removesuffix("_lm")
     if arch == "llama":
         assert scorer.info.attention_layers == 2  # the mean over layers is exercised
     by_window = {}
@@ -310,6 +335,24 @@ def test_scores_follow_the_window_of_last_queries(
     scores, steps = _run(scorer, short, chunk=3, window=16)
     assert steps == 1
     np.testing.assert_allclose(scores, _reference_scores(draft_paths[arch], short, 16), rtol=1e-4, atol=1e-7)
+
+
+def test_the_hybrid_draft_scores_the_same_through_mlx_vlm_as_through_mlx_lm(
+    scorers: dict[str, DraftScorer], tokens: list[int]
+) -> None:
+    """The point of loading a qwen3_5 draft through mlx_vlm (its GatedDeltaNet prefill a chunked
+    scan, mlx_lm's a per-token loop): float32 on CPU, the same scores to float32 rounding and
+    the same kept chunks, whatever the draft chunking and the query window."""
+    vlm, lm = scorers["qwen3_5"], scorers["qwen3_5_lm"]
+    assert (vlm.info.library, lm.info.library) == ("mlx-vlm", "mlx-lm")
+    assert vlm.info.attention_layers == lm.info.attention_layers == 1
+    for chunk, window in ((10_000, 16), (64, 16), (37, 5), (100, 1)):
+        a, _ = _run(vlm, tokens, chunk=chunk, window=window)
+        b, _ = _run(lm, tokens, chunk=chunk, window=window)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+        for size, keep in ((8, 0.3), (16, 0.2), (4, 0.5)):
+            picked = select_chunks(a, start=0, chunk_size=size, keep_fraction=keep)
+            assert picked == select_chunks(b, start=0, chunk_size=size, keep_fraction=keep)
 
 
 def test_interleaved_jobs_do_not_disturb_each_other(scorers: dict[str, DraftScorer], tokens: list[int]) -> None:
@@ -349,9 +392,12 @@ def test_info(
     info = scorers["qwen3_5"].info
     assert info.path == str(draft_paths["qwen3_5"])
     assert info.model_type == "qwen3_5"
+    assert info.library == "mlx-vlm"
     assert info.attention_layers == 1
     assert info.load_seconds > 0
+    assert scorers["qwen3_5_lm"].info.model_type == "qwen3_5"
     assert scorers["qwen3"].info.model_type == "qwen3"
+    assert scorers["qwen3"].info.library == "mlx-lm"
     assert scorers["qwen3"].info.attention_layers == 2
     sliding = DraftScorer.load(tiny_checkpoints["llama_sliding"], target_tokenizer)
     assert sliding.info.attention_layers == 1  # the sliding-window layer is not probed

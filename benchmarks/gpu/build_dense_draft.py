@@ -7,7 +7,11 @@ on CUDA, mlx-lm runs GatedDeltaNet prefill as a per-token loop (its fast kernel 
 so a hybrid draft loaded through mlx-lm scores slower there than the target prefills; a draft
 of plain attention layers shows what scoring costs when the draft's own prefill is fast.
 
-    python benchmarks/gpu/build_dense_draft.py OUT_DIR --tokenizer DIR
+    python benchmarks/gpu/build_dense_draft.py OUT_DIR --tokenizer DIR [--tiny]
+
+(Since issue 19.5 the hybrid draft is loaded through mlx-vlm, whose GatedDeltaNet prefill is a
+chunked scan off Metal: `mlx_relay/engine/draft_library.py`; this dense draft stays the
+comparison.) `--tiny`: the same architecture at toy size, for checking the scripts on a CPU.
 """
 
 from __future__ import annotations
@@ -24,24 +28,27 @@ CONFIG = {
     "rms_norm_eps": 1e-6, "vocab_size": 248320, "max_position_embeddings": 262144, "rope_theta": 1000000.0,
     "tie_word_embeddings": True, "torch_dtype": "bfloat16",
 }
+TINY_OVERRIDES = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "chat_template.jinja")
 
 
-def build(out: Path, tokenizer_dir: Path) -> None:
+def build(out: Path, tokenizer_dir: Path, tiny: bool = False) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3
 
     tic = time.perf_counter()
     mx.random.seed(0)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(CONFIG))
+    config = {**CONFIG, **(TINY_OVERRIDES if tiny else {})}
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
@@ -53,8 +60,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--tokenizer", type=Path, required=True)
+    ap.add_argument("--tiny", action="store_true", help="toy size, for a CPU dry run")
     args = ap.parse_args()
-    build(args.out, args.tokenizer)
+    build(args.out, args.tokenizer, args.tiny)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,13 @@ decode steps go on between the chunks of a long prompt. Which chunks of the prom
 kept is a pure function (:mod:`mlx_relay.specprefill.selection`); this module only produces the
 scores.
 
-* :meth:`DraftScorer.load` loads the draft with ``mlx_lm.load`` (a text model; mlx_lm also
-  loads the language model of a qwen3_5 vision-language checkpoint), checks that its
-  vocabulary is the target's, and wraps the ``self_attn`` module of every full-attention layer
+* :meth:`DraftScorer.load` loads the draft through :mod:`mlx_relay.engine.draft_library`:
+  a qwen3_5-family draft (hybrid GatedDeltaNet + gated attention) with ``mlx_vlm.load`` and
+  its ``language_model``, any other with ``mlx_lm.load``. (Before, every draft went through
+  mlx_lm, whose GatedDeltaNet prefill off Metal is a per-token loop: on CUDA a hybrid draft
+  scored an 8K prompt slower than the target prefilled it; mlx-vlm's is a chunked scan. The
+  scores do not depend on the library: tests/test_draft_scorer.py pins them equal.) It checks
+  that the draft's vocabulary is the target's, and wraps the ``self_attn`` module of every full-attention layer
   in a :class:`QueryProbe`, then checks on a short sequence that the probes reconstruct each
   layer's attention exactly (:class:`DraftIncompatible` otherwise); what was loaded is
   :attr:`DraftScorer.info` (reported in the GPUExecutor's ``ModelInfo``).
@@ -26,9 +30,9 @@ draft's outputs are bit-identical) and only while a job arms it, during the fina
 1. rebuilds the queries of the chunk's last ``window`` positions from the attention input ``x``
    exactly as the library module does (:func:`project_queries`: ``q_proj``, the gate split of
    qwen3_next/qwen3_5 gated attention, ``q_norm`` when present, RoPE at the queries' absolute
-   positions);
-2. takes every key so far, post-RoPE, from the layer's ``KVCache.state`` (trimmed to its offset:
-   mlx_lm's ``state`` is the whole preallocated buffer plus the offset);
+   positions: mlx_lm's ``rope`` or mlx_vlm's multimodal ``rotary_emb``);
+2. takes every key so far, post-RoPE, from the layer's ``KVCache`` (trimmed to its offset:
+   :func:`mlx_relay.engine.draft_library.cached_keys_values` reads either library's);
 3. computes the attention probabilities in float32: ``softmax(q . k * scale)`` with grouped
    query heads, causal among the window's own positions (:func:`window_attention`).
 
@@ -42,10 +46,11 @@ Memory: one layer's probabilities are ``heads x window x prompt`` float32 values
 a window of 16 and a 32K prompt: 64 MiB), evaluated lazily layer by layer.
 
 Supported draft attention: llama-style (``n_heads``, no query norm), qwen3 (``q_norm``) and
-qwen3_next / qwen3_5 gated attention (``q_proj`` doubled to queries + gate), on layers whose
-cache is a plain ``KVCache``; layers with another cache (sliding windows, linear attention) are
-left out of the scores. Anything whose attention the probes cannot reproduce on the load-time
-check is refused with :class:`DraftIncompatible`.
+qwen3_next / qwen3_5 gated attention (``q_proj`` doubled to queries + gate; mlx_lm's or
+mlx_vlm's module), on layers whose cache is a plain ``KVCache`` of either library; layers
+with another cache (sliding windows, linear attention) are left out of the scores. Anything
+whose attention the probes cannot reproduce on the load-time check is refused with
+:class:`DraftIncompatible`.
 
 No state lives at module level: what a scoring pass collects belongs to its job, and the probes
 hold a reference to it only while that job's final chunk runs.
@@ -53,7 +58,6 @@ hold a reference to it only while that job's final chunk runs.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -65,8 +69,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import msgspec
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_relay.engine.draft_library import (
+    DraftLibrary,
+    cache_arrays,
+    cached_keys_values,
+    has_rotation,
+    is_attention_cache,
+    load_draft,
+    make_cache,
+    rotate_queries,
+)
 from mlx_relay.errors import GenerationFailed, ModelLoadError
 from mlx_relay.messages.gpu import DraftInfo
 
@@ -126,9 +139,10 @@ def query_layout(attn: nn.Module) -> QueryLayout:
     q_out = _out_features(getattr(attn, "q_proj", None))
     if not isinstance(n_heads, int) or n_heads <= 0 or q_out is None:
         raise DraftIncompatible(f"{name}: no q_proj / head count to rebuild its queries from")
-    for needed in ("rope", "scale"):
-        if getattr(attn, needed, None) is None:
-            raise DraftIncompatible(f"{name}: no {needed!r} attribute")
+    if getattr(attn, "scale", None) is None:
+        raise DraftIncompatible(f"{name}: no 'scale' attribute")
+    if not has_rotation(attn):
+        raise DraftIncompatible(f"{name}: no 'rope' or 'rotary_emb' to rotate its queries with")
     head_dim = getattr(attn, "head_dim", None)
     if not isinstance(head_dim, int):
         q_norm = getattr(attn, "q_norm", None)
@@ -165,7 +179,7 @@ def project_queries(
     q_norm = getattr(attn, "q_norm", None)
     if q_norm is not None:
         q = q_norm(q)
-    q = attn.rope(q.transpose(0, 2, 1, 3), offset=offset)
+    q = rotate_queries(attn, q.transpose(0, 2, 1, 3), offset)
     return q, gate
 
 
@@ -212,21 +226,32 @@ class QueryProbe(nn.Module):
         self.layout = layout
         self.collector: _Collector | None = None
 
+    def __getattr__(self, key: str) -> Any:
+        """Attributes the probe lacks are the wrapped module's: library code reads them through
+        the layer (mlx_vlm's qwen3_5 backbone reads ``self_attn.rotary_emb``, say)."""
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            inner = self.get("inner")
+            if inner is None:
+                raise
+            return getattr(inner, key)
+
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
         out = self.inner(x, *args, **kwargs)
         collector = self.collector
         if collector is not None:
             cache = kwargs["cache"] if "cache" in kwargs else (args[1] if len(args) > 1 else None)
+            if kwargs.get("position_ids") is not None or kwargs.get("position_embeddings") is not None:
+                # the queries are rebuilt at the cache's positions (the scorer passes none)
+                raise ScoringFailed("probed attention got explicit positions")
             self._collect(collector, x, out, cache)
         return out
 
     def _collect(self, collector: _Collector, x: mx.array, out: mx.array, cache: Any) -> None:
-        from mlx_lm.models.cache import KVCache
-
-        if type(cache) is not KVCache:
+        if not is_attention_cache(cache):
             raise ScoringFailed(f"probed attention got a {type(cache).__name__} cache, not a KVCache")
-        keys, values, offset = cache.state  # the preallocated buffers and how much of them is used
-        keys, values = keys[..., :offset, :], values[..., :offset, :]
+        keys, values, offset = cached_keys_values(cache)
         window = min(collector.window, x.shape[1])
         xw = x[:, -window:, :]
         queries, gate = project_queries(self.inner, self.layout, xw, offset - window)
@@ -277,16 +302,6 @@ def _vocab(tokenizer: Any) -> dict[str, int]:
     return dict(get_vocab())
 
 
-def _model_type(model: nn.Module, path: Path) -> str:
-    model_type = getattr(model, "model_type", None)
-    if isinstance(model_type, str):
-        return model_type
-    try:
-        return str(json.loads((path / "config.json").read_text()).get("model_type", "unknown"))
-    except (OSError, ValueError):
-        return "unknown"
-
-
 class DraftScorer:
     """The loaded draft model with probes on its attention layers (GPU thread only)."""
 
@@ -297,19 +312,19 @@ class DraftScorer:
         self._backbone = self._find_backbone(model)
 
     @classmethod
-    def load(cls, path: Path, target_tokenizer: Any) -> DraftScorer:
-        """Load the draft at ``path`` (a local checkpoint mlx_lm can load).
+    def load(cls, path: Path, target_tokenizer: Any, *, library: DraftLibrary | None = None) -> DraftScorer:
+        """Load the draft at ``path`` (a local checkpoint), through ``library`` (default: mlx-vlm
+        for a qwen3_5-family draft, mlx-lm for any other; see :mod:`~mlx_relay.engine.draft_library`).
 
         Raises ModelLoadError when it cannot be loaded, DraftIncompatible when its vocabulary
         differs from ``target_tokenizer``'s or none of its attention layers can be probed."""
-        import mlx_lm
-
         started = time.perf_counter()
         try:
-            model, tokenizer = mlx_lm.load(str(path))[:2]
+            loaded = load_draft(path, library)
         except Exception as exc:
             raise ModelLoadError(f"cannot load the SpecPrefill draft model {path}: {exc}") from exc
-        vocab, target_vocab = _vocab(tokenizer), _vocab(target_tokenizer)
+        model = loaded.model
+        vocab, target_vocab = _vocab(loaded.tokenizer), _vocab(target_tokenizer)
         if vocab != target_vocab:
             differing = sorted(set(vocab.items()) ^ set(target_vocab.items()))[:3]
             raise DraftIncompatible(
@@ -317,7 +332,7 @@ class DraftScorer:
                 f"{len(target_vocab)} tokens; e.g. {differing})"
             )
         probes = cls._wrap(model)
-        scorer = cls(model, probes, DraftInfo(str(path), _model_type(model, path), len(probes), 0.0))
+        scorer = cls(model, probes, DraftInfo(str(path), loaded.model_type, len(probes), 0.0, loaded.library))
         scorer._check(sorted(vocab.values()))
         scorer.info = msgspec.structs.replace(scorer.info, load_seconds=time.perf_counter() - started)
         return scorer
@@ -325,10 +340,8 @@ class DraftScorer:
     @staticmethod
     def _wrap(model: nn.Module) -> list[QueryProbe]:
         """Wraps every full-attention layer's ``self_attn`` whose cache is a plain KVCache."""
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
-
         layers = list(getattr(model, "layers", None) or [])
-        caches = make_prompt_cache(model)
+        caches = make_cache(model)
         if not layers or len(caches) != len(layers):
             raise DraftIncompatible(f"{type(model).__module__}: cannot pair its layers with their caches")
         probes: list[QueryProbe] = []
@@ -337,7 +350,7 @@ class DraftScorer:
             attn = layer.get("self_attn") if isinstance(layer, nn.Module) else None
             if not isinstance(attn, nn.Module):
                 continue
-            if type(cache) is not KVCache:
+            if not is_attention_cache(cache):
                 reasons.append(f"layer {index}: {type(cache).__name__} cache")
                 continue
             try:
@@ -392,11 +405,9 @@ class DraftScorer:
         """Load-time check: on a short sequence in two chunks, each probe's rebuilt attention
         output must match its module's own (DraftIncompatible otherwise). A draft whose output is
         not finite leaves that layer unchecked: its scores will fail with ScoringFailed anyway."""
-        from mlx_lm.models.cache import make_prompt_cache
-
         step = max(1, len(vocab_ids) // _CHECK_TOKENS)
         tokens = [vocab_ids[(i * step + 3) % len(vocab_ids)] for i in range(_CHECK_TOKENS)]
-        cache = make_prompt_cache(self.model)
+        cache = make_cache(self.model)
         collector = _Collector(window=_CHECK_TOKENS - _CHECK_SPLIT, check=True)
         try:
             self._forward(tokens[:_CHECK_SPLIT], cache)
@@ -457,12 +468,12 @@ class ScoringJob:
             return []
         try:
             if self._cache is None:
-                self._cache = make_prompt_cache(scorer.model)
+                self._cache = make_cache(scorer.model)
             a, b = self._bounds[self._next]
             self._next += 1
             if self._next < len(self._bounds):
                 scorer._forward(self._tokens[a:b], self._cache)
-                mx.eval([c.state for c in self._cache])
+                mx.eval(cache_arrays(self._cache))
                 return None
             collector = _Collector(window=self._window)
             scorer._collect(self._tokens[a:b], self._cache, collector)

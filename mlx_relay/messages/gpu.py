@@ -148,6 +148,8 @@ class DraftInfo(msgspec.Struct, frozen=True):
     model_type: str
     attention_layers: int  # layers whose attention the scores are read from
     load_seconds: float
+    # which library runs it: mlx-vlm for a qwen3_5-family (hybrid) draft, mlx-lm otherwise
+    library: Literal["mlx-lm", "mlx-vlm"] = "mlx-lm"
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
