@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from mlx_relay.testing.live_server import free_port_range
 
 MODEL = "tiny"
 
@@ -53,27 +54,9 @@ def _field(lines: list[str], marker: str, key: str) -> int:
     return int(line.split(f"{key}=")[1].split()[0])
 
 
-def _free_base(count: int) -> int:
-    """A port P with P..P+count-1 free on loopback."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
-
-
 def _start_cluster(model: Path, replicas: int) -> Cluster:
     """`mlx-relay cluster` as a subprocess, once it says it is ready (its later lines keep coming)."""
-    port = _free_base(replicas + 2)  # router, replicas, the router's metrics
+    port = free_port_range(replicas + 2)  # router, replicas, the router's metrics
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     argv = [sys.executable, "-m", "mlx_relay.cli", "cluster", str(model), "--replicas", str(replicas),
             "--port", str(port), "--ready-timeout", "120",
@@ -85,7 +68,7 @@ def _start_cluster(model: Path, replicas: int) -> Cluster:
         lines.append(line.strip())
         if "cluster ready" in line:
             break
-    assert any("cluster ready" in ln for ln in lines), lines
+    assert any("cluster ready" in ln for ln in lines), [ln for ln in lines if "mlx-relay" in ln][-6:]
     threading.Thread(target=lambda: lines.extend(ln.strip() for ln in proc.stdout or ()), daemon=True).start()
     return Cluster(proc, port, replicas, lines)
 

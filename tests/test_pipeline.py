@@ -35,7 +35,7 @@ from mlx_relay.engine.loader import load_model
 from mlx_relay.engine.pipeline_stage import UnsupportedSplit, shard_language_model, split_layers
 from mlx_relay.relay import default_config
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
-from mlx_relay.testing.live_server import LiveServer, free_port
+from mlx_relay.testing.live_server import LiveServer, free_port_range
 
 NAME = "tiny8"
 # both servers: the prefix cache snapshots system prompts from 16 tokens on; MTP wherever it can
@@ -62,8 +62,9 @@ def _launch(model: Path, tmp: Path, flags: list[str]) -> Iterator[tuple[str, dic
     """`mlx-relay serve --pipeline` as two ranks (rank 0 serves HTTP), started as mlx.launch does;
     yields once rank 0 is ready; kills what is left at the end."""
     hostfile = tmp / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
-    port = free_port()
+    base = free_port_range(3)  # the ring's two ports and rank 0's HTTP port, below the ephemeral range
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    port = base + 2
     cmd = [sys.executable, "-m", "mlx_relay.cli", "serve", str(model), "--pipeline", "--pipeline-backend",
            "ring", "--served-model-name", NAME, "--port", str(port), "--log-level", "warning", *flags]
     ranks: dict[int, subprocess.Popen[bytes]] = {}

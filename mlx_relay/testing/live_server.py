@@ -13,6 +13,7 @@ SIGTERM does to the real process. `call` runs a coroutine on the server's loop w
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import threading
 import time
@@ -35,6 +36,27 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_range(count: int, seed: int | None = None) -> int:
+    """A port P with P..P+count-1 free on loopback, taken *below* the system's ephemeral range: a
+    range held free for a while (a cluster binds its router's ports only after its replicas are
+    up) must not be handed meanwhile to another test's `bind(0)`, which draws from that range."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random(seed)
+    for _ in range(200):
+        base = rng.randrange(10000, max(low - count, 10001))
+        try:
+            for port in range(base, base + count):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} free ports in a row below {low}")
 
 
 class LiveServer:
