@@ -40,9 +40,11 @@ def gpu() -> Iterator[Callable[[Callable[[], Any]], Any]]:
 
 @pytest.fixture(scope="session")
 def server(fp32_model: Path) -> Iterator[LiveServer]:
-    """The shared server: fp32 fixture, 8 sequences at once, a queue of 32."""
+    """The shared server: fp32 fixture, 8 sequences at once, a queue of 32. No warm-up: the tests
+    compile the kernels they run, not every shape a warm-up covers (each a C++ build on the CPU
+    backend); the in-process `relay` fixture below and test_mtp_policy still warm up."""
     config = default_config(fp32_model, served_model_name="tiny", max_num_seqs=8, max_queue=32, mtp_max_batch=8,
-                            mtp_policy="always")
+                            mtp_policy="always", warmup=False)
     with LiveServer(config) as live:
         yield live
 
