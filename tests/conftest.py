@@ -42,7 +42,7 @@ def gpu() -> Iterator[Callable[[Callable[[], Any]], Any]]:
 def server(fp32_model: Path) -> Iterator[LiveServer]:
     """The shared server: fp32 fixture, 8 sequences at once, a queue of 32. No warm-up: the tests
     compile the kernels they run, not every shape a warm-up covers (each a C++ build on the CPU
-    backend); the in-process `relay` fixture below and test_mtp_policy still warm up."""
+    backend); test_mtp_policy's Relay and test_cli's server warm up."""
     config = default_config(fp32_model, served_model_name="tiny", max_num_seqs=8, max_queue=32, mtp_max_batch=8,
                             mtp_policy="always", warmup=False)
     with LiveServer(config) as live:
@@ -51,7 +51,7 @@ def server(fp32_model: Path) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="session")
 async def relay(fp32_model: Path) -> AsyncIterator[Relay]:
-    """The same actors in-process, without HTTP.
+    """The same actors in-process, without HTTP (no warm-up either, as the shared server).
 
     The Relay's task groups must be entered and left by one task; pytest-asyncio runs fixture
     set-up and tear-down in different tasks, so a dedicated task owns the Relay."""
@@ -59,7 +59,7 @@ async def relay(fp32_model: Path) -> AsyncIterator[Relay]:
     holder: list[Relay] = []
 
     async def own() -> None:
-        async with Relay.start(fp32_model, max_num_seqs=8, mtp_max_batch=8, mtp_policy="always") as r:
+        async with Relay.start(fp32_model, max_num_seqs=8, mtp_max_batch=8, mtp_policy="always", warmup=False) as r:
             holder.append(r)
             ready.set()
             await stop.wait()
