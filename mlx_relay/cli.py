@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-limit-gb", type=float, default=None,
                        help="MLX memory limit for this process (lets two servers share one GPU)")
     serve.add_argument("--cache-limit-gb", type=float, default=None,
-                       help="freed buffers MLX keeps for reuse (default: 8 GiB on CUDA, else MLX's own: "
-                            "up to the memory limit)")
+                       help="freed buffers MLX keeps for reuse (default: 8 GiB on CUDA, or a tenth of the "
+                            "device if less; else MLX's own: up to the memory limit)")
     serve.add_argument("--no-warmup", action="store_true", help="skip kernel warm-up before taking traffic")
     serve.add_argument("--no-compile", action="store_true",
                        help="run the decode step eagerly instead of as one compiled function (same tokens, slower)")

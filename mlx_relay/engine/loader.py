@@ -115,10 +115,11 @@ class LoadedModel:
     info: ModelInfo
 
 
-#: MLX's buffer cache on CUDA unless --cache-limit-gb says otherwise. MLX's own default is its
-#: memory limit (95% of the device): during a 64-stream burst on an H200 it kept ~90 GB of freed
-#: buffers (the CUDA pool peaked at 142.6 GB for 50.9 GB of arrays); capped at 8 GiB the pool
-#: peaked at 62.6 GB at the same 220 tok/s (benchmarks/results/gpu-h200-2026-11-25/).
+#: MLX's buffer cache on CUDA unless --cache-limit-gb says otherwise: this, or a tenth of the
+#: device if that is less. MLX's own default is its memory limit (95% of the device): during a
+#: 64-stream burst on an H200 it kept ~90 GB of freed buffers (the CUDA pool peaked at 142.6 GB for
+#: 50.9 GB of arrays); capped at 8 GiB the pool peaked at 62.6 GB at the same 220 tok/s
+#: (benchmarks/results/gpu-h200-2026-11-25/).
 CUDA_CACHE_LIMIT_BYTES = 8 << 30
 
 
@@ -129,7 +130,7 @@ def apply_memory_limits(config: EngineConfig) -> None:
     if config.cache_limit_bytes is not None:
         mx.set_cache_limit(config.cache_limit_bytes)
     elif detect_backend() == "cuda":
-        mx.set_cache_limit(CUDA_CACHE_LIMIT_BYTES)
+        mx.set_cache_limit(min(CUDA_CACHE_LIMIT_BYTES, device_memory_bytes()[0] // 10))
 
 
 def load_model(path: Path, *, lazy: bool = False) -> LoadedModel:
