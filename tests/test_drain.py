@@ -55,8 +55,17 @@ def wait_running(url: str, n: int) -> None:
         time.sleep(0.05)
 
 
+def wait_streaming(out: list[str], chunks: int = 3) -> None:
+    """Until the stream has sent `chunks` data lines (its role, then tokens): admitted is not yet
+    decoding, and on a cold kernel cache the first tokens wait on C++ builds for many seconds."""
+    deadline = time.monotonic() + 120
+    while sum(line.startswith("data: {") for line in list(out)) < chunks:
+        assert time.monotonic() < deadline and not any(line.startswith("broken") for line in out), out[-3:]
+        time.sleep(0.05)
+
+
 def wait_draining(url: str) -> httpx.Response:
-    deadline = time.monotonic() + 30  # 10 s was missed once in a full run on 2 loaded cores
+    deadline = time.monotonic() + 10
     while (health := httpx.get(url + "/health", timeout=10)).json()["status"] != "draining":
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -172,7 +181,7 @@ def test_sigterm_drains_and_exits_0_and_a_second_sigint_exits_at_once(fp32_model
     endless = {"messages": USER, "max_tokens": 4000, "stream": True, "response_format": ENDLESS}
     proc, url = serve(fp32_model, "--drain-timeout", "2", "--log-format", "json")
     thread, out = start_reading(url, "/v1/chat/completions", endless, "endless")
-    wait_running(url, 1)
+    wait_streaming(out)
     proc.send_signal(signal.SIGTERM)
     assert_refused_while_draining(url)
     assert wait_exit(proc, 20) == 0
@@ -189,7 +198,7 @@ def test_sigterm_drains_and_exits_0_and_a_second_sigint_exits_at_once(fp32_model
 
     proc, url = serve(fp32_model, "--drain-timeout", "60")
     thread, out = start_reading(url, "/v1/chat/completions", endless)
-    wait_running(url, 1)
+    wait_streaming(out)
     proc.send_signal(signal.SIGINT)
     wait_draining(url)
     tic = time.monotonic()
