@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,16 +155,32 @@ def test_drain_finishes_what_it_can_and_ends_the_rest(fp32_model: Path, caplog: 
     assert logged["late-1"]["status"] == 503 and logged["late-1"]["error"] == "NotReady"
 
 
-def serve(model: Path, *flags: str) -> tuple[subprocess.Popen[str], str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_relay.cli", "serve", str(model), "--port", str(port), "--served-model-name",
-         "tiny", "--no-warmup", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("mlx-relay ready"), line + proc.stderr.read() if proc.stderr else line
-    return proc, f"http://127.0.0.1:{port}"
+Serve = Callable[..., tuple[subprocess.Popen[str], str]]
+
+
+@pytest.fixture
+def serve() -> Iterator[Serve]:
+    """`serve(model, *flags)`: `mlx-relay serve` as a process, once ready; whatever a failed test
+    leaves running is killed at its end."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(model: Path, *flags: str) -> tuple[subprocess.Popen[str], str]:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_relay.cli", "serve", str(model), "--port", str(port), "--served-model-name",
+             "tiny", "--no-warmup", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("mlx-relay ready"), line + proc.stderr.read() if proc.stderr else line
+        return proc, f"http://127.0.0.1:{port}"
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def wait_exit(proc: subprocess.Popen[str], within_s: float) -> int:
@@ -174,7 +191,7 @@ def wait_exit(proc: subprocess.Popen[str], within_s: float) -> int:
         raise AssertionError(f"still running {within_s}s after the signal") from None
 
 
-def test_sigterm_drains_and_exits_0_and_a_second_sigint_exits_at_once(fp32_model: Path) -> None:
+def test_sigterm_drains_and_exits_0_and_a_second_sigint_exits_at_once(fp32_model: Path, serve: Serve) -> None:
     """The real process: SIGTERM drains (503 + Retry-After, /health draining, the stream ended
     with its terminal event) and exits 0, its log all JSON lines (--log-format json) without
     prompt text; SIGINT twice exits at once."""
