@@ -26,7 +26,6 @@ from dataclasses import dataclass
 _RESERVED_MEM_CURRENT = 5
 _RESERVED_MEM_HIGH = 6
 _USED_MEM_CURRENT = 7
-_RELEASE_THRESHOLD = 4
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,6 @@ class PoolReading:
     reserved: int  # the pool holds from the device (its share of nvidia-smi's figure)
     used: int  # of which handed out (MLX's active arrays and its buffer cache live here)
     reserved_high: int  # the most the pool held at once since the process started
-    release_threshold: int  # the pool keeps up to this much reserved after a trim at sync
     device_used: int | None  # the whole device's memory in use (every process), None if unknown
 
 
@@ -78,5 +76,4 @@ class CudaMemory:
         known = self._lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
         return PoolReading(reserved=self._attribute(_RESERVED_MEM_CURRENT), used=self._attribute(_USED_MEM_CURRENT),
                            reserved_high=self._attribute(_RESERVED_MEM_HIGH),
-                           release_threshold=self._attribute(_RELEASE_THRESHOLD),
                            device_used=int(total.value - free.value) if known else None)
