@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 
 import anyio
 import httpx
@@ -64,6 +65,23 @@ class Child:
         assert self.process is not None
         return await self.process.wait()
 
+    async def wait_until(self, ready: Callable[[httpx.AsyncClient], Awaitable[bool]], timeout_s: float,
+                         poll_s: float = 0.2, headers: dict[str, str] | None = None) -> None:
+        """Until `ready(client)` says so; ProcessExited if the process ends first, TimeoutError past
+        `timeout_s`. A child process's readiness can only be asked for, so this asks every `poll_s`
+        (a transport error counts as not yet: the child is not listening yet)."""
+        async with httpx.AsyncClient(timeout=2.0, headers=headers or {}) as client:
+            with anyio.fail_after(timeout_s):
+                while True:
+                    if self.returncode is not None:
+                        raise ProcessExited(self.name, self.returncode)
+                    try:
+                        if await ready(client):
+                            return
+                    except httpx.TransportError:
+                        pass
+                    await anyio.sleep(poll_s)
+
     async def stop(self, deadline_s: float) -> int | None:
         """SIGTERM, then SIGKILL if it has not exited within `deadline_s`; its exit status."""
         if self.process is None or self.process.returncode is not None:
@@ -84,16 +102,9 @@ class Replica(Child):
         self.url = url
 
     async def wait_ready(self, timeout_s: float, poll_s: float = 0.2) -> None:
-        """Until `/health` answers 200; ProcessExited if the process ends first, TimeoutError past
-        `timeout_s`. A child process's readiness can only be asked for, so this asks every `poll_s`."""
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            with anyio.fail_after(timeout_s):
-                while True:
-                    if self.returncode is not None:
-                        raise ProcessExited(self.name, self.returncode)
-                    try:
-                        if (await client.get(self.url + "/health")).status_code == 200:
-                            return
-                    except httpx.TransportError:
-                        pass  # not listening yet
-                    await anyio.sleep(poll_s)
+        """Until `/health` answers 200 (`Child.wait_until`)."""
+
+        async def healthy(client: httpx.AsyncClient) -> bool:
+            return (await client.get(self.url + "/health")).status_code == 200
+
+        await self.wait_until(healthy, timeout_s, poll_s)

@@ -12,11 +12,10 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-import anyio
 import httpx
 
 from mlx_relay.cluster.config import RouterConfig
-from mlx_relay.cluster.replicas import Child, ProcessExited
+from mlx_relay.cluster.replicas import Child
 
 
 class RouterMissing(Exception):
@@ -56,20 +55,14 @@ class Router(Child):
         """Until SMG lists every worker as ready and healthy (it registers them in the background
         after it starts listening); ProcessExited if it ends first, TimeoutError past `timeout_s`."""
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-        async with httpx.AsyncClient(timeout=2.0, headers=headers) as client:
-            with anyio.fail_after(timeout_s):
-                while True:
-                    if self.returncode is not None:
-                        raise ProcessExited(self.name, self.returncode)
-                    if set(self.worker_urls) <= await self._ready_workers(client):
-                        return
-                    await anyio.sleep(poll_s)
+
+        async def all_ready(client: httpx.AsyncClient) -> bool:
+            return set(self.worker_urls) <= await self._ready_workers(client)
+
+        await self.wait_until(all_ready, timeout_s, poll_s, headers)
 
     async def _ready_workers(self, client: httpx.AsyncClient) -> set[str]:
-        try:
-            r = await client.get(self.url + "/workers")
-        except httpx.TransportError:
-            return set()  # not listening yet
+        r = await client.get(self.url + "/workers")
         if r.status_code != 200:
             return set()
         return {w["url"] for w in r.json().get("workers", []) if w.get("is_healthy") and w.get("status") == "ready"}
