@@ -73,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from agent_curriculum import TRAIN, Curriculum, Mix, StdlibFiller, SyntheticFiller
 from train_small_mtp import (
     TargetWithMTP,
+    add_optimizer_args,
     learning_rate,
     load_train_state,
     reexec_with_blas_shim,
@@ -237,11 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--filler", choices=("synthetic", "stdlib"), default="synthetic")
     p.add_argument("--stdlib", type=Path, default=None, help="the stdlib filler's root (default: this Python's)")
     p.add_argument("--workers", type=int, default=0, help="row-making processes (0: inline)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.05)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--mtp-weight", type=float, default=1.0)
+    add_optimizer_args(p)
     p.add_argument("--save-every", type=int, default=500, help="save every this many steps trained in this call")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop (and save) after this long; 0 = no limit")

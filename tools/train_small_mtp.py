@@ -471,6 +471,16 @@ def evaluate(args: argparse.Namespace, held_texts: list[str], held_ids: np.ndarr
 # --------------------------------------------------------------------------- train
 
 
+def add_optimizer_args(p: argparse.ArgumentParser) -> None:
+    """The optimizer's and the joint loss's flags, shared with train_agent_model.py
+    (`learning_rate` reads --lr, --min-lr-ratio and --warmup)."""
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.05)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--mtp-weight", type=float, default=1.0)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -483,11 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--linear-head-dim", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.05)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--mtp-weight", type=float, default=1.0)
+    add_optimizer_args(p)
     p.add_argument("--corpus-bytes", type=int, default=0, help="training text cap (0: all of it)")
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--log-every", type=int, default=50)
