@@ -178,10 +178,12 @@ def test_think_json_and_needle_scorers_on_hand_made_replies() -> None:
 def test_schedule_and_step_plan() -> None:
     tr = _script("train_agent_model")
     args = tr.parse_args(["--out", "x", "--schedule", "1024:3,16384:2", "--tokens-per-step", "65536"])
-    assert args.stages == [(1024, 3), (16384, 2)] and args.steps == 5
+    assert args.stages == [(1024, 3, 0), (16384, 2, 0)] and args.steps == 5
     assert tr.stage_plans(args, 0) == [[(0, 1024, 64), (1, 1024, 64), (2, 1024, 64)],
                                        [(3, 16384, 4), (4, 16384, 4)]]
     assert tr.stage_plans(args, 4) == [[], [(4, 16384, 4)]]
+    rows = tr.parse_args(["--out", "x", "--schedule", "1024:1,8192:1:3", "--tokens-per-step", "65536"])
+    assert tr.stage_plans(rows, 0) == [[(0, 1024, 64)], [(1, 8192, 3)]]  # a stage's own row count
     assert tr.stage_deadlines(args) == [math.inf, math.inf]
     timed = tr.parse_args(["--out", "x", "--schedule", "1024:3,16384:2", "--max-seconds", "100",
                            "--stage-time-shares", "3,1"])
@@ -191,9 +193,11 @@ def test_schedule_and_step_plan() -> None:
         tr.parse_args(["--out", "x", "--schedule", "1024:3", "--stage-time-shares", "1"])  # no --max-seconds
     with pytest.raises(ValueError):
         tr.parse_schedule("16:0")
+    with pytest.raises(ValueError):
+        tr.parse_schedule("1024:2:1:1")
 
 
-def test_masked_losses_equal_the_plain_losses_under_a_full_mask() -> None:
+def test_masked_losses_split_the_plain_losses_by_token_kind() -> None:
     import mlx.core as mx
 
     from mlx_relay.testing.fixtures import FixtureSpec
@@ -203,11 +207,41 @@ def test_masked_losses_equal_the_plain_losses_under_a_full_mask() -> None:
     model = small.TargetWithMTP(small.small_config(FixtureSpec("fp32", 0, 64, 128, 4), 16))
     tokens = mx.array(np.random.default_rng(0).integers(0, 1000, (2, 24)), dtype=mx.int32)
     plain = small.joint_losses(model.vlm, model.mtp, tokens)
-    full = tr.masked_losses(model.vlm, model.mtp, tokens, mx.ones(tokens.shape, dtype=mx.bool_))
-    for a, b in zip(plain, full, strict=True):
-        assert a.item() == pytest.approx(b.item(), rel=1e-5)
-    none = tr.masked_losses(model.vlm, model.mtp, tokens, mx.zeros(tokens.shape, dtype=mx.bool_))
-    assert [x.item() for x in none] == [0.0, 0.0]
+
+    def losses(kind: int) -> dict[str, float]:
+        out = tr.masked_losses(model.vlm, model.mtp, tokens, mx.full(tokens.shape, kind, dtype=mx.int8))
+        return {k: v.item() for k, v in out.items()}
+
+    every = losses(tr.ASSISTANT)  # every token an assistant turn's: the plain losses
+    assert [every["main"], every["mtp"]] == pytest.approx([a.item() for a in plain], rel=1e-5)
+    assert every["context"] == every["mtp_context"] == 0.0
+    text = losses(tr.CONTEXT)  # every token the prompt's: the same numbers on the context side
+    assert [text["context"], text["mtp_context"]] == pytest.approx([a.item() for a in plain], rel=1e-5)
+    assert set(losses(tr.PAD).values()) == {0.0}
+    parts = {k: mx.array(v) for k, v in every.items()}
+    assert tr.total_loss(parts, 0.3, 0.5).item() == pytest.approx(every["main"] + 0.5 * every["mtp"], rel=1e-6)
+
+
+def test_token_kinds_mark_padding_apart_from_the_prompts(cur: Any) -> None:
+    tool, tr = _script("agent_curriculum"), _script("train_agent_model")
+    pad = cur.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    row = cur.row(tool.TRAIN, 5, 384, pad)
+    kinds = tr.token_kinds(row.ids, row.mask, pad)
+    assert (kinds == tr.ASSISTANT).sum() == row.mask.sum()
+    assert ((kinds == tr.PAD) == (row.ids == pad)).all()
+    assert (kinds == tr.CONTEXT).sum() > (kinds == tr.ASSISTANT).sum()
+
+
+def test_training_needles_may_ask_every_code_and_held_out_ones_ask_one(cur: Any) -> None:
+    tool = _script("agent_curriculum")
+    multi = [ex for ex in (cur.example(tool.TRAIN, i, "needle", 512) for i in range(24)) if "\n" in (ex.answer or "")]
+    assert multi, "no training needle asked for several codes"
+    for ex in multi[:3]:
+        prompt = cur.tokenizer.decode(cur.prompt_ids(ex))
+        assert all(f"is {v}." in prompt for v in ex.answer.split("\n"))
+        cur.encode(ex)
+    held = [cur.example(tool.HELD_OUT, i, "needle", 512) for i in range(24)]
+    assert all(ex.answer is not None and ex.answer.isdigit() for ex in held)
 
 
 @pytest.mark.timeout(120)

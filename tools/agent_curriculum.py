@@ -101,6 +101,7 @@ class Mix:
     json: float = 0.15
     chat: float = 0.1
     no_think: float = 0.1
+    multi_needle: float = 0.5  # training needles that ask for every code at once
 
     def weights(self) -> np.ndarray:
         w = np.array([getattr(self, f) for f in FAMILIES], dtype=np.float64)
@@ -212,7 +213,8 @@ class Curriculum:
         return np.random.default_rng((self.seed, split, index))
 
     def example(self, split: int, index: int, family: Family | None = None, length: int = 1024) -> Example:
-        """Example ``index`` of ``split``; ``length`` is the token budget long families fill."""
+        """Example ``index`` of ``split``; ``length`` is the token budget long families fill. The
+        held-out split's needles ask one question each (the evaluation's measure)."""
         rng = self.rng(split, index)
         if family is None:
             family = FAMILIES[int(rng.choice(len(FAMILIES), p=self.mix.weights()))]
@@ -234,17 +236,28 @@ class Curriculum:
         return text[: offsets[tokens - 1][1]] if len(offsets) > tokens else text
 
     def _needle(self, rng: np.random.Generator, split: int, length: int) -> Example:
-        pairs = [(_key(rng), _value(rng)) for _ in range(int(rng.integers(1, 5)))]
-        body = self._filler(rng, split, max(length - 120 - 24 * len(pairs), 16))
+        """One question on the held-out split (what the evaluation asks); on the training split,
+        with ``Mix.multi_needle``'s probability, the user asks for every code at once (more
+        retrievals per long prompt to learn from; the answer lists the codes in the order asked)."""
+        pairs = [(_key(rng), _value(rng)) for _ in range(int(rng.integers(1, 7)))]
+        body = self._filler(rng, split, max(length - 120 - 30 * len(pairs), 16))
         cuts = sorted(int(c) for c in rng.integers(0, len(body) + 1, len(pairs)))
         parts, last = [], 0
         for cut, (k, v) in zip(cuts, pairs, strict=True):
             parts += [body[last:cut], f"\nThe code for {k} is {v}.\n"]
             last = cut
         parts.append(body[last:])
-        key, value = pairs[int(rng.integers(0, len(pairs)))]
-        user = "".join(parts) + f"\n\nWhat is the code for {key}? Answer with the code only."
-        think = f"The text says the code for {key} is {value}."
+        multi = split == TRAIN and len(pairs) > 1 and bool(rng.random() < self.mix.multi_needle)
+        if multi:
+            asked = [pairs[int(i)] for i in rng.permutation(len(pairs))]
+            keys = ", ".join(k for k, _ in asked)
+            user = "".join(parts) + f"\n\nWhat are the codes for {keys}? Answer with the codes only, one per line."
+            think = " ".join(f"The text says the code for {k} is {v}." for k, v in asked)
+            value = "\n".join(v for _, v in asked)
+        else:
+            key, value = pairs[int(rng.integers(0, len(pairs)))]
+            user = "".join(parts) + f"\n\nWhat is the code for {key}? Answer with the code only."
+            think = f"The text says the code for {key} is {value}."
         return Example("needle", [ChatMessage("user", user), ChatMessage("assistant", value, reasoning_content=think)],
                        answer=value)
 

@@ -7,10 +7,13 @@ and its optimizer-state file for ``--resume``. What differs:
 
 * the data: rows of ``tools/agent_curriculum.py`` conversations (each rendered by the server's
   own prompt renderer and chat template), packed to the stage's sequence length and padded;
-* the loss: cross-entropy only where the loss mask is set (assistant turns), for the target's
-  next token and for the MTP head's token ``t+2``;
-* a sequence-length schedule (``--schedule 1024:2000,4096:600,16384:200``: stages of
-  ``length:steps``), with the batch per stage ``--tokens-per-step // length`` (at least 1), so
+* the loss: cross-entropy over the assistant turns, for the target's next token and for the MTP
+  head's token ``t+2``, plus the same over the prompts' text at ``--context-weight`` (0.3; the
+  first H100 run trained on the assistant turns alone, one token in ten, and after 300 steps
+  could not copy a key from the line above);
+* a sequence-length schedule (``--schedule 1024:2000,4096:600,16384:200:2``: stages of
+  ``length:steps[:rows]``), with the batch per stage ``rows`` or else ``--tokens-per-step // length``
+  (at least 1; the long stages' attention scores need fewer rows to fit), so
   the model learns the template's shapes on short rows first, then retrieval over long ones;
 * ``--max-position`` (the checkpoint's declared context, default 32768);
 * the learning rate follows the steps of the whole schedule only; ``--max-seconds`` just stops
@@ -61,7 +64,7 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -89,33 +92,68 @@ from mlx_relay.testing.tokenizer_builder import token_id
 ROWS_PER_STEP_MAX = 1024
 
 
-def parse_schedule(text: str) -> list[tuple[int, int]]:
-    """``"1024:2000,4096:600"`` -> ``[(1024, 2000), (4096, 600)]``."""
+class Stage(NamedTuple):
+    """One stage of the schedule: ``steps`` steps of ``length``-token rows, ``rows`` a step (0:
+    ``--tokens-per-step // length``)."""
+
+    length: int
+    steps: int
+    rows: int = 0
+
+
+def parse_schedule(text: str) -> list[Stage]:
+    """``"1024:2000,4096:600:12"`` -> ``[Stage(1024, 2000), Stage(4096, 600, 12)]``."""
     stages = []
     for part in text.split(","):
-        length, steps = part.split(":")
-        stages.append((int(length), int(steps)))
-    if not stages or any(length < 64 or steps < 1 for length, steps in stages):
+        fields = [int(x) for x in part.split(":")]
+        if len(fields) not in (2, 3):
+            raise ValueError(f"bad --schedule stage {part!r} (length:steps[:rows])")
+        stages.append(Stage(*fields))
+    if not stages or any(st.length < 64 or st.steps < 1 or st.rows < 0 for st in stages):
         raise ValueError(f"bad --schedule {text!r}")
     return stages
 
 
-def masked_losses(vlm: nn.Module, mtp: nn.Module, tokens: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
-    """(target next-token loss, MTP token-``t+2`` loss), mean cross-entropy over masked targets
-    (the same hidden states and positions as ``train_small_mtp.joint_losses``)."""
+PAD, CONTEXT, ASSISTANT = 0, 1, 2  # a row token's kind: padding, the prompt's text, an assistant turn's
+
+
+def token_kinds(ids: np.ndarray, mask: np.ndarray, pad_id: int) -> np.ndarray:
+    """Each token's kind (``int8``): ``ASSISTANT`` where the loss mask is set, ``PAD`` for the
+    row's padding (the pad token, which no conversation holds), ``CONTEXT`` for the rest."""
+    return np.where(mask, ASSISTANT, np.where(ids == pad_id, PAD, CONTEXT)).astype(np.int8)
+
+
+def _mean_ce(ce: mx.array, kinds: mx.array, kind: int) -> mx.array:
+    m = (kinds == kind).astype(mx.float32)
+    return (ce * m).sum() / mx.maximum(m.sum(), 1.0)
+
+
+def masked_losses(vlm: nn.Module, mtp: nn.Module, tokens: mx.array, kinds: mx.array) -> dict[str, mx.array]:
+    """Mean cross-entropies of the target's next token and the MTP head's token ``t+2``, apart
+    over the assistant turns (``main``, ``mtp``) and over the prompts' text (``context``,
+    ``mtp_context``); padding counts nowhere (the same hidden states and positions as
+    ``train_small_mtp.joint_losses``)."""
     lm = vlm.language_model
     seq = tokens.shape[1]
     text_pos = mx.broadcast_to(mx.arange(seq, dtype=mx.int32)[None, None, :], (3, 1, seq))
     h = lm.model(tokens, position_ids=text_pos)
     ce = nn.losses.cross_entropy(lm.lm_head(h[:, :-1]), tokens[:, 1:], reduction="none")
-    m1 = mask[:, 1:].astype(mx.float32)
-    main = (ce * m1).sum() / mx.maximum(m1.sum(), 1.0)
     emb = lm.model.embed_tokens(tokens[:, 1:])
     pos = mx.arange(seq - 1, dtype=mx.int32)[None, :]
     mh = mtp._forward_hidden(emb, h[:, :-1], None, pos)
     ce2 = nn.losses.cross_entropy(lm.lm_head(mh[:, :-1]), tokens[:, 2:], reduction="none")
-    m2 = mask[:, 2:].astype(mx.float32)
-    return main, (ce2 * m2).sum() / mx.maximum(m2.sum(), 1.0)
+    k1, k2 = kinds[:, 1:], kinds[:, 2:]
+    return {"main": _mean_ce(ce, k1, ASSISTANT), "context": _mean_ce(ce, k1, CONTEXT),
+            "mtp": _mean_ce(ce2, k2, ASSISTANT), "mtp_context": _mean_ce(ce2, k2, CONTEXT)}
+
+
+def total_loss(losses: dict[str, mx.array], context_weight: float, mtp_weight: float) -> mx.array:
+    """What the optimizer minimizes: the assistant turns' loss, plus the prompts' text at
+    ``context_weight`` (next-token prediction over the filler, the tool declarations and the
+    questions: the copying and look-up an assistant turn needs, learned from every token rather
+    than the one in ten that an assistant turn holds), each with its MTP term at ``mtp_weight``."""
+    return (losses["main"] + context_weight * losses["context"]
+            + mtp_weight * (losses["mtp"] + context_weight * losses["mtp_context"]))
 
 
 # --------------------------------------------------------------------------- rows (worker side)
@@ -130,9 +168,10 @@ def _init_worker(out: str, filler: str, stdlib: str | None, seed: int) -> None:
 
 
 def _make_row(task: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, token kinds) of one training row."""
     length, index = task
     enc = _WORKER["cur"].row(TRAIN, index, length, _WORKER["pad"])
-    return enc.ids, enc.mask
+    return enc.ids, token_kinds(enc.ids, enc.mask, _WORKER["pad"])
 
 
 class Rows:
@@ -153,7 +192,7 @@ class Rows:
         return self.pool.map_async(_make_row, tasks)
 
     def batches(self, plan: list[tuple[int, int, int]]) -> Any:
-        """``plan``: (step, length, batch) per step; yields (ids, mask) arrays per step."""
+        """``plan``: (step, length, batch) per step; yields (ids, kinds) arrays per step."""
         queue: deque[Any] = deque()  # this plan's jobs (a stage left early leaves its own behind)
         it = iter(plan)
         for step, length, batch in it:
@@ -235,6 +274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-position", type=int, default=32768)
     p.add_argument("--schedule", default="1024:2000,4096:600,16384:200", help="length:steps,...")
     p.add_argument("--tokens-per-step", type=int, default=65536)
+    p.add_argument("--context-weight", type=float, default=0.3,
+                   help="the weight of the prompts' text in the loss (0: the assistant turns only)")
     p.add_argument("--filler", choices=("synthetic", "stdlib"), default="synthetic")
     p.add_argument("--stdlib", type=Path, default=None, help="the stdlib filler's root (default: this Python's)")
     p.add_argument("--workers", type=int, default=0, help="row-making processes (0: inline)")
@@ -256,7 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-blas-shim", action="store_true")
     args = p.parse_args(argv)
     args.stages = parse_schedule(args.schedule)
-    args.steps = sum(steps for _, steps in args.stages)  # learning_rate() reads args.steps
+    args.steps = sum(st.steps for st in args.stages)  # learning_rate() reads args.steps
     args.shares = None
     if args.stage_time_shares is not None:
         shares = [float(x) for x in args.stage_time_shares.split(",")]
@@ -270,8 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def stage_plans(args: argparse.Namespace, start: int) -> list[list[tuple[int, int, int]]]:
     """Per stage, its (step, length, batch) from step `start` on (stages before it are empty)."""
     plans, step = [], 0
-    for length, steps in args.stages:
-        batch = min(max(args.tokens_per_step // length, 1), ROWS_PER_STEP_MAX)
+    for length, steps, rows in args.stages:
+        batch = min(rows or max(args.tokens_per_step // length, 1), ROWS_PER_STEP_MAX)
         plans.append([(s, length, batch) for s in range(step, step + steps) if s >= start])
         step += steps
     return plans
@@ -324,34 +365,35 @@ def train(args: argparse.Namespace, cache_limit: int | None, memory_limit: int |
         start = load_train_state(model, opt, state_path)
         print(f"resumed at step {start}", flush=True)
 
-    def loss_fn(m: TargetWithMTP, tokens: mx.array, mask: mx.array) -> tuple[mx.array, tuple[mx.array, mx.array]]:
-        main_loss, mtp_loss = masked_losses(m.vlm, m.mtp, tokens, mask)
-        return main_loss + args.mtp_weight * mtp_loss, (main_loss, mtp_loss)
+    def loss_fn(m: TargetWithMTP, tokens: mx.array, kinds: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+        losses = masked_losses(m.vlm, m.mtp, tokens, kinds)
+        return total_loss(losses, args.context_weight, args.mtp_weight), losses
 
     grad_fn = nn.value_and_grad(model, loss_fn)
     opt.init(model.trainable_parameters())
     state = [model.state, opt.state]
 
-    def step(tokens: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
-        (_, (main_loss, mtp_loss)), grads = grad_fn(model, tokens, mask)
+    def step(tokens: mx.array, kinds: mx.array) -> dict[str, mx.array]:
+        (_, losses), grads = grad_fn(model, tokens, kinds)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(model, grads)
-        return main_loss, mtp_loss
+        return losses
 
     if not args.no_compile:
         step = mx.compile(step, inputs=state, outputs=state)
 
     rows = Rows(out, args.filler, args.stdlib, args.seed, args.workers)
     plans = stage_plans(args, start)
-    last_step = sum(steps for _, steps in args.stages)
+    last_step = sum(st.steps for st in args.stages)
     history: list[dict[str, float]] = []
     t_start = t_log = time.perf_counter()
-    acc = [0.0, 0.0, 0]
+    acc: dict[str, float] = {}
+    n_acc = 0
     done = start
     trained_steps = trained_tokens = 0
 
     def trained() -> Any:
-        """(step, length, batch), (ids, mask) of every stage, each until its deadline."""
+        """(step, length, batch), (ids, kinds) of every stage, each until its deadline."""
         for plan, deadline in zip(plans, stage_deadlines(args), strict=True):
             if time.perf_counter() - t_start > deadline:
                 continue
@@ -361,9 +403,9 @@ def train(args: argparse.Namespace, cache_limit: int | None, memory_limit: int |
                 yield item
 
     last_good = LastGoodStep(model, opt)
-    main_loss = mtp_loss = None
+    losses: dict[str, mx.array] | None = None
     try:
-        for (it, length, batch), (ids, mask) in trained():
+        for (it, length, batch), (ids, kinds) in trained():
             if args.shares is None:  # by steps of the whole schedule: one curve across --resume calls
                 lr = learning_rate(args, it)
             else:  # warm up by the schedule's steps (so a resumed call does not warm up again), then by the time
@@ -371,24 +413,25 @@ def train(args: argparse.Namespace, cache_limit: int | None, memory_limit: int |
             opt.learning_rate = lr
             trained_steps += 1
             last_good.hold()
-            main_loss, mtp_loss = step(mx.array(ids), mx.array(mask))
-            mx.eval(state, main_loss, mtp_loss)
+            losses = step(mx.array(ids), mx.array(kinds))
+            mx.eval(state, losses)
             last_good.release()
-            acc[0] += main_loss.item()
-            acc[1] += mtp_loss.item()
-            acc[2] += 1
-            trained_tokens += int(mask.sum())
+            for name, value in losses.items():
+                acc[name] = acc.get(name, 0.0) + value.item()
+            n_acc += 1
+            trained_tokens += int((kinds == ASSISTANT).sum())
             done = it + 1
             if trained_steps % args.log_every == 0 or done == last_step:
                 now = time.perf_counter()
-                k = acc[2]
-                rec = {"step": done, "length": length, "batch": batch, "loss": acc[0] / k, "mtp_loss": acc[1] / k,
+                mean = {name: total / n_acc for name, total in acc.items()}
+                rec = {"step": done, "length": length, "batch": batch, "loss": mean["main"], "mtp_loss": mean["mtp"],
+                       "context_loss": mean["context"], "mtp_context_loss": mean["mtp_context"],
                        "lr": lr, "seconds": now - t_start}
                 history.append(rec)
                 print(f"step {done} (len {length} x {batch}): loss {rec['loss']:.3f} (ppl {math.exp(rec['loss']):.1f})"
-                      f"  mtp {rec['mtp_loss']:.3f}  lr {lr:.2e}  {k / (now - t_log):.2f} steps/s  "
-                      f"{now - t_start:.0f}s  {memory_note()}", flush=True)
-                acc = [0.0, 0.0, 0]
+                      f"  mtp {rec['mtp_loss']:.3f}  context {rec['context_loss']:.3f}  lr {lr:.2e}  "
+                      f"{n_acc / (now - t_log):.2f} steps/s  {now - t_start:.0f}s  {memory_note()}", flush=True)
+                acc, n_acc = {}, 0
                 t_log = now
             if trained_steps % args.save_every == 0:
                 save_checkpoint(model, out)
@@ -396,7 +439,7 @@ def train(args: argparse.Namespace, cache_limit: int | None, memory_limit: int |
     except BaseException as exc:
         # an out-of-memory (or an interrupt) mid-step: save the last step trained, then fail as before
         rolled_back = last_good.restore()
-        main_loss = mtp_loss = None  # the failed step's graph, if any (frees its buffers)
+        losses = None  # the failed step's graph, if any (frees its buffers)
         mx.clear_cache()
         print(f"failed after step {done} ({type(exc).__name__}: {exc}); "
               f"{'the failed step rolled back, ' if rolled_back else ''}saving step {done}", flush=True)

@@ -18,12 +18,16 @@
 # step spent 8 minutes of NVRTC builds, 200 kernels, on an H100 before its first step), CACHE_GB (4:
 # MLX's buffer cache limit in the trainer; unbounded, it held 60 of 80 GB and the run died of a
 # cudaMallocAsync out-of-memory), MEM_GB (MLX's memory limit; empty: MLX's default). A step that
-# fails saves the last step trained (RESUME=1 goes on from it).
+# fails saves the last step trained (RESUME=1 goes on from it). SCHEDULE stages may name their rows
+# a step (length:steps:rows). CONTEXT_WEIGHT (0.3): the prompts' text in the loss. EVAL=0: no
+# evaluation on the device (run it off the device on the checkpoint `ckpt` brings back, which holds
+# the optimizer state too, for RESUME on a later machine).
 # LOCAL=1 RUN=DIR OUT=DIR (and small knobs): a dry run off the device.
 RUN=${RUN:-/root/agent}
-if [ "${1:-start}" = ckpt ]; then  # the checkpoint alone, once trained (the evaluation may still run)
-  grep -q "train rc" $RUN/out/train.log && tar cJf - -C $RUN out/relay-tiny-agent out/train.log \
-    out/train_metrics.jsonl | split -b 15m -d - "$OUT/ckpt.tar.xz." && echo "checkpoint back"
+if [ "${1:-start}" = ckpt ]; then  # the checkpoint and its optimizer state, once trained (the evaluation may still run)
+  grep -q "train rc" $RUN/out/train.log && tar cJf - -C $RUN out/relay-tiny-agent \
+    out/relay-tiny-agent.train_state.safetensors out/train.log out/train_metrics.jsonl \
+    | split -b 15m -d - "$OUT/ckpt.tar.xz." && echo "checkpoint back"
   exit 0
 fi
 if [ "${1:-start}" = wait ]; then
@@ -46,9 +50,10 @@ python3 tools/train_agent_model.py --out $O/relay-tiny-agent "${filler[@]}" --hi
   --schedule "${SCHEDULE:-1024:1500,4096:400,16384:150}" --tokens-per-step "${TOKENS:-65536}" --lr "${LR:-3e-3}" \
   --warmup "${WARMUP:-150}" --workers "${WORKERS:-12}" --log-every 25 --save-every 250 \
   --max-seconds "${TRAIN_SECONDS:-1200}" --stage-time-shares "${SHARES:-0.45,0.3,0.25}" \
-  --cache-limit-gb "${CACHE_GB:-4}" ${MEM_GB:+--memory-limit-gb "$MEM_GB"} \
+  --context-weight "${CONTEXT_WEIGHT:-0.3}" --cache-limit-gb "${CACHE_GB:-4}" ${MEM_GB:+--memory-limit-gb "$MEM_GB"} \
   $( [ "${NO_COMPILE:-1}" = 1 ] && echo --no-compile ) ${RESUME:+--resume} --metrics $O/train_metrics.jsonl > $O/train.log 2>&1
 echo "train rc $?" >> $O/train.log
+[ "${EVAL:-1}" = 0 ] && { touch $RUN/done; exit 0; }
 python3 tools/eval_agent_model.py --model $O/relay-tiny-agent "${filler[@]}" --n "${EVAL_N:-50}" \
   --lengths ${LENGTHS:-4096 8192 16384} --out $O/agent-eval.json > $O/eval.txt 2>&1
 echo "eval rc $?" >> $O/eval.txt
@@ -60,5 +65,5 @@ setsid nohup env RUN="$RUN" PYTHONPATH="$RUN/src:${PYTHONPATH:-}" FILLER="${FILL
   INTERMEDIATE="${INTERMEDIATE:-}" LAYERS="${LAYERS:-}" SCHEDULE="${SCHEDULE:-}" TOKENS="${TOKENS:-}" LR="${LR:-}" \
   WARMUP="${WARMUP:-}" WORKERS="${WORKERS:-}" TRAIN_SECONDS="${TRAIN_SECONDS:-}" EVAL_N="${EVAL_N:-}" \
   LENGTHS="${LENGTHS:-}" SHARES="${SHARES:-}" NO_COMPILE="${NO_COMPILE:-}" RESUME="${RESUME:-}" \
-  CACHE_GB="${CACHE_GB:-}" MEM_GB="${MEM_GB:-}" bash $RUN/run.sh > $RUN/run.log 2>&1 &
+  CACHE_GB="${CACHE_GB:-}" MEM_GB="${MEM_GB:-}" EVAL="${EVAL:-}" CONTEXT_WEIGHT="${CONTEXT_WEIGHT:-}" bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "agent training started (pid $!)"
