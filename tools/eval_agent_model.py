@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="run these families of measures only (chat also runs copy)")
     p.add_argument("--keep-samples", type=int, default=3, help="replies kept in the JSON, per measure")
     p.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
+    p.add_argument("--no-blas-shim", action="store_true", help="on a Linux CPU, keep MLX's reference BLAS")
     args = p.parse_args(argv)
     result = anyio.run(evaluate, args)
     print(table(result))
@@ -288,4 +289,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    if "--no-blas-shim" not in sys.argv[1:] and sys.platform == "linux":
+        # MLX's Linux CPU wheel links the reference BLAS (one core, slow); the training script's
+        # shim forwards cblas_sgemm to numpy's OpenBLAS (a no-op on a GPU, whose matmuls skip BLAS)
+        sys.path.insert(0, str(Path(__file__).parent))
+        from train_small_mtp import reexec_with_blas_shim
+
+        reexec_with_blas_shim(Path("/tmp/small-mtp/blas-shim"))
     main()
