@@ -212,16 +212,18 @@ class Curriculum:
     def rng(self, split: int, index: int) -> np.random.Generator:
         return np.random.default_rng((self.seed, split, index))
 
-    def example(self, split: int, index: int, family: Family | None = None, length: int = 1024) -> Example:
+    def example(self, split: int, index: int, family: Family | None = None, length: int = 1024,
+                depth: float | None = None) -> Example:
         """Example ``index`` of ``split``; ``length`` is the token budget long families fill. The
-        held-out split's needles ask one question each (the evaluation's measure)."""
+        held-out split's needles ask one question each (the evaluation's measure); ``depth`` (0 to 1)
+        puts the asked needle at that share of the filler (else every needle's place is random)."""
         rng = self.rng(split, index)
         if family is None:
             family = FAMILIES[int(rng.choice(len(FAMILIES), p=self.mix.weights()))]
         thinking = bool(rng.random() >= self.mix.no_think)
         make = {"needle": self._needle, "copy": self._copy, "tool": self._tool, "json": self._json,
                 "chat": self._chat}[family]
-        ex = make(rng, split, length)
+        ex = self._needle(rng, split, length, depth) if family == "needle" else make(rng, split, length)
         ex.thinking = thinking
         if not thinking:  # the template's thinking-off turns carry an empty block
             ex.messages = [msgspec.structs.replace(m, reasoning_content="") if m.role == "assistant" else m
@@ -235,15 +237,20 @@ class Curriculum:
         offsets = self.tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0].offsets
         return text[: offsets[tokens - 1][1]] if len(offsets) > tokens else text
 
-    def _needle(self, rng: np.random.Generator, split: int, length: int) -> Example:
+    def _needle(self, rng: np.random.Generator, split: int, length: int, depth: float | None = None) -> Example:
         """One question on the held-out split (what the evaluation asks); on the training split,
         with ``Mix.multi_needle``'s probability, the user asks for every code at once (more
         retrievals per long prompt to learn from; the answer lists the codes in the order asked)."""
         pairs = [(_key(rng), _value(rng)) for _ in range(int(rng.integers(1, 7)))]
         body = self._filler(rng, split, max(length - 120 - 30 * len(pairs), 16))
         cuts = sorted(int(c) for c in rng.integers(0, len(body) + 1, len(pairs)))
+        asked_index = int(rng.integers(0, len(pairs)))
+        if depth is not None:
+            cuts[asked_index] = round(min(max(depth, 0.0), 1.0) * len(body))
+        placed = sorted(zip(cuts, range(len(pairs)), strict=True))
         parts, last = [], 0
-        for cut, (k, v) in zip(cuts, pairs, strict=True):
+        for cut, i in placed:
+            k, v = pairs[i]
             parts += [body[last:cut], f"\nThe code for {k} is {v}.\n"]
             last = cut
         parts.append(body[last:])
@@ -255,7 +262,7 @@ class Curriculum:
             think = " ".join(f"The text says the code for {k} is {v}." for k, v in asked)
             value = "\n".join(v for _, v in asked)
         else:
-            key, value = pairs[int(rng.integers(0, len(pairs)))]
+            key, value = pairs[asked_index]
             user = "".join(parts) + f"\n\nWhat is the code for {key}? Answer with the code only."
             think = f"The text says the code for {key} is {value}."
         return Example("needle", [ChatMessage("user", user), ChatMessage("assistant", value, reasoning_content=think)],
