@@ -156,6 +156,9 @@ def tool_call_grammar(tools: Sequence[ToolDef], choice: ToolChoice, parallel: bo
         return llguidance.grammar_from("lark", "\n".join([start, *rules]))
 
 
+JSON_LEADING_SPACE = r"[ \t\n]{0,4}"  # before a response_format reply's JSON value
+
+
 def json_grammar(fmt: ResponseFormat) -> str:
     if fmt.type == "json_object":
         schema: dict[str, Any] = {"type": "object"}
@@ -164,8 +167,12 @@ def json_grammar(fmt: ResponseFormat) -> str:
             raise GrammarError("response_format json_schema needs a `schema` object")
         schema = fmt.schema
         check_schema(schema, "the response_format schema")
+    # a little whitespace may come first: after `</think>` a Qwen-style model writes "\n\n", and
+    # forced straight to `{` it leaves its own path (the trained relay-tiny-agent then picked the
+    # requested keys 22 times of 30, against 30 of 30 without a grammar); JSON allows it anyway
     with _native("the JSON schema cannot be compiled"):
-        return llguidance.grammar_from("json_schema", json.dumps(schema))
+        lark = f"start: /{JSON_LEADING_SPACE}/ reply\nreply: %json {json.dumps(schema)}"
+        return llguidance.grammar_from("lark", lark)
 
 
 def build_grammar(c: OutputConstraint, special: frozenset[str]) -> str | None:
