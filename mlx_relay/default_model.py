@@ -1,6 +1,8 @@
 """The embedded default model that `mlx-relay serve` (and `Relay.start()`) serve without a MODEL:
-the small trained checkpoint shipped in the package (`mlx_relay/models/relay-tiny-coder`: a
-Qwen3.5-style hybrid with an MTP head, trained on the Python standard library)."""
+the small trained checkpoint shipped in the package (`mlx_relay/models/relay-tiny-agent`: a
+Qwen3.5-style hybrid with an MTP head, trained on an agent curriculum to think, call declared
+tools, answer tool results and write JSON). `relay-tiny-coder` (trained on the Python standard
+library) ships beside it for the tests and benchmarks that use it."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pathlib import Path
 
 from mlx_relay.errors import ModelLoadError
 
-DEFAULT_MODEL_NAME = "relay-tiny-coder"
+DEFAULT_MODEL_NAME = "relay-tiny-agent"
 
 
 def default_model_path() -> Path:

@@ -5,7 +5,9 @@ Every request must be answered (HTTP 200, never a chat-template error), every st
 well formed for its API, and no `<think>`, `</think>`, `<tool_call>` or `<function=` markup may leak
 into any text delta. The model is a random-weight tiny model: it never calls a tool on its own, so
 nothing here asserts that it does (one request forces a call with a named `tool_choice`, to check
-the streamed tool-call deltas AI-SDK clients validate).
+the streamed tool-call deltas AI-SDK clients validate). The trained embedded model's unforced
+calls, through OpenCode's and Claude Code's request shapes around prompts it was trained for, are
+`tests/test_relay_tiny_agent.py`'s (these clients' own prompts are far outside its training).
 
 The wire details come from `shared/notes/field-notes.md`: system messages in the middle of a
 conversation, `[system, system, user, user]`, the `developer` role, `role: "system"` inside
@@ -97,7 +99,7 @@ class ChatStream:
     calls: dict[int, Json] = field(default_factory=dict)
 
 
-def check_chat_chunks(frames: list[tuple[str | None, str]], include_usage: bool) -> ChatStream:
+def check_chat_chunks(frames: list[tuple[str | None, str]], include_usage: bool, model: str = MODEL) -> ChatStream:
     """The stream strict OpenAI clients (the AI SDK, the openai SDKs) accept: chunks with one id, the
     role first, every tool-call delta carrying `index` (and `id`, `type`, `function.name` on a call's
     first delta, arguments as string fragments), exactly one `finish_reason`, a usage-only chunk last
@@ -109,7 +111,7 @@ def check_chat_chunks(frames: list[tuple[str | None, str]], include_usage: bool)
     assert chunks, "no chunk before [DONE]"
     assert len({c["id"] for c in chunks}) == 1, "every chunk carries the same id"
     for c in chunks:
-        assert c["object"] == "chat.completion.chunk" and c["model"] == MODEL and isinstance(c["created"], int), c
+        assert c["object"] == "chat.completion.chunk" and c["model"] == model and isinstance(c["created"], int), c
     with_choices = [c for c in chunks if c["choices"]]
     assert with_choices and with_choices[0]["choices"][0]["delta"].get("role") == "assistant", chunks[:2]
     texts: list[str] = []
@@ -170,11 +172,11 @@ def chat_stream(server: LiveServer, body: Json, headers: dict[str, str] | None =
         assert r.headers["content-type"].startswith("text/event-stream")
         frames = list(sse_frames(r))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return check_chat_chunks(frames, include_usage)
+    return check_chat_chunks(frames, include_usage, body["model"])
 
 
-def check_chat_completion(body: Json) -> Json:
-    assert body["object"] == "chat.completion" and body["model"] == MODEL and body["id"], body
+def check_chat_completion(body: Json, model: str = MODEL) -> Json:
+    assert body["object"] == "chat.completion" and body["model"] == model and body["id"], body
     assert len(body["choices"]) == 1
     choice = body["choices"][0]
     assert choice["index"] == 0 and choice["finish_reason"] in ("stop", "length", "tool_calls"), choice
@@ -198,7 +200,7 @@ class MessageStream:
     usage: Json
 
 
-def check_message_events(frames: list[tuple[str | None, str]]) -> MessageStream:
+def check_message_events(frames: list[tuple[str | None, str]], model: str = MODEL) -> MessageStream:
     """Anthropic's order: message_start, then content blocks 0, 1, ... (start, deltas, stop; never
     interleaved), message_delta, message_stop; `ping` may come anywhere after message_start. Every
     frame's `event:` names its data's type."""
@@ -212,7 +214,7 @@ def check_message_events(frames: list[tuple[str | None, str]]) -> MessageStream:
     assert events and events[0]["type"] == "message_start", [e["type"] for e in events]
     start = events[0]["message"]
     assert start["type"] == "message" and start["role"] == "assistant" and start["content"] == []
-    assert start["model"] == MODEL and start["id"].startswith("msg_") and start["stop_reason"] is None
+    assert start["model"] == model and start["id"].startswith("msg_") and start["stop_reason"] is None
     assert [e["type"] for e in core[-2:]] == ["message_delta", "message_stop"], [e["type"] for e in core]
     assert events[-1]["type"] == "message_stop", "nothing may follow message_stop"
     blocks: list[Json] = []
@@ -262,11 +264,11 @@ def messages_stream(server: LiveServer, body: Json, headers: dict[str, str], wha
         assert_ok(r, what)
         assert r.headers["content-type"].startswith("text/event-stream")
         frames = list(sse_frames(r))
-    return check_message_events(frames)
+    return check_message_events(frames, body["model"])
 
 
-def check_message(body: Json) -> Json:
-    assert body["type"] == "message" and body["role"] == "assistant" and body["model"] == MODEL, body
+def check_message(body: Json, model: str = MODEL) -> Json:
+    assert body["type"] == "message" and body["role"] == "assistant" and body["model"] == model, body
     assert body["id"].startswith("msg_")
     assert body["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use"), body
     for block in body["content"]:
@@ -343,12 +345,12 @@ def responses_stream(server: LiveServer, body: Json, headers: dict[str, str], wh
         assert r.headers["content-type"].startswith("text/event-stream")
         frames = list(sse_frames(r))
     final = check_response_events(frames)
-    check_response(final)
+    check_response(final, body["model"])
     return final
 
 
-def check_response(body: Json) -> Json:
-    assert body["object"] == "response" and body["model"] == MODEL and body["id"].startswith("resp_"), body
+def check_response(body: Json, model: str = MODEL) -> Json:
+    assert body["object"] == "response" and body["model"] == model and body["id"].startswith("resp_"), body
     assert body["status"] in ("completed", "incomplete") and body["error"] is None, body
     for item in body["output"]:
         assert item["type"] in ("message", "reasoning", "function_call"), item

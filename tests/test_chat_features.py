@@ -3,7 +3,8 @@ and required tool calls enforced by llguidance grammars, tool-call streams, reas
 budget, logprobs, n choices, penalties.
 
 A random-weight model never calls a tool or writes JSON by itself; the grammars make it, so these
-are end-to-end tests of the grammar, the parser and the wire format together.
+are end-to-end tests of the grammar, the parser and the wire format together (the trained
+embedded model, which does both unforced, is `tests/test_relay_tiny_agent.py`'s).
 """
 
 from __future__ import annotations

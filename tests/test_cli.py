@@ -22,6 +22,16 @@ def test_help_lists_the_serving_flags() -> None:
         assert flag in out
 
 
+def test_serve_without_a_model_serves_the_embedded_relay_tiny_agent() -> None:
+    """`make serve` runs `mlx-relay serve` with no MODEL: the trained agent checkpoint shipped in the
+    package, served under its own name (the name the README's curl and openai examples send)."""
+    from mlx_relay.cli import build_parser, config_from_args
+
+    config = config_from_args(build_parser().parse_args(["serve"]))
+    assert config.served_model_name == "relay-tiny-agent"
+    assert Path(config.model).name == "relay-tiny-agent" and (Path(config.model) / "model.safetensors").is_file()
+
+
 def test_memory_limit_flags_reach_the_engine_config() -> None:
     from mlx_relay.cli import build_parser, config_from_args
 

@@ -22,6 +22,7 @@ from mlx_lm.tokenizer_utils import _infer_tool_parser
 from mlx_vlm.speculative.drafters import load_drafter
 from transformers import AutoTokenizer
 
+from mlx_relay.default_model import default_model_path as embedded_model_path
 from mlx_relay.testing.fixtures import (
     MANIFEST_NAME,
     RECIPE_VERSION,
@@ -159,7 +160,8 @@ def test_fixture_path_reuses_cache(paths: dict[str, Path], cache_dir: Path, monk
     assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before
     monkeypatch.setenv("MLX_RELAY_CACHE", str(cache_dir))
     assert fixture_path() == paths["bf16"] == fixture_path(cache_dir=cache_dir)
-    assert default_model_path().name == "relay-tiny-coder"  # the trained checkpoint in the package
+    assert default_model_path().name == "relay-tiny-agent"  # the trained agent checkpoint in the package
+    assert default_model_path() == embedded_model_path()  # the one `mlx-relay serve` serves without a MODEL
 
 
 def test_fixture_path_replaces_partial_leftovers(tmp_path: Path) -> None:

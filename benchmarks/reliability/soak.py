@@ -33,9 +33,10 @@ import msgspec
 
 from mlx_relay.bench.machine import environment, process_rss_mb
 from mlx_relay.bench.tables import rows_markdown
+from mlx_relay.default_model import DEFAULT_MODEL_NAME
 from mlx_relay.testing.live_server import free_port
 
-MODEL = "relay-tiny-coder"
+MODEL = DEFAULT_MODEL_NAME  # the name the embedded model is served under
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": {
         "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},

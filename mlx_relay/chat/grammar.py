@@ -14,6 +14,13 @@ resource limits (a schema with thousands of optional properties blows the parser
 the first `{`). llguidance is native code: a Rust panic (a `BaseException`) anywhere in it is a
 `GrammarError` here, never a crash. Forced tool calls end after at most one call per declared
 tool (with parallel calls), so a reply cannot call on until max_tokens.
+
+A grammar that starts after a thinking block (the prompt left `<think>` open; the GPU thread
+applies the grammar from the model's `</think>` on) first admits a little whitespace: the models
+write a separator there (Qwen's templates: `</think>\n\n`), and a grammar that forbids it pushes
+them off their own format at the answer's first token (with `response_format: json_object` and
+thinking on, the trained relay-tiny-agent wrote the asked object for 21 of 30 held-out prompts
+without the separator, every reply a valid object, and for 30 of 30 with it).
 """
 
 from __future__ import annotations
@@ -126,6 +133,15 @@ def _qwen_call_rule(i: int, tool: ToolDef, special: frozenset[str], rules: list[
     return f"call{i}"
 
 
+# the separator after `</think>`: whitespace, a few tokens at most
+_SEPARATOR = "SEP: /[ \\t\\r\\n]{1,8}/"
+
+
+def _after_thinking(start: str, after_thinking: bool) -> str:
+    """The grammar's start rule (`start: <body>`), led by an optional separator after a thinking block."""
+    return start.replace("start: ", "start: SEP? ", 1) if after_thinking else start
+
+
 def _json_call_rule(i: int, tool: ToolDef, special: frozenset[str], rules: list[str]) -> str:
     schema = {"type": "object", "properties": {"name": {"const": tool.function.name},
                                                "arguments": tool.function.parameters or {"type": "object"}},
@@ -136,7 +152,7 @@ def _json_call_rule(i: int, tool: ToolDef, special: frozenset[str], rules: list[
 
 
 def tool_call_grammar(tools: Sequence[ToolDef], choice: ToolChoice, parallel: bool, tool_format: str | None,
-                      special: frozenset[str]) -> str:
+                      special: frozenset[str], after_thinking: bool = False) -> str:
     """The reply is one or more calls (one if not `parallel`) to the allowed tools, nothing else."""
     if tool_format not in ("qwen3_coder", "json"):
         raise GrammarError(f"tool_choice {choice!r} needs a known tool-call format; this model's is {tool_format!r}")
@@ -152,14 +168,13 @@ def tool_call_grammar(tools: Sequence[ToolDef], choice: ToolChoice, parallel: bo
     # with parallel calls: at most one per declared tool, then the reply ends
     most = len(allowed) if parallel and not isinstance(choice, NamedToolChoice) else 1
     start = f'start: call ("\\n" call){{0,{most - 1}}}' if most > 1 else "start: call"
+    if after_thinking:
+        rules.append(_SEPARATOR)
     with _native("the tool-call grammar cannot be built"):
-        return llguidance.grammar_from("lark", "\n".join([start, *rules]))
+        return llguidance.grammar_from("lark", "\n".join([_after_thinking(start, after_thinking), *rules]))
 
 
-JSON_LEADING_SPACE = r"[ \t\n]{0,4}"  # before a response_format reply's JSON value
-
-
-def json_grammar(fmt: ResponseFormat) -> str:
+def json_grammar(fmt: ResponseFormat, after_thinking: bool = False) -> str:
     if fmt.type == "json_object":
         schema: dict[str, Any] = {"type": "object"}
     else:
@@ -167,24 +182,25 @@ def json_grammar(fmt: ResponseFormat) -> str:
             raise GrammarError("response_format json_schema needs a `schema` object")
         schema = fmt.schema
         check_schema(schema, "the response_format schema")
-    # a little whitespace may come first: after `</think>` a Qwen-style model writes "\n\n", and
-    # forced straight to `{` it leaves its own path (the trained relay-tiny-agent then picked the
-    # requested keys 22 times of 30, against 30 of 30 without a grammar); JSON allows it anyway
     with _native("the JSON schema cannot be compiled"):
-        lark = f"start: /{JSON_LEADING_SPACE}/ reply\nreply: %json {json.dumps(schema)}"
-        return llguidance.grammar_from("lark", lark)
+        if after_thinking:
+            start = _after_thinking(f"start: %json{json.dumps(schema)}", True)
+            return llguidance.grammar_from("lark", f"{start}\n{_SEPARATOR}")
+        return llguidance.grammar_from("json_schema", json.dumps(schema))
 
 
-def build_grammar(c: OutputConstraint, special: frozenset[str]) -> str | None:
-    """The grammar for `c`, or None when the reply is unconstrained."""
+def build_grammar(c: OutputConstraint, special: frozenset[str], after_thinking: bool = False) -> str | None:
+    """The grammar for `c`, or None when the reply is unconstrained; `after_thinking`: it applies
+    from the end of a thinking block the prompt opened (a separator may lead it)."""
     forced_tools = c.tools and c.tool_choice not in ("auto", "none")
     if c.tool_choice not in ("auto", "none") and not c.tools:
         raise GrammarError("tool_choice requires tools")
     if forced_tools:
         assert c.tools is not None
-        return tool_call_grammar(c.tools, c.tool_choice, c.parallel_tool_calls, c.tool_format, special)
+        return tool_call_grammar(c.tools, c.tool_choice, c.parallel_tool_calls, c.tool_format, special,
+                                 after_thinking)
     if c.response_format is not None and c.response_format.type != "text":
-        return json_grammar(c.response_format)
+        return json_grammar(c.response_format, after_thinking)
     return None
 
 

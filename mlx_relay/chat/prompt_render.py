@@ -115,7 +115,7 @@ class PromptRenderer:
             except GrammarError as exc:
                 raise InvalidRequest(str(exc), param="tools") from None
         rendered = self._raw(msg) if msg.raw_prompt is not None else self._chat(msg)
-        grammar = self._grammar(msg.constraint) if msg.constraint is not None else None
+        grammar = self._grammar(msg.constraint, rendered.think_open) if msg.constraint is not None else None
         return msgspec.structs.replace(rendered, grammar=grammar, tool_format=self.tool_format)
 
     def _encode(self, text: str, limit: int | None) -> Any:
@@ -141,11 +141,11 @@ class PromptRenderer:
         return ContextLengthExceeded(f"this model's maximum context length is {limit} tokens for the prompt; "
                                      f"the prompt has {count} tokens", param="messages")
 
-    def _grammar(self, constraint: OutputConstraint) -> str | None:
+    def _grammar(self, constraint: OutputConstraint, after_thinking: bool) -> str | None:
         c = msgspec.structs.replace(constraint, tool_format=self.tool_format)
         param = "response_format" if c.tool_choice in ("auto", "none") else "tool_choice"
         try:
-            grammar = build_grammar(c, self._special)
+            grammar = build_grammar(c, self._special, after_thinking)
             if grammar is not None:
                 check_grammar(grammar, self._llg())
         except GrammarError as exc:

@@ -53,6 +53,7 @@ from typing import Any, Final, Literal
 import msgspec
 import numpy as np
 
+from mlx_relay.default_model import DEFAULT_MODEL_NAME
 from mlx_relay.testing.tokenizer_builder import (
     BASE_VOCAB_SIZE,
     SPECIAL_TOKENS,
@@ -494,9 +495,10 @@ def fixture_path(spec: FixtureSpec = FixtureSpec(), cache_dir: Path | None = Non
 
 def default_model_path(cache_dir: Path | None = None) -> Path:
     """The embedded default model for ``make serve``: the small trained checkpoint shipped in the
-    package (``mlx_relay/models/relay-tiny-coder``: a Qwen3.5-style hybrid with an MTP head,
-    trained on the Python standard library), or the bf16 seed-0 fixture if it is missing."""
-    shipped = Path(__file__).resolve().parent.parent / "models" / "relay-tiny-coder"
+    package (``mlx_relay/models/relay-tiny-agent``, :data:`mlx_relay.default_model.DEFAULT_MODEL_NAME`:
+    a Qwen3.5-style hybrid with an MTP head, trained on an agent curriculum), or the bf16 seed-0
+    fixture if it is missing."""
+    shipped = Path(__file__).resolve().parent.parent / "models" / DEFAULT_MODEL_NAME
     if (shipped / "model.safetensors").is_file():
         return shipped
     return fixture_path(FixtureSpec("bf16", 0), cache_dir)
