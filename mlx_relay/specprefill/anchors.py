@@ -82,11 +82,12 @@ def anchor_chunks(tokens: Sequence[int], *, start: int, chunk_size: int, rule: A
     table[wanted & np.uint64(_TABLE - 1)] = True
     hits = np.flatnonzero(table[ctx & np.uint64(_TABLE - 1)])
     slot = np.minimum(np.searchsorted(wanted, ctx[hits]), len(wanted) - 1)
-    hits = hits[wanted[slot] == ctx[hits]]
+    found = wanted[slot] == ctx[hits]
+    hits, slot = hits[found], slot[found]
     if not hits.size:
         return frozenset()
-    _, inverse, counts = np.unique(ctx[hits], return_inverse=True, return_counts=True)
-    hits = hits[counts[inverse] <= rule.max_occurrences]
+    counts = np.bincount(slot, minlength=len(wanted))  # occurrences before the query, per query hash
+    hits = hits[counts[slot] <= rule.max_occurrences]
     grams = {tuple(tokens[i:i + n]) for i in range(query, total - n + 1)}
     chunks: set[int] = set()
     for i in hits.tolist():
