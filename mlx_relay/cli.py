@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a run found more often than this before the query anchors nothing: boilerplate (default 4)")
     sp.add_argument("--specprefill-anchor-follow", type=int, default=16,
                     help="tokens after a run that it anchors too, e.g. the value after a key (default 16)")
+    sp.add_argument("--specprefill-anchor-max-share", type=_fraction, default=0.5, metavar="FRACTION",
+                    help="the most of the keep budget anchors may take; the best-scored chunks keep the rest "
+                         "(default 0.5)")
     serve.add_argument("--memory-limit-gb", type=float, default=None,
                        help="MLX memory limit for this process (lets two servers share one GPU)")
     serve.add_argument("--cache-limit-gb", type=float, default=None,
@@ -312,6 +315,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         specprefill_anchor_query_tokens=args.specprefill_anchor_query_tokens,
         specprefill_anchor_max_occurrences=args.specprefill_anchor_max_occurrences,
         specprefill_anchor_follow=args.specprefill_anchor_follow,
+        specprefill_anchor_max_share=args.specprefill_anchor_max_share,
         allowed_local_dir=args.allowed_local_media_dir,
         allow_remote=args.allow_remote_media,
         allow_private_networks=args.allow_private_media_hosts,

@@ -59,12 +59,15 @@ def test_specprefill_anchor_flags_reach_the_specprefill_config() -> None:
     from mlx_relay.cli import build_parser, config_from_args
 
     sp = config_from_args(build_parser().parse_args(["serve", "m"])).specprefill
-    assert (sp.anchor_ngram, sp.anchor_query_tokens, sp.anchor_max_occurrences, sp.anchor_follow) == (2, 64, 4, 16)
+    assert (sp.anchor_ngram, sp.anchor_query_tokens, sp.anchor_max_occurrences, sp.anchor_follow,
+            sp.anchor_max_share) == (2, 64, 4, 16, 0.5)
     args = build_parser().parse_args([
         "serve", "m", "--specprefill-anchor-ngram", "0", "--specprefill-anchor-query-tokens", "32",
-        "--specprefill-anchor-max-occurrences", "8", "--specprefill-anchor-follow", "0"])
+        "--specprefill-anchor-max-occurrences", "8", "--specprefill-anchor-follow", "0",
+        "--specprefill-anchor-max-share", "1"])
     sp = config_from_args(args).specprefill
-    assert (sp.anchor_ngram, sp.anchor_query_tokens, sp.anchor_max_occurrences, sp.anchor_follow) == (0, 32, 8, 0)
+    assert (sp.anchor_ngram, sp.anchor_query_tokens, sp.anchor_max_occurrences, sp.anchor_follow,
+            sp.anchor_max_share) == (0, 32, 8, 0, 1.0)
 
 
 @pytest.mark.parametrize("value", ["1.5", "-0.1", "half"])

@@ -177,6 +177,18 @@ def test_more_anchors_than_the_budget_keeps_the_highest_scored() -> None:
                                                                   keep_fraction=keep).sparse, 0, chunk))
 
 
+def test_anchors_take_at_most_their_share_of_the_budget() -> None:
+    scores = [float(i % 7) for i in range(4000)]
+    chunk = 40  # 100 chunks, keep 0.2: 20 kept, 18 beyond the first and the last
+    anchors = set(range(2, 98, 2))  # 48 anchors
+    for share, room in ((1.0, 18), (0.5, 9), (0.25, 5), (0.01, 1)):
+        got = select_chunks(scores, start=0, chunk_size=chunk, keep_fraction=0.2, anchors=anchors, anchor_share=share)
+        assert len(chunks_of(got.sparse, 0, chunk)) == 20
+        assert (got.anchored, got.dropped) == (room, 48 - room)
+    with pytest.raises(ValueError):
+        select_chunks(scores, start=0, chunk_size=chunk, keep_fraction=0.2, anchors=anchors, anchor_share=0.0)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_without_anchors_the_selection_is_the_scores_alone(seed: int) -> None:
     rng = random.Random(seed)
@@ -201,13 +213,13 @@ def test_the_plan_carries_the_servers_rule_or_the_requests() -> None:
     config = SpecPrefillConfig(draft_model="d", threshold=100, chunk_size=16)
     scorer = SpecPrefillScorer(config)
     plan = scorer.decide(PlanSpecPrefill("a", 1000)).score
-    assert plan is not None and plan.anchor == AnchorRule(2, 64, 4, 16)
+    assert plan is not None and plan.anchor == AnchorRule(2, 64, 4, 16, 0.5)
     assert scorer.decide(PlanSpecPrefill("b", 1000, anchor_ngram=0)).score.anchor is None  # type: ignore[union-attr]
     long = scorer.decide(PlanSpecPrefill("c", 1000, anchor_ngram=80)).score
-    assert long is not None and long.anchor == AnchorRule(80, 80, 4, 16)  # the query holds one n-gram at least
+    assert long is not None and long.anchor == AnchorRule(80, 80, 4, 16, 0.5)  # the query holds one n-gram at least
     off = SpecPrefillScorer(msgspec.structs.replace(config, anchor_ngram=0))
     assert off.decide(PlanSpecPrefill("d", 1000)).score.anchor is None  # type: ignore[union-attr]
     asked = off.decide(PlanSpecPrefill("e", 1000, anchor_ngram=4)).score
-    assert asked is not None and asked.anchor == AnchorRule(4, 64, 4, 16)
+    assert asked is not None and asked.anchor == AnchorRule(4, 64, 4, 16, 0.5)
     with pytest.raises(ValueError):
         SpecPrefillConfig(anchor_ngram=8, anchor_query_tokens=4)

@@ -113,7 +113,8 @@ class ScoringStage:
             anchors = frozenset() if rule is None else anchor_chunks(
                 row.req.prompt_tokens, start=plan.dense_end, chunk_size=plan.chunk_size, rule=rule)
             picked = select_chunks(scores, start=plan.dense_end, chunk_size=plan.chunk_size,
-                                   keep_fraction=plan.keep_fraction, anchors=anchors)
+                                   keep_fraction=plan.keep_fraction, anchors=anchors,
+                                   anchor_share=1.0 if rule is None else rule.max_share)
             row.sparse = picked.sparse
             row.specprefill = SpecPrefillReport(
                 True, n, picked.sparse.kept - plan.dense_end, plan.keep_fraction,

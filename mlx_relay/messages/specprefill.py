@@ -28,17 +28,20 @@ class AnchorRule(msgspec.Struct, frozen=True):
     """Chunks kept ahead of the scores (`specprefill.anchors`): those holding a run of `ngram`
     prompt tokens that also occurs in the query (the prompt's last `query_tokens` tokens), or the
     `follow` tokens after it, unless that run occurs more than `max_occurrences` times before the
-    query (boilerplate)."""
+    query (boilerplate); they take at most `max_share` of the keep budget (`specprefill.selection`)."""
 
     ngram: int
     query_tokens: int
     max_occurrences: int
     follow: int = 0  # tokens after an occurrence that it anchors too (what a name is followed by)
+    max_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.ngram < 1 or self.query_tokens < self.ngram or self.max_occurrences < 1 or self.follow < 0:
             raise ValueError("AnchorRule needs ngram >= 1, query_tokens >= ngram, max_occurrences >= 1 "
                              "and follow >= 0")
+        if not 0.0 < self.max_share <= 1.0:
+            raise ValueError("AnchorRule.max_share must be in (0, 1]")
 
 
 class ScorePlan(msgspec.Struct, frozen=True):

@@ -46,7 +46,8 @@ def anchor_rule(config: SpecPrefillConfig, ngram: int | None = None) -> AnchorRu
     n = config.anchor_ngram if ngram is None else ngram
     if n <= 0:
         return None
-    return AnchorRule(n, max(config.anchor_query_tokens, n), config.anchor_max_occurrences, config.anchor_follow)
+    return AnchorRule(n, max(config.anchor_query_tokens, n), config.anchor_max_occurrences, config.anchor_follow,
+                      config.anchor_max_share)
 
 
 def ngram_hashes(ids: np.ndarray, n: int) -> np.ndarray:

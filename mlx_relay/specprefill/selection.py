@@ -5,8 +5,8 @@ The draft model's per-token importance scores cover the prompt's scored region
 chunks of `chunk_size` tokens, each chunk scored by the mean of its tokens; `ceil(keep_fraction *
 chunks)` chunks are kept, the first and the last always (the last holds the question the reply
 answers, the first the context's opening). Of the rest of that budget, the `anchors` go first
-(chunks that share a run of tokens with the query, `specprefill.anchors`; the highest-scored ones
-when there are more than the budget holds), then the best-scoring chunks. Everything before
+(chunks that share a run of tokens with the query, `specprefill.anchors`), in at most
+`anchor_share` of it (the highest-scored ones when there are more), then the best-scoring chunks. Everything before
 `start` is kept too: it is restored from the cache or holds a snapshot point the prefix cache
 needs exactly. Ties go to the earlier chunk, so the selection is deterministic; without anchors
 it is the scores' selection alone.
@@ -32,11 +32,12 @@ class ChunkSelection(msgspec.Struct, frozen=True):
 
 
 def select_chunks(scores: Sequence[float], *, start: int, chunk_size: int, keep_fraction: float,
-                  anchors: Collection[int] = ()) -> ChunkSelection:
+                  anchors: Collection[int] = (), anchor_share: float = 1.0) -> ChunkSelection:
     """The kept positions of a prompt of `start + len(scores)` tokens, as ascending ranges;
-    `anchors`: chunk indices (0: the chunk at `start`) kept ahead of the scores."""
-    if chunk_size < 1 or not 0.0 < keep_fraction <= 1.0:
-        raise ValueError("chunk_size must be >= 1 and keep_fraction in (0, 1]")
+    `anchors`: chunk indices (0: the chunk at `start`) kept ahead of the scores, in at most
+    `anchor_share` of the budget beyond the first and last chunk (rounded up)."""
+    if chunk_size < 1 or not 0.0 < keep_fraction <= 1.0 or not 0.0 < anchor_share <= 1.0:
+        raise ValueError("chunk_size must be >= 1, keep_fraction and anchor_share in (0, 1]")
     n = len(scores)
     total = start + n
     chunks = math.ceil(n / chunk_size)
@@ -47,7 +48,8 @@ def select_chunks(scores: Sequence[float], *, start: int, chunk_size: int, keep_
              for i in range(chunks)]
     middle = sorted(range(1, chunks - 1), key=lambda i: (-means[i], i))
     marked = set(anchors)
-    anchored = [i for i in middle if i in marked][:budget]  # the highest-scored anchors first
+    room = math.ceil(anchor_share * budget)
+    anchored = [i for i in middle if i in marked][:room]  # the highest-scored anchors first
     taken = set(anchored)
     rest = [i for i in middle if i not in taken][:budget - len(anchored)]
     kept = sorted({0, chunks - 1, *anchored, *rest})
