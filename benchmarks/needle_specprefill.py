@@ -37,7 +37,9 @@ identifier that is not there.
    the `off` result is reused).
 3. Needle kept? The report gives only how many tokens were kept, not which. The draft's scores
    are recomputed offline for each main prompt (`mlx_relay.engine.draft_scorer`, the engine's
-   own scorer, after the server is closed) and `select_chunks` applied: `needle_kept` means every
+   own scorer, after the server is closed) and `select_chunks` applied (after the anchors of the
+   same rule, `--anchor-ngram`, by default the server's: `specprefill/anchors.py`; the usage
+   reports how many chunks were anchored, `anchored_chunks`): `needle_kept` means every
    token of the needle line was in a kept chunk (the line often straddles two chunks),
    `needle_share_kept` is the mean share of its tokens kept. The recomputed kept count is
    checked against the server's report (`kept_match`).
@@ -182,20 +184,24 @@ def score(text: str, answer: str) -> dict[str, Any]:
     return {"exact": exact, "chars": common / len(answer)}
 
 
-async def run_prompt(relay: Any, p: Prompt, mode: str, max_tokens: int, specprefill: bool) -> dict[str, Any]:
-    """One greedy raw completion; `specprefill` False: the server has no draft (no such fields sent)."""
+async def run_prompt(relay: Any, p: Prompt, mode: str, max_tokens: int, specprefill: bool,
+                     anchor_ngram: int | None = None) -> dict[str, Any]:
+    """One greedy raw completion; `specprefill` False: the server has no draft (no such fields sent);
+    `anchor_ngram`: SpecPrefill's anchor n-gram length (None: the server's, 0: no anchors)."""
     kw: dict[str, Any] = {}
     if mode in ("off", "control"):
         kw = {"specprefill": False} if specprefill else {}
     else:
-        kw = {"specprefill": True, "specprefill_keep": float(mode.removeprefix("keep="))}
+        kw = {"specprefill": True, "specprefill_keep": float(mode.removeprefix("keep=")),
+              "specprefill_anchor_ngram": anchor_ngram}
     res = await relay.chat([], prompt=p.ids, max_tokens=max_tokens, temperature=0.0, mtp=False, **kw)
     row: dict[str, Any] = {"key": p.key, "mode": mode, "text": res.text, "ids": list(res.token_ids),
                            **score(res.text, p.answer), "prompt_tokens": res.prompt_tokens}
     report = getattr(res, "specprefill", None)
     if report is not None:
         row.update(ran=report.ran, scored_tokens=report.scored_tokens, kept_tokens=report.kept_tokens,
-                   fallback=report.fallback)
+                   fallback=report.fallback, anchored_chunks=report.anchored_chunks,
+                   anchors_rescued=report.anchors_rescued)
     return row
 
 
@@ -236,7 +242,8 @@ async def main_phase(relay: Any, maker: PromptMaker, lengths: list[int], args: a
                         row = dict(cache[p.key])
                     else:
                         q = maker.make(n, d, t, decoy=True) if m == "control" else p
-                        row = {**await run_prompt(relay, q, m, answer_tokens(maker, p), True), "answer": p.answer}
+                        row = {**await run_prompt(relay, q, m, answer_tokens(maker, p), True, args.anchor_ngram),
+                               "answer": p.answer}
                     rows.append({**row, "length": n, "depth": d, "trial": t, "needle": list(p.needle)})
             cell = [r for r in rows if r["length"] == n and r["depth"] == d]
             line = "  ".join(f"{m} {mean(r['exact'] for r in cell if r['mode'] == m):.3f}" for m in modes)
@@ -246,11 +253,14 @@ async def main_phase(relay: Any, maker: PromptMaker, lengths: list[int], args: a
 
 def infer_kept(args: argparse.Namespace, tokenizer: Any, prompts: list[Prompt]) -> dict[str, dict[str, Any]]:
     """Per prompt and keep fraction: the chunks the server kept, recomputed with its own scorer."""
+    from mlx_relay.config import SpecPrefillConfig
     from mlx_relay.engine.draft_scorer import DraftScorer
+    from mlx_relay.specprefill.anchors import anchor_chunks, anchor_rule
     from mlx_relay.specprefill.selection import select_chunks
 
     scorer = DraftScorer.load(Path(args.draft or args.model), tokenizer)
     window = args.query_window or 16
+    rule = anchor_rule(SpecPrefillConfig(), args.anchor_ngram)  # the server's rule, as the requests asked
     out: dict[str, dict[str, Any]] = {}
     for p in prompts:
         job = scorer.start(p.ids, chunk=args.prefill_step_size, window=window)
@@ -258,8 +268,11 @@ def infer_kept(args: argparse.Namespace, tokenizer: Any, prompts: list[Prompt]) 
         while scores is None:
             scores = job.step()
         per: dict[str, Any] = {}
+        anchors = frozenset() if rule is None else anchor_chunks(p.ids, start=0, chunk_size=args.chunk_size,
+                                                                 rule=rule)
         for k in parse_floats(args.keeps):
-            sparse = select_chunks(scores, start=0, chunk_size=args.chunk_size, keep_fraction=k)
+            sparse = select_chunks(scores, start=0, chunk_size=args.chunk_size, keep_fraction=k,
+                                   anchors=anchors).sparse
             a, b = p.needle
             inside = sum(min(b, y) - max(a, x) for x, y in sparse.ranges if y > a and x < b)
             per[f"keep={k:g}"] = {"kept": sparse.kept, "needle_kept": inside == b - a,
@@ -481,6 +494,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keeps", default="0.3,0.5")
     ap.add_argument("--chunk-size", type=int, default=32)
     ap.add_argument("--query-window", type=int, default=0, help="0: the server's default (16)")
+    ap.add_argument("--anchor-ngram", type=int, default=None,
+                    help="SpecPrefill's anchor n-gram length, per request (default: the server's; 0: no anchors)")
     ap.add_argument("--prefill-step-size", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-infer-kept", action="store_true", help="skip recomputing which chunks were kept")

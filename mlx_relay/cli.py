@@ -158,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--specprefill-chunk-size", type=int, default=64, help="tokens per selection chunk (default 64)")
     sp.add_argument("--specprefill-query-window", type=int, default=16,
                     help="last prompt positions whose attention scores the tokens (default 16)")
+    sp.add_argument("--specprefill-anchor-ngram", type=int, default=2, metavar="N",
+                    help="keep first, within the budget, the chunks holding a run of N tokens that the query (the "
+                         "prompt's last tokens) repeats: what a question names (default 2, for Qwen3.5's vocabulary; "
+                         "4 for a 1K-token one; 0: off; requests may set specprefill_anchor_ngram)")
+    sp.add_argument("--specprefill-anchor-query-tokens", type=int, default=64,
+                    help="the prompt's last tokens that are the query for the anchors (default 64)")
+    sp.add_argument("--specprefill-anchor-max-occurrences", type=int, default=4,
+                    help="a run found more often than this before the query anchors nothing: boilerplate (default 4)")
+    sp.add_argument("--specprefill-anchor-follow", type=int, default=16,
+                    help="tokens after a run that it anchors too, e.g. the value after a key (default 16)")
+    sp.add_argument("--specprefill-anchor-max-share", type=_fraction, default=0.5, metavar="FRACTION",
+                    help="the most of the keep budget anchors may take; the best-scored chunks keep the rest "
+                         "(default 0.5)")
     serve.add_argument("--memory-limit-gb", type=float, default=None,
                        help="MLX memory limit for this process (lets two servers share one GPU)")
     serve.add_argument("--cache-limit-gb", type=float, default=None,
@@ -298,6 +311,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         specprefill_chunk_size=args.specprefill_chunk_size,
         specprefill_keep_fraction=args.specprefill_keep,
         specprefill_query_window=args.specprefill_query_window,
+        specprefill_anchor_ngram=args.specprefill_anchor_ngram,
+        specprefill_anchor_query_tokens=args.specprefill_anchor_query_tokens,
+        specprefill_anchor_max_occurrences=args.specprefill_anchor_max_occurrences,
+        specprefill_anchor_follow=args.specprefill_anchor_follow,
+        specprefill_anchor_max_share=args.specprefill_anchor_max_share,
         allowed_local_dir=args.allowed_local_media_dir,
         allow_remote=args.allow_remote_media,
         allow_private_networks=args.allow_private_media_hosts,

@@ -121,12 +121,34 @@ class SpecPrefillConfig(msgspec.Struct, frozen=True):
     chunk_size: int = 64  # prompt tokens per selection chunk
     keep_fraction: float = 0.3  # share of the scored chunks kept (the first and last always)
     query_window: int = 16  # the last prompt positions whose attention scores the tokens
+    # anchors (`specprefill/anchors.py`): chunks holding a run of `anchor_ngram` tokens that the
+    # query (the prompt's last `anchor_query_tokens`) repeats are kept ahead of the scores, within
+    # the keep budget; 0: off (requests may set their own, `specprefill_anchor_ngram`). 2 suits
+    # Qwen3.5's 248K-token vocabulary (a snake_case name is 2-3 of its tokens, and the tokens
+    # around it differ between a question and the code it names); a 1K-token vocabulary such as
+    # the tiny models' spells a name in more tokens: 4 there (benchmarks/specprefill_anchors.py)
+    anchor_ngram: int = 2
+    anchor_query_tokens: int = 64
+    # a run found more often than this before the query is boilerplate (turn markers, wrappers)
+    anchor_max_occurrences: int = 4
+    anchor_follow: int = 16  # tokens after an occurrence that it anchors too (a key's value, a def's body)
+    # the most of the keep budget (beyond the first and last chunk) anchors may take, the draft's
+    # best chunks keep the rest: on relay-tiny-agent, anchors that took 85% of it at 4K tokens
+    # broke replies (needle 27/40), at about half they helped (39/40; keep 0.3 without: 35/40)
+    anchor_max_share: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 < self.keep_fraction <= 1.0:
             raise ValueError("SpecPrefillConfig.keep_fraction must be in (0, 1]")
         if self.chunk_size < 1 or self.query_window < 1 or self.threshold < 1:
             raise ValueError("SpecPrefillConfig.chunk_size, query_window and threshold must be at least 1")
+        if self.anchor_ngram < 0 or self.anchor_follow < 0 or self.anchor_max_occurrences < 1:
+            raise ValueError("SpecPrefillConfig.anchor_ngram and anchor_follow must not be negative, "
+                             "anchor_max_occurrences at least 1")
+        if not 0.0 < self.anchor_max_share <= 1.0:
+            raise ValueError("SpecPrefillConfig.anchor_max_share must be in (0, 1]")
+        if self.anchor_query_tokens < max(self.anchor_ngram, 1):
+            raise ValueError("SpecPrefillConfig.anchor_query_tokens must be at least anchor_ngram (and 1)")
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True):

@@ -81,9 +81,11 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     # /v1/completions: a raw prompt (text or token ids) instead of messages; no chat template
     prompt: str | list[int] | None = None
     # SpecPrefill: None follows the server (on above its threshold when it has a draft model);
-    # True / False forces it on / off for this request; the keep fraction overrides the server's
+    # True / False forces it on / off for this request; the keep fraction and the anchor rule's
+    # n-gram length (0: no anchors) override the server's
     specprefill: bool | None = None
     specprefill_keep: float | None = None
+    specprefill_anchor_ngram: int | None = None
     chat_template: str | None = None  # the request's own template (refused unless the server allows it)
 
 
@@ -332,7 +334,8 @@ class ChatService:
         restored, points = (plan.restore_length, plan.snapshot_at) if plan is not None else (0, [])
         try:
             decision: SpecPrefillDecision = await self.scorer.ask(
-                PlanSpecPrefill(rid, n, restored, points, req.specprefill, req.specprefill_keep))
+                PlanSpecPrefill(rid, n, restored, points, req.specprefill, req.specprefill_keep,
+                                req.specprefill_anchor_ngram))
             return decision
         except Exception as exc:  # the scorer crashed: this request prefills normally
             return SpecPrefillDecision(report=SpecPrefillReport(
@@ -369,6 +372,7 @@ def forced_tools(req: ChatRequest) -> bool:
 
 
 _SEED_LIMIT = 2**63  # seeds are 63-bit (numpy's and MLX's generators take them)
+MAX_ANCHOR_NGRAM = 64  # a request's SpecPrefill anchor n-gram (longer runs are whole sentences)
 
 
 def validate_request(req: ChatRequest) -> None:
@@ -384,6 +388,8 @@ def validate_request(req: ChatRequest) -> None:
          "the thinking budget must not be negative"),
         (req.specprefill_keep is None or 0.0 < req.specprefill_keep <= 1.0, "specprefill_keep",
          "specprefill_keep must be in (0, 1]"),
+        (req.specprefill_anchor_ngram is None or 0 <= req.specprefill_anchor_ngram <= MAX_ANCHOR_NGRAM,
+         "specprefill_anchor_ngram", f"specprefill_anchor_ngram must be between 0 (off) and {MAX_ANCHOR_NGRAM}"),
         (not req.logprobs or 0 <= req.top_logprobs <= 20, "top_logprobs", "top_logprobs must be between 0 and 20"),
     ]
     for ok, param, message in checks:

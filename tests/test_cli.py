@@ -65,6 +65,21 @@ def test_prefix_disk_flags_reach_the_engine_config() -> None:
     assert engine.prefix_cache_preload == 0.5
 
 
+def test_specprefill_anchor_flags_reach_the_specprefill_config() -> None:
+    from mlx_relay.cli import build_parser, config_from_args
+
+    sp = config_from_args(build_parser().parse_args(["serve", "m"])).specprefill
+    assert (sp.anchor_ngram, sp.anchor_query_tokens, sp.anchor_max_occurrences, sp.anchor_follow,
+            sp.anchor_max_share) == (2, 64, 4, 16, 0.5)
+    args = build_parser().parse_args([
+        "serve", "m", "--specprefill-anchor-ngram", "0", "--specprefill-anchor-query-tokens", "32",
+        "--specprefill-anchor-max-occurrences", "8", "--specprefill-anchor-follow", "0",
+        "--specprefill-anchor-max-share", "1"])
+    sp = config_from_args(args).specprefill
+    assert (sp.anchor_ngram, sp.anchor_query_tokens, sp.anchor_max_occurrences, sp.anchor_follow,
+            sp.anchor_max_share) == (0, 32, 8, 0, 1.0)
+
+
 @pytest.mark.parametrize("value", ["1.5", "-0.1", "half"])
 def test_a_preload_fraction_outside_0_to_1_is_a_usage_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     from mlx_relay.cli import build_parser

@@ -40,14 +40,14 @@ def test_selection_keeps_first_last_and_the_top_chunks() -> None:
         scores[i] = 5.0  # chunk 4 (of 10)
     for i in range(70, 80):
         scores[i] = 3.0  # chunk 7
-    sel = select_chunks(scores, start=0, chunk_size=10, keep_fraction=0.4)
+    sel = select_chunks(scores, start=0, chunk_size=10, keep_fraction=0.4).sparse
     assert sel.ranges == [(0, 10), (40, 50), (70, 80), (90, 100)]
     assert sel.kept == 40
 
 
 def test_selection_keeps_the_dense_head_and_merges_neighbours() -> None:
     scores = [1.0] * 50 + [0.0] * 50
-    sel = select_chunks(scores, start=30, chunk_size=10, keep_fraction=0.5)
+    sel = select_chunks(scores, start=30, chunk_size=10, keep_fraction=0.5).sparse
     # 5 of 10 chunks: the first, the last, and 3 of the 4 middle ones tying at 1.0 (the earliest win);
     # the head [0, 30) is always kept
     assert sel.ranges == [(0, 70), (120, 130)]
@@ -57,7 +57,7 @@ def test_selection_keeps_the_dense_head_and_merges_neighbours() -> None:
 @pytest.mark.parametrize("n,chunk,keep", [(1000, 64, 0.2), (1000, 64, 0.3), (8192, 64, 0.3), (130, 64, 0.1)])
 def test_selection_size(n: int, chunk: int, keep: float) -> None:
     rng = random.Random(n)
-    sel = select_chunks([rng.random() for _ in range(n)], start=0, chunk_size=chunk, keep_fraction=keep)
+    sel = select_chunks([rng.random() for _ in range(n)], start=0, chunk_size=chunk, keep_fraction=keep).sparse
     chunks = math.ceil(n / chunk)
     assert sel.ranges[0][0] == 0 and sel.ranges[-1][1] == n
     kept_chunks = max(2, math.ceil(keep * chunks)) if chunks > 2 else chunks
@@ -65,7 +65,7 @@ def test_selection_size(n: int, chunk: int, keep: float) -> None:
 
 
 def test_keep_everything_is_one_range() -> None:
-    assert select_chunks([0.1] * 500, start=7, chunk_size=16, keep_fraction=1.0).ranges == [(0, 507)]
+    assert select_chunks([0.1] * 500, start=7, chunk_size=16, keep_fraction=1.0).sparse.ranges == [(0, 507)]
 
 
 def test_sparse_row_positions_and_decode_offset() -> None:

@@ -4,18 +4,22 @@ the wire. The draft is a real fixture with the target's tokenizer."""
 
 from __future__ import annotations
 
+import math
 import random
 import shutil
 from pathlib import Path
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import load_file, save_file
 
+from mlx_relay.config import SpecPrefillConfig
 from mlx_relay.errors import InvalidRequest
 from mlx_relay.relay import Relay
+from mlx_relay.specprefill.anchors import anchor_chunks, anchor_rule
 from mlx_relay.testing.live_server import LiveServer
 
 WORDS = ("alpha beta gamma delta kernel buffer thread socket parser module import return yield "
@@ -77,6 +81,44 @@ async def test_threshold_overrides_and_exact_keep_all(fp32_model: Path) -> None:
         assert scraped["specprefill_tokens_kept"] == stats["tokens_kept"]
 
 
+async def test_anchors_keep_what_the_question_names_and_the_usage_counts_them(fp32_model: Path) -> None:
+    """Issue 19.4, through the actors: a raw prompt of random token ids whose question (its last
+    tokens) repeats a run planted mid-context. The usage reports the chunks the anchor rule kept,
+    exactly as the pure functions find them; per request the rule's n-gram is set or turned off."""
+    rng = random.Random(11)
+    ids = [rng.randrange(5, 1000) for _ in range(600)]
+    ids[322:328] = ids[588:594] = [901, 902, 903, 904, 905, 906]  # "The code for ABC-12" ... "ABC-12?"
+    chunk, scored = SETTINGS["specprefill_chunk_size"], math.ceil(len(ids) / SETTINGS["specprefill_chunk_size"])
+    config = SpecPrefillConfig()
+
+    def expected(ngram: int | None) -> int:
+        rule = anchor_rule(config, ngram)
+        assert rule is not None
+        return sum(1 for c in anchor_chunks(ids, start=0, chunk_size=chunk, rule=rule) if 0 < c < scored - 1)
+
+    assert expected(4) == 2  # 322..327 and the 16 tokens after them: chunks 20 and 21
+    async with Relay.start(fp32_model, specprefill_draft_model=str(fp32_model), prefix_cache=False,
+                           **SETTINGS) as relay:
+        runs = {n: await relay.chat([], prompt=ids, max_tokens=4, temperature=0.0, specprefill_anchor_ngram=n)
+                for n in (None, 4, 0)}
+        stats = await relay.specprefill_stats()
+        scraped = counters(await relay.scrape())
+    for res in runs.values():
+        report = res.specprefill
+        assert res.prompt_tokens == len(ids) and report is not None and report.ran
+        assert report.kept_tokens == runs[0].specprefill.kept_tokens  # type: ignore[union-attr]  # the same budget
+    default, four, off = (runs[n].specprefill for n in (None, 4, 0))
+    assert default is not None and four is not None and off is not None
+    assert (default.anchor_ngram, default.anchored_chunks) == (config.anchor_ngram, expected(None))
+    assert (four.anchor_ngram, four.anchored_chunks, four.anchors_dropped) == (4, 2, 0)
+    assert four.anchors_rescued <= four.anchored_chunks
+    assert (off.anchor_ngram, off.anchored_chunks) == (0, 0)
+    assert "anchor_ngram" not in msgspec.to_builtins(off)  # off: the usage reads as before anchors
+    assert stats["anchor_ngram"] == config.anchor_ngram
+    assert stats["chunks_anchored"] == default.anchored_chunks + 2 == scraped["specprefill_chunks_anchored"]
+    assert stats["anchors_rescued"] == default.anchors_rescued + four.anchors_rescued
+
+
 async def test_only_the_uncached_suffix_is_scored(fp32_model: Path) -> None:
     system = {"role": "system", "content": text(350, 7)}  # above the prefix cache's 256-token minimum
     async with Relay.start(fp32_model, specprefill_draft_model=str(fp32_model), **SETTINGS) as relay:
@@ -117,7 +159,8 @@ async def test_a_failing_draft_falls_back_to_normal_prefill(fp32_model: Path, tm
 
 def test_wire_reports_and_rejects(server: LiveServer) -> None:
     """The shared server has no draft model: asking for SpecPrefill says so in the usage;
-    a keep fraction outside (0, 1] is a 400 in the OpenAI error shape."""
+    a keep fraction outside (0, 1] or an anchor n-gram outside [0, 64] is a 400 in the OpenAI
+    error shape."""
     with httpx.Client(base_url=server.url, timeout=60) as client:
         body = {"model": "tiny", "messages": user("hello"), "max_tokens": 2, "specprefill": True}
         r = client.post("/v1/chat/completions", json=body)
@@ -126,6 +169,12 @@ def test_wire_reports_and_rejects(server: LiveServer) -> None:
         assert report["ran"] is False and "draft model" in report["fallback"]
         r = client.post("/v1/chat/completions", json={**body, "specprefill_keep": 1.5})
         assert r.status_code == 400 and r.json()["error"]["param"] == "specprefill_keep"
+        for bad in (-1, 65):
+            r = client.post("/v1/chat/completions", json={**body, "specprefill_anchor_ngram": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "specprefill_anchor_ngram"
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2,
+                                                 "specprefill_anchor_ngram": "four"})
+        assert r.status_code == 422 and "specprefill_anchor_ngram" in r.text  # a wrong type, as for any field
         r = client.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": user("hello"),
                                               "specprefill": True})
         assert r.status_code == 200 and r.json()["usage"]["specprefill"]["ran"] is False

@@ -8,7 +8,8 @@ Measures (each the issue's):
 
 * ``needle@N``: exact match of the answer after ``</think>`` on key-value retrieval prompts of
   about N tokens (SpecPrefill off per request; ``--specprefill-draft``/``--specprefill-keep``
-  turn it on for issue 19.4).
+  turn it on for issue 19.4, ``--specprefill-anchor-ngram`` sets its anchor rule per request,
+  0 off; the chunks anchored are summed per measure in the output's ``specprefill.anchors``).
 * ``tool_call``: with tools declared and a request that needs one (``tool_choice`` auto, nothing
   forced), the reply holds a well-formed call: our server's parser
   (:class:`mlx_relay.chat.reply_parser.ReplyParser`) reads it into a tool call to a declared tool
@@ -179,6 +180,7 @@ async def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     mtp = [0, 0]  # drafted, accepted
     finishes: dict[str, dict[str, int]] = {}
+    anchored: dict[str, dict[str, int]] = {}  # per measure: SpecPrefill's anchored chunks, summed
 
     def tally(name: str) -> Tally:
         return tallies.setdefault(name, Tally())
@@ -190,7 +192,8 @@ async def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             tools = msgspec.to_builtins(ex.tools) if ex.tools else None
             sp: dict[str, Any] = {"specprefill": False}
             if args.specprefill_draft:
-                sp = {"specprefill": True, "specprefill_keep": args.specprefill_keep}
+                sp = {"specprefill": True, "specprefill_keep": args.specprefill_keep,
+                      "specprefill_anchor_ngram": args.specprefill_anchor_ngram}
             t0 = time.perf_counter()
             try:
                 res = await relay.chat(ex.prompt_messages(), tools=tools, enable_thinking=True, temperature=0.0,
@@ -201,6 +204,11 @@ async def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 finishes.setdefault(measure, {}).setdefault("error", 0)
                 finishes[measure]["error"] += 1
                 return "", "error"
+            if res.specprefill is not None:
+                counts = anchored.setdefault(measure, {"requests": 0, "anchored_chunks": 0, "anchors_rescued": 0})
+                counts["requests"] += 1
+                counts["anchored_chunks"] += res.specprefill.anchored_chunks
+                counts["anchors_rescued"] += res.specprefill.anchors_rescued
             reasons = finishes.setdefault(measure, {})
             reasons[res.finish_reason] = reasons.get(res.finish_reason, 0) + 1
             mtp[0] += res.mtp_drafted
@@ -246,7 +254,9 @@ async def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                                        "rate": mtp[1] / mtp[0] if mtp[0] else float("nan")}
     return {"model": str(args.model), "filler": filler.name, "n": args.n,
             "specprefill": {"draft": str(args.specprefill_draft) if args.specprefill_draft else None,
-                            "keep": args.specprefill_keep if args.specprefill_draft else None},
+                            "keep": args.specprefill_keep if args.specprefill_draft else None,
+                            "anchor_ngram": args.specprefill_anchor_ngram if args.specprefill_draft else None,
+                            "anchors": anchored},
             "measures": result, "finish_reasons": finishes, "samples": samples}
 
 
@@ -274,6 +284,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-model-len", type=int, default=0, help="cap the served context (0: the checkpoint's)")
     p.add_argument("--specprefill-draft", type=Path, default=None, help="SpecPrefill on, with this draft")
     p.add_argument("--specprefill-keep", type=float, default=0.3)
+    p.add_argument("--specprefill-anchor-ngram", type=int, default=None,
+                   help="SpecPrefill's anchor n-gram length, sent per request (default: the server's; 0: off; "
+                        "4 suits this 1K-token vocabulary)")
     p.add_argument("--only", nargs="+", choices=MEASURE_FAMILIES, default=list(MEASURE_FAMILIES),
                    help="run these families of measures only (chat also runs copy)")
     p.add_argument("--keep-samples", type=int, default=3, help="replies kept in the JSON, per measure")

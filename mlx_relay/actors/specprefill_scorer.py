@@ -4,9 +4,10 @@
         due (the uncached part's length against the threshold, or the request's own override):
         a ScorePlan, which the request's Generate carries to the GPUExecutor; there the draft
         model scores the uncached tokens one chunk per engine step (other requests keep decoding
-        meanwhile), the chunks are selected (`specprefill.selection`, a pure function) and the
-        kept tokens prefilled, all in one visit (`engine/scoring.py`)
-    GPUExecutor --ScoringOutcome--> scorer: what the selection kept, or why it fell back
+        meanwhile), the chunks are selected (`specprefill.selection`, a pure function; first the
+        anchors of the plan's rule, `specprefill.anchors`: the request's n-gram length or the
+        server's) and the kept tokens prefilled, all in one visit (`engine/scoring.py`)
+    GPUExecutor --ScoringOutcome--> scorer: what the selection kept (and anchored), or why it fell back
 
 Anything that goes wrong with scoring (the draft fails, the scores are not finite, the lengths
 disagree) falls back to a normal prefill for that request, reported in its usage and counted
@@ -27,6 +28,7 @@ from mlx_relay.messages.specprefill import (
     SpecPrefillStats,
 )
 from mlx_relay.runtime import Actor, ReplyStream
+from mlx_relay.specprefill.anchors import anchor_rule
 
 
 class SpecPrefillScorer(Actor):
@@ -40,6 +42,7 @@ class SpecPrefillScorer(Actor):
         self._sparse = self._fallbacks = self._scored = self._kept = 0
         self._seconds = 0.0
         self._last_error: str | None = None
+        self._anchors = [0, 0, 0]  # chunks anchored, of them rescued, anchors dropped
 
     async def receive(self, msg: PlanSpecPrefill | ScoringOutcome | GetSpecPrefillStats,
                       stream: ReplyStream | None) -> object:
@@ -53,7 +56,7 @@ class SpecPrefillScorer(Actor):
                 c = self.config
                 return SpecPrefillStats(str(c.draft_model), c.threshold, c.chunk_size, c.keep_fraction, self._sparse,
                                         self._fallbacks, self._scored, self._kept, round(self._seconds, 4),
-                                        self._last_error)
+                                        self._last_error, c.anchor_ngram, *self._anchors)
         raise TypeError(type(msg).__name__)
 
     def _dense_end(self, msg: PlanSpecPrefill) -> int:
@@ -79,7 +82,8 @@ class SpecPrefillScorer(Actor):
         if n <= 2 * c.chunk_size:  # first and last chunk are always kept: nothing could be dropped
             return SpecPrefillDecision(report=SpecPrefillReport(
                 False, 0, n, keep, fallback=f"the uncached prompt ({n} tokens) is within two chunks"))
-        return SpecPrefillDecision(score=ScorePlan(dense, keep, c.chunk_size, c.query_window))
+        return SpecPrefillDecision(score=ScorePlan(dense, keep, c.chunk_size, c.query_window,
+                                                   anchor_rule(c, msg.anchor_ngram)))
 
     def _outcome(self, out: ScoringOutcome) -> None:
         report = out.report
@@ -88,6 +92,8 @@ class SpecPrefillScorer(Actor):
             self._last_error = report.fallback
             return
         self._count(report.scored_tokens, report.kept_tokens, out.seconds)
+        for i, n in enumerate((report.anchored_chunks, report.anchors_rescued, report.anchors_dropped)):
+            self._anchors[i] += n
 
     def _count(self, scored: int, kept: int, seconds: float) -> None:
         self._sparse += 1

@@ -3,10 +3,12 @@
 A row whose Generate carries a `ScorePlan` waits here before it joins a lane: the draft scores
 the uncached part of its prompt one chunk per engine step (oldest row first; running rows keep
 decoding meanwhile), then `specprefill.selection.select_chunks` (a pure function) picks the
-chunks the target prefills. The outcome is the row's `sparse` selection and its report; anything
-that goes wrong with the draft (it fails, the scores are not finite, the lengths disagree) leaves
-the row to be prefilled in full with a report saying why. The SpecPrefillScorer actor decided
-that the row is scored and how much is kept; it gets the outcome for its statistics.
+chunks the target prefills, first those `specprefill.anchors.anchor_chunks` finds for the plan's
+anchor rule (runs of prompt tokens that the query repeats). The outcome is the row's `sparse`
+selection and its report; anything that goes wrong with the draft (it fails, the scores are not
+finite, the lengths disagree) leaves the row to be prefilled in full with a report saying why.
+The SpecPrefillScorer actor decided that the row is scored, how much is kept and by which anchor
+rule; it gets the outcome for its statistics.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from mlx_relay.engine.rows import Row
 from mlx_relay.messages.gpu import DraftInfo
 from mlx_relay.messages.specprefill import ScoringOutcome, SpecPrefillReport
 from mlx_relay.runtime.supervision import is_failure
+from mlx_relay.specprefill.anchors import anchor_chunks
 from mlx_relay.specprefill.selection import select_chunks
 
 log = logging.getLogger(__name__)
@@ -106,7 +109,15 @@ class ScoringStage:
         if error is not None or scores is None:
             row.specprefill = SpecPrefillReport(False, 0, n, plan.keep_fraction, fallback=error or "no scores")
         else:
-            row.sparse = select_chunks(scores, start=plan.dense_end, chunk_size=plan.chunk_size,
-                                       keep_fraction=plan.keep_fraction)
-            row.specprefill = SpecPrefillReport(True, n, row.sparse.kept - plan.dense_end, plan.keep_fraction)
+            rule = plan.anchor
+            anchors = frozenset() if rule is None else anchor_chunks(
+                row.req.prompt_tokens, start=plan.dense_end, chunk_size=plan.chunk_size, rule=rule)
+            picked = select_chunks(scores, start=plan.dense_end, chunk_size=plan.chunk_size,
+                                   keep_fraction=plan.keep_fraction, anchors=anchors,
+                                   anchor_share=1.0 if rule is None else rule.max_share)
+            row.sparse = picked.sparse
+            row.specprefill = SpecPrefillReport(
+                True, n, picked.sparse.kept - plan.dense_end, plan.keep_fraction,
+                anchor_ngram=0 if rule is None else rule.ngram, anchored_chunks=picked.anchored,
+                anchors_rescued=picked.rescued, anchors_dropped=picked.dropped)
         return ScoringOutcome(row.req.request_id, row.specprefill, time.perf_counter() - entry.started, row.sparse)

@@ -367,6 +367,7 @@ def to_chat_request(body: CountTokensRequest) -> ChatRequest:
             top_k=body.top_k,
             specprefill=body.specprefill,
             specprefill_keep=body.specprefill_keep,
+            specprefill_anchor_ngram=body.specprefill_anchor_ngram,
         )
     return ChatRequest(messages=to_messages(body.system, body.messages), tools=tools, **fields)  # type: ignore[arg-type]
 

@@ -162,6 +162,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True, omit_defaults=True):
     stream: bool = False
     specprefill: bool | None = None  # mlx-relay extension (the SDK's extra_body), as in chat completions
     specprefill_keep: float | None = None
+    specprefill_anchor_ngram: int | None = None
 
 
 # -- response -----------------------------------------------------------------------------------------

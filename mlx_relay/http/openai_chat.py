@@ -111,6 +111,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
         mtp=body.mtp is not False,
         specprefill=body.specprefill,
         specprefill_keep=body.specprefill_keep if body.specprefill_keep is not None else body.specprefill_keep_pct,
+        specprefill_anchor_ngram=body.specprefill_anchor_ngram,
     )
 
 

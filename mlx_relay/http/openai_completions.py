@@ -51,6 +51,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     specprefill: bool | None = None  # as in chat completions
     specprefill_keep: float | None = None
     specprefill_keep_pct: float | None = None
+    specprefill_anchor_ngram: int | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -111,7 +112,8 @@ def to_requests(body: CompletionRequest) -> list[ChatRequest]:
             top_logprobs=body.logprobs or 0, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             mtp=body.mtp is not False, specprefill=body.specprefill,
-            specprefill_keep=body.specprefill_keep if body.specprefill_keep is not None else body.specprefill_keep_pct)
+            specprefill_keep=body.specprefill_keep if body.specprefill_keep is not None else body.specprefill_keep_pct,
+            specprefill_anchor_ngram=body.specprefill_anchor_ngram)
         out.extend(choice_requests(req, body.n))
     return out
 

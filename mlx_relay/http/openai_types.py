@@ -46,10 +46,12 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     user: str | None = None
     mtp: bool | None = None  # mlx-relay extension: false turns MTP speculative decoding off for this request
     # mlx-relay extension: SpecPrefill on / off for this request (None: the server's threshold) and
-    # its keep fraction (`specprefill_keep_pct` is vllm-mlx's name for the same fraction)
+    # its keep fraction (`specprefill_keep_pct` is vllm-mlx's name for the same fraction), and the
+    # anchor rule's n-gram length (0: no anchors; None: the server's)
     specprefill: bool | None = None
     specprefill_keep: float | None = None
     specprefill_keep_pct: float | None = None
+    specprefill_anchor_ngram: int | None = None
 
 
 class FunctionName(msgspec.Struct):

@@ -395,6 +395,7 @@ def translate(body: ResponsesRequest, model: str, conversation: list[ChatMessage
         enable_thinking=thinking(body.reasoning),
         specprefill=body.specprefill,
         specprefill_keep=body.specprefill_keep,
+        specprefill_anchor_ngram=body.specprefill_anchor_ngram,
     )
     response = ResponseObject(
         id=_new_id("resp"), created_at=int(time.time()), status="in_progress", model=model, output=[],

@@ -72,6 +72,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     include: list[str] | None = None
     specprefill: bool | None = None  # mlx-relay extension (the SDK's extra_body), as in chat completions
     specprefill_keep: float | None = None
+    specprefill_anchor_ngram: int | None = None
 
 
 class FunctionTool(msgspec.Struct, kw_only=True):

@@ -9,7 +9,7 @@ import msgspec
 
 from mlx_relay.specprefill.report import SpecPrefillReport
 
-__all__ = ["GetSpecPrefillStats", "PlanSpecPrefill", "ScorePlan", "ScoringOutcome", "SparsePrefill",
+__all__ = ["AnchorRule", "GetSpecPrefillStats", "PlanSpecPrefill", "ScorePlan", "ScoringOutcome", "SparsePrefill",
            "SpecPrefillDecision", "SpecPrefillReport", "SpecPrefillStats"]
 
 
@@ -24,15 +24,37 @@ class SparsePrefill(msgspec.Struct, frozen=True):
         return sum(b - a for a, b in self.ranges)
 
 
+class AnchorRule(msgspec.Struct, frozen=True):
+    """Chunks kept ahead of the scores (`specprefill.anchors`): those holding a run of `ngram`
+    prompt tokens that also occurs in the query (the prompt's last `query_tokens` tokens), or the
+    `follow` tokens after it, unless that run occurs more than `max_occurrences` times before the
+    query (boilerplate); they take at most `max_share` of the keep budget (`specprefill.selection`)."""
+
+    ngram: int
+    query_tokens: int
+    max_occurrences: int
+    follow: int = 0  # tokens after an occurrence that it anchors too (what a name is followed by)
+    max_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.ngram < 1 or self.query_tokens < self.ngram or self.max_occurrences < 1 or self.follow < 0:
+            raise ValueError("AnchorRule needs ngram >= 1, query_tokens >= ngram, max_occurrences >= 1 "
+                             "and follow >= 0")
+        if not 0.0 < self.max_share <= 1.0:
+            raise ValueError("AnchorRule.max_share must be in (0, 1]")
+
+
 class ScorePlan(msgspec.Struct, frozen=True):
     """How the GPU executor scores and selects: the draft scores `tokens[dense_end:]` (the
     attention of the last `window` query positions), chunks of `chunk_size` are kept by
-    `keep_fraction`; everything before `dense_end` is kept unscored."""
+    `keep_fraction`, the chunks `anchor` names first (None: by the scores alone); everything
+    before `dense_end` is kept unscored."""
 
     dense_end: int
     keep_fraction: float
     chunk_size: int
     window: int
+    anchor: AnchorRule | None = None
 
 
 class PlanSpecPrefill(msgspec.Struct, frozen=True):
@@ -42,7 +64,8 @@ class PlanSpecPrefill(msgspec.Struct, frozen=True):
     prompt lengths the prefix cache wants exact snapshots at; the ones that still leave a long
     enough part to score (e.g. a system prompt's end) stay exact, later ones (e.g. the reply's
     header, for the conversation's next turn) are given up for the sparse prefill.
-    `enabled`: the request's override (None: by the threshold). `keep_fraction`: its own."""
+    `enabled`: the request's override (None: by the threshold). `keep_fraction` and
+    `anchor_ngram` (0: no anchors): its own (None: the server's)."""
 
     request_id: str
     prompt_tokens: int
@@ -50,6 +73,7 @@ class PlanSpecPrefill(msgspec.Struct, frozen=True):
     snapshot_at: list[int] = []
     enabled: bool | None = None
     keep_fraction: float | None = None
+    anchor_ngram: int | None = None
 
 
 class SpecPrefillDecision(msgspec.Struct, frozen=True):
@@ -87,3 +111,7 @@ class SpecPrefillStats(msgspec.Struct, frozen=True):
     tokens_kept: int
     scoring_seconds: float  # GPU-thread time from first draft chunk to scores, summed
     last_error: str | None = None
+    anchor_ngram: int = 0  # the server's anchor n-gram (0: no anchors unless a request asks)
+    chunks_anchored: int = 0  # chunks kept as anchors (`SpecPrefillReport.anchored_chunks`), summed
+    anchors_rescued: int = 0  # of those, the ones the scores alone would have dropped
+    anchors_dropped: int = 0  # anchor chunks the keep budget had no room for

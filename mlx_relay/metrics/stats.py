@@ -11,7 +11,8 @@ restarting) is None and its families are left out of that scrape; everything els
     TextMTPExecutor   spec_decode_num_draft_tokens_total, spec_decode_num_accepted_tokens_total,
                       mtp_requests_total{decision}
     SpecPrefillScorer specprefill_runs_total, specprefill_fallbacks_total, specprefill_tokens_scored_total,
-                      specprefill_tokens_kept_total
+                      specprefill_tokens_kept_total, specprefill_chunks_anchored_total,
+                      specprefill_anchors_rescued_total, specprefill_anchors_dropped_total
     VisionExecutor    vision_cache_queries_total, vision_cache_hits_total, vision_cache_bytes
 """
 
@@ -133,3 +134,9 @@ class StatsCollector(Collector):
                             "(scoring failed)", p.fallbacks)
         yield self._counter("specprefill_tokens_scored", "Prompt tokens the draft model scored", p.tokens_scored)
         yield self._counter("specprefill_tokens_kept", "Scored prompt tokens kept for the prefill", p.tokens_kept)
+        yield self._counter("specprefill_chunks_anchored", "Chunks kept ahead of the scores because they share a "
+                            "run of tokens with the query", p.chunks_anchored)
+        yield self._counter("specprefill_anchors_rescued", "Anchored chunks that the draft's scores alone would "
+                            "have dropped", p.anchors_rescued)
+        yield self._counter("specprefill_anchors_dropped", "Anchor chunks the keep budget had no room for",
+                            p.anchors_dropped)
