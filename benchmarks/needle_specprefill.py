@@ -513,7 +513,7 @@ def main() -> None:
         if mx.default_device().type == mx.cpu:
             from train_small_mtp import reexec_with_blas_shim
 
-            reexec_with_blas_shim(Path("/tmp/small-mtp/blas-shim"))
+            reexec_with_blas_shim()
     import anyio
 
     anyio.run(amain, args)

@@ -197,5 +197,5 @@ if __name__ == "__main__":
         sys.path.insert(0, str(TOOLS))
         from train_small_mtp import reexec_with_blas_shim
 
-        reexec_with_blas_shim(Path("/tmp/small-mtp/blas-shim"))
+        reexec_with_blas_shim()
     main()

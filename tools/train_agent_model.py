@@ -465,5 +465,5 @@ def train(args: argparse.Namespace, cache_limit: int | None, memory_limit: int |
 
 if __name__ == "__main__":
     if "--no-blas-shim" not in sys.argv[1:] and mx.default_device() == mx.cpu:
-        reexec_with_blas_shim(Path("/tmp/small-mtp/blas-shim"))
+        reexec_with_blas_shim()
     main()

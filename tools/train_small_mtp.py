@@ -134,7 +134,10 @@ def build_blas_shim(build_dir: Path) -> Path | None:
     return lib
 
 
-def reexec_with_blas_shim(build_dir: Path) -> None:
+BLAS_SHIM_DIR = Path("/tmp/small-mtp/blas-shim")  # where the shim is built, once per machine
+
+
+def reexec_with_blas_shim(build_dir: Path = BLAS_SHIM_DIR) -> None:
     """Re-run this process with the shim preloaded (no-op if already done or impossible)."""
     if os.environ.get("SMALL_MTP_BLAS_SHIM"):
         return
@@ -664,5 +667,5 @@ def write_metrics(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     if "--no-blas-shim" not in sys.argv[1:] and mx.default_device() == mx.cpu:
-        reexec_with_blas_shim(Path("/tmp/small-mtp/blas-shim"))
+        reexec_with_blas_shim()
     main()
