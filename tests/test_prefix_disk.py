@@ -58,6 +58,14 @@ TOOLS = [{"type": "function", "function": {"name": "run_tests", "description": "
 SESSIONS = 7  # 0 intact, 1 flipped byte, 2 cut off, 3 other model, 4 other dtype, 5 other mlx, 6 wrong tensors
 
 
+
+async def settled_disk_stats(relay: Relay) -> dict[str, Any]:
+    """The disk tier's stats once no write is under way (writes go through off the requests)."""
+    with anyio.fail_after(30):
+        while (disk := (await relay.prefix_cache_stats())["prefix_cache"]["disk"])["pending_writes"]:
+            await anyio.sleep(0.02)
+    return disk
+
 def conv(i: int, question: str = "Fix the failing test in utils.py") -> list[dict[str, Any]]:
     return [{"role": "system", "content": f"Session {i}. {SYSTEM}"}, {"role": "user", "content": question}]
 
@@ -153,8 +161,7 @@ async def test_a_new_server_restores_from_disk_and_bad_files_are_counted_never_u
         after = [await relay.chat(conv(i), **OPTS) for i in range(SESSIONS)]
         turn2 = await relay.chat(agent([("Run the tests", written.agent1.text)], "Now fix it"), tools=TOOLS,
                                  **OPTS)
-        stats = await relay.prefix_cache_stats()
-    disk = stats["prefix_cache"]["disk"]
+        disk = await settled_disk_stats(relay)  # the write-through of the last turn may still be under way
     # restored from disk or prefilled anew: exactly the cold prefill's tokens
     assert [r.token_ids for r in after] == [r.token_ids for r in written.cold]
     assert after[0].cached_tokens > 0 and all(r.cached_tokens == 0 for r in after[1:])
@@ -361,9 +368,7 @@ async def test_the_drain_writes_the_disk_tier_before_the_flush(fp32_model: Path,
     once the drain returns, before the flush drops the memory tier."""
     async with Relay.start(fp32_model, prefix_cache_dir=str(tmp_path), **CACHE) as relay:
         await relay.chat(agent([], "Run the tests"), tools=TOOLS, **OPTS)
-        with anyio.fail_after(30):  # the system prompt's own write (at once, off the request) lands first
-            while (disk := (await relay.prefix_cache_stats())["prefix_cache"]["disk"])["pending_writes"]:
-                await anyio.sleep(0.02)
+        disk = await settled_disk_stats(relay)  # the system prompt's own write (off the request) lands first
         directory = Path(disk["directory"])
         before = set(os.listdir(directory))
         drained = await relay.drain(5.0)
