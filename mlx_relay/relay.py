@@ -2,8 +2,10 @@
 
     async with Relay.start(model="path/or/repo") as relay:
         reply = await relay.chat([{"role": "user", "content": "Hi"}], max_tokens=32)
-        async for delta in relay.stream_chat([...]):
-            print(delta, end="")
+        print(reply.content, reply.tool_calls, reply.usage)
+        async for event in relay.stream_chat([...]):
+            if isinstance(event, ContentDelta):
+                print(event.text, end="")
 
 `start` spawns the actors (Admission first, so the server can answer 503 while the model
 loads; then the GPUExecutor, which loads the model on its thread; the Normalizer), warms the
@@ -42,6 +44,8 @@ from mlx_relay.actors.prefix_disk_tier import DiskTierConfig
 from mlx_relay.actors.specprefill_scorer import SpecPrefillScorer
 from mlx_relay.actors.text_mtp_executor import TextMTPExecutor
 from mlx_relay.actors.vision_executor import VisionExecutor
+from mlx_relay.chat.output import ReplyEvent
+from mlx_relay.chat.reply import ChatReply, ReplyCollector
 from mlx_relay.chat.types import ChatMessage
 from mlx_relay.config import ServerConfig, build_config
 from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
@@ -52,10 +56,8 @@ from mlx_relay.messages.gpu import (
     AbortAll,
     Describe,
     EngineStats,
-    Finished,
     GetEngineStats,
     ModelInfo,
-    TokenDelta,
     Warmup,
 )
 from mlx_relay.messages.prefix_cache import (
@@ -68,14 +70,14 @@ from mlx_relay.messages.prefix_cache import (
     PreloadPrefixCache,
 )
 from mlx_relay.messages.prompt import DescribePrompts, PromptFeatures
-from mlx_relay.messages.specprefill import GetSpecPrefillStats, SpecPrefillReport
+from mlx_relay.messages.specprefill import GetSpecPrefillStats
 from mlx_relay.messages.text_mtp import GetMTPStats, MTPCalibration
 from mlx_relay.messages.vision import GetVisionStats, VisionStats
 from mlx_relay.metrics import ServerMetrics
 from mlx_relay.metrics.gather import gather_stats
 from mlx_relay.runtime import ActorRef, ActorSystem
 from mlx_relay.runtime.supervision import RestartPolicy
-from mlx_relay.service import Actors, ChatRequest, ChatService, EngineEvents, SamplingDefaults
+from mlx_relay.service import Actors, ChatRequest, ChatService, EngineEvents, ReplyTally, SamplingDefaults
 
 log = logging.getLogger(__name__)
 
@@ -95,18 +97,6 @@ class DrainReport(msgspec.Struct, frozen=True):
     ended: int  # generations ended by the deadline (their streams got a retryable error)
     flushed: Flushed | None = None  # the prefix cache's flush, the drain's last step (None: no cache)
     persisted: Persisted | None = None  # the disk tier's writes before the flush (None: no disk tier)
-
-
-class ChatResult(msgspec.Struct, frozen=True):
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    token_ids: list[int]
-    mtp_drafted: int = 0  # MTP draft tokens proposed for this request (0: decoded without MTP)
-    mtp_accepted: int = 0
-    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
-    specprefill: SpecPrefillReport | None = None  # when SpecPrefill ran or was due
 
 
 def default_config(model: str | Path | None = None, **overrides: Any) -> ServerConfig:
@@ -365,30 +355,26 @@ class Relay:
         async with self._service().generate(request, request_id) as events:
             yield events
 
-    async def chat(self, messages: Sequence[ChatMessage | dict[str, Any]], **params: Any) -> ChatResult:
-        """Complete a chat; params are ChatRequest fields (max_tokens, temperature, stop, ...)."""
-        req = _request(messages, params)
-        parts: list[str] = []
-        ids: list[int] = []
-        async with self.generate(req) as events:
+    async def chat(self, messages: Sequence[ChatMessage | dict[str, Any]], **params: Any) -> ChatReply:
+        """Complete a chat, parsed as the HTTP routes parse it: content, reasoning, tool calls and
+        usage (`mlx_relay.chat.reply.ChatReply`); params are ChatRequest fields (max_tokens,
+        temperature, stop, tools, ...). The reply's raw text and token ids ride along."""
+        tally = ReplyTally(keep_text=True, keep_tokens=True)
+        collector = ReplyCollector()
+        async with self._service().reply(_request(messages, params), tally=tally) as events:
             async for ev in events:
-                if isinstance(ev, TokenDelta):
-                    parts.append(ev.text)
-                    ids.extend(ev.token_ids)
-                elif isinstance(ev, Finished):
-                    return ChatResult("".join(parts), ev.reason, ev.prompt_tokens, ev.completion_tokens, ids,
-                                      ev.mtp_drafted, ev.mtp_accepted, ev.cached_tokens, ev.specprefill)
-        raise RuntimeError("generation ended without a finish event")
+                collector.feed(ev)
+        return collector.reply(raw_text="".join(tally.pieces), token_ids=tally.token_ids)
 
     async def stream_chat(
         self, messages: Sequence[ChatMessage | dict[str, Any]], **params: Any
-    ) -> AsyncIterator[str]:
-        """Yield text deltas as they are generated."""
-        req = _request(messages, params)
-        async with self.generate(req) as events:
+    ) -> AsyncIterator[ReplyEvent]:
+        """Yield the reply's typed events as they are generated (`mlx_relay.chat.output`):
+        `ReplyStarted`, then `ReasoningDelta` / `ContentDelta` / `ToolCallStart`,
+        `ToolCallArguments`, `ToolCallEnd` in the order the model wrote them, `ReplyDone` last."""
+        async with self._service().reply(_request(messages, params)) as events:
             async for ev in events:
-                if isinstance(ev, TokenDelta) and ev.text:
-                    yield ev.text
+                yield ev
 
 
 def _request(messages: Sequence[ChatMessage | dict[str, Any]], params: dict[str, Any]) -> ChatRequest:

@@ -122,6 +122,8 @@ class ReplyTally:
     finish_reason: str | None = None  # None: the reply did not finish
     pieces: list[str] = field(default_factory=list)  # the reply's text, only when asked for (`keep_text`)
     keep_text: bool = False
+    token_ids: list[int] = field(default_factory=list)  # the generated ids, only when asked for (`keep_tokens`)
+    keep_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -423,6 +425,8 @@ async def _parsed(started: ReplyStarted, events: EngineEvents, parser: ReplyPars
                     tally.first_token_at = time.monotonic()
             if tally.keep_text:
                 tally.pieces.append(ev.text)
+            if tally.keep_tokens:
+                tally.token_ids.extend(ev.token_ids)
             if parser is None:
                 if ev.text or ev.logprobs:
                     yield ContentDelta(ev.text, ev.logprobs)

@@ -32,6 +32,7 @@ from mlx_relay.actors.prefix_disk_tier import DiskTier, DiskTierConfig
 from mlx_relay.cache.disk_index import DiskEntry, DiskIndex
 from mlx_relay.cache.prefix_keys import PrefixKeys
 from mlx_relay.cache.snapshot_files import SnapshotIdentity, file_name, scan
+from mlx_relay.chat.reply import ChatReply
 from mlx_relay.messages.prefix_cache import (
     Flush,
     FreeSnapshots,
@@ -46,7 +47,7 @@ from mlx_relay.messages.prefix_cache import (
     SnapshotSaved,
     SnapshotTaken,
 )
-from mlx_relay.relay import ChatResult, Relay
+from mlx_relay.relay import Relay
 
 SYSTEM = ("You are a careful coding agent. Follow the repository's conventions, keep changes small, "
           "run the tests before you answer, and explain what you changed and why. ") * 3
@@ -81,9 +82,9 @@ class Written(msgspec.Struct):
     directory: Path  # the model's snapshot directory
     files: list[str]  # session i's system snapshot
     turn_file: str
-    cold: list[ChatResult]
-    agent1: ChatResult
-    agent2: ChatResult  # turn 2, restored from turn 1's snapshot in memory
+    cold: list[ChatReply]
+    agent1: ChatReply
+    agent2: ChatReply  # turn 2, restored from turn 1's snapshot in memory
     persisted_written: int
     writes_before_persist: int
 
@@ -111,7 +112,7 @@ async def written(fp32_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         kinds = {name: _header(directory / name)["relay.kind"] for name in new}
         assert sorted(kinds.values()) == ["system", "turn"], kinds
         (turn_file,) = [name for name, kind in kinds.items() if kind == "turn"]
-        agent2 = await relay.chat(agent([("Run the tests", agent1.text)], "Now fix it"), tools=TOOLS, **OPTS)
+        agent2 = await relay.chat(agent([("Run the tests", agent1.raw_text)], "Now fix it"), tools=TOOLS, **OPTS)
     yield Written(directory, files, turn_file, cold, agent1, agent2, persisted.written, writes)
 
 
@@ -159,7 +160,7 @@ async def test_a_new_server_restores_from_disk_and_bad_files_are_counted_never_u
     # no preload: each file is loaded (and checked) by its first lookup
     async with Relay.start(fp32_model, prefix_cache_dir=str(root), prefix_cache_preload=0, **CACHE) as relay:
         after = [await relay.chat(conv(i), **OPTS) for i in range(SESSIONS)]
-        turn2 = await relay.chat(agent([("Run the tests", written.agent1.text)], "Now fix it"), tools=TOOLS,
+        turn2 = await relay.chat(agent([("Run the tests", written.agent1.raw_text)], "Now fix it"), tools=TOOLS,
                                  **OPTS)
         disk = await settled_disk_stats(relay)  # the write-through of the last turn may still be under way
     # restored from disk or prefilled anew: exactly the cold prefill's tokens

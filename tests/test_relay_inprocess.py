@@ -10,6 +10,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+from mlx_relay.chat.output import ContentDelta, ReasoningDelta, ReplyDone, ReplyStarted
 from mlx_relay.chat.types import ChatMessage
 from mlx_relay.errors import ContextLengthExceeded, InvalidRequest, ModelLoadError, Overloaded
 from mlx_relay.messages.gpu import Finished, Generate, SamplingParams, TokenDelta
@@ -74,9 +75,12 @@ async def test_concurrent_requests_return_exactly_the_raw_loop_tokens(relay: Rel
 async def test_stream_chat_equals_chat(relay: Relay) -> None:
     for p in PROMPTS[:3]:
         full = await relay.chat(user(p), max_tokens=16, temperature=0)
-        deltas = [d async for d in relay.stream_chat(user(p), max_tokens=16, temperature=0)]
-        assert "".join(deltas) == full.text
-        assert full.completion_tokens == len(full.token_ids) <= 16
+        events = [ev async for ev in relay.stream_chat(user(p), max_tokens=16, temperature=0)]
+        assert isinstance(events[0], ReplyStarted) and isinstance(events[-1], ReplyDone)
+        assert "".join(ev.text for ev in events if isinstance(ev, ContentDelta)) == full.content
+        assert "".join(ev.text for ev in events if isinstance(ev, ReasoningDelta)) == full.reasoning
+        assert events[-1].completion_tokens == full.completion_tokens == len(full.token_ids) <= 16
+        assert full.finish_reason == events[-1].finish_reason
 
 
 async def test_cancelled_stream_frees_its_slot(relay: Relay) -> None:

@@ -31,7 +31,9 @@ import httpx
 import jsonschema
 import pytest
 
-from mlx_relay.relay import default_config
+from mlx_relay.chat.output import ReasoningDelta, ReplyDone, ReplyEvent, ReplyStarted, ToolCallEnd, ToolCallStart
+from mlx_relay.chat.reply import ChatReply
+from mlx_relay.relay import Relay, default_config
 from mlx_relay.testing.live_server import LiveServer
 from tests.test_agent_sequences import (
     CLAUDE_HEADERS,
@@ -169,6 +171,39 @@ def test_openai_tool_call_then_answer(agent: LiveServer, stream: bool) -> None:
     assert finish == "stop" and not calls, (finish, calls)
     assert reasoning and value in reasoning, reasoning
     assert content and value in content and expected[0] in content, f"the answer uses the result: {content!r}"
+
+
+def test_in_process_api_returns_the_parsed_reply(agent: LiveServer) -> None:
+    """`Relay.chat` answers what HTTP answers, through the same reply layer: the call parsed (its
+    arguments a JSON object string), the thinking as `reasoning`, no markup in `content`, usage
+    with cached tokens; `Relay.stream_chat` yields the same reply as typed events."""
+    ask, expected = RECIPE
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}]
+    params: Json = {"tools": TOOLS, "max_tokens": TOOL_TOKENS, "temperature": 0, "enable_thinking": True}
+
+    async def both(relay: Relay) -> tuple[ChatReply, list[ReplyEvent]]:
+        reply = await relay.chat(messages, **params)
+        events = [ev async for ev in relay.stream_chat(messages, **params)]
+        return reply, events
+
+    reply, events = agent.call(both)
+    assert reply.finish_reason == "tool_calls" and len(reply.tool_calls) == 1, reply
+    call = reply.tool_calls[0]
+    assert call.id and isinstance(call.arguments, str)
+    check_call(TOOLS, call.name, json.loads(call.arguments), expected)
+    assert call.parsed_arguments() == expected[1]
+    assert reply.reasoning and expected[0] in reply.reasoning and not reply.content.strip()
+    for marker in ("<think>", "</think>", "<tool_call>", "<function="):
+        assert marker not in reply.content and marker not in reply.reasoning
+    assert "<tool_call>" in reply.raw_text and len(reply.token_ids) == reply.usage.completion_tokens
+    assert reply.usage.prompt_tokens > 0 and reply.usage.reasoning_tokens > 0
+    # the second request restores the first one's prompt from the prefix cache
+    assert isinstance(events[0], ReplyStarted) and events[0].cached_tokens > 0
+    assert isinstance(events[-1], ReplyDone) and events[-1].finish_reason == "tool_calls"
+    ends = [ev for ev in events if isinstance(ev, ToolCallEnd)]
+    assert [(e.name, json.loads(e.arguments)) for e in ends] == [(call.name, call.parsed_arguments())]
+    assert "".join(ev.text for ev in events if isinstance(ev, ReasoningDelta)) == reply.reasoning
+    assert isinstance(next(ev for ev in events if isinstance(ev, ToolCallStart | ToolCallEnd)), ToolCallStart)
 
 
 def test_openai_thinking_off_is_the_template_default(agent: LiveServer) -> None:
