@@ -10,14 +10,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mlx_relay.relay import ChatResult, Relay
+    from mlx_relay.chat.reply import ChatReply
+    from mlx_relay.relay import Relay
 
-__all__ = ["ChatResult", "Relay"]
+__all__ = ["ChatReply", "Relay"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name == "Relay":
         from mlx_relay import relay
 
-        return getattr(relay, name)
+        return relay.Relay
+    if name == "ChatReply":
+        from mlx_relay.chat import reply
+
+        return reply.ChatReply
     raise AttributeError(f"module 'mlx_relay' has no attribute {name!r}")

@@ -13,7 +13,8 @@ from typing import Any
 import anyio
 import httpx
 
-from mlx_relay.relay import ChatResult, Relay
+from mlx_relay.chat.reply import ChatReply
+from mlx_relay.relay import Relay
 from mlx_relay.testing.live_server import LiveServer
 from tests.test_vision_path import image_message, png_data_url
 
@@ -36,12 +37,12 @@ async def test_agent_turns_hit_and_equal_the_uncached_server(fp32_model: Path) -
     questions = ["Fix the failing test in utils.py", "Now add a docstring", "And a type hint"]
     # turn by turn, each turn carrying the previous replies (as an agent does)
     async with Relay.start(fp32_model, prefix_cache=True, **CACHE) as relay:
-        cached: list[ChatResult] = []
+        cached: list[ChatReply] = []
         turns: list[tuple[str, str]] = []
         for q in questions:
             r = await relay.chat(conversation(q, turns), **OPTS)
             cached.append(r)
-            turns.append((q, r.text))
+            turns.append((q, r.raw_text))
             if len(turns) == 1:
                 one_shot = (await relay.prefix_cache_stats())["prefix_cache"]
         stats = await relay.prefix_cache_stats()
@@ -51,7 +52,7 @@ async def test_agent_turns_hit_and_equal_the_uncached_server(fp32_model: Path) -
         for q in questions:
             r = await relay.chat(conversation(q, turns), **OPTS)
             plain.append(r)
-            turns.append((q, r.text))
+            turns.append((q, r.raw_text))
         off = await relay.prefix_cache_stats()
     assert [r.token_ids for r in cached] == [r.token_ids for r in plain]
     assert cached[0].cached_tokens == 0
@@ -77,8 +78,8 @@ async def test_concurrent_divergent_suffixes_never_mix(fp32_model: Path) -> None
     `mtp_max_batch` routes them), each equal to the same request on a server without the cache."""
     questions = [f"Task {i}: " + "rename the variable " * (i % 3 + 1) for i in range(8)]
 
-    async def run_all(relay: Relay) -> dict[int, ChatResult]:
-        out: dict[int, ChatResult] = {}
+    async def run_all(relay: Relay) -> dict[int, ChatReply]:
+        out: dict[int, ChatReply] = {}
 
         async def one(i: int) -> None:
             out[i] = await relay.chat(conversation(questions[i]), **OPTS)
@@ -128,7 +129,7 @@ async def test_budget_evicts_least_recent_and_flush_empties(fp32_model: Path) ->
         kinds = stats["by_kind"]
         assert kinds["turn"]["inserts"] == 6 and stats["turns_skipped"] == 0
         assert kinds["turn"]["evictions"] == stats["evictions"] and kinds["system"]["entries"] == 1
-        nxt = await relay.chat(conversation("go on", [("question 5", r.text)]), tools=TOOLS, **OPTS)
+        nxt = await relay.chat(conversation("go on", [("question 5", r.raw_text)]), tools=TOOLS, **OPTS)
         assert nxt.cached_tokens > kinds["system"]["hit_tokens"] // kinds["system"]["hits"]
         stats = (await relay.prefix_cache_stats())["prefix_cache"]
         assert stats["by_kind"]["turn"]["hits"] == 1
