@@ -9,6 +9,7 @@ stopped for good while `/health` said ready.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -30,10 +31,10 @@ USER = [{"role": "user", "content": "Say hi."}]
 @pytest.fixture(scope="module")
 def guarded(fp32_model: Path) -> Iterator[LiveServer]:
     """A server with tight limits: 1 s to send a request, 2 s for a client to take a write,
-    256 KiB bodies, clients' own chat templates (1 s each), max_tokens clamped."""
+    256 KiB bodies, clients' own chat templates (1 s each), max_tokens beyond the context refused."""
     config = default_config(fp32_model, served_model_name="tiny", max_num_seqs=4, warmup=False,
                             read_timeout_s=1.0, stall_timeout_s=2.0, max_request_bytes=256 * 1024,
-                            allow_request_chat_template=True, template_timeout_s=1.0, max_tokens_policy="clamp")
+                            allow_request_chat_template=True, template_timeout_s=1.0, max_tokens_policy="error")
     with LiveServer(config) as live:
         yield live
 
@@ -137,11 +138,27 @@ def test_numbers_out_of_range_are_a_4xx(server: LiveServer, field: str, value: o
     assert err["param"] is None or field in err["param"], err
 
 
-def test_max_tokens_beyond_the_context_is_a_400_or_clamped(server: LiveServer, guarded: LiveServer) -> None:
-    err = openai_error(post(server, CHAT, {"messages": USER, "max_tokens": 100_000}), 400, "max_tokens")
-    assert "4096" in err["message"]
-    r = post(guarded, CHAT, {"messages": USER, "max_tokens": 100_000, "temperature": 0, "stop": ["\n"]})
-    assert r.status_code == 200, r.text  # --max-tokens-policy clamp
+def test_max_tokens_beyond_the_context_is_clamped_or_a_400(server: LiveServer, guarded: LiveServer) -> None:
+    """Clamped by default (the reply may run to the context's end); refused under
+    `--max-tokens-policy error`: OpenAI's shape, and on /v1/messages Anthropic's own sentence with
+    the numbers Claude Code parses to lower max_tokens and retry."""
+    r = post(server, CHAT, {"messages": USER, "max_tokens": 100_000, "temperature": 0, "stop": ["\n"]})
+    assert r.status_code == 200, r.text
+    err = openai_error(post(guarded, CHAT, {"messages": USER, "max_tokens": 100_000}), 400, "max_tokens")
+    assert "4096" in err["message"] and err["code"] == "context_length_exceeded"
+    body = {"model": "tiny", "max_tokens": 100_000, "messages": USER}
+    for stream in (False, True):
+        err = anthropic_error(post(guarded, "/v1/messages", body | {"stream": stream}), 400)
+        assert err["type"] == "invalid_request_error"
+        match = CLAUDE_CODE_OVERFLOW.fullmatch(err["message"])
+        assert match is not None, err["message"]
+        prompt, max_tokens, context = map(int, match.groups())
+        assert (max_tokens, context) == (100_000, 4096) and 0 < prompt < 100 and prompt + max_tokens > context
+
+
+# Claude Code's reading of Anthropic's max_tokens overflow (it retries with max_tokens = C - P - margin)
+CLAUDE_CODE_OVERFLOW = re.compile(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+), "
+                                  r"decrease input length or `max_tokens` and try again")
 
 
 def test_a_grammar_that_fails_while_generating_is_refused_before_admission(server: LiveServer) -> None:
@@ -206,7 +223,12 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(server: LiveServer) -> 
     assert openai_error(r, 400)["code"] == "context_length_exceeded"
     r = post(server, "/v1/messages/count_tokens", {"model": "tiny",
                                                    "messages": [{"role": "user", "content": "word " * 2_400_000}]})
-    anthropic_error(r, 400)
+    match = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", anthropic_error(r, 400)["message"])
+    assert match is not None and int(match[1]) > int(match[2]) == 4 * 4096  # count_tokens counts up to 4x the context
+    r = post(server, "/v1/messages", {"model": "tiny", "max_tokens": 4,
+                                      "messages": [{"role": "user", "content": "word " * 6000}]})
+    match = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", anthropic_error(r, 400)["message"])
+    assert match is not None and int(match[1]) > int(match[2]) == 4095
     assert time.monotonic() - tic < 5  # tokenizing it would take ~15 s here
 
 
