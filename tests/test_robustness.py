@@ -161,6 +161,24 @@ CLAUDE_CODE_OVERFLOW = re.compile(r"input length and `max_tokens` exceed context
                                   r"decrease input length or `max_tokens` and try again")
 
 
+def test_tool_call_arguments_nested_past_the_decoder_are_a_400_in_each_routes_shape(server: LiveServer) -> None:
+    """An assistant turn's tool-call arguments are a JSON string the body's depth check never
+    sees; nested 10,000 levels they are a 400 naming the messages, not a 500."""
+    deep = '{"a":' * 10_000 + "1" + "}" * 10_000
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    err = openai_error(post(server, CHAT, {"messages": messages, "max_tokens": 2}), 400, "messages")
+    assert "nested too deeply" in err["message"]
+    items = [{"type": "message", "role": "user", "content": "hi"},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
+             {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
+    for stream in (False, True):
+        r = post(server, "/v1/responses", {"model": "tiny", "input": items, "max_output_tokens": 2, "stream": stream})
+        assert "nested too deeply" in openai_error(r, 400, "messages")["message"]
+    still_whole(server)
+
+
 def test_a_grammar_that_fails_while_generating_is_refused_before_admission(server: LiveServer) -> None:
     """Thousands of optional properties pass llguidance's validation and blow its parser's row
     limit at the first token: that used to be a 500 in the middle of the answer."""
