@@ -23,9 +23,9 @@ its reason (`chat.output.INVALID_REASONS`, counted in `/metrics`):
   (its name, its arguments as a JSON object string);
 - `schema_mismatch`: arguments that do not fit the tool's parameter schema are delivered as written;
 - `unreadable`: a block that cannot be read as a call (not JSON, no function, arguments that are not
-  a JSON object) is delivered as plain content, the block's text as the model wrote it; if the
-  call was already announced (`ToolCallStart` streams as soon as an XML block names its function)
-  it ends with arguments `{}` instead;
+  a JSON object) is delivered as plain content, the block's text as the model wrote it; but an XML
+  block that names its function (`ToolCallStart` streams as soon as the name is read) is a call to
+  it with arguments `{}` (the agent's schema check rejects it and tells the model);
 - `unclosed`: a block still open when the reply ends ("stop") is read as if closed there (a call,
   or content as above);
 - `stray_markup`: a closing tag with no opener, dropped.
@@ -281,7 +281,7 @@ class ReplyParser:
         self._buf = ""
         if tag in _STRAY:  # a closing tag with no opener: dropped
             self._invalid("stray_markup", f"{tag} with no opener")
-            self._skip = _WHITESPACE if tag != PARAMETER_END else ""
+            self._skip = _WHITESPACE
             return buf[i + len(tag):]
         self._mode = _Mode.CALL
         if tag == CALL_START:
@@ -313,15 +313,13 @@ class ReplyParser:
         if call.head is None:
             return
         call.head += text
-        head = call.head.lstrip()
-        if head.startswith(("{", "[")) or len(call.head) > _HEAD_LIMIT:  # JSON, or no name early: read at the end
+        if call.head.lstrip().startswith(("{", "[")) or len(call.head) > _HEAD_LIMIT:  # JSON, or no name early
             call.head = None
             return
-        i = head.find(FUNCTION_START)
-        match = _NAME.match(head, i + len(FUNCTION_START)) if i >= 0 else None
-        if match is not None:
+        name = _function_name(call.head)
+        if name is not None:
             call.head = None
-            self._start_call(call, match.group(1), out)
+            self._start_call(call, name, out)
 
     def _start_call(self, call: _Call, name: str, out: list[ReplyEvent]) -> None:
         if name not in self._defs:
@@ -342,7 +340,10 @@ class ReplyParser:
                 raise _Unreadable("the tool call names no function")
         except _Unreadable as e:
             self._invalid("unreadable", f"{e}: {text[:200]!r}")
-            if call.id is not None:
+            name = call.name or _function_name(text)
+            if name is not None:  # an XML block that names its function is a call, however it streamed
+                if call.id is None:
+                    self._start_call(call, name, out)
                 self._end_call(call, {}, out)
             else:
                 out.append(ContentDelta(call.written + (CALL_END if closed and call.end == CALL_END else "")))
@@ -414,6 +415,16 @@ class ReplyParser:
                 raise _Unreadable(f"the arguments of the tool call to {item['name']} are not a JSON object")
             calls.append((item["name"], _json_safe(arguments)))
         return calls
+
+
+def _function_name(text: str) -> str | None:
+    """The function an XML block names (`<function=NAME>`), once its name has ended; a JSON block none."""
+    head = text.lstrip()
+    if head.startswith(("{", "[")):
+        return None
+    i = head.find(FUNCTION_START)
+    match = _NAME.match(head, i + len(FUNCTION_START)) if i >= 0 else None
+    return match.group(1) if match is not None else None
 
 
 def _what(call: _Call) -> str:
