@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import httpx
+import msgspec
 import openai
 import pytest
 from anyio.abc import ObjectSendStream
@@ -552,6 +553,27 @@ def test_assembler_answers_namespaced_calls_with_their_namespace() -> None:
     assert "namespace" not in final["output"][1]
     [turn] = output_messages(a.response.output, names)
     assert [c.function.name for c in turn.tool_calls or []] == ["mcp__stock__delete_stock", "shell"]
+
+
+def test_codex_namespaced_history_renders_and_is_accepted(live: LiveServer) -> None:
+    """A Codex turn with MCP namespaces and a namespaced call in its history: accepted, the echo
+    lists the tools as the model saw them, and the continuation renders the same as a request
+    that names the qualified tools flat (the history is the model's own)."""
+    history = [{"type": "message", "role": "user", "content": "drop sku a"},
+               {"type": "function_call", "call_id": "c1", "namespace": "mcp__stock", "name": "delete_stock",
+                "arguments": "{\"sku\": \"a\"}"},
+               {"type": "function_call_output", "call_id": "c1", "output": "deleted"}]
+    r = post(live, {"input": history, "tools": NAMESPACED_TOOLS, "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    echoed = [t["name"] for t in r.json()["tools"]]
+    assert echoed[:3] == ["shell", "mcp__stock__delete_stock", "mcp__stock__add_stock_2"]
+    tools, _ = parse_tools(NAMESPACED_TOOLS)
+    flat = [msgspec.to_builtins(t) for t in tools]
+    flat_history = [history[0], {**history[1], "name": "mcp__stock__delete_stock"}, history[2]]
+    del flat_history[1]["namespace"]
+    counted = [post(live, {"input": h, "tools": t, "max_output_tokens": 2}).json()["usage"]["input_tokens"]
+               for h, t in ((history, NAMESPACED_TOOLS), (flat_history, flat))]
+    assert counted[0] == counted[1]
 
 
 def test_assembler_text_after_reasoning_again_and_failure() -> None:

@@ -130,7 +130,7 @@ def test_invalid_utf8_is_a_400_on_every_route(server: LiveServer) -> None:
     ("seed", -1, 400), ("seed", 2**64, 400), ("seed", 2**63, 400),
     ("presence_penalty", 1e308, 400), ("frequency_penalty", -1e308, 400),
     ("repetition_penalty", 0, 400), ("repetition_penalty", -1.0, 400),
-    ("max_tokens", 10**12, 400), ("max_tokens", 0, 400), ("temperature", -1, 400), ("top_p", 0, 400),
+    ("max_tokens", 0, 400), ("temperature", -1, 400), ("top_p", 0, 400),
 ])
 def test_numbers_out_of_range_are_a_4xx(server: LiveServer, field: str, value: object, status: int) -> None:
     r = post(server, CHAT, {"messages": USER, "max_tokens": 2, field: value})
