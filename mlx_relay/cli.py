@@ -95,9 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a client may take to send a request's headers and body (default 30)")
     lim.add_argument("--client-stall-timeout", type=float, default=60.0,
                      help="seconds a response write may wait for a client that does not read (default 60)")
-    lim.add_argument("--max-tokens-policy", choices=("error", "clamp"), default="error",
-                     help="max_tokens beyond what the context leaves: a 400 (error, as OpenAI) or cut at the "
-                          "context's end (clamp)")
+    lim.add_argument("--max-tokens-policy", choices=("error", "clamp"), default="clamp",
+                     help="max_tokens beyond what the context leaves after the prompt: cut the reply at the "
+                          "context's end, finishing 'length' / 'max_tokens' there (clamp, the default: agents "
+                          "such as Claude Code ask for 32000 whatever the context), or refuse with a 400 as "
+                          "OpenAI and Anthropic do (error; /v1/messages then words it as Anthropic does, which "
+                          "Claude Code parses to lower max_tokens and retry)")
     lim.add_argument("--render-timeout", type=float, default=60.0,
                      help="seconds to template and tokenize one prompt before it is refused (default 60)")
     lim.add_argument("--allow-request-chat-template", action="store_true",

@@ -188,9 +188,10 @@ class RequestLimits(msgspec.Struct, frozen=True):
     max_json_depth: int = 64  # nesting of free-form JSON (schemas, tool arguments, template kwargs)
     read_timeout_s: float = 30.0  # a request's headers and body must arrive within this (408 / closed)
     stall_timeout_s: float = 60.0  # a response write the client does not take within this ends it
-    # max_tokens beyond what the context leaves after the prompt: "error" answers 400 (OpenAI's
-    # behaviour), "clamp" cuts the reply at the context's end
-    max_tokens_policy: Literal["error", "clamp"] = "error"
+    # max_tokens beyond what the context leaves after the prompt: "clamp" cuts the reply at the
+    # context's end (agents ask for 32K on any context), "error" answers 400 (OpenAI's and
+    # Anthropic's behaviour, each in its own words)
+    max_tokens_policy: Literal["error", "clamp"] = "clamp"
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024 or self.max_json_depth < 4:

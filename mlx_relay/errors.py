@@ -35,7 +35,33 @@ class UnprocessableRequest(RelayError):
 
 
 class ContextLengthExceeded(InvalidRequest):
+    """The request does not fit the model's context. Its two kinds carry their numbers, so each
+    wire format words the refusal its clients parse (Anthropic's exact sentences on `/v1/messages`,
+    OpenAI's `context_length_exceeded` with this message elsewhere)."""
+
     code = "context_length_exceeded"
+
+
+class PromptTooLong(ContextLengthExceeded):
+    """The prompt alone does not fit: it has `prompt_tokens` tokens (at least, when counted
+    before tokenizing), more than the `limit` a prompt may have."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, limit: int, param: str | None = "messages") -> None:
+        super().__init__(message, param=param)
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+class MaxTokensExceedContext(ContextLengthExceeded):
+    """The prompt fits but `max_tokens` does not fit after it: prompt_tokens + max_tokens >
+    context_length (raised only under `--max-tokens-policy error`)."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int, context_length: int,
+                 param: str | None = "max_tokens") -> None:
+        super().__init__(message, param=param)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_length = context_length
 
 
 class Unauthorized(RelayError):
@@ -118,16 +144,6 @@ class GenerationFailed(RelayError):
     status = 500
     type = "server_error"
     code = "generation_failed"
-
-
-class ToolCallInvalid(RelayError):
-    """The model's tool call cannot be delivered as valid: an undeclared function, arguments that
-    are not JSON or do not fit the tool's parameter schema, a call cut off by max_tokens. The
-    reply ends with this error instead of passing the call on broken or as text."""
-
-    status = 500
-    type = "server_error"
-    code = "invalid_tool_call"
 
 
 class ClientDisconnected(RelayError):

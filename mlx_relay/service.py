@@ -25,6 +25,7 @@ the caller (first token, later tokens, the end, or an abort when the stream is l
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -35,10 +36,10 @@ import anyio
 import msgspec
 
 from mlx_relay.chat.grammar import OutputConstraint
-from mlx_relay.chat.output import ContentDelta, ReplyDone, ReplyEvent, ReplyStarted
+from mlx_relay.chat.output import ContentDelta, InvalidReason, ReplyDone, ReplyEvent, ReplyStarted
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import ChatMessage, ResponseFormat, ToolChoice, ToolDef
-from mlx_relay.errors import ContextLengthExceeded, InvalidRequest
+from mlx_relay.errors import InvalidRequest, MaxTokensExceedContext, PromptTooLong
 from mlx_relay.messages.admission import Acquire, Granted
 from mlx_relay.messages.gpu import Finished, Generate, ModelInfo, SamplingParams, TokenDelta
 from mlx_relay.messages.prefix_cache import Lookup, PrefixPlan, Release
@@ -48,6 +49,8 @@ from mlx_relay.messages.text_mtp import PlanText, TextPlan
 from mlx_relay.messages.vision import PlanVision, ReleaseVision
 from mlx_relay.metrics.requests import RequestClock, RequestMetrics
 from mlx_relay.runtime import ActorRef, ReplyStream
+
+log = logging.getLogger(__name__)
 
 EngineEvents = AsyncIterator[TokenDelta | Finished]  # one generation's stream: TokenDelta ..., Finished
 
@@ -149,7 +152,7 @@ class Admitted:
 
 class ChatService:
     def __init__(self, actors: Actors, info: ModelInfo, defaults: SamplingDefaults, *, default_max_tokens: int,
-                 max_tokens_policy: Literal["error", "clamp"] = "error",
+                 max_tokens_policy: Literal["error", "clamp"] = "clamp",
                  metrics: RequestMetrics | None = None) -> None:
         self.actors = actors
         self.gpu = actors.gpu
@@ -163,19 +166,18 @@ class ChatService:
         self._ids = itertools.count(1)
 
     def sampling_for(self, req: ChatRequest, prompt_tokens: int, prompt: Prompt | None = None) -> SamplingParams:
-        room = self.info.context_length - prompt_tokens
+        context = self.info.context_length
+        room = context - prompt_tokens
         if room <= 0:
-            raise ContextLengthExceeded(
-                f"this model's maximum context length is {self.info.context_length} tokens; "
-                f"the prompt has {prompt_tokens} tokens",
-                param="messages",
-            )
+            raise PromptTooLong(
+                f"this model's maximum context length is {context} tokens; the prompt has {prompt_tokens} tokens",
+                prompt_tokens=prompt_tokens, limit=context - 1)
         validate_request(req)
         if req.max_tokens is not None and req.max_tokens > room and self.max_tokens_policy == "error":
-            raise ContextLengthExceeded(
-                f"max_tokens is {req.max_tokens}, but this model's maximum context length is "
-                f"{self.info.context_length} tokens and the prompt has {prompt_tokens}: at most {room} can be "
-                "generated", param="max_tokens")
+            raise MaxTokensExceedContext(
+                f"max_tokens is {req.max_tokens}, but this model's maximum context length is {context} tokens "
+                f"and the prompt has {prompt_tokens}: at most {room} can be generated",
+                prompt_tokens=prompt_tokens, max_tokens=req.max_tokens, context_length=context)
         think_open = prompt.think_open if prompt is not None else False
         grammar = prompt.grammar if prompt is not None else None
         # the reply may run to the context's end, never past it; a request without max_tokens
@@ -229,15 +231,22 @@ class ChatService:
     async def reply(self, req: ChatRequest, request_id: str | None = None, *, admitted: Admitted | None = None,
                     raw: bool = False, tally: ReplyTally | None = None) -> AsyncIterator[AsyncIterator[ReplyEvent]]:
         """As `generate`, parsed: reasoning, content and tool calls, then `ReplyDone`
-        (`mlx_relay.chat.output`). A tool call that does not fit its schema raises
-        `ToolCallInvalid` from the stream. `admitted`: the caller holds a slot (`admit`).
+        (`mlx_relay.chat.output`). What the model writes wrong in a tool call reaches the caller as
+        written (`chat.reply_parser`) and is counted in the metrics, never raised.
+        `admitted`: the caller holds a slot (`admit`).
         `raw` (text completions): every piece of text is content, exactly as generated.
         `tally`: kept up to date with the reply's tokens as they come."""
         async with self._start(req, request_id, admitted) as (prompt, started, events):
             tools = req.tools if req.tool_choice != "none" else None
             parser = None if raw else ReplyParser(tools=tools, tool_format=prompt.tool_format,
-                                                  think_open=prompt.think_open)
+                                                  think_open=prompt.think_open, on_invalid=self._invalid_call)
             yield _parsed(started, events, parser, tally or ReplyTally())
+
+    def _invalid_call(self, reason: InvalidReason, what: str) -> None:
+        """What the model wrote wrong in a tool call (delivered as written): logged and counted."""
+        log.info("tool call delivered as the model wrote it (%s): %s", reason, what)
+        if self.metrics is not None:
+            self.metrics.tool_call_invalid(reason, what)
 
     async def count_tokens(self, req: ChatRequest) -> int:
         """The prompt's length in tokens as `generate` would see it (media expanded); no slot,
@@ -443,5 +452,6 @@ async def _parsed(started: ReplyStarted, events: EngineEvents, parser: ReplyPars
             tally.prompt_tokens, tally.cached_tokens = ev.prompt_tokens, ev.cached_tokens
             tally.completion_tokens, tally.finish_reason = ev.completion_tokens, reason
             yield ReplyDone(reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, reasoning,
-                            mtp_drafted=ev.mtp_drafted, mtp_accepted=ev.mtp_accepted, specprefill=ev.specprefill)
+                            mtp_drafted=ev.mtp_drafted, mtp_accepted=ev.mtp_accepted,
+                            stop_sequence=ev.stop_sequence, specprefill=ev.specprefill)
             return

@@ -753,19 +753,14 @@ def test_claude_code_system_role_inside_messages(server: LiveServer) -> None:
 
 
 def test_claude_code_long_max_tokens_stream_is_accepted_and_cancelled(server: LiveServer) -> None:
-    """Claude Code asks for max_tokens 32000: more than this context leaves is a 400 in Anthropic's
-    shape (as Anthropic's API answers; `--max-tokens-policy clamp` accepts it); what fits is
-    streamed, with the prompt's size in message_start; the client going away ends the generation."""
+    """Claude Code asks for max_tokens 32000, more than this 4,096-token context leaves: the default
+    policy clamps it (the reply may run to the context's end; `--max-tokens-policy error` answers
+    Anthropic's sentence instead, tests/test_robustness.py); the stream carries the prompt's size
+    in message_start; the client going away ends the generation."""
     body = claude_body(claude_session()[0], max_tokens=32000, thinking={"type": "enabled", "budget_tokens": 31999})
-    r = post(server, "/v1/messages?beta=true", body, CLAUDE_HEADERS)
-    assert r.status_code == 400, r.text
-    error = r.json()
-    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
-    assert "max_tokens" in error["error"]["message"]
-    body = claude_body(claude_session()[0], max_tokens=1000, thinking={"type": "enabled", "budget_tokens": 999})
     with httpx.stream("POST", server.url + "/v1/messages?beta=true", json=body, headers=CLAUDE_HEADERS,
                       timeout=TIMEOUT) as r:
-        assert_ok(r, "max_tokens 1000")
+        assert_ok(r, "max_tokens 32000")
         seen = []
         first_data = ""
         for name, data in sse_frames(r):

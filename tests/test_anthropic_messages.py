@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -32,8 +33,17 @@ from mlx_relay.chat.output import (
     ToolCallEnd,
     ToolCallStart,
 )
-from mlx_relay.chat.types import ImageUrlPart, NamedToolChoice, TextPart
-from mlx_relay.errors import GenerationFailed, InvalidRequest, ModelNotFound, NotReady, Overloaded
+from mlx_relay.chat.reply_parser import ReplyParser
+from mlx_relay.chat.types import FunctionDef, ImageUrlPart, NamedToolChoice, TextPart, ToolDef
+from mlx_relay.errors import (
+    GenerationFailed,
+    InvalidRequest,
+    MaxTokensExceedContext,
+    ModelNotFound,
+    NotReady,
+    Overloaded,
+    PromptTooLong,
+)
 from mlx_relay.http.anthropic_routes import anthropic_routes, to_chat_request
 from mlx_relay.http.anthropic_types import CountTokensRequest, MessagesRequest, ThinkingEnabled
 from mlx_relay.relay import default_config
@@ -336,6 +346,23 @@ def test_errors_in_anthropic_shape(live: LiveServer, body: bytes, status: int, k
         assert set(err) == {"type", "error"}
 
 
+def test_a_stop_sequence_inside_one_tokens_text_is_reported(live: LiveServer) -> None:
+    """The engine cuts the text at the stop string wherever it falls (here inside a token's text)
+    and says which one matched: `stop_reason: "stop_sequence"` with the string, streamed or not."""
+    body = message_body(max_tokens=16, thinking={"type": "disabled"})
+    [block] = post(live.url, body).json()["content"]
+    text = block["text"]
+    at = next(i for i in range(1, len(text) - 2)
+              if text[i - 1:i + 2].isalpha() and text.find(text[i:i + 2]) == i)  # mid-word: likely inside a token
+    stop = text[at:at + 2]
+    msg = post(live.url, body | {"stop_sequences": ["never written", stop]}).json()
+    assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", stop)
+    assert "".join(b["text"] for b in msg["content"]) == text[:at]
+    events = sse_events(live.url, body | {"stop_sequences": [stop]})
+    delta = next(e for e in events if e["type"] == "message_delta")
+    assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+
+
 def test_sdk_raises_typed_errors(client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.NotFoundError) as info:
         client.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=user("hi"))  # type: ignore[arg-type]
@@ -431,6 +458,8 @@ class ScriptedService:
             yield item
 
     async def count_tokens(self, req: ChatRequest) -> int:
+        if self.refuse is not None:
+            raise self.refuse
         return 42
 
 
@@ -555,6 +584,52 @@ async def test_refusals_map_to_anthropic_errors(refusal: Exception, status: int,
             assert r.status_code == status
             assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind
             assert r.headers.get("retry-after") == retry_after
+
+
+# Claude Code's readings of Anthropic's two overflow sentences (it lowers max_tokens and retries,
+# or compacts): the wording must match exactly
+OVERFLOW = re.compile(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+), "
+                      r"decrease input length or `max_tokens` and try again")
+TOO_LONG = re.compile(r"prompt is too long: (\d+) tokens > (\d+) maximum")
+
+
+async def test_context_overflows_in_anthropics_words() -> None:
+    """The errors carry their numbers; this route words them as Anthropic does (the OpenAI routes
+    keep their own message and `context_length_exceeded`)."""
+    no_room = MaxTokensExceedContext("max_tokens is 32000 ...", prompt_tokens=28834, max_tokens=32000,
+                                     context_length=32768)
+    too_long = PromptTooLong("the prompt has 41387 tokens ...", prompt_tokens=41387, limit=32767)
+    for refusal, pattern, numbers in [(no_room, OVERFLOW, (28834, 32000, 32768)), (too_long, TOO_LONG, (41387, 32767))]:
+        async with scripted_client(ScriptedService([], refuse=refusal)) as http:
+            paths = ["/v1/messages"] if refusal is no_room else ["/v1/messages", "/v1/messages/count_tokens"]
+            for path in paths:
+                for stream in (False, True):
+                    r = await http.post(path, json=message_body(max_tokens=32000, stream=stream))
+                    assert r.status_code == 400, r.text
+                    error = r.json()["error"]
+                    assert error["type"] == "invalid_request_error"
+                    match = pattern.fullmatch(error["message"])
+                    assert match is not None and tuple(map(int, match.groups())) == numbers, error
+
+
+async def test_a_malformed_tool_call_reaches_the_client_as_written() -> None:
+    """What the parser makes of a model's wrong calls (an undeclared tool, arguments off the
+    schema) streams as tool_use blocks, as written, and the reply ends normally."""
+    tools = [ToolDef(FunctionDef("read_file", parameters=TOOLS[0]["input_schema"]))]
+    parser = ReplyParser(tools=tools)
+    text = ("On it.\n<tool_call>\n<function=delete_all>\n<parameter=force>\ntrue\n</parameter>\n</function>\n"
+            "</tool_call>\n<tool_call>\n<function=read_file>\n<parameter=limit>\n5\n</parameter>\n</function>\n"
+            "</tool_call>")
+    script: list[ReplyEvent | Exception] = [*parser.feed(text), *parser.finish(), ReplyDone("tool_calls", 20, 9)]
+    async with scripted_client(ScriptedService(script)) as http:
+        msg = (await http.post("/v1/messages", json=message_body(tools=TOOLS))).json()
+        assert [(b["type"], b.get("name"), b.get("input")) for b in msg["content"]] == [
+            ("text", None, None), ("tool_use", "delete_all", {"force": "true"}),
+            ("tool_use", "read_file", {"limit": "5"})]
+        assert msg["stop_reason"] == "tool_use"
+        r = await http.post("/v1/messages", json=message_body(tools=TOOLS, stream=True))
+        events = [data for _, data in frames(r.text)]
+        assert assert_well_formed(events) == msg["content"] and events[-1]["type"] == "message_stop"
 
 
 def test_request_conversion() -> None:

@@ -90,13 +90,13 @@ def data(line: str) -> dict[str, Any]:
 
 
 def assert_cut_openai(out: list[str], obj: str) -> None:
-    """A stream the drain ended: its choice's finish frame, the retryable error, `[DONE]`."""
+    """A stream the drain ended: the retryable error, `[DONE]`; no frame claims the choice finished
+    (a cut is no "length")."""
     assert out[0] == "status 200" and out[-1] == "data: [DONE]", out[-3:]
     assert data(out[-2])["error"]["code"] == "server_shutting_down"
-    finish = data(out[-3])
-    assert finish["object"] == obj and finish["choices"][0]["finish_reason"] == "length"
-    ends = [ln for ln in out[1:-2] if ln.startswith("data: {") and data(ln)["choices"][0]["finish_reason"]]
-    assert ends == [out[-3]], "exactly one frame per choice carries its finish_reason"
+    chunks = [data(ln) for ln in out[1:-2] if ln.startswith("data: {")]
+    assert chunks and all(c["object"] == obj for c in chunks)
+    assert not [c for c in chunks if c["choices"][0]["finish_reason"]], "a cut choice has no finish_reason"
 
 
 def test_drain_finishes_what_it_can_and_ends_the_rest(fp32_model: Path, caplog: pytest.LogCaptureFixture) -> None:

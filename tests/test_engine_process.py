@@ -232,7 +232,6 @@ def test_a_killed_engine_process_ends_its_streams_and_is_replaced(proc_server: L
     errors.ServerShuttingDown("draining", retry_after_s=7),
     errors.ModelNotFound("no such model", model="gpt-x", param="model"),
     errors.GenerationFailed("the batched decode step failed"),
-    errors.ToolCallInvalid("broken call", code="invalid_tool_call"),
     errors.ModelLoadError("cannot load"),
 ])
 def test_errors_cross_the_wire_as_their_class_and_fields(exc: Exception) -> None:

@@ -14,6 +14,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mlx_relay.chat.output import ContentDelta, ReplyDone, ToolCallArguments, ToolCallEnd, ToolCallStart
+from mlx_relay.chat.reply_parser import ReplyParser
+from mlx_relay.chat.types import FunctionDef, ToolDef
+from mlx_relay.errors import GenerationFailed
+from mlx_relay.http.openai_chat import ChatStream
 from mlx_relay.relay import default_config
 from mlx_relay.testing.live_server import LiveServer
 
@@ -243,6 +248,38 @@ def test_prompt_longer_than_context_is_400(server: LiveServer) -> None:
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert chat(server.url, "still serving", max_tokens=2).status_code == 200
+
+
+def test_a_failed_stream_claims_no_finish_reason() -> None:
+    """A choice the failure cut gets no finish chunk ("length" would say it ran out of tokens):
+    the error frame says what happened, then [DONE]; a choice that finished keeps its own."""
+    stream = ChatStream(2, "chatcmpl-1", "tiny", include_usage=True, want_logprobs=False)
+    frames = [*stream.start(), *stream.event(0, ContentDelta("a")), *stream.event(0, ReplyDone("stop", 3, 1)),
+              *stream.event(1, ContentDelta("b")), *stream.failed(GenerationFailed("the engine failed"))]
+    assert frames[-1] == b"data: [DONE]\n\n"
+    assert json.loads(frames[-2][len(b"data: "):])["error"]["code"] == "generation_failed"
+    chunks = [json.loads(f[len(b"data: "):]) for f in frames[:-2]]
+    finishes = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks
+                if c["choices"][0]["finish_reason"]]
+    assert finishes == [(0, "stop")]
+
+
+def test_malformed_calls_stream_as_calls_with_object_arguments() -> None:
+    """A call the model wrote wrong (undeclared, its announced block unreadable, cut by max_tokens)
+    streams as a call whose arguments concatenate to a JSON object, never "" and never an error."""
+    tools = [ToolDef(FunctionDef("read_file", parameters={"type": "object", "properties": {"p": {"type": "number"}}}))]
+    for text, reason in [("<tool_call>\n<function=nope>\n</function>\n</tool_call>", "stop"),
+                         ("<tool_call>\n<function=read_file>\n<parameter=p>\nNaN\n</parameter>\n</function>\n"
+                          "</tool_call>", "stop"),
+                         ("<tool_call>\n<function=read_file>\n<parameter=p>\n1", "length")]:
+        parser = ReplyParser(tools=tools)
+        events = [*parser.feed(text), *parser.finish(reason)]
+        assert [type(e) for e in events] == [ToolCallStart, ToolCallArguments, ToolCallEnd], text
+        stream = ChatStream(1, "chatcmpl-1", "tiny", include_usage=False, want_logprobs=False)
+        frames = [f for e in [*events, ReplyDone("tool_calls", 3, 1)] for f in stream.event(0, e)]
+        deltas = [json.loads(f[len(b"data: "):])["choices"][0]["delta"] for f in frames]
+        arguments = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls") or [])
+        assert isinstance(json.loads(arguments), dict), arguments
 
 
 def test_unknown_route_and_method(server: LiveServer) -> None:

@@ -11,6 +11,9 @@ import httpx
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
+from mlx_relay.chat.output import INVALID_REASONS
+from mlx_relay.chat.reply_parser import ReplyParser
+from mlx_relay.chat.types import FunctionDef, ToolDef
 from mlx_relay.messages.admission import REJECT_REASONS, AdmissionStats
 from mlx_relay.metrics import ServerMetrics, StatsSnapshot
 from mlx_relay.testing.live_server import LiveServer
@@ -28,7 +31,7 @@ VLLM_NAMES = {"num_requests_running": "gauge", "num_requests_waiting": "gauge",
 OURS = {"admission_rejections": "counter", "server_state": "gauge", "gpu_memory_bytes": "gauge",
         "gpu_memory_peak_bytes": "gauge", "prefix_cache_snapshot_bytes": "gauge", "prefix_cache_snapshots": "gauge",
         "mtp_requests": "counter", "vision_cache_queries": "counter", "vision_cache_hits": "counter",
-        "vision_cache_bytes": "gauge"}
+        "vision_cache_bytes": "gauge", "tool_calls_invalid": "counter"}
 
 
 def scrape(url: str, **headers: str) -> tuple[dict[str, str], Samples]:
@@ -108,6 +111,8 @@ def test_scrape_names_labels_and_counters_that_move(server: LiveServer) -> None:
     assert value(after, "server_state", state="ready") == 1 and value(after, "server_state", state="loading") == 0
     assert {dict(labels)["reason"] for name, labels in after
             if name == "mlx_relay:admission_rejections_total"} == set(REJECT_REASONS)
+    assert {dict(labels)["reason"] for name, labels in after
+            if name == "mlx_relay:tool_calls_invalid_total"} == set(INVALID_REASONS)
     assert value(after, "gpu_memory_bytes", kind="active") > 0
     kinds = {dict(labels)["kind"] for name, labels in after if name == "mlx_relay:gpu_memory_bytes"}
     assert kinds == {"active", "cache"}  # the CUDA pool's kinds only where MLX runs on CUDA (not here)
@@ -119,6 +124,24 @@ def test_metrics_route_errors_and_document(server: LiveServer) -> None:
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
+def test_what_a_model_writes_wrong_in_a_call_is_counted_by_reason() -> None:
+    """The reply parser reports each wrong call (delivered as written, or as text) to the
+    request metrics, as `ChatService.reply` wires it: a counter per reason, no error."""
+    m = ServerMetrics("tiny")
+    tool = ToolDef(FunctionDef("read_file", parameters={"type": "object", "properties": {"path": {"type": "string"}},
+                                                        "required": ["path"]}))
+    parser = ReplyParser(tools=[tool], on_invalid=m.requests.tool_call_invalid)
+    text = ("</tool_call>\n<tool_call>\n<function=rm>\n</function>\n</tool_call>"
+            "<tool_call>\n<function=read_file>\n</function>\n</tool_call><tool_call>oops</tool_call>")
+    events = parser.feed(text) + parser.finish()
+    assert [type(e).__name__ for e in events].count("ToolCallEnd") == 2
+    stats = StatsSnapshot("ready", AdmissionStats("ready", "", 1, 0, 8, 32, 0, dict.fromkeys(REJECT_REASONS, 0)))
+    after = {(s.name, frozenset(s.labels.items())): s.value
+             for f in text_string_to_metric_families(m.render(stats).decode()) for s in f.samples}
+    counts = {reason: value(after, "tool_calls_invalid_total", reason=reason) for reason in INVALID_REASONS}
+    assert counts == {"undeclared_tool": 1, "schema_mismatch": 1, "unreadable": 1, "unclosed": 0, "stray_markup": 1}
 
 
 def test_each_server_has_its_own_registry() -> None:

@@ -28,7 +28,6 @@ from mlx_relay.chat.output import (
 )
 from mlx_relay.chat.reply_parser import TOOL_FORMATS, ReplyParser, tool_format_for_template
 from mlx_relay.chat.types import FunctionDef, ToolDef
-from mlx_relay.errors import ToolCallInvalid
 
 TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "mlx_relay" / "testing" / "chat_template.jinja"
 MARKUP = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=")
@@ -79,6 +78,11 @@ class Reply:
     calls: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
     events: list[ReplyEvent] = field(default_factory=list)
+    invalid: list[tuple[str, str]] = field(default_factory=list)  # (reason, what) the parser reported
+
+    @property
+    def reasons(self) -> list[str]:
+        return [reason for reason, _ in self.invalid]
 
 
 def merge(events: list[ReplyEvent], *, strict: bool = True) -> Reply:
@@ -117,12 +121,15 @@ def merge(events: list[ReplyEvent], *, strict: bool = True) -> Reply:
 
 def parse(pieces: list[str] | str, *, tools: list[ToolDef] | None = TOOLS, think_open: bool = False,
           tool_format: str | None = "qwen3_coder", reason: str = "stop", strict: bool = True) -> Reply:
-    parser = ReplyParser(tools=tools, tool_format=tool_format, think_open=think_open)
+    invalid: list[tuple[str, str]] = []
+    parser = ReplyParser(tools=tools, tool_format=tool_format, think_open=think_open,
+                         on_invalid=lambda reason, what: invalid.append((reason, what)))
     events: list[ReplyEvent] = []
     for piece in [pieces] if isinstance(pieces, str) else pieces:
         events += parser.feed(piece)
     events += parser.finish(reason)
     reply = merge(events, strict=strict)
+    reply.invalid = invalid
     assert parser.calls == len(reply.calls)
     return reply
 
@@ -239,40 +246,53 @@ def test_unknown_tool_format_is_refused() -> None:
         ReplyParser(tools=TOOLS, tool_format="pythonic")
 
 
-def test_undeclared_function_raises_as_soon_as_named() -> None:
-    parser = ReplyParser(tools=TOOLS)
-    with pytest.raises(ToolCallInvalid, match="'delete_all', which is not a declared tool"):
-        parser.feed("<tool_call>\n<function=delete_all>\n")
-    with pytest.raises(ToolCallInvalid, match="'delete_all'"):
-        parse(json_call("delete_all", {}), tool_format="json")
+def test_an_undeclared_function_is_delivered_as_written_and_reported() -> None:
+    """The agent rejects it and tells the model; nothing fails."""
+    parser = ReplyParser(tools=TOOLS, on_invalid=lambda reason, what: seen.append((reason, what)))
+    seen: list[tuple[str, str]] = []
+    [start] = parser.feed("<tool_call>\n<function=delete_all>\n")
+    assert isinstance(start, ToolCallStart) and start.name == "delete_all"
+    assert seen == [("undeclared_tool", "the model called 'delete_all', which is not a declared tool "
+                                        "(declared: read_file, search, now)")]
+    reply = parse(xml_call("delete_all", force="true", depth="3"))
+    assert reply.calls == [(0, "delete_all", {"force": "true", "depth": "3"})] and reply.reasons == ["undeclared_tool"]
+    reply = parse(json_call("delete_all", {"force": True}), tool_format="json")
+    assert reply.calls == [(0, "delete_all", {"force": True})] and reply.reasons == ["undeclared_tool"]
 
 
-def test_missing_required_argument_names_the_function_and_the_problem() -> None:
-    with pytest.raises(ToolCallInvalid, match="read_file: 'path' is a required property") as info:
-        parse(xml_call("read_file", limit="5"))
-    assert info.value.code == "invalid_tool_call"
-    with pytest.raises(ToolCallInvalid, match="read_file: 'path' is a required property"):
-        parse(json_call("read_file", {}), tool_format="json")
+def test_arguments_off_the_schema_are_delivered_as_written_and_reported() -> None:
+    for text, args, problem in [
+        (xml_call("read_file", limit="5"), {"limit": 5}, "'path' is a required property"),
+        (json_call("read_file", {}), {}, "'path' is a required property"),
+        (xml_call("read_file", path="a", limit="abc"), {"path": "a", "limit": "abc"},
+         r"'abc' is not of type 'integer' \(at 'limit'\)"),
+        (xml_call("read_file", path="a", mode="rb"), {"path": "a", "mode": "rb"}, "Additional properties"),
+    ]:
+        reply = parse(text)
+        assert reply.calls == [(0, "read_file", args)], text
+        [(reason, what)] = reply.invalid
+        assert reason == "schema_mismatch" and re.search("read_file: " + problem, what), what
+        end = reply.events[-1]
+        assert isinstance(end, ToolCallEnd) and json.loads(end.arguments) == args  # a JSON object string
 
 
-def test_wrong_types_and_extra_arguments_are_invalid() -> None:
-    with pytest.raises(ToolCallInvalid, match=r"'abc' is not of type 'integer' \(at 'limit'\)"):
-        parse(xml_call("read_file", path="a", limit="abc"))  # mlx-lm's int() fails: the schema says why
-    with pytest.raises(ToolCallInvalid, match="Additional properties are not allowed"):
-        parse(xml_call("read_file", path="a", mode="rb"))
-    with pytest.raises(ToolCallInvalid, match="must be a JSON object"):
-        parse('<tool_call>{"name": "now", "arguments": [1]}</tool_call>')
+def test_unreadable_blocks_are_content_as_written() -> None:
+    """A block that cannot be read as a call reaches the client as the text the model wrote."""
+    for block in ['<tool_call>{"name": "now", "arguments": {</tool_call>',
+                  "<tool_call>\nplease call read_file\n</tool_call>",
+                  "<tool_call>[]</tool_call>",
+                  '<tool_call>{"name": "now", "arguments": [1]}</tool_call>',
+                  '<tool_call>{"name": "now", "arguments": {"x": NaN}}</tool_call>',
+                  '<tool_call>{"arguments": {}}</tool_call>']:
+        reply = parse("Here: " + block + "\nDone.", strict=False)
+        assert (reply.content, reply.calls, reply.reasons) == ("Here: " + block + "Done.", [], ["unreadable"]), block
 
 
-def test_unparsable_blocks_are_invalid() -> None:
-    with pytest.raises(ToolCallInvalid, match="not valid JSON"):
-        parse('<tool_call>{"name": "now", "arguments": {</tool_call>')
-    with pytest.raises(ToolCallInvalid, match="could not be read"):
-        parse("<tool_call>\nplease call read_file\n</tool_call>")
-    with pytest.raises(ToolCallInvalid, match="names no function"):
-        parse("<tool_call>[]</tool_call>")
-    with pytest.raises(ToolCallInvalid, match="Out of range float values are not JSON compliant"):
-        parse('<tool_call>{"name": "now", "arguments": {"x": NaN}}</tool_call>')
+def test_an_announced_call_that_cannot_be_read_ends_with_empty_arguments() -> None:
+    """Once ToolCallStart went out the call is a call: it ends, with arguments `{}`."""
+    tools = [ToolDef(FunctionDef(name="scale", parameters={"type": "object", "properties": {"k": {"type": "number"}}}))]
+    reply = parse(xml_call("scale", k="NaN"), tools=tools)  # mlx-lm reads a float NaN, which JSON cannot carry
+    assert reply.calls == [(0, "scale", {})] and reply.reasons == ["unreadable"]
 
 
 def test_json_block_may_hold_a_list_of_calls() -> None:
@@ -280,14 +300,36 @@ def test_json_block_may_hold_a_list_of_calls() -> None:
     assert parse(text, tool_format="json").calls == [(0, "now", {}), (1, "read_file", {"path": "a"})]
 
 
-def test_a_call_cut_by_max_tokens_is_dropped_and_an_unclosed_one_raises() -> None:
+def test_a_call_cut_by_max_tokens_is_dropped_or_ended_with_empty_arguments() -> None:
     cut = "Let me look.\n" + xml_call("read_file", path="a")[:-20]
     parser = ReplyParser(tools=TOOLS, tool_format="qwen3_coder")
     events = [*parser.feed(cut), *parser.finish("length")]
-    assert not any(isinstance(e, ToolCallEnd) for e in events)  # no broken call is delivered
-    assert "".join(e.text for e in events if isinstance(e, ContentDelta)).strip() == "Let me look."
-    with pytest.raises(ToolCallInvalid, match="ended inside a tool call"):
-        parse("<tool_call>\n{\"name\"")
+    reply = merge(events)
+    assert reply.calls == [(0, "read_file", {})]  # announced: it ends, never with arguments ""
+    assert reply.content.strip() == "Let me look."
+    reply = parse('Let me look.\n<tool_call>\n{"name": "read_file", "argu', reason="length")
+    assert (reply.content.strip(), reply.calls, reply.invalid) == ("Let me look.", [], [])  # not announced: dropped
+
+
+def test_an_unclosed_block_at_the_end_is_read_as_if_closed() -> None:
+    reply = parse("Reading.\n" + xml_call("read_file", path="a").removesuffix("\n</tool_call>"))
+    assert reply.calls == [(0, "read_file", {"path": "a"})] and reply.reasons == ["unclosed"]
+    reply = parse("Reading.\n<tool_call>\n<function=read_file>\n<parameter=path>\na\n</parameter>\n")
+    assert reply.calls == [(0, "read_file", {"path": "a"})]  # its </function> too
+    reply = parse('<tool_call>\n{"name"', strict=False)
+    assert (reply.content, reply.calls, reply.reasons) == ('<tool_call>\n{"name"', [], ["unclosed", "unreadable"])
+
+
+def test_call_markup_without_its_opener_never_reaches_the_content() -> None:
+    """Closing tags with no opener are dropped; a bare <function=...> block is a call."""
+    reply = parse("I wrote it.\n</parameter>\n</function>\n</tool_call>\nAll done.")
+    assert (reply.content, reply.calls) == ("I wrote it.\nAll done.", [])
+    assert reply.reasons == ["stray_markup"] * 3
+    bare = "<function=read_file>\n<parameter=path>\na\n</parameter>\n</function>\n</tool_call>"
+    for pieces in ([f"Let me read it.\n{bare}\nok"], list(f"Let me read it.\n{bare}\nok")):
+        reply = parse(pieces)
+        assert (reply.content, reply.calls) == ("Let me read it.\nok", [(0, "read_file", {"path": "a"})])
+        assert reply.reasons == ["stray_markup"]  # the </tool_call> it never opened
 
 
 def test_schema_picks_the_reading_of_xml_values() -> None:
@@ -362,8 +404,8 @@ def test_schema_with_defs_and_refs_validates() -> None:
     schema = {"type": "object", "$defs": {"n": {"type": "integer"}}, "properties": {"n": {"$ref": "#/$defs/n"}}}
     tools = [ToolDef(FunctionDef(name="f", parameters=schema))]
     assert parse(xml_call("f", n="3"), tools=tools).calls == [(0, "f", {"n": 3})]
-    with pytest.raises(ToolCallInvalid, match="f: 'x' is not of type 'integer'"):
-        parse(xml_call("f", n="x"), tools=tools)
+    reply = parse(xml_call("f", n="x"), tools=tools)
+    assert reply.calls == [(0, "f", {"n": "x"})] and "f: 'x' is not of type 'integer'" in reply.invalid[0][1]
 
 
 # -- split invariance -----------------------------------------------------------------------
@@ -378,17 +420,23 @@ REPLIES: list[tuple[str, bool]] = [
      + xml_call("search", query="a < b && <tool_call", tag="null") + " trailing text <", False),
     ("   \n  plain answer with no calls and a < sign < <\n", False),
     ("reasoning only, cut off <tool_ca <think </thin", True),
+    # what a model writes wrong: a stray closer, an undeclared tool, arguments off the schema, a bare
+    # <function=...> block whose </tool_call> has no opener, an unreadable block
+    ("Done.</parameter>\n" + xml_call("rm_rf", path="/") + xml_call("read_file", path="a", limit="x")
+     + "<function=now>\n</function>\n</tool_call>\n" + '<tool_call>{"name": 1}</tool_call>then text', False),
 ]
 
 
 @pytest.mark.parametrize(("text", "think_open"), REPLIES)
 def test_same_reply_whatever_the_split(text: str, think_open: bool) -> None:
-    whole = parse(text, think_open=think_open)
-    by_char = parse(list(text), think_open=think_open)
-    assert (by_char.reasoning, by_char.content, by_char.calls) == (whole.reasoning, whole.content, whole.calls)
+    strict = text != REPLIES[5][0]  # the others write no markup outside their tags
+    whole = parse(text, think_open=think_open, strict=strict)
+    by_char = parse(list(text), think_open=think_open, strict=strict)
+    outcome = (whole.reasoning, whole.content, whole.calls, whole.reasons)
+    assert (by_char.reasoning, by_char.content, by_char.calls, by_char.reasons) == outcome
     for seed in range(200):
-        reply = parse(random_split(text, random.Random(seed)), think_open=think_open)
-        assert (reply.reasoning, reply.content, reply.calls) == (whole.reasoning, whole.content, whole.calls), seed
+        reply = parse(random_split(text, random.Random(seed)), think_open=think_open, strict=strict)
+        assert (reply.reasoning, reply.content, reply.calls, reply.reasons) == outcome, seed
         assert len(set(reply.ids)) == len(reply.ids)
 
 
@@ -407,6 +455,10 @@ def test_split_invariance_expected_values() -> None:
     assert third.content.endswith("trailing text <")
     assert third.calls == [(0, "search", {"query": "a < b && <tool_call", "tag": None})]
     assert parse(REPLIES[4][0], think_open=True).reasoning == REPLIES[4][0]
+    wrong = parse(REPLIES[5][0], strict=False)
+    assert wrong.content == 'Done.<tool_call>{"name": 1}</tool_call>then text'
+    assert wrong.calls == [(0, "rm_rf", {"path": "/"}), (1, "read_file", {"path": "a", "limit": "x"}), (2, "now", {})]
+    assert wrong.reasons == ["stray_markup", "undeclared_tool", "schema_mismatch", "stray_markup", "unreadable"]
 
 
 # -- cost -----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import httpx
+import msgspec
 import openai
 import pytest
 from anyio.abc import ObjectSendStream
@@ -32,7 +33,7 @@ from mlx_relay.chat.output import (
     ToolCallStart,
 )
 from mlx_relay.chat.types import ImageUrlPart, NamedToolChoice, TextPart
-from mlx_relay.errors import InvalidRequest, ToolCallInvalid
+from mlx_relay.errors import GenerationFailed, InvalidRequest
 from mlx_relay.http.replies import Item
 from mlx_relay.http.response_store import ResponseStore
 from mlx_relay.http.responses_routes import (
@@ -429,7 +430,7 @@ def test_items_to_messages() -> None:
 
 
 def test_tools_choice_and_thinking() -> None:
-    tools = parse_tools([SHELL_TOOL])
+    tools, _ = parse_tools([SHELL_TOOL])
     assert tools[0].name == "shell" and tools[0].parameters == SHELL_TOOL["parameters"]
     assert parse_tool_choice(None, tools)[0] == "auto"
     assert parse_tool_choice("none", tools)[0] == "none"
@@ -437,11 +438,9 @@ def test_tools_choice_and_thinking() -> None:
     assert named == NamedToolChoice("shell") and echo == FunctionToolChoice("shell")
     with pytest.raises(InvalidRequest):
         parse_tool_choice("required", [])
-    # Codex's freeform tools become functions with one string input; hosted tools are left out;
-    # a namespace's tools are flattened
-    [patch] = parse_tools([{"type": "custom", "name": "apply_patch"}, {"type": "web_search"}])
+    # Codex's freeform tools become functions with one string input; hosted tools are left out
+    [patch], _ = parse_tools([{"type": "custom", "name": "apply_patch"}, {"type": "web_search"}])
     assert patch.name == "apply_patch" and patch.parameters["required"] == ["input"]
-    assert [t.name for t in parse_tools([{"type": "namespace", "name": "ns", "tools": [SHELL_TOOL]}])] == ["shell"]
     with pytest.raises(InvalidRequest, match="shell_v9"):
         parse_tools([{"type": "shell_v9"}])
     assert thinking(None) is None and thinking(ReasoningConfig()) is None
@@ -490,15 +489,102 @@ def test_assembler_reasoning_text_and_tool_calls() -> None:
     assert [c.id for c in turn.tool_calls or []] == ["call_a", "call_b"]
 
 
+def stock_tool(name: str) -> dict[str, Any]:
+    return {"type": "function", "name": name, "description": f"{name} a stock item",
+            "parameters": {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"]}}
+
+
+# Codex's MCP tools: one namespace per server, the inner tools by their own names
+NAMESPACED_TOOLS = [
+    SHELL_TOOL,
+    {"type": "namespace", "name": "mcp__stock", "description": "Stock server",
+     "tools": [stock_tool("delete_stock"), stock_tool("add_stock")]},
+    {"type": "namespace", "name": "mcp__warehouse", "tools": [stock_tool("delete_stock")]},
+    # joins to the same text as mcp__stock + add_stock, and a flat tool takes that text too
+    {"type": "namespace", "name": "mcp", "tools": [stock_tool("stock__add_stock")]},
+    stock_tool("mcp__stock__add_stock"),
+]
+
+
+def test_namespaced_tools_get_unambiguous_qualified_names() -> None:
+    tools, names = parse_tools(NAMESPACED_TOOLS)
+    qualified = [t.name for t in tools]
+    assert qualified == ["shell", "mcp__stock__delete_stock", "mcp__stock__add_stock_2",
+                         "mcp__warehouse__delete_stock", "mcp__stock__add_stock_3", "mcp__stock__add_stock"]
+    assert len(set(qualified)) == len(qualified)
+    assert names.split("mcp__stock__delete_stock") == ("mcp__stock", "delete_stock")
+    assert names.split("mcp__warehouse__delete_stock") == ("mcp__warehouse", "delete_stock")
+    assert names.split("mcp__stock__add_stock_3") == ("mcp", "stock__add_stock")
+    assert names.split("mcp__stock__add_stock") == (None, "mcp__stock__add_stock")  # the flat tool
+    assert names.split("shell") == (None, "shell") and names.split("nope") == (None, "nope")
+    # on the way in: a function_call item with a namespace renders under the qualified name
+    items = parse_items([
+        {"type": "message", "role": "user", "content": "clear it"},
+        {"type": "function_call", "call_id": "c1", "namespace": "mcp__warehouse", "name": "delete_stock",
+         "arguments": "{\"sku\": \"a\"}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+    ])
+    [_, turn, _] = items_to_messages(items, names)
+    assert [c.function.name for c in turn.tool_calls or []] == ["mcp__warehouse__delete_stock"]
+    named, echo = parse_tool_choice({"type": "function", "namespace": "mcp__stock", "name": "add_stock"}, tools, names)
+    assert named == NamedToolChoice("mcp__stock__add_stock_2") and echo.name == "add_stock"  # type: ignore[union-attr]
+    with pytest.raises(InvalidRequest, match="do not nest"):
+        parse_tools([{"type": "namespace", "name": "a", "tools": [{"type": "namespace", "name": "b"}]}])
+
+
+def test_assembler_answers_namespaced_calls_with_their_namespace() -> None:
+    """Streamed and collected alike: the item names the namespace and the inner tool, as Codex
+    dispatches it; the stored turn reads as the model wrote it."""
+    _, names = parse_tools(NAMESPACED_TOOLS)
+    a = ResponseAssembler(_response(), names)
+    events = a.start()
+    for ev in [ToolCallStart(0, "call_d", "mcp__stock__delete_stock"), ToolCallArguments(0, "{\"sku\":\"a\"}"),
+               ToolCallEnd(0, "call_d", "mcp__stock__delete_stock", "{\"sku\":\"a\"}"),
+               ToolCallEnd(1, "call_s", "shell", ""), ReplyDone("tool_calls", 9, 4)]:
+        events += a.feed(ev)
+    dicts = _dicts(events)
+    final = check_stream(dicts)
+    added = [e["item"] for e in dicts if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in dicts if e["type"] == "response.output_item.done"]
+    for items in (added, done, final["output"]):
+        assert [(i["type"], i.get("namespace"), i["name"]) for i in items] == [
+            ("function_call", "mcp__stock", "delete_stock"), ("function_call", None, "shell")]
+    assert [i["arguments"] for i in final["output"]] == ["{\"sku\":\"a\"}", "{}"]  # never ""
+    assert "namespace" not in final["output"][1]
+    [turn] = output_messages(a.response.output, names)
+    assert [c.function.name for c in turn.tool_calls or []] == ["mcp__stock__delete_stock", "shell"]
+
+
+def test_codex_namespaced_history_renders_and_is_accepted(live: LiveServer) -> None:
+    """A Codex turn with MCP namespaces and a namespaced call in its history: accepted, the echo
+    lists the tools as the model saw them, and the continuation renders the same as a request
+    that names the qualified tools flat (the history is the model's own)."""
+    history = [{"type": "message", "role": "user", "content": "drop sku a"},
+               {"type": "function_call", "call_id": "c1", "namespace": "mcp__stock", "name": "delete_stock",
+                "arguments": "{\"sku\": \"a\"}"},
+               {"type": "function_call_output", "call_id": "c1", "output": "deleted"}]
+    r = post(live, {"input": history, "tools": NAMESPACED_TOOLS, "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    echoed = [t["name"] for t in r.json()["tools"]]
+    assert echoed[:3] == ["shell", "mcp__stock__delete_stock", "mcp__stock__add_stock_2"]
+    tools, _ = parse_tools(NAMESPACED_TOOLS)
+    flat = [msgspec.to_builtins(t) for t in tools]
+    flat_history = [history[0], {**history[1], "name": "mcp__stock__delete_stock"}, history[2]]
+    del flat_history[1]["namespace"]
+    counted = [post(live, {"input": h, "tools": t, "max_output_tokens": 2}).json()["usage"]["input_tokens"]
+               for h, t in ((history, NAMESPACED_TOOLS), (flat_history, flat))]
+    assert counted[0] == counted[1]
+
+
 def test_assembler_text_after_reasoning_again_and_failure() -> None:
     a = ResponseAssembler(_response())
     events = a.start()
     for ev in [ContentDelta("a"), ReasoningDelta("b"), ContentDelta("c"), ToolCallStart(0, "call_z", "shell"),
                ToolCallArguments(0, "{\"x\"")]:
         events += a.feed(ev)
-    events += a.fail(ToolCallInvalid("the call's arguments are not JSON"))
+    events += a.fail(GenerationFailed("the engine failed"))
     final = check_stream(_dicts(events))
-    assert final["status"] == "failed" and final["error"]["code"] == "invalid_tool_call"
+    assert final["status"] == "failed" and final["error"]["code"] == "generation_failed"
     assert [o["type"] for o in final["output"]] == ["message", "reasoning", "message"]
 
 

@@ -9,6 +9,7 @@ stopped for good while `/health` said ready.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -30,10 +31,10 @@ USER = [{"role": "user", "content": "Say hi."}]
 @pytest.fixture(scope="module")
 def guarded(fp32_model: Path) -> Iterator[LiveServer]:
     """A server with tight limits: 1 s to send a request, 2 s for a client to take a write,
-    256 KiB bodies, clients' own chat templates (1 s each), max_tokens clamped."""
+    256 KiB bodies, clients' own chat templates (1 s each), max_tokens beyond the context refused."""
     config = default_config(fp32_model, served_model_name="tiny", max_num_seqs=4, warmup=False,
                             read_timeout_s=1.0, stall_timeout_s=2.0, max_request_bytes=256 * 1024,
-                            allow_request_chat_template=True, template_timeout_s=1.0, max_tokens_policy="clamp")
+                            allow_request_chat_template=True, template_timeout_s=1.0, max_tokens_policy="error")
     with LiveServer(config) as live:
         yield live
 
@@ -129,7 +130,7 @@ def test_invalid_utf8_is_a_400_on_every_route(server: LiveServer) -> None:
     ("seed", -1, 400), ("seed", 2**64, 400), ("seed", 2**63, 400),
     ("presence_penalty", 1e308, 400), ("frequency_penalty", -1e308, 400),
     ("repetition_penalty", 0, 400), ("repetition_penalty", -1.0, 400),
-    ("max_tokens", 10**12, 400), ("max_tokens", 0, 400), ("temperature", -1, 400), ("top_p", 0, 400),
+    ("max_tokens", 0, 400), ("temperature", -1, 400), ("top_p", 0, 400),
 ])
 def test_numbers_out_of_range_are_a_4xx(server: LiveServer, field: str, value: object, status: int) -> None:
     r = post(server, CHAT, {"messages": USER, "max_tokens": 2, field: value})
@@ -137,11 +138,45 @@ def test_numbers_out_of_range_are_a_4xx(server: LiveServer, field: str, value: o
     assert err["param"] is None or field in err["param"], err
 
 
-def test_max_tokens_beyond_the_context_is_a_400_or_clamped(server: LiveServer, guarded: LiveServer) -> None:
-    err = openai_error(post(server, CHAT, {"messages": USER, "max_tokens": 100_000}), 400, "max_tokens")
-    assert "4096" in err["message"]
-    r = post(guarded, CHAT, {"messages": USER, "max_tokens": 100_000, "temperature": 0, "stop": ["\n"]})
-    assert r.status_code == 200, r.text  # --max-tokens-policy clamp
+def test_max_tokens_beyond_the_context_is_clamped_or_a_400(server: LiveServer, guarded: LiveServer) -> None:
+    """Clamped by default (the reply may run to the context's end); refused under
+    `--max-tokens-policy error`: OpenAI's shape, and on /v1/messages Anthropic's own sentence with
+    the numbers Claude Code parses to lower max_tokens and retry."""
+    r = post(server, CHAT, {"messages": USER, "max_tokens": 100_000, "temperature": 0, "stop": ["\n"]})
+    assert r.status_code == 200, r.text
+    err = openai_error(post(guarded, CHAT, {"messages": USER, "max_tokens": 100_000}), 400, "max_tokens")
+    assert "4096" in err["message"] and err["code"] == "context_length_exceeded"
+    body = {"model": "tiny", "max_tokens": 100_000, "messages": USER}
+    for stream in (False, True):
+        err = anthropic_error(post(guarded, "/v1/messages", body | {"stream": stream}), 400)
+        assert err["type"] == "invalid_request_error"
+        match = CLAUDE_CODE_OVERFLOW.fullmatch(err["message"])
+        assert match is not None, err["message"]
+        prompt, max_tokens, context = map(int, match.groups())
+        assert (max_tokens, context) == (100_000, 4096) and 0 < prompt < 100 and prompt + max_tokens > context
+
+
+# Claude Code's reading of Anthropic's max_tokens overflow (it retries with max_tokens = C - P - margin)
+CLAUDE_CODE_OVERFLOW = re.compile(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+), "
+                                  r"decrease input length or `max_tokens` and try again")
+
+
+def test_tool_call_arguments_nested_past_the_decoder_are_a_400_in_each_routes_shape(server: LiveServer) -> None:
+    """An assistant turn's tool-call arguments are a JSON string the body's depth check never
+    sees; nested 10,000 levels they are a 400 naming the messages, not a 500."""
+    deep = '{"a":' * 10_000 + "1" + "}" * 10_000
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    err = openai_error(post(server, CHAT, {"messages": messages, "max_tokens": 2}), 400, "messages")
+    assert "nested too deeply" in err["message"]
+    items = [{"type": "message", "role": "user", "content": "hi"},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
+             {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
+    for stream in (False, True):
+        r = post(server, "/v1/responses", {"model": "tiny", "input": items, "max_output_tokens": 2, "stream": stream})
+        assert "nested too deeply" in openai_error(r, 400, "messages")["message"]
+    still_whole(server)
 
 
 def test_a_grammar_that_fails_while_generating_is_refused_before_admission(server: LiveServer) -> None:
@@ -206,7 +241,12 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(server: LiveServer) -> 
     assert openai_error(r, 400)["code"] == "context_length_exceeded"
     r = post(server, "/v1/messages/count_tokens", {"model": "tiny",
                                                    "messages": [{"role": "user", "content": "word " * 2_400_000}]})
-    anthropic_error(r, 400)
+    match = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", anthropic_error(r, 400)["message"])
+    assert match is not None and int(match[1]) > int(match[2]) == 4 * 4096  # count_tokens counts up to 4x the context
+    r = post(server, "/v1/messages", {"model": "tiny", "max_tokens": 4,
+                                      "messages": [{"role": "user", "content": "word " * 6000}]})
+    match = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", anthropic_error(r, 400)["message"])
+    assert match is not None and int(match[1]) > int(match[2]) == 4095
     assert time.monotonic() - tic < 5  # tokenizing it would take ~15 s here
 
 

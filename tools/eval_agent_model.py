@@ -55,7 +55,7 @@ import msgspec
 from mlx_relay.chat.output import ToolCallEnd
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import ToolDef
-from mlx_relay.errors import RelayError, ToolCallInvalid
+from mlx_relay.errors import RelayError
 
 THINK_END = "</think>"
 
@@ -91,11 +91,12 @@ class ToolScore:
 
 
 def score_tool(text: str, tools: list[ToolDef], think_open: bool, expected: dict[str, Any] | None = None) -> ToolScore:
-    parser = ReplyParser(tools=tools, tool_format="qwen3_coder", think_open=think_open)
-    try:
-        events = parser.feed(text) + parser.finish("stop")
-    except ToolCallInvalid as exc:
-        return ToolScore(False, False, str(exc))
+    invalid: list[str] = []
+    parser = ReplyParser(tools=tools, tool_format="qwen3_coder", think_open=think_open,
+                         on_invalid=lambda reason, what: invalid.append(f"{reason}: {what}"))
+    events = parser.feed(text) + parser.finish("stop")
+    if invalid:
+        return ToolScore(False, False, invalid[0])
     calls = [ev for ev in events if isinstance(ev, ToolCallEnd)]
     if not calls:
         return ToolScore(False, False, "no tool call")

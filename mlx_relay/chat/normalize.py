@@ -221,6 +221,10 @@ def _template_arguments(call: ToolCall, index: int) -> dict[str, Any]:
             f"messages[{index}]: tool call {call.id!r} ({call.function.name}): arguments are not valid "
             f"JSON: {exc}"
         ) from None
+    except RecursionError:  # deeper than the decoder goes (the body's own depth limit never saw this string)
+        raise NormalizationError(
+            f"messages[{index}]: tool call {call.id!r} ({call.function.name}): arguments are nested too deeply"
+        ) from None
     if not isinstance(arguments, dict):
         raise NormalizationError(
             f"messages[{index}]: tool call {call.id!r} ({call.function.name}): arguments must be a JSON "

@@ -15,13 +15,16 @@ order; `ReplyDone` last.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
 from mlx_relay.specprefill.report import SpecPrefillReport
 
 ReplyFinish = Literal["stop", "length", "tool_calls"]
+# what the model can write wrong in a tool call (`ReplyParser`'s docstring says how each is delivered)
+InvalidReason = Literal["undeclared_tool", "schema_mismatch", "unreadable", "unclosed", "stray_markup"]
+INVALID_REASONS: tuple[str, ...] = get_args(InvalidReason)
 
 
 class TopLogprob(msgspec.Struct, frozen=True):

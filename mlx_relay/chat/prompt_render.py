@@ -26,7 +26,7 @@ from mlx_relay.chat.grammar import GrammarError, OutputConstraint, build_grammar
 from mlx_relay.chat.normalize import NormalizationError, media_parts, normalize_messages, to_template_messages
 from mlx_relay.chat.template_sandbox import TemplateFailed, TemplateSandbox
 from mlx_relay.chat.types import ChatMessage, TextPart
-from mlx_relay.errors import ContextLengthExceeded, InvalidRequest
+from mlx_relay.errors import InvalidRequest, PromptTooLong
 from mlx_relay.messages.prompt import Render, RenderedPrompt
 
 # what a template raises on data it cannot render (a missing key, a wrong type, its own
@@ -104,8 +104,8 @@ class PromptRenderer:
             chars = prompt_chars(msg.messages, msg.raw_prompt)
             at_least = chars // (self.max_token_chars * self.normalizer_slack)
         if at_least > msg.max_prompt_tokens:
-            raise ContextLengthExceeded(f"the prompt has at least {at_least} tokens; this server's context allows "
-                                        f"{msg.max_prompt_tokens}", param="messages")
+            raise PromptTooLong(f"the prompt has at least {at_least} tokens; this server's context allows "
+                                f"{msg.max_prompt_tokens}", prompt_tokens=at_least, limit=msg.max_prompt_tokens)
 
     # -- rendering (worker threads) ---------------------------------------------------------------------
     def render(self, msg: Render) -> RenderedPrompt:
@@ -119,7 +119,7 @@ class PromptRenderer:
         return msgspec.structs.replace(rendered, grammar=grammar, tool_format=self.tool_format)
 
     def _encode(self, text: str, limit: int | None) -> Any:
-        """The tokenizer's Encoding (ids and offsets); ContextLengthExceeded before it is built
+        """The tokenizer's Encoding (ids and offsets); PromptTooLong before it is built
         for a text the limit cannot hold. `encode_batch*` release the GIL while they work
         (`encode` holds it: a 10 MB prompt would stop the event loop and the GPU thread for
         seconds); a text longer than the limit in characters is first counted without offsets,
@@ -137,9 +137,9 @@ class PromptRenderer:
         return encoding
 
     @staticmethod
-    def _too_long(count: int, limit: int) -> ContextLengthExceeded:
-        return ContextLengthExceeded(f"this model's maximum context length is {limit} tokens for the prompt; "
-                                     f"the prompt has {count} tokens", param="messages")
+    def _too_long(count: int, limit: int) -> PromptTooLong:
+        return PromptTooLong(f"this model's maximum context length is {limit} tokens for the prompt; "
+                             f"the prompt has {count} tokens", prompt_tokens=count, limit=limit)
 
     def _grammar(self, constraint: OutputConstraint, after_thinking: bool) -> str | None:
         c = msgspec.structs.replace(constraint, tool_format=self.tool_format)

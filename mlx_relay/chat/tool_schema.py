@@ -17,8 +17,6 @@ from jsonschema.exceptions import SchemaError, ValidationError, best_match
 from jsonschema.protocols import Validator
 from referencing.exceptions import Unresolvable
 
-from mlx_relay.errors import ToolCallInvalid
-
 ANY_OBJECT = '{"type": "object"}'  # the schema key of a tool that declares no (usable) parameters
 
 
@@ -64,13 +62,6 @@ def argument_error(key: str, arguments: Any) -> str | None:
         return f"the arguments must be a JSON object, not {type(arguments).__name__}"
     error = best_match(_errors(key, arguments))
     return None if error is None else _describe(error)
-
-
-def check_arguments(name: str, key: str, arguments: Any) -> None:
-    """Raise `ToolCallInvalid` naming the function `name` unless `arguments` fit its schema `key`."""
-    problem = argument_error(key, arguments)
-    if problem is not None:
-        raise ToolCallInvalid(f"invalid arguments in the tool call to {name}: {problem}")
 
 
 def _fits(key: str, arguments: dict[str, Any], name: str) -> bool:

@@ -31,16 +31,18 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
+        self.matched: str | None = None  # the stop string that was hit
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
         if not self._stops:
             return text, False
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
         if hits:
             self._held = ""
-            return buf[: min(hits)], True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return buf[:at], True
         keep = 0
         for s in self._stops:
             for k in range(min(len(s) - 1, len(buf)), keep, -1):

@@ -102,6 +102,7 @@ class OutputStage:
             mtp_accepted=counts.mtp_accepted,
             cached_tokens=counts.cached_tokens,
             specprefill=row.specprefill,
+            stop_sequence=row.stops.matched if reason == "stop" else None,
         )))
 
     def fail(self, row: Row, error: Exception) -> None:

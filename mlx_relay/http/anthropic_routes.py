@@ -50,9 +50,11 @@ from mlx_relay.chat.types import (
 from mlx_relay.config import ServerConfig
 from mlx_relay.errors import (
     InvalidRequest,
+    MaxTokensExceedContext,
     NotFound,
     NotReady,
     Overloaded,
+    PromptTooLong,
     RelayError,
     Unauthorized,
     UnprocessableRequest,
@@ -141,8 +143,19 @@ def _as_error(exc: BaseException) -> RelayError:
     return as_relay_error(exc)
 
 
+def _message(err: RelayError) -> str:
+    """The error's message in Anthropic's words where clients parse them: Claude Code reads the
+    numbers of both context overflows (to lower max_tokens and retry, or to compact)."""
+    if isinstance(err, MaxTokensExceedContext):
+        return (f"input length and `max_tokens` exceed context limit: {err.prompt_tokens} + {err.max_tokens} > "
+                f"{err.context_length}, decrease input length or `max_tokens` and try again")
+    if isinstance(err, PromptTooLong):
+        return f"prompt is too long: {err.prompt_tokens} tokens > {err.limit} maximum"
+    return err.message
+
+
 def error_body(err: RelayError) -> bytes:
-    return msgspec.json.encode(ErrorBody(ErrorDetail(_error_type(err), err.message)))
+    return msgspec.json.encode(ErrorBody(ErrorDetail(_error_type(err), _message(err))))
 
 
 def error_response(exc: BaseException) -> Response:
@@ -401,9 +414,8 @@ def _usage(done: ReplyDone) -> Usage:
 
 
 def _tool_input(end: ToolCallEnd) -> dict[str, object]:
-    arguments = msgspec.json.decode(end.arguments or "{}")
-    if not isinstance(arguments, dict):
-        raise RelayError(f"tool call {end.id} ({end.name}): arguments are not a JSON object")
+    """The call's arguments (always a JSON object: `chat.reply_parser`)."""
+    arguments: dict[str, object] = msgspec.json.decode(end.arguments or "{}", type=dict[str, object])
     return arguments
 
 

@@ -150,7 +150,7 @@ async def collect_chat(items: ObjectReceiveStream[Item], n: int, rid: str, model
         elif isinstance(ev, ReasoningDelta):
             st.reasoning.append(ev.text)
         elif isinstance(ev, ToolCallEnd):
-            st.calls.append(ResponseToolCall(ev.id, ResponseFunctionCall(ev.name, ev.arguments)))
+            st.calls.append(ResponseToolCall(ev.id, ResponseFunctionCall(ev.name, ev.arguments or "{}")))
         elif isinstance(ev, ReplyDone):
             st.done = ev
             if all(s.done is not None for s in states):
@@ -185,30 +185,16 @@ def _delta_of(ev: object) -> Delta | None:
     return None
 
 
-def _delta_of(ev: object) -> Delta | None:
-    if isinstance(ev, ContentDelta):
-        return Delta(content=ev.text) if ev.text else None
-    if isinstance(ev, ReasoningDelta):
-        return Delta(reasoning_content=ev.text) if ev.text else None
-    if isinstance(ev, ToolCallStart):
-        call = DeltaToolCall(ev.index, DeltaFunction(name=ev.name, arguments=""), id=ev.id, type="function")
-        return Delta(tool_calls=[call])
-    if isinstance(ev, ToolCallArguments):
-        return Delta(tool_calls=[DeltaToolCall(ev.index, DeltaFunction(arguments=ev.fragment))])
-    return None
-
-
 class ChatStream:
     """`chat.completion.chunk` frames (`streaming.SSEEncoder`): a role chunk per choice, deltas,
-    a finish chunk per choice, the usage chunk when asked for, `[DONE]`; a failure is a finish
-    chunk for each choice still open, an error frame and `[DONE]`."""
+    a finish chunk per choice, the usage chunk when asked for, `[DONE]`; a failure is an error
+    frame and `[DONE]` (the choices still open get no finish chunk)."""
 
     def __init__(self, n: int, rid: str, model: str, include_usage: bool, want_logprobs: bool) -> None:
         self.n, self.rid, self.model = n, rid, model
         self.include_usage, self.want_logprobs = include_usage, want_logprobs
         self.created = int(time.time())
         self.dones: list[ReplyDone] = []
-        self.ended: set[int] = set()  # the choices that finished
 
     @property
     def done(self) -> bool:
@@ -226,7 +212,6 @@ class ChatStream:
     def event(self, index: int, ev: ReplyEvent) -> list[bytes]:
         if isinstance(ev, ReplyDone):
             self.dones.append(ev)
-            self.ended.add(index)
             return [self._choice(ChunkChoice(index, Delta(), ev.finish_reason))]
         delta = _delta_of(ev)
         if delta is None:
@@ -237,10 +222,10 @@ class ChatStream:
         return [self._choice(ChunkChoice(index, delta, None, logprobs))]
 
     def failed(self, exc: Exception) -> list[bytes]:
-        """Every choice still open gets its finish chunk ("length": cut before it ended), then the
-        error frame says why (clients such as openai-python raise it) and `[DONE]` ends the stream."""
-        cut = [self._choice(ChunkChoice(i, Delta(), "length")) for i in range(self.n) if i not in self.ended]
-        return [*cut, b"data: " + error_body(as_relay_error(exc)) + b"\n\n", DONE]
+        """The error frame says why (clients such as openai-python raise it) and `[DONE]` ends the
+        stream; a choice still open gets no finish chunk (it did not finish: no "length" or "stop"
+        may claim it did)."""
+        return [b"data: " + error_body(as_relay_error(exc)) + b"\n\n", DONE]
 
     def end(self) -> list[bytes]:
         usage = []

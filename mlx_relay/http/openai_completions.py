@@ -168,7 +168,7 @@ async def collect_completion(items: ObjectReceiveStream[Item], reqs: list[ChatRe
 class CompletionStream:
     """`text_completion` frames (`streaming.SSEEncoder`): the echoed prompts, text deltas with
     their logprobs, a finish frame per choice, the usage frame when asked for, `[DONE]`; a
-    failure is a finish frame for each choice still open, an error frame and `[DONE]`."""
+    failure is an error frame and `[DONE]` (the choices still open get no finish frame)."""
 
     def __init__(self, reqs: list[ChatRequest], n: int, rid: str, model: str, body: CompletionRequest) -> None:
         self.reqs, self.n, self.rid, self.model, self.body = reqs, n, rid, model, body
@@ -209,10 +209,9 @@ class CompletionStream:
         return []
 
     def failed(self, exc: Exception) -> list[bytes]:
-        """Every choice still open gets its finish frame ("length": cut before it ended), then the
-        error frame says why and `[DONE]` ends the stream."""
-        cut = [self._choice(CompletionChoice("", i, "length")) for i in range(len(self.reqs)) if i not in self.dones]
-        return [*cut, b"data: " + error_body(as_relay_error(exc)) + b"\n\n", DONE]
+        """The error frame says why and `[DONE]` ends the stream; a choice still open gets no
+        finish frame (it did not finish: no "length" may claim it did)."""
+        return [b"data: " + error_body(as_relay_error(exc)) + b"\n\n", DONE]
 
     def end(self) -> list[bytes]:
         usage = []

@@ -7,7 +7,9 @@
 Input items become chat messages (`items_to_messages`): `instructions` a leading system message,
 `function_call` items assistant `tool_calls` (merged into the assistant turn before them),
 `function_call_output` items `tool` messages, reasoning items the next assistant turn's
-`reasoning_content`. `previous_response_id` prepends a stored conversation (that request's input
+`reasoning_content`. A namespace's tools (Codex's MCP tools) are offered to the model under
+qualified names and their calls answered with `namespace` and the inner name
+(`responses_names.ToolNames`). `previous_response_id` prepends a stored conversation (that request's input
 without its instructions, as OpenAI does, then that response's output) from a bounded in-memory
 `ResponseStore` owned by the routes.
 
@@ -61,6 +63,7 @@ from mlx_relay.http.body import decode_body
 from mlx_relay.http.errors import as_relay_error
 from mlx_relay.http.replies import Item
 from mlx_relay.http.response_store import ResponseStore
+from mlx_relay.http.responses_names import ToolNames
 from mlx_relay.http.responses_types import (
     ContentPartAdded,
     ContentPartDone,
@@ -249,10 +252,11 @@ def _join(left: str | None, right: str | None) -> str | None:
     return left + "\n\n" + right
 
 
-def items_to_messages(items: list[InputItem]) -> list[ChatMessage]:
+def items_to_messages(items: list[InputItem], names: ToolNames | None = None) -> list[ChatMessage]:
     """Chat messages for the items, in order. Function calls join the assistant turn right before
-    them (its text and earlier calls); reasoning text goes to the next assistant turn (dropped if
-    none follows)."""
+    them (its text and earlier calls), a namespaced one under the name the model knows it by
+    (`names`); reasoning text goes to the next assistant turn (dropped if none follows)."""
+    names = names or ToolNames()
     messages: list[ChatMessage] = []
     reasoning: str | None = None
     for i, item in enumerate(items):
@@ -266,7 +270,7 @@ def items_to_messages(items: list[InputItem]) -> list[ChatMessage]:
             else:
                 messages.append(ChatMessage(item.role, content))
         elif isinstance(item, FunctionCallItem):
-            call = ToolCall(item.call_id, FunctionCall(item.name, item.arguments))
+            call = ToolCall(item.call_id, FunctionCall(names.qualified(item.namespace, item.name), item.arguments))
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 last.tool_calls = [*(last.tool_calls or []), call]
@@ -280,8 +284,10 @@ def items_to_messages(items: list[InputItem]) -> list[ChatMessage]:
     return messages
 
 
-def output_messages(output: list[OutputItem]) -> list[ChatMessage]:
-    """A response's output as the assistant turn a continuation sees."""
+def output_messages(output: list[OutputItem], names: ToolNames | None = None) -> list[ChatMessage]:
+    """A response's output as the assistant turn a continuation sees (namespaced calls under the
+    names the model knows them by)."""
+    names = names or ToolNames()
     turn = ChatMessage("assistant", "")
     for item in output:
         if isinstance(item, OutputReasoning):
@@ -290,7 +296,8 @@ def output_messages(output: list[OutputItem]) -> list[ChatMessage]:
             text = "".join(p.text for p in item.content)
             turn.content = _join(turn.content if isinstance(turn.content, str) else None, text) or ""
         else:
-            call = ToolCall(item.call_id, FunctionCall(item.name, item.arguments))
+            namespace = item.namespace if isinstance(item.namespace, str) else None
+            call = ToolCall(item.call_id, FunctionCall(names.qualified(namespace, item.name), item.arguments))
             turn.tool_calls = [*(turn.tool_calls or []), call]
     return [turn]
 
@@ -299,34 +306,51 @@ _HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "i
                            "computer_use_preview", "local_shell", "mcp", "tool_search"})
 
 
-def parse_tools(raw: list[dict[str, Any]] | None) -> list[FunctionTool]:
-    """Function tools only; the flat Responses shape, or the nested Chat Completions one."""
-    tools: list[FunctionTool] = []
+def parse_tools(raw: list[dict[str, Any]] | None) -> tuple[list[FunctionTool], ToolNames]:
+    """Function tools only; the flat Responses shape, or the nested Chat Completions one. A
+    namespace's tools (Codex's MCP tools) are offered under qualified names (`responses_names`);
+    the table maps the model's calls back."""
+    found: list[tuple[str | None, FunctionTool]] = []
     for i, tool in enumerate(raw or []):
         where = f"tools[{i}]"
-        kind = _type_of(tool, where)
-        if kind == "namespace":  # Codex groups function tools under a namespace
-            tools.extend(parse_tools([t for t in tool.get("tools") or [] if isinstance(t, dict)]))
+        if _type_of(tool, where) != "namespace":
+            found.extend((None, t) for t in _function_tool(tool, where))
             continue
-        if kind == "custom":  # a freeform tool: offered as a function with one string `input`
-            tool = {"type": "function", "name": tool.get("name"), "description": tool.get("description"),
-                    "parameters": {"type": "object", "properties": {"input": {"type": "string"}},
-                                   "required": ["input"]}}
-            kind = "function"
-        if kind in _HOSTED_TOOLS:  # OpenAI-hosted (web search, image generation, ...): not ours to run
-            continue
-        if kind != "function":
-            raise InvalidRequest(f"{where}: tool type '{kind}' is not supported; only function tools are",
-                                 param=f"{where}.type")
-        if "name" not in tool and isinstance(tool.get("function"), dict):
-            tool = {**tool["function"], "type": "function"}
-        tools.append(_convert(tool, FunctionTool, where))
-    return tools
+        namespace = tool.get("name")
+        if not isinstance(namespace, str) or not namespace:
+            raise InvalidRequest(f"{where}.name: a namespace needs a name", param=f"{where}.name")
+        for j, inner in enumerate(tool.get("tools") or []):
+            if isinstance(inner, dict):
+                found.extend((namespace, t) for t in _function_tool(inner, f"{where}.tools[{j}]", nested=True))
+    names = ToolNames()
+    for namespace, t in found:  # flat names first: a qualified name never takes one
+        if namespace is None:
+            names.plain(t.name)
+    tools = [t if ns is None else msgspec.structs.replace(t, name=names.add(ns, t.name)) for ns, t in found]
+    return tools, names
 
 
-def parse_tool_choice(raw: str | dict[str, Any] | None, tools: list[FunctionTool]
+def _function_tool(tool: dict[str, Any], where: str, nested: bool = False) -> list[FunctionTool]:
+    """The tool as a function tool (none for OpenAI's hosted tools)."""
+    kind = _type_of(tool, where)
+    if kind == "custom":  # a freeform tool: offered as a function with one string `input`
+        tool = {"type": "function", "name": tool.get("name"), "description": tool.get("description"),
+                "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}
+        kind = "function"
+    if kind in _HOSTED_TOOLS:  # OpenAI-hosted (web search, image generation, ...): not ours to run
+        return []
+    if kind != "function":
+        what = "namespaces do not nest" if nested and kind == "namespace" else "only function tools are"
+        raise InvalidRequest(f"{where}: tool type '{kind}' is not supported; {what}", param=f"{where}.type")
+    if "name" not in tool and isinstance(tool.get("function"), dict):
+        tool = {**tool["function"], "type": "function"}
+    return [_convert(tool, FunctionTool, where)]
+
+
+def parse_tool_choice(raw: str | dict[str, Any] | None, tools: list[FunctionTool], names: ToolNames | None = None
                       ) -> tuple[ToolChoice, str | FunctionToolChoice]:
-    """`tool_choice` for the ChatRequest, and as the response echoes it."""
+    """`tool_choice` for the ChatRequest, and as the response echoes it (a namespaced function by
+    its namespace and inner name)."""
     if raw is None:
         return "auto", "auto"
     if isinstance(raw, str):
@@ -340,10 +364,12 @@ def parse_tool_choice(raw: str | dict[str, Any] | None, tools: list[FunctionTool
     if kind != "function":
         raise InvalidRequest(f"tool_choice type '{kind}' is not supported; only function", param="tool_choice")
     choice = _convert(raw, FunctionToolChoice, "tool_choice")
-    if choice.name not in {t.name for t in tools}:
+    namespace = choice.namespace if isinstance(choice.namespace, str) else None
+    name = (names or ToolNames()).qualified(namespace, choice.name)
+    if name not in {t.name for t in tools}:
         raise InvalidRequest(f"tool_choice names the function '{choice.name}', which is not among the tools",
                              param="tool_choice")
-    return NamedToolChoice(choice.name), choice
+    return NamedToolChoice(name), choice
 
 
 def response_format(text: TextConfig | None) -> ResponseFormat | None:
@@ -374,14 +400,14 @@ def to_tool_defs(tools: list[FunctionTool]) -> list[ToolDef] | None:
     return [ToolDef(FunctionDef(t.name, t.description, t.parameters, t.strict)) for t in tools]
 
 
-def translate(body: ResponsesRequest, model: str, conversation: list[ChatMessage]
-              ) -> tuple[ChatRequest, ResponseObject]:
+def translate(body: ResponsesRequest, model: str, conversation: list[ChatMessage], tools: list[FunctionTool],
+              names: ToolNames) -> tuple[ChatRequest, ResponseObject]:
     """The chat request for `conversation` (earlier turns and this input, as messages) under the
-    body's settings, and the response object that echoes them (`in_progress`, no output yet)."""
+    body's settings with `tools` (`parse_tools`), and the response object that echoes them
+    (`in_progress`, no output yet)."""
     if not conversation:
         raise InvalidRequest("input must not be empty", param="input")
-    tools = parse_tools(body.tools)
-    choice, choice_echo = parse_tool_choice(body.tool_choice, tools)
+    choice, choice_echo = parse_tool_choice(body.tool_choice, tools, names)
     system = [ChatMessage("system", body.instructions)] if body.instructions else []
     req = ChatRequest(
         messages=system + conversation,
@@ -417,12 +443,13 @@ class _OpenItem:
     """The output item being written: its kind, position, id and text so far."""
 
     def __init__(self, kind: Literal["reasoning", "message", "function_call"], index: int, item_id: str,
-                 call_id: str = "", name: str = "") -> None:
+                 call_id: str = "", name: str = "", namespace: str | None = None) -> None:
         self.kind = kind
         self.index = index
         self.id = item_id
         self.call_id = call_id
         self.name = name
+        self.namespace = namespace
         self.parts: list[str] = []
 
     @property
@@ -432,10 +459,12 @@ class _OpenItem:
 
 class ResponseAssembler:
     """Builds `response.output` from reply events and yields the stream events that go with it,
-    numbered in order. `response` starts `in_progress` with no output and is finished in place."""
+    numbered in order. `response` starts `in_progress` with no output and is finished in place.
+    A call to a namespaced tool (`names`) names its namespace and inner name."""
 
-    def __init__(self, response: ResponseObject) -> None:
+    def __init__(self, response: ResponseObject, names: ToolNames | None = None) -> None:
         self.response = response
+        self.names = names or ToolNames()
         self.finished = False
         self._seq = 0
         self._open: _OpenItem | None = None
@@ -533,11 +562,13 @@ class ResponseAssembler:
         self._open = item
         return item
 
-    def _open_call(self, out: list[StreamEvent], call_id: str, name: str) -> _OpenItem:
+    def _open_call(self, out: list[StreamEvent], call_id: str, qualified: str) -> _OpenItem:
         self._close(out)
         index = len(self.response.output)
-        item = _OpenItem("function_call", index, _new_id("fc"), call_id, name)
-        added = OutputFunctionCall(id=item.id, call_id=call_id, name=name, arguments="", status="in_progress")
+        namespace, name = self.names.split(qualified)
+        item = _OpenItem("function_call", index, _new_id("fc"), call_id, name, namespace)
+        added = OutputFunctionCall(id=item.id, call_id=call_id, name=name, arguments="", status="in_progress",
+                                   namespace=_or_unset(namespace))
         out.append(OutputItemAdded(output_index=index, item=added))
         self._open = item
         return item
@@ -557,11 +588,16 @@ class ResponseAssembler:
             out.append(ContentPartDone(**at, content_index=0, part=OutputText(text)))
             done = OutputMessage(id=item.id, status=status, content=[OutputText(text)])
         else:
+            text = text or "{}"  # a call's arguments are always a JSON object
             out.append(FunctionCallArgumentsDone(**at, arguments=text, name=item.name))
             done = OutputFunctionCall(id=item.id, call_id=item.call_id, name=item.name, arguments=text,
-                                      status=status)
+                                      status=status, namespace=_or_unset(item.namespace))
         self.response.output.append(done)
         out.append(OutputItemDone(output_index=item.index, item=done))
+
+
+def _or_unset(namespace: str | None) -> str | msgspec.UnsetType:
+    return msgspec.UNSET if namespace is None else namespace
 
 
 def sse_frame(ev: StreamEvent) -> bytes:
@@ -646,13 +682,14 @@ class ResponsesRoutes:
     async def create(self, request: Request) -> Response:
         body = decode_body(await request.body(), ResponsesRequest, self.config.limits.max_json_depth)
         model = self._check_model(body.model)
-        conversation = self._prior(body.previous_response_id) + items_to_messages(parse_items(body.input))
-        req, response = translate(body, model, conversation)
-        assembler = ResponseAssembler(response)
+        tools, names = parse_tools(body.tools)
+        conversation = self._prior(body.previous_response_id) + items_to_messages(parse_items(body.input), names)
+        req, response = translate(body, model, conversation, tools, names)
+        assembler = ResponseAssembler(response, names)
 
         def finished() -> None:
             if response.store:
-                self._remember(response, conversation)
+                self._remember(response, conversation, names)
 
         async def collect(items: ObjectReceiveStream[Item]) -> ResponseObject:
             async for ev in events_of(items):
@@ -678,8 +715,8 @@ class ResponsesRoutes:
                 "deleted); send the whole conversation as input instead", param="previous_response_id")
         return list(stored.messages)
 
-    def _remember(self, response: ResponseObject, conversation: list[ChatMessage]) -> None:
-        entry = StoredResponse(response, conversation + output_messages(response.output))
+    def _remember(self, response: ResponseObject, conversation: list[ChatMessage], names: ToolNames) -> None:
+        entry = StoredResponse(response, conversation + output_messages(response.output, names))
         self.store.put(response.id, entry, len(msgspec.json.encode(entry)))
 
 

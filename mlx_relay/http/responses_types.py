@@ -88,6 +88,7 @@ class FunctionTool(msgspec.Struct, kw_only=True):
 class FunctionToolChoice(msgspec.Struct):
     name: str
     type: Literal["function"] = "function"
+    namespace: str | msgspec.UnsetType = msgspec.UNSET  # a namespaced tool (the name is the inner one)
 
 
 # Input items (converted from dicts one by one; unknown fields ignored)
@@ -103,6 +104,7 @@ class MessageItem(msgspec.Struct, kw_only=True):
 class FunctionCallItem(msgspec.Struct, kw_only=True):
     call_id: str
     name: str
+    namespace: str | None = None  # a namespaced tool's call (the name is the inner one)
     arguments: str = "{}"
     id: str | None = None
     status: str | None = None
@@ -182,8 +184,10 @@ class OutputFunctionCall(msgspec.Struct, tag="function_call", tag_field="type", 
     id: str
     call_id: str
     name: str
-    arguments: str
+    arguments: str  # always a JSON object's text
     status: ItemStatus
+    # the tool's namespace when it came in one (Codex's MCP tools); the name is then the inner one
+    namespace: str | msgspec.UnsetType = msgspec.UNSET
 
 
 OutputItem = OutputMessage | OutputReasoning | OutputFunctionCall

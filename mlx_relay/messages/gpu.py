@@ -86,6 +86,7 @@ class Finished(msgspec.Struct, frozen=True):
     mtp_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache (not prefilled)
     specprefill: SpecPrefillReport | None = None  # when SpecPrefill ran or was due for the request
+    stop_sequence: str | None = None  # the request's stop string that ended it ("stop"), if one did
 
 
 class AbortAll(msgspec.Struct, frozen=True):

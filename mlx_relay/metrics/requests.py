@@ -9,6 +9,8 @@ prometheus-client registry (vLLM's names under `mlx_relay:`, the served model as
                                                           generation_tokens_total
                          the Finished                     e2e_request_latency_seconds, request_success_total
     RequestClock.close   no Finished came (failed, cut)   request_success_total{finished_reason="abort"}
+    ReplyParser          tool_call_invalid(reason, what)  tool_calls_invalid_total{reason=...} (what the
+                                                          model wrote wrong in a call, delivered as written)
 
 A token costs one clock read and prometheus-client's own per-series locks; one reply's clock is
 fed by one task only.
@@ -21,6 +23,7 @@ from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from mlx_relay.chat.output import INVALID_REASONS
 from mlx_relay.messages.gpu import Finished, FinishReason, TokenDelta
 
 PREFIX = "mlx_relay:"
@@ -66,6 +69,11 @@ class RequestMetrics:
         success = Counter(PREFIX + "request_success", "Generations ended, by finish reason (abort: failed or cut)",
                           ("model_name", "finished_reason"), registry=registry)
         self.finished = {reason: success.labels(model_name, reason) for reason in OUTCOMES}
+        invalid = Counter(PREFIX + "tool_calls_invalid",
+                          "Tool calls the model wrote wrong, delivered as written (undeclared tool, arguments off "
+                          "the schema) or as text (unreadable); stray call markup dropped from the text",
+                          ("model_name", "reason"), registry=registry)
+        self.invalid_calls = {reason: invalid.labels(model_name, reason) for reason in INVALID_REASONS}
 
     def queued(self, waited_s: float) -> None:
         self.queue_time.observe(waited_s)
@@ -73,6 +81,10 @@ class RequestMetrics:
     def prefix_lookup(self, prompt_tokens: int, restored_tokens: int) -> None:
         self.prefix_queries.inc(prompt_tokens)
         self.prefix_hits.inc(restored_tokens)
+
+    def tool_call_invalid(self, reason: str, what: str) -> None:
+        """`ReplyParser`'s `on_invalid`: one thing the model wrote wrong in a tool call."""
+        self.invalid_calls[reason].inc()
 
     def clock(self, arrived: float, prompt_tokens: int) -> RequestClock:
         """A generation starts (`arrived`: `time.perf_counter()` when its request came in)."""
