@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
-import time
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -465,19 +465,32 @@ def test_split_invariance_expected_values() -> None:
 
 
 def test_character_by_character_feeding_stays_linear() -> None:
-    def cost(n: int) -> float:
+    """Counted, never timed: the Python calls a feed makes stay constant per character (the
+    profiler's call events, C calls included), and the text every later feed searches again
+    (`held_back`) stays bounded however long the reply grows, so a feed costs the same at the
+    reply's end as at its start."""
+
+    def cost(n: int) -> tuple[int, int]:
         text = ("word < " * n) + xml_call("search", query="x" * (7 * n)) + ("tail " * n)
         parser = ReplyParser(tools=TOOLS)
-        start = time.perf_counter()
+        calls, held = 0, 0
+
+        def count(frame: Any, event: str, arg: Any) -> None:
+            nonlocal calls
+            calls += event in ("call", "c_call")
+
         for ch in text:
+            sys.setprofile(count)
             parser.feed(ch)
+            sys.setprofile(None)
+            held = max(held, parser.held_back)
         parser.finish()
         assert parser.calls == 1
-        return time.perf_counter() - start
+        return calls, held
 
-    small, large = cost(2_500), cost(20_000)
-    assert large < 5.0
-    assert large / small < 16  # 8x the text: well under quadratic (64x)
+    (small, held_small), (large, held_large) = cost(250), cost(2_000)
+    assert large / small < 8 * 1.25, (small, large)  # 8x the text, 8x the calls (quadratic: 64x)
+    assert held_small == held_large <= 600, (held_small, held_large)
 
 
 # -- tool_format_for_template -----------------------------------------------------------------

@@ -616,12 +616,15 @@ def test_response_store_bounds() -> None:
         ResponseStore(max_entries=0)
 
 
-def _run_sse(spec: str, disconnect_after: float | None, fail_send: bool = False) -> tuple[list[bytes], list[str]]:
+def _run_sse(spec: str, disconnect_after: int | None, fail_send: bool = False) -> tuple[list[bytes], list[str]]:
     """Runs a ScopedStreamingResponse over the one skeleton (`sse_body`) whose producer sends three
     content events 50 ms apart, then the end (keep-alive every 10 ms); returns the body chunks sent
-    and what happened to the producer and the exit stack."""
+    and what happened to the producer and the exit stack. `disconnect_after`: the client goes away
+    once that many content frames were sent, and the producer then waits for its next event until
+    it is cancelled (no race between the disconnect and a send, however loaded the machine)."""
     chunks: list[bytes] = []
     log: list[str] = []
+    gone = anyio.Event()
 
     class Frames:
         done = False
@@ -644,6 +647,8 @@ def _run_sse(spec: str, disconnect_after: float | None, fail_send: bool = False)
             async with tx:
                 for i in range(3):
                     await anyio.sleep(0.05)
+                    if disconnect_after is not None and i == disconnect_after:
+                        await anyio.sleep_forever()  # the next event never comes before the disconnect
                     await tx.send((0, ContentDelta(str(i))))
                 await tx.send((0, ReplyDone("stop", 1, 3)))
             log.append("produced")
@@ -652,7 +657,9 @@ def _run_sse(spec: str, disconnect_after: float | None, fail_send: bool = False)
             raise
 
     async def receive() -> dict[str, Any]:
-        await anyio.sleep(disconnect_after if disconnect_after is not None else 60)
+        if disconnect_after is None:
+            await anyio.sleep_forever()
+        await gone.wait()
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
@@ -660,6 +667,8 @@ def _run_sse(spec: str, disconnect_after: float | None, fail_send: bool = False)
             if fail_send and len(chunks) == 2:
                 raise OSError("connection reset")
             chunks.append(message["body"])
+            if disconnect_after is not None and sum(c.startswith(b"data") for c in chunks) == disconnect_after:
+                gone.set()
 
     async def main() -> None:
         stack = AsyncExitStack()
@@ -682,7 +691,7 @@ def test_reply_sse_keepalives_and_scope() -> None:
     assert b": keep-alive\n\n" in chunks  # waiting never cancels the producer
     assert log == ["produced", "stack closed"]
     # the client goes away: the producer is cancelled, then the stack (the generation) closed
-    chunks, log = _run_sse("2.3", 0.07)
+    chunks, log = _run_sse("2.3", 2)
     assert log == ["cancelled", "stack closed"] and b"data: 2\n\n" not in chunks
     # an ASGI 2.4 server reports the disconnect as an OSError from send
     chunks, log = _run_sse("2.4", None, fail_send=True)

@@ -172,6 +172,14 @@ class ReplyParser:
     # -- the public side -------------------------------------------------------------------
 
     @property
+    def held_back(self) -> int:
+        """Characters every later feed searches again: the text held back (it may still become a
+        tag) and, inside a call, its unread head and the tail where a split end tag may start.
+        Bounded by the tags' lengths and the head limit, so a feed's work does not grow with the reply."""
+        call = self._call
+        return len(self._buf) + (len(call.head or "") + len(call.tail) if call is not None else 0)
+
+    @property
     def thinking(self) -> bool:
         """Inside the thinking block (what comes next is reasoning, up to its `</think>`)."""
         return self._mode is _Mode.THINK
