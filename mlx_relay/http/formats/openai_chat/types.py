@@ -10,7 +10,6 @@ import msgspec
 
 from mlx_relay.chat.output import ReplyDone, TokenLogprob
 from mlx_relay.chat.types import ChatMessage, ToolDef
-from mlx_relay.messages.gpu import Finished
 from mlx_relay.specprefill.report import SpecPrefillReport
 
 
@@ -102,16 +101,14 @@ class Usage(msgspec.Struct, omit_defaults=True):
     completion_tokens_details: CompletionTokensDetails | None = None  # present when the reply reasoned
 
 
-def usage_of(finished: Finished | ReplyDone) -> Usage:
+def usage_of(done: ReplyDone) -> Usage:
+    """One reply's usage (MTP's counts when it drafted, reasoning tokens when it reasoned)."""
     mtp = None
-    if finished.mtp_drafted:
-        rate = round(finished.mtp_accepted / finished.mtp_drafted, 4)
-        mtp = MTPUsage(finished.mtp_drafted, finished.mtp_accepted, rate)
-    reasoning = finished.reasoning_tokens if isinstance(finished, ReplyDone) else 0
-    return Usage(finished.prompt_tokens, finished.completion_tokens,
-                 finished.prompt_tokens + finished.completion_tokens,
-                 PromptTokensDetails(cached_tokens=finished.cached_tokens), mtp, finished.specprefill,
-                 CompletionTokensDetails(reasoning) if reasoning else None)
+    if done.mtp_drafted:
+        mtp = MTPUsage(done.mtp_drafted, done.mtp_accepted, round(done.mtp_accepted / done.mtp_drafted, 4))
+    return Usage(done.prompt_tokens, done.completion_tokens, done.prompt_tokens + done.completion_tokens,
+                 PromptTokensDetails(cached_tokens=done.cached_tokens), mtp, done.specprefill,
+                 CompletionTokensDetails(done.reasoning_tokens) if done.reasoning_tokens else None)
 
 
 def total_usage(dones: list[ReplyDone]) -> Usage:
