@@ -44,8 +44,9 @@ from mlx_relay.errors import (
     Overloaded,
     PromptTooLong,
 )
-from mlx_relay.http.anthropic_routes import anthropic_routes, to_chat_request
-from mlx_relay.http.anthropic_types import CountTokensRequest, MessagesRequest, ThinkingEnabled
+from mlx_relay.http.formats.anthropic.request import to_chat_request
+from mlx_relay.http.formats.anthropic.routes import anthropic_routes
+from mlx_relay.http.formats.anthropic.types import CountTokensRequest, MessagesRequest, ThinkingEnabled
 from mlx_relay.relay import default_config
 from mlx_relay.service import ChatRequest, ReplyTally
 from mlx_relay.testing.live_server import LiveServer

@@ -18,7 +18,7 @@ from mlx_relay.chat.output import ContentDelta, ReplyDone, ToolCallArguments, To
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import FunctionDef, ToolDef
 from mlx_relay.errors import GenerationFailed
-from mlx_relay.http.openai_chat import ChatStream
+from mlx_relay.http.formats.openai_chat.encoder import ChatStream
 from mlx_relay.relay import default_config
 from mlx_relay.testing.live_server import LiveServer
 

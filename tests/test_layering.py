@@ -19,7 +19,8 @@ NO_MLX = ["mlx_relay", "mlx_relay.runtime", "mlx_relay.service", "mlx_relay.conf
           "mlx_relay.messages.text_mtp", "mlx_relay.messages.vision", "mlx_relay.messages.admission",
           *(f"mlx_relay.actors.{p.stem}" for p in sorted((PACKAGE / "actors").glob("*.py"))
             if p.stem not in ("__init__", "gpu_executor")),
-          *(f"mlx_relay.http.{p.stem}" for p in sorted((PACKAGE / "http").glob("*.py")) if p.stem != "__init__"),
+          *("mlx_relay." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
+            for p in sorted((PACKAGE / "http").rglob("*.py")) if p.stem != "__init__"),
           *(f"mlx_relay.metrics.{p.stem}" for p in sorted((PACKAGE / "metrics").glob("*.py")) if p.stem != "__init__")]
 
 
@@ -31,6 +32,7 @@ def test_the_runtime_http_the_request_path_and_every_actor_but_the_gpu_executor_
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
     assert "mlx_relay.actors.text_mtp_executor" in NO_MLX and "mlx_relay.http.app" in NO_MLX
     assert "mlx_relay.http.server" in NO_MLX and "mlx_relay.http.streaming" in NO_MLX
+    assert "mlx_relay.http.formats.responses.routes" in NO_MLX
 
 
 def test_the_gpu_executor_is_where_mlx_is() -> None:

@@ -34,25 +34,18 @@ from mlx_relay.chat.output import (
 )
 from mlx_relay.chat.types import ImageUrlPart, NamedToolChoice, TextPart
 from mlx_relay.errors import GenerationFailed, InvalidRequest
-from mlx_relay.http.replies import Item
-from mlx_relay.http.response_store import ResponseStore
-from mlx_relay.http.responses_routes import (
-    ResponseAssembler,
-    items_to_messages,
-    output_messages,
-    parse_items,
-    parse_tool_choice,
-    parse_tools,
-    sse_frame,
-    thinking,
-)
-from mlx_relay.http.responses_types import (
+from mlx_relay.http.formats.responses.encoder import ResponseAssembler, sse_frame
+from mlx_relay.http.formats.responses.request import items_to_messages, output_messages, parse_items, thinking
+from mlx_relay.http.formats.responses.store import ResponseStore
+from mlx_relay.http.formats.responses.tools import parse_tool_choice, parse_tools
+from mlx_relay.http.formats.responses.types import (
     FunctionToolChoice,
     ReasoningConfig,
     ResponseObject,
     TextConfig,
     TextFormat,
 )
+from mlx_relay.http.replies import Item
 from mlx_relay.http.streaming import ScopedStreamingResponse, sse_body
 from mlx_relay.relay import default_config
 from mlx_relay.testing.live_server import LiveServer

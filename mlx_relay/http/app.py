@@ -1,4 +1,7 @@
-"""The Starlette app: translates HTTP into actor messages (through `ChatService`) and back.
+"""The Starlette app: its assembly (the routes of every wire format, `http/formats/`, beside the
+server's own: health, metrics, models, the prefix cache, loads; the middleware; the lifespan
+that boots the relay) and the server's own routes. The formats translate HTTP into actor
+messages (through `ChatService`) and back.
 
 Everything that can refuse a request (validation, auth, admission, template, context length)
 happens before the response starts, so a refused request is a clean 4xx/429/503, never a 200
@@ -11,7 +14,6 @@ from __future__ import annotations
 import functools
 import hmac
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -28,33 +30,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlx_relay.config import ServerConfig
 from mlx_relay.errors import ModelLoadError, ModelNotFound, NotFound, NotReady, RelayError, Unauthorized
-from mlx_relay.http.anthropic_routes import anthropic_routes
-from mlx_relay.http.anthropic_routes import error_response as anthropic_error_response
-from mlx_relay.http.body import decode_body
 from mlx_relay.http.errors import as_relay_error, error_response
+from mlx_relay.http.formats.anthropic.errors import error_response as anthropic_error_response
+from mlx_relay.http.formats.anthropic.errors import is_anthropic_path
+from mlx_relay.http.formats.anthropic.routes import anthropic_routes
+from mlx_relay.http.formats.openai_chat.routes import openai_chat_routes
+from mlx_relay.http.formats.openai_completions.routes import completions_routes
+from mlx_relay.http.formats.responses.routes import responses_routes
 from mlx_relay.http.guard import RequestGuard
 from mlx_relay.http.lifecycle import Lifecycle
 from mlx_relay.http.loads import parse_include, worker_loads
-from mlx_relay.http.openai_chat import ChatStream, collect_chat, to_chat_request
-from mlx_relay.http.openai_completions import (
-    CompletionRequest,
-    CompletionStream,
-    collect_completion,
-    to_requests,
-)
-from mlx_relay.http.openai_types import (
-    ChatCompletionRequest,
-    FlushBody,
-    HealthBody,
-    ModelCapabilities,
-    ModelCard,
-    ModelList,
-)
 from mlx_relay.http.openapi import build_openapi
-from mlx_relay.http.replies import choice_requests
 from mlx_relay.http.request_log import RequestLog
-from mlx_relay.http.responses_routes import responses_routes
-from mlx_relay.http.streaming import respond
+from mlx_relay.http.types import FlushBody, HealthBody, ModelCapabilities, ModelCard, ModelList
 from mlx_relay.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mlx_relay.runtime import RuntimeFault
 from mlx_relay.service import ChatService
@@ -102,7 +90,10 @@ class AuthMiddleware:
         await _respond_error(scope["path"], Unauthorized("missing or invalid API key"))(scope, receive, send)
 
 
-class OpenAIRoutes:
+class ServerRoutes:
+    """The server's own routes (no wire format), and what every format's routes get from the app:
+    the chat service once the relay is ready (`_service`) and the model check (`_check_model`)."""
+
     def __init__(self, config: ServerConfig, relay: Relay | None) -> None:
         self.config = config
         self._relay = relay
@@ -198,27 +189,6 @@ class OpenAIRoutes:
         flushed = await self.relay.flush_prefix_cache()
         return _json(FlushBody(flushed.entries, flushed.bytes))
 
-    async def chat_completions(self, request: Request) -> Response:
-        body = decode_body(await request.body(), ChatCompletionRequest, self.config.limits.max_json_depth)
-        model = self._check_model(body.model)
-        reqs = choice_requests(to_chat_request(body), body.n)
-        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, self._service(), reqs, rid, model=model, stream=body.stream,
-                             encoder=ChatStream(body.n, rid, model, include_usage, body.logprobs),
-                             collect=lambda items: collect_chat(items, body.n, rid, model, body.logprobs),
-                             keepalive_s=self.config.sse_keepalive_s)
-
-    async def completions(self, request: Request) -> Response:
-        body = decode_body(await request.body(), CompletionRequest, self.config.limits.max_json_depth)
-        model = self._check_model(body.model)
-        reqs = to_requests(body)
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        return await respond(request, self._service(), reqs, rid, model=model, stream=body.stream,
-                             encoder=CompletionStream(reqs, body.n, rid, model, body),
-                             collect=lambda items: collect_completion(items, reqs, body.n, rid, model, body),
-                             keepalive_s=self.config.sse_keepalive_s, raw=True)
-
 
 def _own_version() -> str:
     try:
@@ -229,11 +199,7 @@ def _own_version() -> str:
 
 def _respond_error(path: str, err: RelayError) -> Response:
     """An error in the route's own shape: Anthropic's on /v1/messages*, else OpenAI's."""
-    return anthropic_error_response(err) if _is_anthropic(path) else error_response(err)
-
-
-def _is_anthropic(path: str) -> bool:
-    return path.startswith(("/v1/messages", "/messages"))
+    return anthropic_error_response(err) if is_anthropic_path(path) else error_response(err)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -266,7 +232,7 @@ def create_app(
     """The app. Without a `relay`, the app's lifespan boots one with `boot` (in the background,
     so `/health` answers 503 loading/warming until it is ready), runs the `lifecycle` beside it
     (ready, failure, drain) and shuts it down with the server."""
-    routes = OpenAIRoutes(config, relay)
+    routes = ServerRoutes(config, relay)
     lifespan = None
     if relay is None and boot is not None:
         life = lifecycle or Lifecycle()
@@ -290,13 +256,11 @@ def create_app(
             Route("/v1/loads", routes.loads, methods=["GET"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
-            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
-            Route("/chat/completions", routes.chat_completions, methods=["POST"]),
-            Route("/v1/completions", routes.completions, methods=["POST"]),
-            Route("/completions", routes.completions, methods=["POST"]),
             Route("/v1/cache/stats", routes.cache_stats, methods=["GET"]),
             Route("/v1/cache/flush", routes.cache_flush, methods=["POST"]),
             Route("/v1/specprefill/stats", routes.specprefill_stats, methods=["GET"]),
+            *openai_chat_routes(config, routes._service, routes._check_model),
+            *completions_routes(config, routes._service, routes._check_model),
             *anthropic_routes(config, routes._service, routes._check_model),
             *responses_routes(config, routes._service, routes._check_model),
         ],

@@ -1,4 +1,7 @@
-"""Errors as HTTP responses in the OpenAI error shape, with the right status and headers.
+"""Errors as HTTP responses: what any failure tells the client (`as_relay_error`), and the
+default error shape, OpenAI's `{"error": {...}}`, which every route but Anthropic's answers in
+(OpenAI chat and completions, Responses, the server's own routes; Anthropic's shape is
+`formats/anthropic/errors.py`).
 
 Every error answer (OpenAI's shape or Anthropic's) is an `ErrorResponse`: sent, it writes the
 error into the request's record for the request log (`http/request_record.py`)."""
@@ -23,13 +26,25 @@ from mlx_relay.errors import (
     RelayError,
     UnprocessableRequest,
 )
-from mlx_relay.http.openai_types import ErrorBody, ErrorDetail
 from mlx_relay.http.request_record import record_of
 from mlx_relay.runtime import ActorStopped
 
 log = logging.getLogger(__name__)
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    """OpenAI's error shape."""
+
+    error: ErrorDetail
 
 
 def decode_error(exc: msgspec.DecodeError) -> RelayError:

@@ -15,20 +15,14 @@ from typing import Any, Literal
 import msgspec
 from starlette.routing import BaseRoute, Route
 
-from mlx_relay.http.anthropic_types import CountTokensRequest, Message, MessagesRequest, TokenCount
-from mlx_relay.http.anthropic_types import ErrorBody as AnthropicError
+from mlx_relay.http.errors import ErrorBody
+from mlx_relay.http.formats.anthropic.errors import ErrorBody as AnthropicError
+from mlx_relay.http.formats.anthropic.types import CountTokensRequest, Message, MessagesRequest, TokenCount
+from mlx_relay.http.formats.openai_chat.types import ChatCompletion, ChatCompletionRequest
+from mlx_relay.http.formats.openai_completions.types import Completion, CompletionRequest
+from mlx_relay.http.formats.responses.types import DeletedResponse, ResponseObject, ResponsesRequest
 from mlx_relay.http.loads import WorkerLoads
-from mlx_relay.http.openai_completions import Completion, CompletionRequest
-from mlx_relay.http.openai_types import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    ErrorBody,
-    FlushBody,
-    HealthBody,
-    ModelCard,
-    ModelList,
-)
-from mlx_relay.http.responses_types import DeletedResponse, ResponseObject, ResponsesRequest
+from mlx_relay.http.types import FlushBody, HealthBody, ModelCard, ModelList
 
 Shape = Literal["openai", "anthropic"]
 

@@ -1,6 +1,7 @@
-"""The one streaming skeleton of every wire format (OpenAI chat and completions, Anthropic
-Messages, Responses): one pump, one keep-alive, one disconnect path; a format supplies only an
-`SSEEncoder` (its frames) and a collector (its non-streamed body).
+"""The one streaming skeleton of every wire format (`http/formats/`: OpenAI chat and
+completions, Anthropic Messages, Responses): one pump, one keep-alive, one disconnect path; a
+format supplies only an `SSEEncoder` (its frames) and a `Collect` (its non-streamed body), the
+two protocols every format implements.
 
     respond(request, service, reqs, rid, stream=..., encoder=..., collect=...)
       -> every reply admitted and started (`replies.open_replies`: a refusal is a clean error
@@ -9,7 +10,8 @@ Messages, Responses): one pump, one keep-alive, one disconnect path; a format su
          feeder task; `sse_body` writes the encoder's frames, an SSE comment whenever nothing
          came for `keepalive_s` (slow prefills must not trip clients' read timeouts), and the
          format's terminal frames however the replies end (done, failed, cut short)
-      -> otherwise: `until_disconnect(request, collect(items), pumps)`
+      -> otherwise: `until_disconnect(request, collect(items), pumps)`; a collector reads the
+         replies through `choice_events` (n choices) or `reply_events` (one)
 
 The generation and its admission slot live in an exit stack the response owns; a client that
 goes away cancels the response's task group (Starlette's way), never polled, and the stack then
@@ -33,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from mlx_relay.chat.output import ReplyEvent
+from mlx_relay.chat.output import ReplyDone, ReplyEvent
 from mlx_relay.errors import ClientDisconnected, RelayError
 from mlx_relay.http.replies import Item, open_replies
 from mlx_relay.http.request_record import RequestRecord, record_of
@@ -45,7 +47,7 @@ KEEPALIVE = b": keep-alive\n\n"
 
 
 class SSEEncoder(Protocol):
-    """A wire format's frames for one response."""
+    """A wire format's frames for one streamed response (each format's `encoder.py`)."""
 
     @property
     def done(self) -> bool:
@@ -67,6 +69,10 @@ class SSEEncoder(Protocol):
     def end(self) -> list[bytes]:
         """The terminal frames after every choice ended (usage, `[DONE]`, ...)."""
         ...
+
+
+Collect = Callable[[ObjectReceiveStream[Item]], Awaitable[msgspec.Struct]]
+"""A wire format's non-streamed body from the request's replies (each format's `collector.py`)."""
 
 
 class ScopedStreamingResponse(StreamingResponse):
@@ -171,9 +177,8 @@ async def until_disconnect(request: Request, work: Awaitable[T],
 
 
 async def respond(request: Request, service: ChatService, reqs: list[ChatRequest], rid: str, *, model: str,
-                  stream: bool, encoder: SSEEncoder,
-                  collect: Callable[[ObjectReceiveStream[Item]], Awaitable[msgspec.Struct]],
-                  keepalive_s: float, raw: bool = False) -> Response:
+                  stream: bool, encoder: SSEEncoder, collect: Collect, keepalive_s: float,
+                  raw: bool = False) -> Response:
     """Every route's response: admit and start every choice (a refusal is a clean error before
     anything is sent), then stream the encoder's frames or collect one body."""
     record = record_of(request.scope)
@@ -191,10 +196,22 @@ async def respond(request: Request, service: ChatService, reqs: list[ChatRequest
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-async def events_of(items: ObjectReceiveStream[Item]) -> AsyncIterator[ReplyEvent]:
-    """One reply's events from the merged stream (a failure raised as itself): for collectors
-    of single-choice formats."""
-    async for _, ev in items:
+async def choice_events(items: ObjectReceiveStream[Item], n: int) -> AsyncIterator[tuple[int, ReplyEvent]]:
+    """The events of `n` choices from the merged stream, until every choice's `ReplyDone` (a
+    failure raised as itself; replies that end without finishing are a `RelayError`)."""
+    finished: set[int] = set()
+    async for index, ev in items:
         if isinstance(ev, Exception):
             raise ev
+        yield index, ev
+        if isinstance(ev, ReplyDone):
+            finished.add(index)
+            if len(finished) == n:
+                return
+    raise RelayError("the reply ended without finishing")
+
+
+async def reply_events(items: ObjectReceiveStream[Item]) -> AsyncIterator[ReplyEvent]:
+    """One reply's events, up to its `ReplyDone`: for the collectors of single-choice formats."""
+    async for _, ev in choice_events(items, 1):
         yield ev

@@ -1,19 +1,22 @@
 """OpenAI Responses API wire types (msgspec): the request body, its input items, the response
-object, its output items and the streaming events, shaped after the `openai` SDK's
-`openai.types.responses` models.
+object and its output items, shaped after the `openai` SDK's `openai.types.responses` models
+(the stream events: `events.py`).
 
 Request-side structs ignore unknown fields (clients such as Codex send many we do not use).
-Input items and content parts are decoded by hand from plain dicts (`responses_routes`) rather
-than as tagged unions: a message item may come without `type`, and an unsupported type must be a
-400 that names it, not a schema error. Output items and stream events are tagged by `type`.
+Input items, content parts and tools are decoded by hand from plain dicts (`request.py`,
+`tools.py`, through `convert` and `type_of` here) rather than as tagged unions: a message item
+may come without `type`, and an unsupported type must be a 400 that names it, not a schema
+error. Output items are tagged by `type`.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 import msgspec
 
+from mlx_relay.errors import InvalidRequest
 from mlx_relay.specprefill.report import SpecPrefillReport
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -48,7 +51,7 @@ class TextConfig(msgspec.Struct, omit_defaults=True):
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     """`POST /v1/responses`. `input` items, `tools` and `tool_choice` stay loosely typed here and
-    are checked in `responses_routes` (clear 400s naming what is unsupported)."""
+    are checked in `request.py` and `tools.py` (clear 400s naming what is unsupported)."""
 
     model: str | None = None
     input: str | list[dict[str, Any]] = []
@@ -260,111 +263,21 @@ class DeletedResponse(msgspec.Struct):
     deleted: bool = True
 
 
-# --------------------------------------------------------------------------------------------
-# Stream events (`event: <type>` / `data: <json>`; sequence_number set when emitted)
-# --------------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    """A response's or an output item's id (`resp_...`, `msg_...`, `rs_...`, `fc_...`)."""
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class _Event(msgspec.Struct, tag_field="type", kw_only=True):
-    sequence_number: int = 0
+def convert(raw: object, cls: type[Any], where: str) -> Any:
+    """`raw` (a decoded JSON value) as `cls`; a mismatch is a 400 naming where it is."""
+    try:
+        return msgspec.convert(raw, type=cls)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"{where}: {exc}", param=where) from None
 
 
-class ResponseCreated(_Event, tag="response.created"):
-    response: ResponseObject
-
-
-class ResponseInProgress(_Event, tag="response.in_progress"):
-    response: ResponseObject
-
-
-class ResponseCompleted(_Event, tag="response.completed"):
-    response: ResponseObject
-
-
-class ResponseIncomplete(_Event, tag="response.incomplete"):
-    response: ResponseObject
-
-
-class ResponseFailed(_Event, tag="response.failed"):
-    response: ResponseObject
-
-
-class OutputItemAdded(_Event, tag="response.output_item.added"):
-    output_index: int
-    item: OutputItem
-
-
-class OutputItemDone(_Event, tag="response.output_item.done"):
-    output_index: int
-    item: OutputItem
-
-
-class ContentPartAdded(_Event, tag="response.content_part.added"):
-    item_id: str
-    output_index: int
-    content_index: int
-    part: ContentPart
-
-
-class ContentPartDone(_Event, tag="response.content_part.done"):
-    item_id: str
-    output_index: int
-    content_index: int
-    part: ContentPart
-
-
-class OutputTextDelta(_Event, tag="response.output_text.delta"):
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-    logprobs: list[Any] = []
-
-
-class OutputTextDone(_Event, tag="response.output_text.done"):
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-    logprobs: list[Any] = []
-
-
-class ReasoningTextDelta(_Event, tag="response.reasoning_text.delta"):
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-
-
-class ReasoningTextDone(_Event, tag="response.reasoning_text.done"):
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-
-
-class FunctionCallArgumentsDelta(_Event, tag="response.function_call_arguments.delta"):
-    item_id: str
-    output_index: int
-    delta: str
-
-
-class FunctionCallArgumentsDone(_Event, tag="response.function_call_arguments.done"):
-    item_id: str
-    output_index: int
-    arguments: str
-    name: str | None = None
-
-
-StreamEvent = (
-    ResponseCreated | ResponseInProgress | ResponseCompleted | ResponseIncomplete | ResponseFailed
-    | OutputItemAdded | OutputItemDone | ContentPartAdded | ContentPartDone | OutputTextDelta | OutputTextDone
-    | ReasoningTextDelta | ReasoningTextDone | FunctionCallArgumentsDelta | FunctionCallArgumentsDone
-)
-
-
-def event_name(ev: StreamEvent) -> str:
-    """The event's `type` (its SSE `event:` name)."""
-    tag = type(ev).__struct_config__.tag
-    assert isinstance(tag, str)
-    return tag
+def type_of(raw: dict[str, Any], where: str, default: str | None = None) -> str:
+    kind = raw.get("type", default)
+    if not isinstance(kind, str):
+        raise InvalidRequest(f"{where}.type is missing or not a string", param=f"{where}.type")
+    return kind

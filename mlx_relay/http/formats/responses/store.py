@@ -1,5 +1,6 @@
 """A bounded in-memory store of finished Responses API responses (for `previous_response_id`,
-`GET` and `DELETE /v1/responses/{id}`).
+`GET` and `DELETE /v1/responses/{id}`): `ResponseStore` holds `StoredResponse`s, and an id it
+does not hold is answered as `ResponseNotFound` or `PreviousResponseNotFound`.
 
 Least recently used entries are evicted once either bound is passed: the number of entries or
 their total size in bytes (as the caller measures it). An entry larger than the byte bound on its
@@ -11,6 +12,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Generic, TypeVar
+
+import msgspec
+
+from mlx_relay.chat.types import ChatMessage
+from mlx_relay.errors import NotFound, RelayError
+from mlx_relay.http.formats.responses.types import ResponseObject
 
 T = TypeVar("T")
 
@@ -66,3 +73,23 @@ class ResponseStore(Generic[T]):
             return False
         self._bytes -= entry[1]
         return True
+
+
+class PreviousResponseNotFound(RelayError):
+    """`previous_response_id` names a response that was never stored, was evicted or deleted."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "previous_response_not_found"
+
+
+class ResponseNotFound(NotFound):
+    """`GET`/`DELETE /v1/responses/{id}` for an id the store does not hold."""
+
+
+class StoredResponse(msgspec.Struct):
+    """What the store keeps per response: the response object and the whole conversation up to and
+    including its output (without instructions), ready to prepend to a continuation."""
+
+    response: ResponseObject
+    messages: list[ChatMessage]

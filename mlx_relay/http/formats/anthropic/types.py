@@ -1,18 +1,22 @@
-"""Anthropic Messages wire types: request bodies, the response message, stream events and errors.
+"""Anthropic Messages wire types: request bodies, the response message and stream events,
+and a reply's facts in Anthropic's words (`stop_info`, `usage_of`, `signature`), which the
+encoder and the collector both write.
 
 Requests decode straight into these with msgspec. Unknown fields are ignored (clients send fields
 this server has no use for, and new ones appear all the time); content blocks, image sources,
 thinking configs and tool choices are tagged unions on `type`, so a block of an unknown type is a
-400 naming where it is. `anthropic_routes` converts a request into a `ChatRequest` and the reply
-events into the response types below.
+400 naming where it is. `request.py` converts a request into a `ChatRequest`; `encoder.py` and
+`collector.py` turn the reply events into the response types below.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 import msgspec
 
+from mlx_relay.chat.output import ReplyDone
 from mlx_relay.specprefill.report import SpecPrefillReport
 
 # -- request: content blocks ----------------------------------------------------------------------
@@ -280,23 +284,29 @@ StreamEvent = (
 )
 
 
-# -- errors -------------------------------------------------------------------------------------------
-
-ErrorType = Literal[
-    "invalid_request_error",
-    "authentication_error",
-    "permission_error",
-    "not_found_error",
-    "rate_limit_error",
-    "api_error",
-    "overloaded_error",
-]
+# -- a reply's facts in Anthropic's words ---------------------------------------------------------
 
 
-class ErrorDetail(msgspec.Struct):
-    type: ErrorType
-    message: str
+def signature(thinking: str) -> str:
+    """An opaque signature for a thinking block; clients send it back and it is not checked."""
+    return hashlib.sha256(thinking.encode()).hexdigest()[:32]
 
 
-class ErrorBody(msgspec.Struct, tag="error", tag_field="type"):
-    error: ErrorDetail
+def stop_info(done: ReplyDone) -> StopInfo:
+    reason: StopReason = "end_turn"
+    if done.finish_reason == "length":
+        reason = "max_tokens"
+    elif done.finish_reason == "tool_calls":
+        reason = "tool_use"
+    elif done.stop_sequence is not None:
+        reason = "stop_sequence"
+    return StopInfo(reason, done.stop_sequence if reason == "stop_sequence" else None)
+
+
+def usage_of(done: ReplyDone) -> Usage:
+    return Usage(
+        input_tokens=done.prompt_tokens - done.cached_tokens,
+        output_tokens=done.completion_tokens,
+        cache_read_input_tokens=done.cached_tokens,
+        specprefill=done.specprefill if done.specprefill is not None else msgspec.UNSET,
+    )

@@ -1,5 +1,6 @@
 """OpenAI Chat Completions wire types (msgspec): request bodies decode straight into these,
-responses and stream chunks encode from them."""
+responses and stream chunks encode from them. `Usage` (and `usage_of`, `StreamOptions`) is
+OpenAI's usage object, which legacy completions (`formats/openai_completions/`) share."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import msgspec
 
 from mlx_relay.chat.output import ReplyDone, TokenLogprob
 from mlx_relay.chat.types import ChatMessage, ToolDef
-from mlx_relay.messages.gpu import Finished
 from mlx_relay.specprefill.report import SpecPrefillReport
 
 
@@ -101,16 +101,27 @@ class Usage(msgspec.Struct, omit_defaults=True):
     completion_tokens_details: CompletionTokensDetails | None = None  # present when the reply reasoned
 
 
-def usage_of(finished: Finished | ReplyDone) -> Usage:
+def usage_of(done: ReplyDone) -> Usage:
+    """One reply's usage (MTP's counts when it drafted, reasoning tokens when it reasoned)."""
     mtp = None
-    if finished.mtp_drafted:
-        rate = round(finished.mtp_accepted / finished.mtp_drafted, 4)
-        mtp = MTPUsage(finished.mtp_drafted, finished.mtp_accepted, rate)
-    reasoning = finished.reasoning_tokens if isinstance(finished, ReplyDone) else 0
-    return Usage(finished.prompt_tokens, finished.completion_tokens,
-                 finished.prompt_tokens + finished.completion_tokens,
-                 PromptTokensDetails(cached_tokens=finished.cached_tokens), mtp, finished.specprefill,
-                 CompletionTokensDetails(reasoning) if reasoning else None)
+    if done.mtp_drafted:
+        mtp = MTPUsage(done.mtp_drafted, done.mtp_accepted, round(done.mtp_accepted / done.mtp_drafted, 4))
+    return Usage(done.prompt_tokens, done.completion_tokens, done.prompt_tokens + done.completion_tokens,
+                 PromptTokensDetails(cached_tokens=done.cached_tokens), mtp, done.specprefill,
+                 CompletionTokensDetails(done.reasoning_tokens) if done.reasoning_tokens else None)
+
+
+def total_usage(dones: list[ReplyDone]) -> Usage:
+    """One request's usage over its choices: the prompt once, the completions summed."""
+    usage = usage_of(dones[0])
+    if len(dones) > 1:
+        completion = sum(d.completion_tokens for d in dones)
+        reasoning = sum(d.reasoning_tokens for d in dones)
+        usage = msgspec.structs.replace(usage, completion_tokens=completion,
+                                        total_tokens=usage.prompt_tokens + completion,
+                                        completion_tokens_details=CompletionTokensDetails(reasoning) if reasoning
+                                        else None)
+    return usage
 
 
 class ResponseFunctionCall(msgspec.Struct):
@@ -187,58 +198,3 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True, tag_field="object"
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
-
-
-class ModelCapabilities(msgspec.Struct, frozen=True):
-    """What the served model takes and does (a router picks a backend by these)."""
-
-    vision: bool  # image and video inputs
-    tools: bool  # tool calls (the chat template teaches a tool-call syntax the replies are parsed for)
-    reasoning: bool  # thinking blocks, returned as reasoning apart from the content
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-    created: int
-    owned_by: str = "mlx-relay"
-    object: Literal["model"] = "model"
-    context_length: int | None = None  # prompt and reply together, in tokens (None: still loading)
-    max_model_len: int | None = None  # the same, by vLLM's name
-    capabilities: ModelCapabilities | None = None  # None: still loading
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-    object: Literal["list"] = "list"
-
-
-class HealthBody(msgspec.Struct, omit_defaults=True):
-    """`GET /health`: 200 only when ready; what a load balancer needs to route by in every state."""
-
-    status: Literal["loading", "warming", "ready", "degraded", "draining", "failed"]
-    model: str
-    backend: str | None = None
-    running: int | None = None  # requests holding a slot
-    queued: int | None = None  # requests waiting for one
-    max_num_seqs: int | None = None  # slots (sequences decoded at once)
-    max_queue: int | None = None  # waiting requests beyond which new ones get 429
-    down: dict[str, str] | None = None  # actors not running now: name -> restarting / failed
-    error: str | None = None  # why the server failed
-
-
-class FlushBody(msgspec.Struct):
-    """`POST /v1/cache/flush`."""
-
-    flushed_entries: int
-    flushed_bytes: int
-
-
-class ErrorDetail(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(msgspec.Struct):
-    error: ErrorDetail

@@ -1,0 +1,1 @@
+"""OpenAI Chat Completions (`POST /v1/chat/completions`): the parts every format has (`formats`)."""
