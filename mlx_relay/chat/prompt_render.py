@@ -22,7 +22,15 @@ from typing import Any
 import jinja2
 import msgspec
 
-from mlx_relay.chat.grammar import GrammarError, OutputConstraint, build_grammar, check_grammar, check_schema
+from mlx_relay.chat.grammar import (
+    GrammarError,
+    OutputConstraint,
+    build_grammar,
+    check_grammar,
+    check_schema,
+    lazy_tool_grammar,
+    lazy_tools,
+)
 from mlx_relay.chat.normalize import NormalizationError, media_parts, normalize_messages, to_template_messages
 from mlx_relay.chat.template_sandbox import TemplateFailed, TemplateSandbox
 from mlx_relay.chat.types import ChatMessage, TextPart
@@ -115,8 +123,9 @@ class PromptRenderer:
             except GrammarError as exc:
                 raise InvalidRequest(str(exc), param="tools") from None
         rendered = self._raw(msg) if msg.raw_prompt is not None else self._chat(msg)
-        grammar = self._grammar(msg.constraint, rendered.think_open) if msg.constraint is not None else None
-        return msgspec.structs.replace(rendered, grammar=grammar, tool_format=self.tool_format)
+        grammar, loose = self._grammar(msg.constraint, rendered.think_open) if msg.constraint is not None \
+            else (None, [])
+        return msgspec.structs.replace(rendered, grammar=grammar, tool_format=self.tool_format, loose_tools=loose)
 
     def _encode(self, text: str, limit: int | None) -> Any:
         """The tokenizer's Encoding (ids and offsets); ContextLengthExceeded before it is built
@@ -141,8 +150,11 @@ class PromptRenderer:
         return ContextLengthExceeded(f"this model's maximum context length is {limit} tokens for the prompt; "
                                      f"the prompt has {count} tokens", param="messages")
 
-    def _grammar(self, constraint: OutputConstraint, after_thinking: bool) -> str | None:
+    def _grammar(self, constraint: OutputConstraint, after_thinking: bool) -> tuple[str | None, list[str]]:
+        """The grammar and the tools whose calls it holds only to being well-formed (`auto`)."""
         c = msgspec.structs.replace(constraint, tool_format=self.tool_format)
+        if lazy_tools(c):
+            return lazy_tool_grammar(c, self._special, self._llg())
         param = "response_format" if c.tool_choice in ("auto", "none") else "tool_choice"
         try:
             grammar = build_grammar(c, self._special, after_thinking)
@@ -150,7 +162,7 @@ class PromptRenderer:
                 check_grammar(grammar, self._llg())
         except GrammarError as exc:
             raise InvalidRequest(f"cannot enforce {param}: {exc}", param=param) from exc
-        return grammar
+        return grammar, []
 
     def _llg(self) -> Any:
         if self._llg_tokenizer is None:
