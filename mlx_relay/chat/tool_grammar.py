@@ -119,8 +119,9 @@ def _raw_pattern(pattern: str, tool: str) -> str:
 
 
 # JSON scalars as whole-value regexes (a value that may be a raw string or one of these is one lexeme)
-_SCALARS = {"null": "null", "boolean": "true|false", "integer": "-?(0|[1-9][0-9]*)",
-            "number": "-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?"}
+# (numbers bounded to stay finite as a float: mlx-lm's reader goes through `float()` then `int()`)
+_SCALARS = {"null": "null", "boolean": "true|false", "integer": "-?(0|[1-9][0-9]{0,199})",
+            "number": "-?(0|[1-9][0-9]{0,199})(\\.[0-9]{1,200})?([eE][+-]?[0-9]{1,2})?"}
 
 
 class _Values:
@@ -142,6 +143,8 @@ class _Values:
         if ("enum" in keys or "const" in keys) and keys <= {"enum", "const", "type"}:
             values = s["enum"] if isinstance(s.get("enum"), list) else [s.get("const")]
             return self._literals(rule, values, types, tool)
+        if keys == {"type"} and types is not None and len(types) == 1 and types <= {"integer", "number"}:
+            return self._terminal(rule, [f"/{_SCALARS[next(iter(types))]}/"])  # unbounded: kept finite
         forms = self._forms(s, defs, tool)
         if forms is not None:
             return self._terminal(rule, forms)
