@@ -151,11 +151,12 @@ def test_auto_keeps_exact_tools_exact_and_loosens_an_unenforceable_one(tok: Any,
 
 
 def test_forced_call_starts_within_a_bounded_prefix(tok: Any, llg: Any) -> None:
-    """After a thinking block a forced call may be led by at most two whitespace characters."""
+    """After a thinking block a forced call may be led by one or two newlines, nothing else."""
     after = build_grammar(FORCED, frozenset(tok.get_added_vocab()), after_thinking=True)
     assert after is not None
-    assert accepts(after, "\n\n" + CALL, tok, llg) and accepts(after, " \n" + CALL, tok, llg)
-    assert not accepts(after, "\n\n\n" + CALL, tok, llg)
+    assert accepts(after, "\n\n" + CALL, tok, llg) and accepts(after, "\n" + CALL, tok, llg)
+    for lead in ("\n\n\n", " \n", "\r\t", " "):
+        assert not accepts(after, lead + CALL, tok, llg), lead
 
 
 # -- round trip: what the grammar admits, the reply parser reads back valid ------------------------------------
