@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from mlx_relay.chat.grammar import GrammarError, OutputConstraint, build_grammar, check_grammar, lazy_tool_grammar
-from mlx_relay.chat.output import ToolCallEnd
+from mlx_relay.chat.output import ContentDelta, ToolCallEnd
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import FunctionDef, ResponseFormat, ToolDef
 from mlx_relay.default_model import default_model_path
@@ -228,3 +228,29 @@ def test_every_call_the_grammar_admits_parses_to_valid_arguments(name: str, tok:
         assert len(ends) == 1 and ends[0].name == "t", (text, events)
         jsonschema.validate(json.loads(ends[0].arguments), params)
     assert finished >= 3, name
+
+
+@pytest.mark.parametrize("tool_format", ["qwen3_coder", "json"])
+def test_what_the_lazy_grammar_admits_the_parser_splits_into_text_and_calls(tool_format: str, tok: Any,
+                                                                             llg: Any) -> None:
+    """Text, a call, text: the grammar admits it in the model's format (Qwen3-Coder XML or Hermes
+    JSON), and the reply parser delivers the text as content without markup and the call as a
+    call to the declared tool with valid arguments."""
+    if tool_format == "json":
+        call = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+                "</tool_call>")
+    else:
+        call = WEATHER_CALL
+    grammar, _ = lazy_tool_grammar(OutputConstraint(tools=WEATHER, tool_format=tool_format),
+                                   frozenset(tok.get_added_vocab()), llg)
+    assert grammar is not None
+    text = "Let me check. " + call + "\nDone."
+    assert accepts(grammar, text, tok, llg)
+    assert not accepts(grammar, "Let me check. " + call.replace("celsius", "kelvin"), tok, llg)
+    parser = ReplyParser(tools=WEATHER, tool_format=tool_format)
+    events = parser.feed(text) + parser.finish()
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    assert content == "Let me check. Done."
+    ends = [e for e in events if isinstance(e, ToolCallEnd)]
+    assert [e.name for e in ends] == ["get_weather"]
+    jsonschema.validate(json.loads(ends[0].arguments), WEATHER[0].function.parameters)

@@ -14,6 +14,7 @@ the tokenizer's count before token lists are built.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import inspect
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -80,6 +81,8 @@ class PromptRenderer:
 
     #: rendered system prompts whose tokens are kept (an agent resends the same one every turn)
     system_cache_entries = 64
+    #: built output grammars kept (by constraint): refused ones are built again each time
+    grammar_cache_entries = 32
     #: text normalizers may compose characters (NFC: up to 3 into 1): the character bound's slack
     normalizer_slack = 4
 
@@ -95,6 +98,7 @@ class PromptRenderer:
         self.reserved_kwargs = frozenset(n for n, p in own.items() if p.kind is not p.VAR_KEYWORD) | {"messages"}
         self._llg_tokenizer: Any = None
         self._system_ids: OrderedDict[str, list[int]] = OrderedDict()
+        self._grammars: OrderedDict[bytes, tuple[str | None, list[str]]] = OrderedDict()
 
     # -- cheap checks (on the event loop, before a worker is taken) ---------------------------------
     def check(self, msg: Render) -> None:
@@ -151,8 +155,23 @@ class PromptRenderer:
                                      f"the prompt has {count} tokens", param="messages")
 
     def _grammar(self, constraint: OutputConstraint, after_thinking: bool) -> tuple[str | None, list[str]]:
-        """The grammar and the tools whose calls it holds only to being well-formed (`auto`)."""
+        """The grammar and the tools whose calls it holds only to being well-formed (`auto`). An
+        agent declares the same tools every turn: built grammars are kept (building and checking one
+        for a coding agent's tools takes 0.1-0.2 s on Qwen3.5's vocabulary)."""
         c = msgspec.structs.replace(constraint, tool_format=self.tool_format)
+        key = msgspec.json.encode((c, after_thinking))
+        cached = self._grammars.get(key)
+        if cached is not None:
+            with contextlib.suppress(KeyError):  # another thread may have just dropped it
+                self._grammars.move_to_end(key)
+            return cached
+        built = self._build_grammar(c, after_thinking)
+        self._grammars[key] = built
+        while len(self._grammars) > self.grammar_cache_entries:
+            self._grammars.popitem(last=False)
+        return built
+
+    def _build_grammar(self, c: OutputConstraint, after_thinking: bool) -> tuple[str | None, list[str]]:
         if lazy_tools(c):
             return lazy_tool_grammar(c, self._special, self._llg())
         param = "response_format" if c.tool_choice in ("auto", "none") else "tool_choice"
