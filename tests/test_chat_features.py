@@ -242,3 +242,26 @@ def test_a_forced_call_after_thinking_comes_at_once(server: LiveServer, choice: 
     assert not choice_out["message"].get("content"), choice_out["message"]
     assert choice_out["message"]["reasoning_content"]
     assert len(choice_out["message"]["tool_calls"]) >= 1
+
+
+def loose_tools_total(server: LiveServer) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("mlx_relay:tool_grammar_loose_tools_total"))
+
+
+def test_a_schema_the_grammar_cannot_hold_loosens_auto_and_refuses_forced(server: LiveServer) -> None:
+    """A tool whose schema constrains the argument object as a whole (`minProperties`): with `auto`
+    the request runs (that tool's calls only well-formed, counted in /metrics); forced, a 400 that
+    names the tool."""
+    odd = {"type": "function", "function": {"name": "odd_tool", "parameters": {
+        "type": "object", "minProperties": 1, "properties": {"a": {"type": "string"}}}}}
+    before = loose_tools_total(server)
+    body = {"model": "tiny", "messages": USER, "tools": [*TOOLS, odd], "max_tokens": 4, "temperature": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert loose_tools_total(server) == before + 1
+    forced = {**body, "tool_choice": {"type": "function", "function": {"name": "odd_tool"}}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=forced, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tool_choice" and "odd_tool" in r.json()["error"]["message"]
