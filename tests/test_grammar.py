@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from mlx_relay.chat.grammar import GrammarError, OutputConstraint, build_grammar, check_grammar, lazy_tool_grammar
 from mlx_relay.chat.output import ContentDelta, ToolCallEnd
 from mlx_relay.chat.reply_parser import ReplyParser
+from mlx_relay.chat.tool_grammar import call_rules, lazy_rules
 from mlx_relay.chat.types import FunctionDef, ResponseFormat, ToolDef
 from mlx_relay.default_model import default_model_path
 
@@ -254,3 +255,19 @@ def test_what_the_lazy_grammar_admits_the_parser_splits_into_text_and_calls(tool
     ends = [e for e in events if isinstance(e, ToolCallEnd)]
     assert [e.name for e in ends] == ["get_weather"]
     jsonschema.validate(json.loads(ends[0].arguments), WEATHER[0].function.parameters)
+
+
+def test_without_a_tool_call_token_the_text_opener_starts_the_call(tok: Any, llg: Any) -> None:
+    """A vocabulary without a `<tool_call>` token: the opener is text, ended lazily, and what follows
+    it is held to the declared tools as with the token (here the tags are spelled out character by
+    character, as such a vocabulary would write them)."""
+    rules = call_rules(WEATHER, "qwen3_coder", frozenset())
+    grammar = llguidance.grammar_from("lark", "\n".join([*lazy_rules(True, frozenset()), *rules]))
+
+    def spelled(text: str) -> bool:
+        matcher = llguidance.LLMatcher(llg, grammar)
+        ids = [t for ch in text for t in tok.encode(ch, add_special_tokens=False)]
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    assert spelled("Let me see. " + WEATHER_CALL + " ok") and spelled(WEATHER_CALL + WEATHER_CALL)
+    assert not spelled("x <tool_call>\n<function=nope>\n") and not spelled("x </parameter>")

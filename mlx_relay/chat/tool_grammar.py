@@ -251,9 +251,13 @@ def _xml_call(i: int, tool: ToolDef, values: _Values, special: frozenset[str]) -
 
 
 def _json_call(i: int, tool: ToolDef, values: _Values, special: frozenset[str]) -> str:
-    schema = {"type": "object", "properties": {"name": {"const": tool.function.name},
-                                               "arguments": tool.function.parameters or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False}
+    params = tool.function.parameters or {"type": "object"}
+    schema: dict[str, Any] = {"type": "object", "properties": {"name": {"const": tool.function.name},
+                                                               "arguments": params},
+                              "required": ["name", "arguments"], "additionalProperties": False}
+    for key in ("$defs", "definitions"):  # the arguments' `#/$defs/...` refs resolve at the call's root
+        if isinstance(params.get(key), dict):
+            schema[key] = params[key]
     values.rules.append(f"body{i}: {lark_str(chr(10))} %json{json.dumps(schema)} {lark_str(chr(10))} "
                         f"{token_or_text(CALL_END, special)}")
     return f"body{i}"
