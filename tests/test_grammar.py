@@ -100,6 +100,7 @@ def test_auto_admits_free_text_and_declared_well_formed_calls(tok: Any, llg: Any
     assert loose == []
     assert accepts(grammar, "Sure, let me look.", tok, llg) and accepts(grammar, "", tok, llg)
     assert accepts(grammar, "Looking. " + WEATHER_CALL, tok, llg)
+    assert accepts(grammar, WEATHER_CALL.replace("\ntrue\n", "\nTrue\n"), tok, llg)  # as Qwen's template writes it
     assert accepts(grammar, WEATHER_CALL + "\n" + WEATHER_CALL + "\nDone.", tok, llg)
     assert not accepts(grammar, "<tool_call>\n<function=get_forecast>\n", tok, llg)  # undeclared
     assert not accepts(grammar, WEATHER_CALL.replace("celsius", '"celsius"'), tok, llg)  # an enum is raw
@@ -171,6 +172,7 @@ ROUND_TRIP_SCHEMAS: dict[str, Any] = {
     "integer": {"type": "integer", "minimum": 0, "maximum": 99},
     "number": {"type": "number"},
     "boolean": {"type": "boolean"},
+    "nullable_boolean": {"type": ["boolean", "null"]},
     "nullable": {"type": ["string", "null"], "maxLength": 4},
     "optional": {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]},
     "ref": {"$ref": "#/$defs/Unit"},

@@ -15,7 +15,9 @@ Values in the Qwen3-Coder XML format are written the way the reply parser (mlx-l
 `qwen3_coder` reader, then the schema choosing among its readings) reads them back: a string is
 raw text (an enum or const as its literal text; a free string within its length bounds and
 `pattern`, never containing `</parameter>` or `</tool_call>`, never "null" in any case, which the
-reader turns into None), anything else JSON (`true`, `3`, `{"a": 1}`); a schema that admits
+reader turns into None), a boolean `true`/`false` or `True`/`False` (Qwen's templates write
+Python's; forcing JSON's made relay-tiny-agent write `false` where it meant `True`: exact calls
+24/30 against 29/30 unconstrained), anything else JSON (`3`, `{"a": 1}`); a schema that admits
 strings and other values (`["string", "null"]`, `anyOf` of both) admits each branch in its own
 writing. `format` is an annotation here as in JSON Schema 2020-12 and in the reply parser's
 validator: a raw string is not held to it. In the Hermes JSON format the whole call is one JSON
@@ -120,7 +122,9 @@ def _raw_pattern(pattern: str, tool: str) -> str:
 
 # JSON scalars as whole-value regexes (a value that may be a raw string or one of these is one lexeme)
 # (numbers bounded to stay finite as a float: mlx-lm's reader goes through `float()` then `int()`)
-_SCALARS = {"null": "null", "boolean": "true|false", "integer": "-?(0|[1-9][0-9]{0,199})",
+# (booleans also as Python writes them: Qwen's templates render a call's arguments with Jinja's
+# `string`, so the models write `True`/`False`, and mlx-lm's reader reads any case)
+_SCALARS = {"null": "null", "boolean": "true|false|True|False", "integer": "-?(0|[1-9][0-9]{0,199})",
             "number": "-?(0|[1-9][0-9]{0,199})(\\.[0-9]{1,200})?([eE][+-]?[0-9]{1,2})?"}
 
 
@@ -143,8 +147,8 @@ class _Values:
         if ("enum" in keys or "const" in keys) and keys <= {"enum", "const", "type"}:
             values = s["enum"] if isinstance(s.get("enum"), list) else [s.get("const")]
             return self._literals(rule, values, types, tool)
-        if keys == {"type"} and types is not None and len(types) == 1 and types <= {"integer", "number"}:
-            return self._terminal(rule, [f"/{_SCALARS[next(iter(types))]}/"])  # unbounded: kept finite
+        if keys == {"type"} and types and types <= set(_SCALARS):  # numbers kept finite, booleans either way
+            return self._terminal(rule, [f"/{_SCALARS[t]}/" for t in sorted(types)])
         forms = self._forms(s, defs, tool)
         if forms is not None:
             return self._terminal(rule, forms)
