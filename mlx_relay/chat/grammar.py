@@ -1,10 +1,12 @@
-"""Output grammars for llguidance: `response_format` (JSON object / JSON schema) and tool calls
-the request requires (`tool_choice` "required" or a named function), in the model's own
-tool-call syntax.
+"""Output grammars for llguidance: `response_format` (JSON object / JSON schema), tool calls
+the request requires (`tool_choice` "required" or a named function), and, with tools declared
+and `tool_choice` "auto", a lazy grammar that constrains each call the model opens
+(`lazy_tool_grammar`); the calls in the model's own tool-call syntax (`chat.tool_grammar`).
 
 Built and validated by the Normalizer (it owns the tokenizer) before a request is admitted, so
 a schema llguidance cannot enforce exactly is a 400 ("fail closed"), never a 200 whose output
-might not match; the GPU thread then compiles the same grammar text into a matcher per row.
+might not match (with `auto`, that tool's calls are loosened instead: `lazy_tool_grammar` says
+why); the GPU thread then compiles the same grammar text into a matcher per row.
 Pure Python: grammars are llguidance's serialized text, built with `llguidance.grammar_from`.
 
 Validation is three checks: every schema is a valid JSON Schema (its meta-schema: a `minimum`
