@@ -18,10 +18,13 @@ raw text (an enum or const as its literal text; a free string within its length 
 reader turns into None), a boolean `true`/`false` or `True`/`False` (Qwen's templates write
 Python's; forcing JSON's made relay-tiny-agent write `false` where it meant `True`: exact calls
 24/30 against 29/30 unconstrained), anything else JSON (`3`, `{"a": 1}`); a schema that admits
-strings and other values (`["string", "null"]`, `anyOf` of both) admits each branch in its own
-writing. `format` is an annotation here as in JSON Schema 2020-12 and in the reply parser's
-validator: a raw string is not held to it. In the Hermes JSON format the whole call is one JSON
-object (`{"name": ..., "arguments": ...}`) checked by llguidance's JSON Schema support.
+strings and JSON scalars (`["string", "null"]`, `anyOf` of both) admits each branch in its own
+writing, as one lexeme; one that mixes strings with objects or arrays is written as JSON (a string
+then quoted: the parser still finds a valid reading). Not held: a JSON value's inner strings may
+spell `</parameter>` (llguidance's JSON strings cannot exclude it). `format` is an annotation
+here as in JSON Schema 2020-12 and in the reply parser's validator: a raw string is not held to
+it. In the Hermes JSON format the whole call is one JSON object (`{"name": ..., "arguments":
+...}`) checked by llguidance's JSON Schema support.
 
 A tool whose schema cannot be written exactly in the XML format (a parameter or function name
 the reader cannot read back, a `pattern` with anchors inside, keywords about the whole argument
@@ -52,7 +55,7 @@ _ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comme
                           "writeOnly", "format", "$schema", "$id", "$anchor", "$defs", "definitions", "nullable"})
 _STRING_KEYS = frozenset({"type", "enum", "const", "minLength", "maxLength", "pattern", "contentMediaType",
                           "contentEncoding"})
-# keywords of the argument object itself that the per-parameter XML grammar cannot enforce
+# the keywords of the argument object itself that the per-parameter XML grammar holds (others: loose)
 _OBJECT_KEYS = frozenset({"type", "properties", "required", "additionalProperties", "unevaluatedProperties"})
 
 
