@@ -273,3 +273,18 @@ def test_without_a_tool_call_token_the_text_opener_starts_the_call(tok: Any, llg
 
     assert spelled("Let me see. " + WEATHER_CALL + " ok") and spelled(WEATHER_CALL + WEATHER_CALL)
     assert not spelled("x <tool_call>\n<function=nope>\n") and not spelled("x </parameter>")
+
+
+def test_a_huge_integer_the_grammar_admits_parses_to_valid_arguments(tok: Any, llg: Any) -> None:
+    """An integer with a bound only on one side is JSON (llguidance holds the bound): 400 digits
+    are admitted, and mlx-lm's reader, which goes through `float()` (infinite here: OverflowError),
+    no longer fails the parse; the JSON reading is the exact integer."""
+    params = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}, "required": ["n"]}
+    tools = [ToolDef(FunctionDef("t", "x", params))]
+    grammar = build_grammar(OutputConstraint(tools=tools, tool_choice="required"), frozenset(tok.get_added_vocab()))
+    assert grammar is not None
+    text = f"<tool_call>\n<function=t>\n<parameter=n>\n1{'0' * 400}\n</parameter>\n</function>\n</tool_call>"
+    assert accepts(grammar, text, tok, llg)
+    parser = ReplyParser(tools=tools)
+    ends = [e for e in parser.feed(text) + parser.finish() if isinstance(e, ToolCallEnd)]
+    assert json.loads(ends[0].arguments) == {"n": 10**400}
