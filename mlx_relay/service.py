@@ -260,7 +260,9 @@ class ChatService:
 
     def _render_msg(self, req: ChatRequest, max_prompt_tokens: int) -> Render:
         constraint = None
-        if forced_tools(req) or (req.response_format and req.response_format.type != "text"):
+        # forced calls, structured output, or tools the model may call (`auto`: a lazy grammar)
+        if forced_tools(req) or (req.response_format and req.response_format.type != "text") or \
+                (req.tools and req.tool_choice == "auto"):
             constraint = OutputConstraint(response_format=req.response_format, tools=req.tools,
                                           tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
         if req.prompt is not None:
@@ -298,6 +300,8 @@ class ChatService:
                     return
                 if plan is not None:
                     metrics.prefix_lookup(started.prompt_tokens, started.cached_tokens)
+                if prompt.loose_tools:
+                    metrics.loose_tools.inc(len(prompt.loose_tools))
                 clock = metrics.clock(admitted.arrived, started.prompt_tokens)
                 try:
                     yield prompt, started, _Observed(events, clock)

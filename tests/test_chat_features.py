@@ -193,3 +193,75 @@ def test_presence_penalty_stops_repeats(client: openai.OpenAI) -> None:
     # token strings (partial UTF-8 tokens all decode to U+FFFD, so those are left out)
     tokens = [t.token for t in done.choices[0].logprobs.content if "\ufffd" not in t.token]
     assert len(tokens) == len(set(tokens)), tokens
+
+
+AUTO_TOOLS = [
+    {"type": "function", "function": {
+        "name": "set_unit", "description": "Set the unit",
+        "parameters": {"type": "object", "properties": {
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}, "label": {"type": "string", "maxLength": 6},
+            "loud": {"type": "boolean"}}, "required": ["unit", "label"]}}},
+    *TOOLS,
+]
+MARKUP = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
+
+
+def test_auto_tool_calls_the_model_opens_are_declared_and_valid(server: LiveServer) -> None:
+    """`tool_choice` auto on the random-weight model, sampled hot (temperature 30: nearly uniform
+    over the vocabulary, so `<tool_call>` comes up now and then, and after it anything would):
+    every call it opens is a declared tool with arguments valid for its schema (a string enum
+    raw, a bounded string, a boolean), and no tool markup reaches the text."""
+    calls = []
+    for seed in range(8):
+        body = {"model": "tiny", "messages": USER, "tools": AUTO_TOOLS, "max_tokens": 300, "temperature": 30,
+                "seed": seed}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert not any(tag in (message.get("content") or "") for tag in MARKUP), message["content"]
+        for call in message.get("tool_calls") or []:
+            name = call["function"]["name"]
+            schema = next(t["function"]["parameters"] for t in AUTO_TOOLS if t["function"]["name"] == name)
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+            calls.append(call)
+    assert calls  # the seeds open calls (two of eight, measured): the grammar was exercised
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "list_dir"}}],
+                         ids=["required", "named"])
+def test_a_forced_call_after_thinking_comes_at_once(server: LiveServer, choice: object) -> None:
+    """With thinking on, a forced call follows the thinking block at once (one or two newlines at
+    most, which the parser drops): the reply is the call, with no whitespace content ahead of it.
+    A wider separator let this random-weight model answer "\\r\\t" and no call."""
+    body = {"model": "tiny", "messages": USER, "tools": TOOLS, "max_tokens": 300, "temperature": 0,
+            "tool_choice": choice, "chat_template_kwargs": {"enable_thinking": True}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice_out = r.json()["choices"][0]
+    assert choice_out["finish_reason"] == "tool_calls", choice_out
+    assert not choice_out["message"].get("content"), choice_out["message"]
+    assert choice_out["message"]["reasoning_content"]
+    assert len(choice_out["message"]["tool_calls"]) >= 1
+
+
+def loose_tools_total(server: LiveServer) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("mlx_relay:tool_grammar_loose_tools_total"))
+
+
+def test_a_schema_the_grammar_cannot_hold_loosens_auto_and_refuses_forced(server: LiveServer) -> None:
+    """A tool whose schema constrains the argument object as a whole (`minProperties`): with `auto`
+    the request runs (that tool's calls only well-formed, counted in /metrics); forced, a 400 that
+    names the tool."""
+    odd = {"type": "function", "function": {"name": "odd_tool", "parameters": {
+        "type": "object", "minProperties": 1, "properties": {"a": {"type": "string"}}}}}
+    before = loose_tools_total(server)
+    body = {"model": "tiny", "messages": USER, "tools": [*TOOLS, odd], "max_tokens": 4, "temperature": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert loose_tools_total(server) == before + 1
+    forced = {**body, "tool_choice": {"type": "function", "function": {"name": "odd_tool"}}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=forced, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tool_choice" and "odd_tool" in r.json()["error"]["message"]

@@ -14,7 +14,8 @@ Measures (each the issue's):
   forced), the reply holds a well-formed call: our server's parser
   (:class:`mlx_relay.chat.reply_parser.ReplyParser`) reads it into a tool call to a declared tool
   whose arguments validate against its schema with ``jsonschema``; ``tool_call_exact`` also
-  wants the expected tool and arguments.
+  wants the expected tool and arguments. ``--tool-choice required`` forces the call instead (the
+  grammar's values against the model's own writing of them).
 * ``think_closed``: replies (thinking on: the prompt opens ``<think>``) that close it before the
   answer, over every prompt run.
 * ``json_no_grammar`` / ``json_grammar``: the request asks for a JSON object in words; the
@@ -230,7 +231,8 @@ async def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.n if "tool" in args.only else 0):
             ex = cur.example(HELD_OUT, i, "tool")
             assert ex.tools is not None
-            text, _ = await run(ex, "tool_call", 160)
+            forced = {"tool_choice": args.tool_choice} if args.tool_choice != "auto" else {}
+            text, _ = await run(ex, "tool_call", 160, **forced)
             score = score_tool(text, ex.tools, True, ex.call)
             tally("tool_call").add(score.well_formed)
             tally("tool_call_exact").add(score.exact)
@@ -290,6 +292,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "4 suits this 1K-token vocabulary)")
     p.add_argument("--only", nargs="+", choices=MEASURE_FAMILIES, default=list(MEASURE_FAMILIES),
                    help="run these families of measures only (chat also runs copy)")
+    p.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
+                   help="the tool measures' tool_choice (required: the call is forced by a grammar)")
     p.add_argument("--keep-samples", type=int, default=3, help="replies kept in the JSON, per measure")
     p.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     p.add_argument("--no-blas-shim", action="store_true", help="on a Linux CPU, keep MLX's reference BLAS")

@@ -102,7 +102,8 @@ class Normalizer(Actor):
                                                 rendered.reply_start))
         return Prompt(routed.prompt_tokens, routed.vision, routed.media, routed.system_end, routed.reply_start,
                       multi_turn=any(m.role in ("assistant", "tool") for m in rendered.messages),
-                      think_open=rendered.think_open, grammar=rendered.grammar, tool_format=rendered.tool_format)
+                      think_open=rendered.think_open, grammar=rendered.grammar, tool_format=rendered.tool_format,
+                      loose_tools=rendered.loose_tools)
 
     async def _render(self, msg: Render, lane: anyio.CapacityLimiter) -> RenderedPrompt:
         assert self.renderer is not None

@@ -1,10 +1,12 @@
-"""Output grammars for llguidance: `response_format` (JSON object / JSON schema) and tool calls
-the request requires (`tool_choice` "required" or a named function), in the model's own
-tool-call syntax.
+"""Output grammars for llguidance: `response_format` (JSON object / JSON schema), tool calls
+the request requires (`tool_choice` "required" or a named function), and, with tools declared
+and `tool_choice` "auto", a lazy grammar that constrains each call the model opens
+(`lazy_tool_grammar`); the calls in the model's own tool-call syntax (`chat.tool_grammar`).
 
 Built and validated by the Normalizer (it owns the tokenizer) before a request is admitted, so
 a schema llguidance cannot enforce exactly is a 400 ("fail closed"), never a 200 whose output
-might not match; the GPU thread then compiles the same grammar text into a matcher per row.
+might not match (with `auto`, that tool's calls are loosened instead: `lazy_tool_grammar` says
+why); the GPU thread then compiles the same grammar text into a matcher per row.
 Pure Python: grammars are llguidance's serialized text, built with `llguidance.grammar_from`.
 
 Validation is three checks: every schema is a valid JSON Schema (its meta-schema: a `minimum`
@@ -16,7 +18,7 @@ the first `{`). llguidance is native code: a Rust panic (a `BaseException`) anyw
 tool (with parallel calls), so a reply cannot call on until max_tokens.
 
 A grammar that starts after a thinking block (the prompt left `<think>` open; the GPU thread
-applies the grammar from the model's `</think>` on) first admits a little whitespace: the models
+applies the grammar from the model's `</think>` on) first admits one or two newlines: the models
 write a separator there (Qwen's templates: `</think>\n\n`), and a grammar that forbids it pushes
 them off their own format at the answer's first token (with `response_format: json_object` and
 thinking on, the trained relay-tiny-agent wrote the asked object for 21 of 30 held-out prompts
@@ -37,6 +39,7 @@ import llguidance.numpy
 import msgspec
 import numpy as np
 
+from mlx_relay.chat.tool_grammar import ToolGrammarError, call_rules, forced_start, lazy_rules
 from mlx_relay.chat.types import NamedToolChoice, ResponseFormat, ToolChoice, ToolDef
 from mlx_relay.runtime.supervision import is_failure
 
@@ -86,55 +89,11 @@ def check_schema(schema: Any, where: str) -> None:
         raise GrammarError(f"{where} is nested too deeply") from None
 
 
-def _lark_str(text: str) -> str:
-    return json.dumps(text)
-
-
-def _token_or_text(text: str, special: frozenset[str]) -> str:
-    """A tag that is one token of its own is named as a token (`<tool_call>`), else as text."""
-    return text if text in special else _lark_str(text)
-
-
-_PLAIN_STRING_KEYS = frozenset({"type", "description", "title", "default", "minLength", "maxLength", "examples"})
-
-
-def _is_string_schema(schema: Any) -> bool:
-    """A string parameter whose value Qwen's format writes raw (not JSON-quoted) and a regex can
-    bound exactly: no enum, pattern or format."""
-    return isinstance(schema, dict) and schema.get("type") in ("string", ["string"]) \
-        and set(schema) <= _PLAIN_STRING_KEYS
-
-
-def _raw_string_value(schema: dict[str, Any]) -> str:
-    """The value's terminal: raw text up to the first closing tag, within the length bounds."""
-    lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
-    span = f"{{{lo},{int(hi)}}}" if hi is not None else f"{{{lo},}}"
-    return f"/(?s:.{span})\\n<\\/parameter>\\n/"
-
-
-def _qwen_call_rule(i: int, tool: ToolDef, special: frozenset[str], rules: list[str]) -> str:
-    params = tool.function.parameters or {}
-    props: dict[str, Any] = params.get("properties") or {}
-    required = set(params.get("required") or [])
-    parts = [_token_or_text("<tool_call>", special), _lark_str(f"\n<function={tool.function.name}>\n")]
-    for j, (name, schema) in enumerate(props.items()):
-        rule = f"p{i}_{j}"
-        head = _lark_str(f"<parameter={name}>\n")
-        if _is_string_schema(schema):
-            # the value runs (lazily) to the first closing tag
-            rules.append(f"{rule}_v[lazy]: {_raw_string_value(schema)}")
-            rules.append(f"{rule}: {head} {rule}_v")
-        else:
-            close = _lark_str("\n</parameter>\n")
-            rules.append(f"{rule}: {head} %json{json.dumps(schema or {})} {close}")
-        parts.append(rule if name in required else f"{rule}?")
-    parts += [_lark_str("</function>\n"), _token_or_text("</tool_call>", special)]
-    rules.append(f"call{i}: " + " ".join(parts))
-    return f"call{i}"
-
-
-# the separator after `</think>`: whitespace, a few tokens at most
-_SEPARATOR = "SEP: /[ \\t\\r\\n]{1,8}/"
+# the separator after `</think>`: Qwen's templates write "\n\n"; one or two newlines, so a forced
+# call starts within two tokens of the block's end (a wider separator, up to 8 whitespace
+# characters, let a random-weight model spend its tokens on "\r\t " and answer whitespace content
+# and no call), and the reply parser drops them (no whitespace content ahead of the call)
+_SEPARATOR = "SEP: /\\n{1,2}/"
 
 
 def _after_thinking(start: str, after_thinking: bool) -> str:
@@ -142,36 +101,79 @@ def _after_thinking(start: str, after_thinking: bool) -> str:
     return start.replace("start: ", "start: SEP? ", 1) if after_thinking else start
 
 
-def _json_call_rule(i: int, tool: ToolDef, special: frozenset[str], rules: list[str]) -> str:
-    schema = {"type": "object", "properties": {"name": {"const": tool.function.name},
-                                               "arguments": tool.function.parameters or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False}
-    rules.append(f"call{i}: {_token_or_text('<tool_call>', special)} {_lark_str(chr(10))} %json{json.dumps(schema)} "
-                 f"{_lark_str(chr(10))} {_token_or_text('</tool_call>', special)}")
-    return f"call{i}"
+def _known_format(tool_format: str | None, choice: ToolChoice) -> str:
+    if tool_format not in ("qwen3_coder", "json"):
+        raise GrammarError(f"tool_choice {choice!r} needs a known tool-call format; this model's is {tool_format!r}")
+    return tool_format
 
 
 def tool_call_grammar(tools: Sequence[ToolDef], choice: ToolChoice, parallel: bool, tool_format: str | None,
                       special: frozenset[str], after_thinking: bool = False) -> str:
     """The reply is one or more calls (one if not `parallel`) to the allowed tools, nothing else."""
-    if tool_format not in ("qwen3_coder", "json"):
-        raise GrammarError(f"tool_choice {choice!r} needs a known tool-call format; this model's is {tool_format!r}")
+    fmt = _known_format(tool_format, choice)
     allowed = list(tools)
     if isinstance(choice, NamedToolChoice):
         allowed = [t for t in tools if t.function.name == choice.name]
         if not allowed:
             raise GrammarError(f"tool_choice names '{choice.name}', which is not among the declared tools")
-    rules: list[str] = []
-    build = _qwen_call_rule if tool_format == "qwen3_coder" else _json_call_rule
-    alternatives = [build(i, t, special, rules) for i, t in enumerate(allowed)]
-    rules.insert(0, "call: " + " | ".join(alternatives))
+    try:
+        rules = call_rules(allowed, fmt, special)
+    except ToolGrammarError as exc:
+        raise GrammarError(str(exc)) from None
     # with parallel calls: at most one per declared tool, then the reply ends
     most = len(allowed) if parallel and not isinstance(choice, NamedToolChoice) else 1
-    start = f'start: call ("\\n" call){{0,{most - 1}}}' if most > 1 else "start: call"
     if after_thinking:
         rules.append(_SEPARATOR)
     with _native("the tool-call grammar cannot be built"):
-        return llguidance.grammar_from("lark", "\n".join([_after_thinking(start, after_thinking), *rules]))
+        return llguidance.grammar_from("lark", "\n".join([_after_thinking(forced_start(most), after_thinking), *rules]))
+
+
+def lazy_tool_grammar(c: OutputConstraint, special: frozenset[str], llg_tokenizer: Any) -> tuple[str | None, list[str]]:
+    """`tool_choice` "auto" with tools declared: free text, and every call the model opens constrained
+    to a declared tool and its schema (`chat.tool_grammar.lazy_rules`); built and checked here, with
+    the tokenizer, because it never refuses the request. Returns the grammar (None: no known format)
+    and the tools whose calls it holds only to being well-formed.
+
+    Fail closed does not mean refuse here: a coding agent declares dozens of tools (an MCP server's
+    among them) and asked for none in particular; a 400 for one schema llguidance cannot enforce
+    exactly would fail every turn of the agent, for a tool it may never call. So such a tool's calls
+    are only well-formed (its name, then any text that does not close the block: the reply parser
+    checks the arguments as for an unconstrained reply), every other tool stays exact, and the
+    request's `Prompt` names the loosened tools (counted in `/metrics`:
+    `tool_grammar_loose_tools_total`). Forced calls (`required`, a named function) still refuse
+    such a schema with a 400: there the caller asked for a call that must be valid."""
+    if c.tool_format not in ("qwen3_coder", "json") or not c.tools:
+        return None, []
+    fmt, tools = c.tool_format, c.tools
+    loose: set[str] = set()
+    for tool in tools:  # what the grammar cannot write exactly (pure Python, cheap)
+        try:
+            call_rules([tool], fmt, special)
+        except ToolGrammarError:
+            loose.add(tool.function.name)
+
+    def attempt() -> str:
+        rules = call_rules(tools, fmt, special, frozenset(loose))
+        with _native("the tool-call grammar cannot be built"):
+            lazy = llguidance.grammar_from("lark", "\n".join([*lazy_rules(c.parallel_tool_calls, special), *rules]))
+            calls = llguidance.grammar_from("lark", "\n".join([forced_start(1), *rules]))
+        validate_grammar(lazy, llg_tokenizer)
+        check_grammar(calls, llg_tokenizer)  # the calls' own resource limits, walked from their opener
+        return lazy
+
+    try:
+        try:
+            return attempt(), sorted(loose)
+        except GrammarError:  # what llguidance refuses: find the tools, loosen them, once
+            for tool in tools:
+                if tool.function.name not in loose:
+                    try:
+                        check_grammar(tool_call_grammar([tool], "required", False, fmt, special), llg_tokenizer)
+                    except GrammarError:
+                        loose.add(tool.function.name)
+            return attempt(), sorted(loose)
+    except (GrammarError, ToolGrammarError):  # not even well-formed calls can be held: unconstrained
+        return None, sorted(t.function.name for t in tools)
 
 
 def json_grammar(fmt: ResponseFormat, after_thinking: bool = False) -> str:
@@ -189,6 +191,13 @@ def json_grammar(fmt: ResponseFormat, after_thinking: bool = False) -> str:
         return llguidance.grammar_from("json_schema", json.dumps(schema))
 
 
+def lazy_tools(c: OutputConstraint) -> bool:
+    """Tools declared, `tool_choice` "auto" and no structured `response_format` (which, as before,
+    decides the whole reply): calls are constrained once opened."""
+    return bool(c.tools) and c.tool_choice == "auto" and (c.response_format is None or
+                                                          c.response_format.type == "text")
+
+
 def build_grammar(c: OutputConstraint, special: frozenset[str], after_thinking: bool = False) -> str | None:
     """The grammar for `c`, or None when the reply is unconstrained; `after_thinking`: it applies
     from the end of a thinking block the prompt opened (a separator may lead it)."""
@@ -204,14 +213,18 @@ def build_grammar(c: OutputConstraint, special: frozenset[str], after_thinking: 
     return None
 
 
-def check_grammar(grammar: str, llg_tokenizer: Any, walks: int = 4, steps: int = 12, seed: int = 0) -> None:
-    """Fail closed: an error or any warning (a keyword llguidance would ignore) refuses it, and so
-    does a matcher that hits a resource limit on one of `walks` seeded random paths of `steps`
-    tokens from the start."""
+def validate_grammar(grammar: str, llg_tokenizer: Any) -> None:
+    """An error or any warning (a keyword llguidance would ignore) refuses it."""
     with _native("the grammar is invalid"):
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llg_tokenizer)
     if is_error or messages:
         raise GrammarError("; ".join(m.splitlines()[0] for m in messages if m) or "the grammar is invalid")
+
+
+def check_grammar(grammar: str, llg_tokenizer: Any, walks: int = 4, steps: int = 12, seed: int = 0) -> None:
+    """Fail closed: `validate_grammar`, and a matcher that hits a resource limit on one of `walks`
+    seeded random paths of `steps` tokens from the start refuses it too."""
+    validate_grammar(grammar, llg_tokenizer)
     rng = random.Random(seed)
     n_vocab = llg_tokenizer.vocab_size
     with _native("the grammar fails when generating"):

@@ -14,6 +14,7 @@ the tokenizer's count before token lists are built.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import inspect
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -22,7 +23,15 @@ from typing import Any
 import jinja2
 import msgspec
 
-from mlx_relay.chat.grammar import GrammarError, OutputConstraint, build_grammar, check_grammar, check_schema
+from mlx_relay.chat.grammar import (
+    GrammarError,
+    OutputConstraint,
+    build_grammar,
+    check_grammar,
+    check_schema,
+    lazy_tool_grammar,
+    lazy_tools,
+)
 from mlx_relay.chat.normalize import NormalizationError, media_parts, normalize_messages, to_template_messages
 from mlx_relay.chat.template_sandbox import TemplateFailed, TemplateSandbox
 from mlx_relay.chat.types import ChatMessage, TextPart
@@ -72,6 +81,8 @@ class PromptRenderer:
 
     #: rendered system prompts whose tokens are kept (an agent resends the same one every turn)
     system_cache_entries = 64
+    #: built output grammars kept (by constraint): refused ones are built again each time
+    grammar_cache_entries = 32
     #: text normalizers may compose characters (NFC: up to 3 into 1): the character bound's slack
     normalizer_slack = 4
 
@@ -87,6 +98,7 @@ class PromptRenderer:
         self.reserved_kwargs = frozenset(n for n, p in own.items() if p.kind is not p.VAR_KEYWORD) | {"messages"}
         self._llg_tokenizer: Any = None
         self._system_ids: OrderedDict[str, list[int]] = OrderedDict()
+        self._grammars: OrderedDict[bytes, tuple[str | None, list[str]]] = OrderedDict()
 
     # -- cheap checks (on the event loop, before a worker is taken) ---------------------------------
     def check(self, msg: Render) -> None:
@@ -115,8 +127,9 @@ class PromptRenderer:
             except GrammarError as exc:
                 raise InvalidRequest(str(exc), param="tools") from None
         rendered = self._raw(msg) if msg.raw_prompt is not None else self._chat(msg)
-        grammar = self._grammar(msg.constraint, rendered.think_open) if msg.constraint is not None else None
-        return msgspec.structs.replace(rendered, grammar=grammar, tool_format=self.tool_format)
+        grammar, loose = self._grammar(msg.constraint, rendered.think_open) if msg.constraint is not None \
+            else (None, [])
+        return msgspec.structs.replace(rendered, grammar=grammar, tool_format=self.tool_format, loose_tools=loose)
 
     def _encode(self, text: str, limit: int | None) -> Any:
         """The tokenizer's Encoding (ids and offsets); PromptTooLong before it is built
@@ -141,8 +154,26 @@ class PromptRenderer:
         return PromptTooLong(f"this model's maximum context length is {limit} tokens for the prompt; "
                              f"the prompt has {count} tokens", prompt_tokens=count, limit=limit)
 
-    def _grammar(self, constraint: OutputConstraint, after_thinking: bool) -> str | None:
+    def _grammar(self, constraint: OutputConstraint, after_thinking: bool) -> tuple[str | None, list[str]]:
+        """The grammar and the tools whose calls it holds only to being well-formed (`auto`). An
+        agent declares the same tools every turn: built grammars are kept (building and checking one
+        for a coding agent's tools takes 0.1-0.2 s on Qwen3.5's vocabulary)."""
         c = msgspec.structs.replace(constraint, tool_format=self.tool_format)
+        key = msgspec.json.encode((c, after_thinking))
+        cached = self._grammars.get(key)
+        if cached is not None:
+            with contextlib.suppress(KeyError):  # another thread may have just dropped it
+                self._grammars.move_to_end(key)
+            return cached
+        built = self._build_grammar(c, after_thinking)
+        self._grammars[key] = built
+        while len(self._grammars) > self.grammar_cache_entries:
+            self._grammars.popitem(last=False)
+        return built
+
+    def _build_grammar(self, c: OutputConstraint, after_thinking: bool) -> tuple[str | None, list[str]]:
+        if lazy_tools(c):
+            return lazy_tool_grammar(c, self._special, self._llg())
         param = "response_format" if c.tool_choice in ("auto", "none") else "tool_choice"
         try:
             grammar = build_grammar(c, self._special, after_thinking)
@@ -150,7 +181,7 @@ class PromptRenderer:
                 check_grammar(grammar, self._llg())
         except GrammarError as exc:
             raise InvalidRequest(f"cannot enforce {param}: {exc}", param=param) from exc
-        return grammar
+        return grammar, []
 
     def _llg(self) -> Any:
         if self._llg_tokenizer is None:

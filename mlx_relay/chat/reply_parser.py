@@ -397,7 +397,7 @@ class ReplyParser:
             return name, _json_safe(raw["arguments"])
         try:
             typed = parser.parse_tool_call(text, [self._dicts[name]])["arguments"]
-        except ValueError:  # a value its "type" cannot hold, e.g. "abc" for an integer: the schema will say
+        except (ValueError, OverflowError):  # a value its "type" cannot hold ("abc", 1e400 for an integer)
             typed = {}
         candidates = {key: _readings(key, value, typed) for key, value in raw["arguments"].items()}
         return name, _json_safe(tool_schema.choose_values(self._keys[name], candidates))

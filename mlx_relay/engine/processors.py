@@ -120,6 +120,9 @@ class GrammarMask(RowProcessor):
         self.error: str | None = None
         self._first = True
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
+        self._mask_bits: np.ndarray | None = None  # the bitmask `_last_mask` was made from
+        self._mask_vocab = 0
+        self._last_mask: mx.array | None = None
 
     def process_last_token(self, last_token: int, logits: mx.array) -> mx.array:
         first, self._first = self._first, False
@@ -144,12 +147,20 @@ class GrammarMask(RowProcessor):
             self.error = f"the grammar engine failed ({type(exc).__name__})"
         if self.error is not None:
             return _only(self.eos, logits)
+        return mx.where(self._mask(logits.shape[-1]), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _mask(self, vocab: int) -> mx.array:
+        """The bitmask as an MLX boolean mask over `vocab`; the last one again while the bitmask is
+        unchanged (free text under a lazy tool grammar: the same mask for token after token)."""
+        if self._mask_bits is not None and self._mask_vocab == vocab and np.array_equal(self._bitmask, self._mask_bits):
+            assert self._last_mask is not None
+            return self._last_mask
         allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        vocab = logits.shape[-1]
         if allowed.shape[0] < vocab:
             allowed = np.concatenate([allowed, np.zeros(vocab - allowed.shape[0], dtype=np.uint8)])
-        mask = mx.array(allowed[:vocab].astype(np.bool_))
-        return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
+        self._last_mask = mx.array(allowed[:vocab].astype(np.bool_))
+        self._mask_bits, self._mask_vocab = self._bitmask.copy(), vocab
+        return self._last_mask
 
 
 class ThinkingBudget(RowProcessor):

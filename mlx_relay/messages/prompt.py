@@ -46,6 +46,9 @@ class RenderedPrompt(msgspec.Struct, frozen=True):
     think_open: bool = False
     grammar: str | None = None  # llguidance grammar enforcing the request's constraint (validated)
     tool_format: str | None = None  # the model's tool-call syntax (`reply_parser.TOOL_FORMATS`)
+    # tools declared with `tool_choice` "auto" whose calls the grammar holds only to being
+    # well-formed (a schema it cannot enforce exactly: `chat.grammar.lazy_tool_grammar`)
+    loose_tools: list[str] = []
 
 
 class Route(msgspec.Struct, frozen=True):
@@ -84,6 +87,7 @@ class Prompt(msgspec.Struct, frozen=True):
     think_open: bool = False
     grammar: str | None = None
     tool_format: str | None = None
+    loose_tools: list[str] = []  # as RenderedPrompt's
 
 
 class DescribePrompts(msgspec.Struct, frozen=True):

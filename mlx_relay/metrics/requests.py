@@ -3,6 +3,7 @@ prometheus-client registry (vLLM's names under `mlx_relay:`, the served model as
 
     ChatService.admit    queued(waited_s)                 request_queue_time_seconds
     ChatService._start   prefix_lookup(prompt, restored)  prefix_cache_queries_total, prefix_cache_hits_total
+                         loose_tools.inc(n)               tool_grammar_loose_tools_total
                          clock(arrived, prompt_tokens)    prompt_tokens_total
     RequestClock.saw     a TokenDelta                     time_to_first_token_seconds (the first),
                                                           inter_token_latency_seconds (each later token),
@@ -66,6 +67,9 @@ class RequestMetrics:
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens restored from the prefix cache")
+        self.loose_tools = counter("tool_grammar_loose_tools",
+                                   "Declared tools (tool_choice auto) whose calls the grammar held only to being "
+                                   "well-formed: a schema it cannot enforce exactly")
         success = Counter(PREFIX + "request_success", "Generations ended, by finish reason (abort: failed or cut)",
                           ("model_name", "finished_reason"), registry=registry)
         self.finished = {reason: success.labels(model_name, reason) for reason in OUTCOMES}
