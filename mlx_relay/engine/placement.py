@@ -13,7 +13,7 @@ import logging
 import subprocess
 import sys
 
-from mlx_relay.config import EngineConfig, SpecPrefillConfig
+from mlx_relay.config import EngineConfig
 from mlx_relay.engine.engine_process import EngineProcess
 from mlx_relay.engine.handle import EngineCallbacks, EngineHandle
 from mlx_relay.engine.loader import detect_backend
@@ -43,9 +43,8 @@ def wants_process(config: EngineConfig) -> bool:
     return sees_gpu()
 
 
-def open_engine(config: EngineConfig, specprefill: SpecPrefillConfig, callbacks: EngineCallbacks) -> EngineHandle:
-    """The engine `config` asks for, not started yet."""
+def open_engine(config: EngineConfig, callbacks: EngineCallbacks) -> EngineHandle:
+    """The engine `config` asks for, not started yet (then `BootEngine`)."""
     if wants_process(config):
-        return EngineProcess(config, specprefill, callbacks,
-                             log_level=logging.getLogger("mlx_relay").getEffectiveLevel())
-    return LocalEngine(config, specprefill, callbacks)
+        return EngineProcess(callbacks, log_level=logging.getLogger("mlx_relay").getEffectiveLevel())
+    return LocalEngine(callbacks)
