@@ -53,6 +53,7 @@ from mlx_relay.engine.handle import EngineCallbacks, EngineHandle
 from mlx_relay.engine.placement import open_engine
 from mlx_relay.engine.protocol import (
     AddRow,
+    Asked,
     BootEngine,
     CancelRow,
     CloseEngine,
@@ -93,8 +94,10 @@ class GPUPeers:
 
 
 class GPUExecutor(Actor):
+    # beside its own messages, any asked command of the engine's protocol that only the engine
+    # handles (not a host's own): passed on as it is, answered with the engine's answer
     accepts = (Generate, Describe, Warmup, GetEngineStats, FreeSnapshots, FreeFeatures, AbortAll, SaveSnapshot,
-               LoadSnapshot)
+               LoadSnapshot, Asked)
     mailbox_capacity = 1024
 
     def __init__(self, config: EngineConfig, specprefill: SpecPrefillConfig, peers: GPUPeers,
@@ -196,6 +199,8 @@ class GPUExecutor(Actor):
             case FreeFeatures(content_hashes=hashes):
                 engine.tell(FreeFeatureHashes(hashes))
                 return None
+            case Asked(host=False):
+                return await asyncio.wrap_future(engine.ask(msg))
             case AbortAll(reason=reason):
                 self._aborting = reason
                 ended = list(self._streams.items())
