@@ -51,6 +51,7 @@ from mlx_relay.engine.protocol import (
     FreeSnapshotHandles,
     LoadSnapshotFile,
     ReadStats,
+    ResetPeakMemory,
     RunWarmup,
     StepOutput,
     Told,
@@ -152,6 +153,10 @@ class EngineCore:
                 return self.warmup()
             case ReadStats():
                 return self.stats()
+            case ResetPeakMemory():
+                peak = mx.get_peak_memory()
+                mx.reset_peak_memory()
+                return peak
             case CloseEngine():
                 return self.close()
             case CopySnapshotOut(handle=handle, metadata=metadata, free_after=free_after):

@@ -124,6 +124,13 @@ class ReadStats(Asked[EngineStats], frozen=True):
     pass
 
 
+class ResetPeakMemory(Asked[int], frozen=True):
+    """Start MLX's peak-memory count over (on every rank); answers the peak until now (bytes), so
+    that one run's peak can be read apart from the warm-up's or another run's."""
+
+    lockstep: ClassVar[Lockstep] = "now"
+
+
 class CloseEngine(Asked[StepOutput], frozen=True):
     """End every request (their events in the answer) and drop all device state."""
 
@@ -166,4 +173,4 @@ class LoadSnapshotFile(Asked[tuple[int, int]], frozen=True):
 
 
 Command = (AddRow | CancelRow | FreeSnapshotHandles | FreeFeatureHashes | BootEngine | RunWarmup | ReadStats
-           | CloseEngine | WriteSnapshot | ReadSnapshot | CopySnapshotOut | LoadSnapshotFile)
+           | ResetPeakMemory | CloseEngine | WriteSnapshot | ReadSnapshot | CopySnapshotOut | LoadSnapshotFile)
