@@ -1,5 +1,6 @@
 """Where the GPUExecutor's engine runs (`EngineConfig.engine_process`): in a process of its own
-(`engine_process.EngineProcess`) or on a thread of the server's (`local_engine.LocalEngine`).
+(`engine_process.EngineProcess`; then this process never imports MLX) or on a thread of the
+server's (`local_engine.LocalEngine`).
 
 "auto" is the process where MLX sees a GPU (Metal or CUDA): there a batch-1 step
 is bound by the host launching kernels, and in the server's process every millisecond of Python
@@ -16,21 +17,18 @@ import sys
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.engine_process import EngineProcess
 from mlx_relay.engine.handle import EngineCallbacks, EngineHandle
-from mlx_relay.engine.loader import detect_backend
-from mlx_relay.engine.local_engine import LocalEngine
 
-_CUDA_PROBE = "import mlx.core as mx; c = getattr(mx, 'cuda', None); print(int(bool(c and c.is_available())))"
+_GPU_PROBE = ("import mlx.core as mx; c = getattr(mx, 'cuda', None); "
+              "print(int(bool(mx.metal.is_available() or (c and c.is_available()))))")
 
 
 def sees_gpu() -> bool:
-    """Whether MLX sees a GPU. On Metal, asked here. Elsewhere asked in a throwaway interpreter: on
-    CUDA the question opens a device context (about 0.5 GB of device memory on an H200, measured
-    in benchmarks/results/gpu-h200-2026-11-24f/memory/) that would stay with the server's process
-    for its whole life, while the engine that needs the device runs in a process of its own."""
-    if sys.platform == "darwin":
-        return detect_backend() == "metal"
+    """Whether MLX sees a GPU (Metal or CUDA), asked in a throwaway interpreter: the server's
+    process never imports MLX when its engine runs in a process of its own, and on CUDA the
+    question alone opens a device context (about 0.5 GB of device memory on an H200, measured in
+    benchmarks/results/gpu-h200-2026-11-24f/memory/) that would stay with it for its whole life."""
     try:
-        probe = subprocess.run([sys.executable, "-c", _CUDA_PROBE], capture_output=True, text=True, timeout=120,
+        probe = subprocess.run([sys.executable, "-c", _GPU_PROBE], capture_output=True, text=True, timeout=120,
                                stdin=subprocess.DEVNULL, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -47,4 +45,8 @@ def open_engine(config: EngineConfig, callbacks: EngineCallbacks) -> EngineHandl
     """The engine `config` asks for, not started yet (then `BootEngine`)."""
     if wants_process(config):
         return EngineProcess(callbacks, log_level=logging.getLogger("mlx_relay").getEffectiveLevel())
+    # imported here, the one place that runs the engine in this process: importing it loads MLX,
+    # which a server whose engine runs in a process of its own never does
+    from mlx_relay.engine.local_engine import LocalEngine
+
     return LocalEngine(callbacks)
