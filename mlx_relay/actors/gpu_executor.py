@@ -50,7 +50,7 @@ from mlx_relay.config import EngineConfig, SpecPrefillConfig
 from mlx_relay.engine.engine_process import EngineProcessDied
 from mlx_relay.engine.gpu_thread import GPUThreadDied
 from mlx_relay.engine.handle import EngineCallbacks, EngineHandle
-from mlx_relay.engine.placement import open_engine
+from mlx_relay.engine.placement import open_engine, wants_process
 from mlx_relay.engine.protocol import (
     AddRow,
     Asked,
@@ -134,7 +134,7 @@ class GPUExecutor(Actor):
             on_fatal=lambda reason: loop.call_soon_threadsafe(self._engine_died, ref, reason),
             on_progress=lambda text: loop.call_soon_threadsafe(self._on_progress, text))
         # (off the loop: deciding where the engine runs may ask MLX in a throwaway process)
-        engine = await anyio.to_thread.run_sync(open_engine, self.config, callbacks)
+        engine = open_engine(await anyio.to_thread.run_sync(wants_process, self.config), callbacks)
         try:
             await anyio.to_thread.run_sync(engine.start)
             log.info("engine %s", "on a thread of this process" if engine.pid is None

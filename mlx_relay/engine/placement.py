@@ -41,9 +41,12 @@ def wants_process(config: EngineConfig) -> bool:
     return sees_gpu()
 
 
-def open_engine(config: EngineConfig, callbacks: EngineCallbacks) -> EngineHandle:
-    """The engine `config` asks for, not started yet (then `BootEngine`)."""
-    if wants_process(config):
+def open_engine(own_process: bool, callbacks: EngineCallbacks) -> EngineHandle:
+    """The engine, in a process of its own (`own_process`) or on a thread of this one; not
+    started yet (then `BootEngine`). Call it on the main thread: for the thread it imports MLX, and
+    MLX's CPU backend can abort the process at exit when MLX was first loaded on a thread that has
+    ended since (see `gpu_thread.py`; tests/test_shutdown.py)."""
+    if own_process:
         return EngineProcess(callbacks, log_level=logging.getLogger("mlx_relay").getEffectiveLevel())
     # imported here, the one place that runs the engine in this process: importing it loads MLX,
     # which a server whose engine runs in a process of its own never does
