@@ -74,7 +74,8 @@ def _engine_child(pid: int) -> int:
 def test_a_server_whose_engine_runs_in_its_own_process_never_loads_mlx(fp32_model: Path, tmp_path: Path) -> None:
     """`mlx-relay serve --engine-process on` as a real process (`-X importtime`: every module it
     imports is written to its stderr) serves a chat with an image and tools (the tokenizer, the
-    chat template, the media processor, the tool-call parser) and a metrics scrape; its imports
+    chat template, the media processor, the tool-call parser), a streamed one with an output grammar,
+    and a metrics scrape; its imports
     name no MLX package and no MLX library is mapped into it, while its engine process maps them."""
     port = free_port()
     log = tmp_path / "server.stderr"
@@ -103,6 +104,11 @@ def test_a_server_whose_engine_runs_in_its_own_process_never_loads_mlx(fp32_mode
             "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] > 64  # the image was expanded into the prompt
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "A JSON object, please."}], "max_tokens": 8,
+                "response_format": {"type": "json_object"}, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as streamed:
+            assert streamed.status_code == 200
+            assert [line for line in streamed.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
         assert httpx.get(url + "/metrics", timeout=30).status_code == 200
         engine = _engine_child(server.pid)
         served, engines = _mlx_in_maps(server.pid), _mlx_in_maps(engine)
@@ -115,7 +121,8 @@ def test_a_server_whose_engine_runs_in_its_own_process_never_loads_mlx(fp32_mode
             server.wait()
     imported = [line.rsplit("|", 1)[1].strip() for line in log.read_text(errors="replace").splitlines()
                 if line.startswith("import time:") and "|" in line]
-    assert "mlx_relay.relay" in imported and "mlx_relay.actors.gpu_executor" in imported  # the audit is live
+    # the audit is live, and saw the request path's late imports (the output grammar's tokenizer)
+    assert {"mlx_relay.relay", "mlx_relay.actors.gpu_executor", "llguidance.hf"} <= set(imported)
     assert [m for m in imported if m.split(".")[0] in ("mlx", "mlx_lm", "mlx_vlm")] == []
     assert served == []
     assert any(Path(p).name.startswith(("libmlx", "core.cpython")) for p in engines), engines
