@@ -25,7 +25,6 @@ from mlx_relay.cluster.cli import run_from_args as run_cluster
 from mlx_relay.cluster.cli import split_args
 from mlx_relay.config import PipelineConfig, ServerConfig, build_config
 from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
-from mlx_relay.engine.pipeline_boot import serve_follower
 from mlx_relay.http.server import serve
 from mlx_relay.log_format import configure_logging
 from mlx_relay.relay import Relay
@@ -360,7 +359,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.exit_on_stdin_eof and not _stdin_is_a_pipe():
             parser.error("--exit-on-stdin-eof needs stdin to be a pipe (or a socket) whose end means 'exit'")
         if config.engine.pipeline.enabled and config.engine.pipeline.rank > 0:
-            return serve_follower(config)  # a pipeline's other rank: its layers, no server
+            # a pipeline's other rank: its layers, no server (imported here: it loads MLX, which
+            # a server whose engine runs in a process of its own never does)
+            from mlx_relay.engine.pipeline_boot import serve_follower
+
+            return serve_follower(config)
         return serve(config, Relay.start, progress)
     if args.command == "bench":
         return run_bench(args)

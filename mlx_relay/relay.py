@@ -49,7 +49,8 @@ from mlx_relay.chat.reply import ChatReply, ReplyCollector
 from mlx_relay.chat.types import ChatMessage
 from mlx_relay.config import ServerConfig, build_config
 from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
-from mlx_relay.engine.loader import resolve_model_path
+from mlx_relay.engine.checkpoint import resolve_model_path
+from mlx_relay.engine.protocol import ResetPeakMemory
 from mlx_relay.errors import NotReady, UnprocessableRequest
 from mlx_relay.messages.admission import AdmissionStats, GetStats, SetState, WhenIdle
 from mlx_relay.messages.gpu import (
@@ -323,6 +324,12 @@ class Relay:
         """What the GPU thread holds and has counted."""
         stats: EngineStats = await self._service().actors.gpu.ask(GetEngineStats())
         return stats
+
+    async def reset_peak_memory(self) -> int:
+        """Start the engine's peak-memory count (`EngineStats.peak_memory_bytes`, the
+        `gpu_memory_peak_bytes` metric) over, e.g. between benchmark runs; the peak until now (bytes)."""
+        peak: int = await self._service().actors.gpu.ask(ResetPeakMemory())
+        return peak
 
     async def specprefill_stats(self) -> dict[str, Any]:
         """SpecPrefill's counters ({"enabled": False} without a draft model)."""

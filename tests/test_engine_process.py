@@ -225,6 +225,23 @@ def test_a_killed_engine_process_ends_its_streams_and_is_replaced(proc_server: L
     assert httpx.get(proc_server.url + "/health").json()["status"] == "ready"
 
 
+@pytest.mark.parametrize("which", ["proc_server", "server"])
+def test_the_engines_peak_memory_count_starts_over(which: str, request: pytest.FixtureRequest) -> None:
+    """A command added to the engine protocol (`ResetPeakMemory`) reaches the engine in its process
+    and on its thread alike, and answers across the pipe."""
+    live: LiveServer = request.getfixturevalue(which)
+
+    async def reset(relay: Relay) -> tuple[int, int, int, int]:
+        before = (await relay.engine_stats()).peak_memory_bytes
+        peak = await relay.reset_peak_memory()
+        after = (await relay.engine_stats()).peak_memory_bytes
+        await relay.chat([{"role": "user", "content": "count"}], max_tokens=4, temperature=0)
+        return before, peak, after, (await relay.engine_stats()).peak_memory_bytes
+
+    before, peak, after, later = live.call(reset)
+    assert 0 < before <= peak and after <= peak and later >= after and later > 0
+
+
 @pytest.mark.parametrize("exc", [
     errors.InvalidRequest("bad", param="messages"),
     errors.ContextLengthExceeded("long", param="messages"),

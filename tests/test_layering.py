@@ -1,24 +1,36 @@
-"""Layering that can be checked: the runtime, the HTTP layer, the policy actors and the request path
-never import MLX (only the GPUExecutor and the engine do), and the product never imports
-`mlx_relay.testing`."""
+"""Layering that can be checked: a real server whose engine runs in a process of its own never loads
+MLX (`mlx`, `mlx_lm`, `mlx_vlm`: not imported, no MLX library mapped) while its engine process does;
+the runtime, the HTTP layer, the actors, the request path and the engine's protocol and process
+host import no MLX, module by module; only the engine's thread host (and what it runs) does; and
+the product never imports `mlx_relay.testing`."""
 
 from __future__ import annotations
 
 import ast
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
+
 import mlx_relay
+from mlx_relay.bench.images import png_data_url
+from mlx_relay.testing.live_server import free_port
 
 PACKAGE = Path(mlx_relay.__file__).parent
-MLX = ("mlx.core", "mlx_vlm", "mlx_lm")
-NO_MLX = ["mlx_relay", "mlx_relay.runtime", "mlx_relay.service", "mlx_relay.config", "mlx_relay.messages.gpu",
+MLX = ("mlx", "mlx.core", "mlx_vlm", "mlx_lm")
+NO_MLX = ["mlx_relay", "mlx_relay.cli", "mlx_relay.relay", "mlx_relay.http.server", "mlx_relay.actors.gpu_executor",
+          "mlx_relay.engine.protocol", "mlx_relay.engine.wire", "mlx_relay.engine.engine_process",
+          "mlx_relay.engine.placement", "mlx_relay.engine.checkpoint", "mlx_relay.media.preprocess",
+          "mlx_relay.runtime", "mlx_relay.service", "mlx_relay.config", "mlx_relay.messages.gpu",
           "mlx_relay.messages.prompt", "mlx_relay.messages.prefix_cache", "mlx_relay.messages.specprefill",
           "mlx_relay.messages.text_mtp", "mlx_relay.messages.vision", "mlx_relay.messages.admission",
           *(f"mlx_relay.actors.{p.stem}" for p in sorted((PACKAGE / "actors").glob("*.py"))
-            if p.stem not in ("__init__", "gpu_executor")),
+            if p.stem != "__init__"),
           *("mlx_relay." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
             for p in sorted((PACKAGE / "http").rglob("*.py")) if p.stem != "__init__"),
           *(f"mlx_relay.metrics.{p.stem}" for p in sorted((PACKAGE / "metrics").glob("*.py")) if p.stem != "__init__")]
@@ -35,10 +47,85 @@ def test_the_runtime_http_the_request_path_and_every_actor_but_the_gpu_executor_
     assert "mlx_relay.http.formats.responses.routes" in NO_MLX
 
 
-def test_the_gpu_executor_is_where_mlx_is() -> None:
-    code = "import sys, mlx_relay.actors.gpu_executor; print('mlx.core' in sys.modules)"
+def test_the_engines_thread_host_is_where_mlx_is() -> None:
+    code = "import sys, mlx_relay.engine.local_engine; print('mlx.core' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+def _mlx_in_maps(pid: int) -> list[str]:
+    """The MLX libraries (libmlx, the `mlx` package's extension modules) mapped into `pid`."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return sorted({line.split()[-1] for line in lines if "libmlx" in line or f"{os.sep}mlx{os.sep}" in line})
+
+
+def _engine_child(pid: int) -> int:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"mlx_relay.engine.process_main" in cmdline:
+            return int(stat.parent.name)
+    raise AssertionError(f"no engine process under {pid}")
+
+
+def test_a_server_whose_engine_runs_in_its_own_process_never_loads_mlx(fp32_model: Path, tmp_path: Path) -> None:
+    """`mlx-relay serve --engine-process on` as a real process (`-X importtime`: every module it
+    imports is written to its stderr) serves a chat with an image and tools (the tokenizer, the
+    chat template, the media processor, the tool-call parser), a streamed one with an output grammar,
+    and a metrics scrape; its imports
+    name no MLX package and no MLX library is mapped into it, while its engine process maps them."""
+    port = free_port()
+    log = tmp_path / "server.stderr"
+    with log.open("wb") as err:
+        server = subprocess.Popen(
+            [sys.executable, "-X", "importtime", "-m", "mlx_relay.cli", "serve", str(fp32_model), "--port", str(port),
+             "--engine-process", "on", "--no-warmup", "--served-model-name", "tiny", "--max-num-seqs", "2"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert server.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        tools = [{"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        content = [{"type": "text", "text": "What is in the picture? Then run the tests."},
+                   {"type": "image_url", "image_url": {"url": png_data_url([1], 64, 48)}}]
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": [{"role": "user", "content": content}], "tools": tools, "max_tokens": 8,
+            "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 64  # the image was expanded into the prompt
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "A JSON object, please."}], "max_tokens": 8,
+                "response_format": {"type": "json_object"}, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as streamed:
+            assert streamed.status_code == 200
+            assert [line for line in streamed.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
+        assert httpx.get(url + "/metrics", timeout=30).status_code == 200
+        engine = _engine_child(server.pid)
+        served, engines = _mlx_in_maps(server.pid), _mlx_in_maps(engine)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    imported = [line.rsplit("|", 1)[1].strip() for line in log.read_text(errors="replace").splitlines()
+                if line.startswith("import time:") and "|" in line]
+    # the audit is live, and saw the request path's late imports (the output grammar's tokenizer)
+    assert {"mlx_relay.relay", "mlx_relay.actors.gpu_executor", "llguidance.hf"} <= set(imported)
+    assert [m for m in imported if m.split(".")[0] in ("mlx", "mlx_lm", "mlx_vlm")] == []
+    assert served == []
+    assert any(Path(p).name.startswith(("libmlx", "core.cpython")) for p in engines), engines
 
 
 def test_the_product_does_not_import_the_testing_package() -> None:

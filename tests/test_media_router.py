@@ -24,6 +24,7 @@ from mlx_relay.media.pipeline import prepare_vision
 from mlx_relay.media.preprocess import VisionProcessor, load_vision_processor
 from mlx_relay.messages.prompt import Route, Routed
 from mlx_relay.runtime import ActorSystem
+from mlx_relay.testing.reference import vlm_processor
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +36,7 @@ def vision(fp32_model: Path) -> VisionProcessor:
 def reference(fp32_model: Path) -> Any:
     """mlx-vlm's processor itself: its __call__ is the reference expansion (it returns MLX arrays,
     which only this test thread converts back)."""
-    from mlx_vlm.utils import load_processor
-
-    return load_processor(str(fp32_model), add_detokenizer=False)
+    return vlm_processor(fp32_model)
 
 
 def render(vision: VisionProcessor, messages: list[ChatMessage]) -> tuple[str, list[int]]:

@@ -14,7 +14,8 @@ here, where it lives), warms the kernels and steps. The engine runs on a thread 
 or in a process of its own (`EngineConfig.engine_process`; "auto": on a GPU), where no Python of
 the server (HTTP, SSE encoding, the other actors) shares the GIL with the thread that launches
 the kernels; commands and outputs then cross a pipe as msgpack frames (`engine/wire.py`), and the
-message handling here is the same either way. Each step's `StepOutput` is posted to the loop in
+message handling here is the same either way: each actor message becomes the engine's commands
+(`engine/protocol.py`) in `receive`, the one place that knows both. Each step's `StepOutput` is posted to the loop in
 one call and routed: stream events to their streams, side results to the actors that own them
 (references given at construction). A cancelled stream removes its row at the next step
 boundary. If the engine dies (its thread fails, its process is killed, a pipeline rank dies), the
@@ -46,11 +47,24 @@ from dataclasses import dataclass
 import anyio
 
 from mlx_relay.config import EngineConfig, SpecPrefillConfig
-from mlx_relay.engine.core import StepOutput
 from mlx_relay.engine.engine_process import EngineProcessDied
 from mlx_relay.engine.gpu_thread import GPUThreadDied
 from mlx_relay.engine.handle import EngineCallbacks, EngineHandle
-from mlx_relay.engine.placement import open_engine
+from mlx_relay.engine.placement import open_engine, wants_process
+from mlx_relay.engine.protocol import (
+    AddRow,
+    Asked,
+    BootEngine,
+    CancelRow,
+    CloseEngine,
+    FreeFeatureHashes,
+    FreeSnapshotHandles,
+    ReadSnapshot,
+    ReadStats,
+    RunWarmup,
+    StepOutput,
+    WriteSnapshot,
+)
 from mlx_relay.errors import GenerationFailed, InvalidRequest, PipelineSetupError, ServerShuttingDown
 from mlx_relay.messages.gpu import (
     AbortAll,
@@ -80,8 +94,10 @@ class GPUPeers:
 
 
 class GPUExecutor(Actor):
+    # beside its own messages, any asked command of the engine's protocol that only the engine
+    # handles (not a host's own): passed on as it is, answered with the engine's answer
     accepts = (Generate, Describe, Warmup, GetEngineStats, FreeSnapshots, FreeFeatures, AbortAll, SaveSnapshot,
-               LoadSnapshot)
+               LoadSnapshot, Asked)
     mailbox_capacity = 1024
 
     def __init__(self, config: EngineConfig, specprefill: SpecPrefillConfig, peers: GPUPeers,
@@ -118,12 +134,12 @@ class GPUExecutor(Actor):
             on_fatal=lambda reason: loop.call_soon_threadsafe(self._engine_died, ref, reason),
             on_progress=lambda text: loop.call_soon_threadsafe(self._on_progress, text))
         # (off the loop: deciding where the engine runs may ask MLX in a throwaway process)
-        engine = await anyio.to_thread.run_sync(open_engine, self.config, self.specprefill, callbacks)
+        engine = open_engine(await anyio.to_thread.run_sync(wants_process, self.config), callbacks)
         try:
             await anyio.to_thread.run_sync(engine.start)
             log.info("engine %s", "on a thread of this process" if engine.pid is None
                      else f"in a process of its own (pid {engine.pid})")
-            self.info = await asyncio.wrap_future(engine.boot())
+            self.info = await asyncio.wrap_future(engine.ask(BootEngine(self.config, self.specprefill)))
         except BaseException:
             with anyio.CancelScope(shield=True):  # a failed start leaves no thread busy, no process behind
                 await anyio.to_thread.run_sync(engine.stop, 5.0)
@@ -135,7 +151,7 @@ class GPUExecutor(Actor):
         if engine is None:
             return
         try:
-            self._deliver(await asyncio.wrap_future(engine.close()))
+            self._deliver(await asyncio.wrap_future(engine.ask(CloseEngine())))
         except (GPUThreadDied, EngineProcessDied) as exc:  # it died: nothing to close
             log.info("engine not closed: %s", exc)
         except Exception:
@@ -145,7 +161,7 @@ class GPUExecutor(Actor):
             stream.close()
         self._streams.clear()
 
-    # -- messages ----------------------------------------------------------------------------------
+    # -- messages: each actor message becomes the engine's commands here ---------------------------
     async def receive(self, msg: object, stream: ReplyStream | None) -> object:
         engine, info = self._engine, self.info
         assert engine is not None and info is not None
@@ -158,38 +174,40 @@ class GPUExecutor(Actor):
                     raise InvalidRequest(f"the prompt is empty or has token ids outside [0, {info.vocab_size})",
                                          param="prompt")
                 self._streams[stream.id] = stream
-                engine.add(stream.id, msg)
+                engine.tell(AddRow(stream.id, msg))
                 return None
             case Describe():
                 return info
             case Warmup():
-                report = await asyncio.wrap_future(engine.warmup())
+                report = await asyncio.wrap_future(engine.ask(RunWarmup()))
                 log.info("warm-up took %.1fs%s", report.seconds, "" if report.mtp_round_cost is None
                          else f"; an MTP round costs {report.mtp_round_cost:.2f} plain decode steps")
                 return report
             case GetEngineStats():
-                return await asyncio.wrap_future(engine.stats())
+                return await asyncio.wrap_future(engine.ask(ReadStats()))
             case FreeSnapshots(handles=handles, release_memory=release):
-                engine.free_snapshots(handles, release)
+                engine.tell(FreeSnapshotHandles(handles, release))
                 return None
             case SaveSnapshot():
                 self._save(msg, engine)
                 return None
             case LoadSnapshot():
-                loaded = engine.load_snapshot(msg)
+                loaded = engine.ask(ReadSnapshot(msg))
                 self.start_task(lambda: self._reply_to_store(loaded, lambda exc: SnapshotLoaded(
                     msg.key, error="io", detail=f"{type(exc).__name__}: {exc}")))
                 return None
             case FreeFeatures(content_hashes=hashes):
-                engine.free_features(hashes)
+                engine.tell(FreeFeatureHashes(hashes))
                 return None
+            case Asked(host=False):
+                return await asyncio.wrap_future(engine.ask(msg))
             case AbortAll(reason=reason):
                 self._aborting = reason
                 ended = list(self._streams.items())
                 self._streams.clear()
                 for sid, open_stream in ended:
                     open_stream.fail(ServerShuttingDown(reason))
-                    engine.cancel(sid)
+                    engine.tell(CancelRow(sid))
                 return len(ended)
         raise TypeError(type(msg).__name__)
 
@@ -199,11 +217,11 @@ class GPUExecutor(Actor):
         past the queue bound, drop it."""
         if self._write_pending and self._write_pending + msg.nbytes > self.config.prefix_cache_disk_queue_bytes:
             if msg.free_after:
-                engine.free_snapshots([msg.handle])
+                engine.tell(FreeSnapshotHandles([msg.handle]))
             # told from a task: this mailbox never waits on the store's (which may be waiting on this one)
             self.start_task(lambda: self._to_store(SnapshotSaved(msg.key, error="busy")))
             return
-        saved = engine.save_snapshot(msg)
+        saved = engine.ask(WriteSnapshot(msg))
         self._write_pending += msg.nbytes
 
         async def written() -> None:
@@ -245,7 +263,7 @@ class GPUExecutor(Actor):
 
     def on_cancel(self, stream: ReplyStream) -> None:
         if self._streams.pop(stream.id, None) is not None and self._engine is not None:
-            self._engine.cancel(stream.id)
+            self._engine.tell(CancelRow(stream.id))
 
     def _deliver(self, out: StepOutput) -> None:
         """On the event loop: one step's results to their streams and their owners."""
@@ -265,10 +283,10 @@ class GPUExecutor(Actor):
         peers = self.peers
         for snap in out.snapshots:  # a snapshot nobody can take is freed at once
             if peers.prefix_store is None or not peers.prefix_store.tell_nowait(snap):
-                self._free(lambda engine, h=snap.handle: engine.free_snapshots([h]))
+                self._tell(FreeSnapshotHandles([snap.handle]))
         for features in out.features:
             if peers.vision is None or not peers.vision.tell_nowait(features):
-                self._free(lambda engine, f=features: engine.free_features([h for h, _ in f.features]))
+                self._tell(FreeFeatureHashes([h for h, _ in features.features]))
         for outcome in out.scored:
             if peers.scorer is not None and not peers.scorer.tell_nowait(outcome):
                 log.warning("the SpecPrefill outcome of %s was not counted (the scorer is busy)", outcome.request_id)
@@ -276,6 +294,6 @@ class GPUExecutor(Actor):
             if peers.text is not None:
                 peers.text.tell_nowait(mtp)
 
-    def _free(self, fn: Callable[[EngineHandle], object]) -> None:
+    def _tell(self, command: FreeSnapshotHandles | FreeFeatureHashes) -> None:
         if self._engine is not None:
-            fn(self._engine)
+            self._engine.tell(command)

@@ -15,7 +15,7 @@ vLLM v1's `EngineCore.step` and nano-vllm's `step` have this shape. The pieces, 
 policy actors (snapshots taken, scoring outcomes, features encoded, MTP outcomes), each typed.
 A request that fails on its own (embedding, joining, detokenizing) ends with an error and the
 batch goes on; if a lane's step fails, that lane's rows end with an error and the lane starts
-empty. The GPUExecutor calls `add`, `cancel` and `free_*` between steps.
+empty. Its host applies the protocol's commands (`apply`) between steps.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -37,9 +38,24 @@ from mlx_relay.engine.loader import LoadedModel, device_memory_bytes
 from mlx_relay.engine.logits import LogitsChains
 from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.mtp_lane import MTPLane
-from mlx_relay.engine.output import Ending, Event, OutputStage, RowCounts
+from mlx_relay.engine.output import Ending, OutputStage, RowCounts
 from mlx_relay.engine.pipeline_stage import Stage
 from mlx_relay.engine.plain_lane import PlainLane
+from mlx_relay.engine.protocol import (
+    AddRow,
+    Asked,
+    CancelRow,
+    CloseEngine,
+    CopySnapshotOut,
+    FreeFeatureHashes,
+    FreeSnapshotHandles,
+    LoadSnapshotFile,
+    ReadStats,
+    ResetPeakMemory,
+    RunWarmup,
+    StepOutput,
+    Told,
+)
 from mlx_relay.engine.row_prefill import sparse_row
 from mlx_relay.engine.rows import LaneName, Row
 from mlx_relay.engine.scheduler import Scheduler, StepPlan
@@ -50,26 +66,11 @@ from mlx_relay.errors import GenerationFailed
 from mlx_relay.memory import release_freed_memory
 from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, SamplingParams, TokenDelta, WarmupReport
 from mlx_relay.messages.prefix_cache import PrefixPlan, SnapshotTaken
-from mlx_relay.messages.specprefill import ScoringOutcome
 from mlx_relay.messages.text_mtp import MTPOutcome
 from mlx_relay.messages.vision import FeaturesEncoded
 from mlx_relay.runtime.supervision import is_failure
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutput:
-    """One step's results: stream events by row, and what the policy actors are told."""
-
-    events: list[tuple[int, Event]] = field(default_factory=list)
-    snapshots: list[SnapshotTaken] = field(default_factory=list)  # -> PrefixCacheStore
-    scored: list[ScoringOutcome] = field(default_factory=list)  # -> SpecPrefillScorer
-    features: list[FeaturesEncoded] = field(default_factory=list)  # -> VisionExecutor
-    mtp: list[MTPOutcome] = field(default_factory=list)  # -> TextMTPExecutor
-
-    def __bool__(self) -> bool:
-        return bool(self.events or self.snapshots or self.scored or self.features or self.mtp)
 
 
 @dataclass
@@ -137,6 +138,33 @@ class EngineCore:
         return bool(self._rows)
 
     # -- commands (between steps) -------------------------------------------------------------
+    def apply(self, command: Told | Asked[Any]) -> Any:
+        """One command of the protocol (`protocol.py`); what it answers."""
+        match command:
+            case AddRow(rid=rid, req=req):
+                return self.add(rid, req)
+            case CancelRow(rid=rid):
+                return self.cancel(rid)
+            case FreeSnapshotHandles(handles=handles, release_memory=release):
+                return self.free_snapshots(handles, release)
+            case FreeFeatureHashes(hashes=hashes):
+                return self.free_features(hashes)
+            case RunWarmup():
+                return self.warmup()
+            case ReadStats():
+                return self.stats()
+            case ResetPeakMemory():
+                peak = mx.get_peak_memory()
+                mx.reset_peak_memory()
+                return peak
+            case CloseEngine():
+                return self.close()
+            case CopySnapshotOut(handle=handle, metadata=metadata, free_after=free_after):
+                return self.encode_snapshot(handle, metadata, free_after)
+            case LoadSnapshotFile(path=path, length=length):
+                return self.load_snapshot(path, length)
+        raise TypeError(f"the engine core does not apply {type(command).__name__}")
+
     def add(self, rid: int, req: Generate) -> None:
         row = Row(rid=rid, req=req, detok=IncrementalDetokenizer(self._tokenizer.backend_tokenizer, self._vocab_size),
                   stops=StopMatcher(req.sampling.stop), sparse=req.sparse, specprefill=req.specprefill)

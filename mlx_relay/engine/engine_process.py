@@ -29,7 +29,6 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -38,33 +37,24 @@ from typing import Any
 import msgspec
 
 import mlx_relay
-from mlx_relay.config import EngineConfig, SpecPrefillConfig
-from mlx_relay.engine.core import StepOutput
 from mlx_relay.engine.handle import EngineCallbacks
+from mlx_relay.engine.protocol import Asked, R, Told
 from mlx_relay.engine.wire import (
-    AddRow,
-    BootEngine,
-    CancelRow,
-    CloseEngine,
+    Answer,
+    Ask,
     CommandFailed,
     Died,
     Exit,
-    FreeFeatureHashes,
-    FreeSnapshotHandles,
     LogLine,
     Progress,
-    ReadSnapshot,
-    ReadStats,
-    RunWarmup,
     Stepped,
+    Tell,
     ToEngine,
     ToServer,
-    WriteSnapshot,
     command_error,
+    decode_answer,
     step_from_wire,
 )
-from mlx_relay.messages.gpu import EngineStats, Generate, ModelInfo, WarmupReport
-from mlx_relay.messages.prefix_cache import LoadSnapshot, SaveSnapshot, SnapshotLoaded, SnapshotSaved
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +64,7 @@ class EngineProcessDied(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig, specprefill: SpecPrefillConfig, callbacks: EngineCallbacks, *,
-                 log_level: int = logging.INFO) -> None:
-        self.config = config
-        self.specprefill = specprefill
+    def __init__(self, callbacks: EngineCallbacks, *, log_level: int = logging.INFO) -> None:
         self._callbacks = callbacks
         self._log_level = log_level
         self.process: subprocess.Popen[bytes] | None = None
@@ -86,7 +73,7 @@ class EngineProcess:
         self._decoder = msgspec.msgpack.Decoder(ToServer)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the pending calls and `_gone`
-        self._pending: dict[int, Future[Any]] = {}
+        self._pending: dict[int, tuple[Future[Any], type[Asked[Any]]]] = {}  # by call id: (future, command)
         self._ids = itertools.count(1)
         self._gone: str | None = None  # why no command is answered any more
         self._stopping = False
@@ -114,17 +101,11 @@ class EngineProcess:
         self._conn = Connection(ours.detach())
         self._reader.start()
 
-    def boot(self) -> Future[ModelInfo]:
-        return self._call(lambda cid: BootEngine(cid, self.config, self.specprefill))
-
-    def close(self) -> Future[StepOutput]:
-        return self._call(CloseEngine)
-
     def stop(self, timeout_s: float) -> None:
         self._stopping = True
         if self.process is None or self._conn is None:  # never started
             return
-        self._tell(Exit(timeout_s))
+        self._send(Exit(timeout_s))
         try:
             self.process.wait(timeout_s + 5.0)
         except subprocess.TimeoutExpired:
@@ -134,31 +115,21 @@ class EngineProcess:
         self._reader.join(10.0)
         self._conn.close()
 
-    # -- told ----------------------------------------------------------------------------------------
-    def add(self, rid: int, req: Generate) -> None:
-        self._tell(AddRow(rid, req))
+    # -- commands --------------------------------------------------------------------------------
+    def tell(self, command: Told) -> None:
+        self._send(Tell(command))  # type: ignore[arg-type]
 
-    def cancel(self, rid: int) -> None:
-        self._tell(CancelRow(rid))
-
-    def free_snapshots(self, handles: list[int], release_memory: bool = False) -> None:
-        self._tell(FreeSnapshotHandles(handles, release_memory))
-
-    def free_features(self, hashes: list[str]) -> None:
-        self._tell(FreeFeatureHashes(hashes))
-
-    # -- asked -------------------------------------------------------------------------------------
-    def warmup(self) -> Future[WarmupReport]:
-        return self._call(RunWarmup)
-
-    def stats(self) -> Future[EngineStats]:
-        return self._call(ReadStats)
-
-    def save_snapshot(self, msg: SaveSnapshot) -> Future[SnapshotSaved]:
-        return self._call(lambda cid: WriteSnapshot(cid, msg))
-
-    def load_snapshot(self, msg: LoadSnapshot) -> Future[SnapshotLoaded]:
-        return self._call(lambda cid: ReadSnapshot(cid, msg))
+    def ask(self, command: Asked[R]) -> Future[R]:
+        future: Future[R] = Future()
+        with self._lock:
+            if self._gone is not None:
+                future.set_exception(EngineProcessDied(self._gone))
+                return future
+            cid = next(self._ids)
+            self._pending[cid] = (future, type(command))
+        if not self._send(Ask(cid, command)):  # type: ignore[arg-type]
+            self._fail(cid, EngineProcessDied("the engine process is gone"))
+        return future
 
     # -- the pipe ----------------------------------------------------------------------------------
     def _send(self, frame: ToEngine) -> bool:
@@ -170,24 +141,9 @@ class EngineProcess:
             except OSError:  # the child is gone; the reader reports it
                 return False
 
-    def _tell(self, frame: ToEngine) -> None:
-        self._send(frame)
-
-    def _call(self, make: Callable[[int], ToEngine]) -> Future[Any]:
-        future: Future[Any] = Future()
-        with self._lock:
-            if self._gone is not None:
-                future.set_exception(EngineProcessDied(self._gone))
-                return future
-            cid = next(self._ids)
-            self._pending[cid] = future
-        if not self._send(make(cid)):
-            self._fail(cid, EngineProcessDied("the engine process is gone"))
-        return future
-
     def _fail(self, cid: int, exc: BaseException) -> None:
         with self._lock:
-            future = self._pending.pop(cid, None)
+            future, _ = self._pending.pop(cid, (None, None))
         if future is not None and future.set_running_or_notify_cancel():
             future.set_exception(exc)
 
@@ -216,11 +172,14 @@ class EngineProcess:
             self._died = frame.reason
         elif isinstance(frame, CommandFailed):
             self._fail(frame.cid, command_error(frame.error))
-        else:
+        elif isinstance(frame, Answer):
             with self._lock:
-                future = self._pending.pop(frame.cid, None)
-            if future is not None and future.set_running_or_notify_cancel():
-                future.set_result(frame.result())
+                future, command = self._pending.pop(frame.cid, (None, None))
+            if future is not None and command is not None and future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(decode_answer(frame.result, command))
+                except msgspec.ValidationError as exc:  # an answer of the wrong shape: the command fails
+                    future.set_exception(exc)
 
     def _ended(self) -> None:
         """The child's end is closed: it exited (told to, or not)."""
@@ -234,7 +193,7 @@ class EngineProcess:
         with self._lock:
             self._gone = reason
             pending, self._pending = self._pending, {}
-        for future in pending.values():
+        for future, _ in pending.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineProcessDied(reason))
         if not self._stopping:

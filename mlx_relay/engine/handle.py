@@ -3,7 +3,8 @@
     GPUExecutor --EngineHandle--> LocalEngine (a GPUThread in the server process)
                               or  EngineProcess (the same LocalEngine in a process of its own)
 
-Both implement `EngineHandle`: commands return concurrent futures (or nothing, when told), and
+Both implement `EngineHandle`: they carry the protocol's commands (`protocol.py`) as they are,
+an asked one's answer as a concurrent future, and
 the engine reports through `EngineCallbacks`, called on a thread of its own (the GPU thread, or
 the engine process's reader thread): each step's output, the boot's progress, and its death.
 The actor's message handling is one code path for both; `placement.py` picks one.
@@ -16,9 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from mlx_relay.engine.core import StepOutput
-from mlx_relay.messages.gpu import EngineStats, Generate, ModelInfo, WarmupReport
-from mlx_relay.messages.prefix_cache import LoadSnapshot, SaveSnapshot, SnapshotLoaded, SnapshotSaved
+from mlx_relay.engine.protocol import Asked, R, StepOutput, Told
 
 
 @dataclass(frozen=True)
@@ -36,34 +35,13 @@ class EngineHandle(Protocol):
         """The engine's own process (None: it runs in this one)."""
 
     def start(self) -> None:
-        """Start the GPU thread (or the process); blocking, briefly."""
+        """Start the GPU thread (or the process); blocking, briefly. Then `BootEngine` first."""
 
-    def boot(self) -> Future[ModelInfo]:
-        """Set memory limits, load the model (and SpecPrefill's draft), build the engine, probe
-        the snapshot identity; then steps run whenever the engine has work."""
+    def tell(self, command: Told) -> None:
+        """Apply `command` between steps, in order; nobody waits."""
 
-    def add(self, rid: int, req: Generate) -> None: ...
-
-    def cancel(self, rid: int) -> None: ...
-
-    def free_snapshots(self, handles: list[int], release_memory: bool = False) -> None: ...
-
-    def free_features(self, hashes: list[str]) -> None: ...
-
-    def warmup(self) -> Future[WarmupReport]: ...
-
-    def stats(self) -> Future[EngineStats]: ...
-
-    def save_snapshot(self, msg: SaveSnapshot) -> Future[SnapshotSaved]:
-        """Copy the snapshot to host bytes on the GPU thread (between steps), write its file on a
-        writer thread; the outcome (errors included) as the store's message."""
-
-    def load_snapshot(self, msg: LoadSnapshot) -> Future[SnapshotLoaded]:
-        """Check the file on a reader thread, load it on the GPU thread; the outcome (errors
-        included) as the store's message."""
-
-    def close(self) -> Future[StepOutput]:
-        """End every request (their events in the output) and drop all device state."""
+    def ask(self, command: Asked[R]) -> Future[R]:
+        """Apply `command` between steps, in order with the told ones; its answer (or error)."""
 
     def stop(self, timeout_s: float) -> None:
         """Finish what is queued and stop (blocking; a process past `timeout_s` is killed)."""

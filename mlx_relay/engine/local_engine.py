@@ -3,8 +3,10 @@
     GPUExecutor (thread mode) --> LocalEngine --> GPUThread --> EngineCore
     process_main (the engine process) --> LocalEngine --> GPUThread --> EngineCore
 
-Every command is a callable on the GPU thread, run between steps; the boot (memory limits, the
-model, SpecPrefill's draft, the EngineCore, the snapshot identity) is one of them. The prefix
+Every command of the protocol (`protocol.py`) runs on the GPU thread, between steps, as
+`EngineCore.apply(command)` (or its pipeline leader's); the few marked `host` run here: the boot
+(memory limits, the model, SpecPrefill's draft, the EngineCore, the snapshot identity) and the
+disk tier's writes and reads around the core's copy and load. The prefix
 cache's disk tier runs here too, so that the engine process writes and reads its files itself: a
 snapshot to write is copied to host bytes on the GPU thread and written by a writer thread, one
 file at a time; a file to load is checked and checksummed by a reader thread (two at a time,
@@ -21,10 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
@@ -36,8 +37,7 @@ from mlx_relay.cache.snapshot_files import (
     verify,
     write_atomic,
 )
-from mlx_relay.config import EngineConfig, SpecPrefillConfig
-from mlx_relay.engine.core import EngineCore, StepOutput
+from mlx_relay.engine.core import EngineCore
 from mlx_relay.engine.gpu_thread import GPUThread, GPUThreadDied
 from mlx_relay.engine.handle import EngineCallbacks
 from mlx_relay.engine.loader import apply_memory_limits, load_model
@@ -45,20 +45,24 @@ from mlx_relay.engine.pipeline_boot import lead_group, load_stage, prefix_cache_
 from mlx_relay.engine.pipeline_stage import Stage
 from mlx_relay.engine.pipeline_sync import PipelineLeader
 from mlx_relay.engine.pipeline_watch import FollowerWatch
+from mlx_relay.engine.protocol import (
+    Asked,
+    BootEngine,
+    CopySnapshotOut,
+    LoadSnapshotFile,
+    R,
+    ReadSnapshot,
+    Told,
+    WriteSnapshot,
+)
 from mlx_relay.errors import PipelineRankLost
-from mlx_relay.messages.gpu import EngineStats, Generate, ModelInfo, WarmupReport
+from mlx_relay.messages.gpu import ModelInfo
 from mlx_relay.messages.prefix_cache import LoadSnapshot, SaveSnapshot, SnapshotLoaded, SnapshotSaved
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
 class LocalEngine:
-    def __init__(self, config: EngineConfig, specprefill: SpecPrefillConfig, callbacks: EngineCallbacks,
-                 name: str = "mlx-gpu") -> None:
-        self.config = config
-        self.specprefill = specprefill
+    def __init__(self, callbacks: EngineCallbacks, name: str = "mlx-gpu") -> None:
         self._callbacks = callbacks
         self._thread = GPUThread(name, self._died, callbacks.on_output)
         # built by the boot, on the GPU thread; with a pipeline, rank 0's core behind its leader
@@ -80,8 +84,8 @@ class LocalEngine:
         self._thread.abandon(PipelineRankLost(reason))
         self._callbacks.on_fatal(reason)
 
-    def _on_core(self, fn: Callable[[EngineCore | PipelineLeader], T]) -> Future[T]:
-        return self._thread.submit(lambda: fn(self._booted()))
+    def _apply(self, command: Told | Asked[R]) -> Future[Any]:
+        return self._thread.submit(lambda: self._booted().apply(command))
 
     def _booted(self) -> EngineCore | PipelineLeader:
         if self._core is None:
@@ -96,12 +100,23 @@ class LocalEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def boot(self) -> Future[ModelInfo]:
-        return self._thread.submit(self._boot)
+    # -- commands --------------------------------------------------------------------------------
+    def tell(self, command: Told) -> None:
+        self._apply(command)
 
-    def _boot(self) -> ModelInfo:
+    def ask(self, command: Asked[R]) -> Future[R]:
+        if isinstance(command, BootEngine):
+            return self._thread.submit(self._boot, command)  # type: ignore[return-value]
+        if isinstance(command, WriteSnapshot):
+            return self._save_snapshot(command.msg)  # type: ignore[return-value]
+        if isinstance(command, ReadSnapshot):
+            return self._load_snapshot(command.msg)  # type: ignore[return-value]
+        assert not command.host, f"{type(command).__name__} is a host's command this host does not run"
+        return self._apply(command)
+
+    def _boot(self, command: BootEngine) -> ModelInfo:
         """On the GPU thread, before any other command."""
-        config, progress = self.config, self._callbacks.on_progress
+        config, progress = command.engine, self._callbacks.on_progress
         apply_memory_limits(config)
         progress(f"loading {config.model_path}")
         stage: Stage | None = None
@@ -112,7 +127,7 @@ class LocalEngine:
         else:
             loaded = load_model(Path(config.model_path))
         budget = prefix_cache_budget(config)
-        draft = self.specprefill.draft_model
+        draft = command.specprefill.draft_model
         if draft is not None:
             progress(f"loading the SpecPrefill draft {draft}")
         core = EngineCore(loaded, config, prefix_cache=budget > 0, draft_model=draft, stage=stage)
@@ -137,9 +152,6 @@ class LocalEngine:
         mlx_version, vlm_version = library_versions()
         return SnapshotIdentity(model_fingerprint(model), layout.dtype, mlx_version, vlm_version)
 
-    def close(self) -> Future[StepOutput]:
-        return self._on_core(lambda core: core.close())
-
     def stop(self, timeout_s: float) -> None:
         """The GPU thread finishes its queued commands (snapshot copies included), then the
         writes waiting for the disk land; loads not started are dropped. A pipeline's other ranks
@@ -152,30 +164,10 @@ class LocalEngine:
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True, cancel_futures=True)
 
-    # -- told between steps --------------------------------------------------------------------
-    def add(self, rid: int, req: Generate) -> None:
-        self._on_core(lambda core: core.add(rid, req))
-
-    def cancel(self, rid: int) -> None:
-        self._on_core(lambda core: core.cancel(rid))
-
-    def free_snapshots(self, handles: list[int], release_memory: bool = False) -> None:
-        self._on_core(lambda core: core.free_snapshots(handles, release_memory))
-
-    def free_features(self, hashes: list[str]) -> None:
-        self._on_core(lambda core: core.free_features(hashes))
-
-    # -- asked -------------------------------------------------------------------------------------
-    def warmup(self) -> Future[WarmupReport]:
-        return self._on_core(lambda core: core.warmup())
-
-    def stats(self) -> Future[EngineStats]:
-        return self._on_core(lambda core: core.stats())
-
     # -- the prefix cache's disk tier ------------------------------------------------------------
-    def save_snapshot(self, msg: SaveSnapshot) -> Future[SnapshotSaved]:
+    def _save_snapshot(self, msg: SaveSnapshot) -> Future[SnapshotSaved]:
         result: Future[SnapshotSaved] = Future()
-        copied = self._on_core(lambda core: core.encode_snapshot(msg.handle, msg.metadata, msg.free_after))
+        copied = self._apply(CopySnapshotOut(msg.handle, msg.metadata, msg.free_after))
 
         def copied_out(done: Future[tuple[memoryview, float]]) -> None:  # on the GPU thread
             if done.cancelled():
@@ -197,7 +189,7 @@ class LocalEngine:
         copied.add_done_callback(copied_out)
         return result
 
-    def load_snapshot(self, msg: LoadSnapshot) -> Future[SnapshotLoaded]:
+    def _load_snapshot(self, msg: LoadSnapshot) -> Future[SnapshotLoaded]:
         result: Future[SnapshotLoaded] = Future()
         tic = time.perf_counter()
 
@@ -215,7 +207,7 @@ class LocalEngine:
             except BaseException as exc:
                 result.set_result(_load_failed(msg, exc, tic))
                 return
-            self._on_core(lambda core: core.load_snapshot(msg.path, msg.length)).add_done_callback(loaded)
+            self._apply(LoadSnapshotFile(msg.path, msg.length)).add_done_callback(loaded)
 
         try:
             self._readers.submit(verify, Path(msg.path), msg.identity, msg.length).add_done_callback(verified)

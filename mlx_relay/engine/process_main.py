@@ -23,7 +23,6 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -32,32 +31,20 @@ import msgspec
 
 from mlx_relay.engine.handle import EngineCallbacks
 from mlx_relay.engine.local_engine import LocalEngine
+from mlx_relay.engine.protocol import BootEngine
 from mlx_relay.engine.wire import (
-    AddRow,
-    Booted,
-    BootEngine,
-    CancelRow,
-    Closed,
-    CloseEngine,
+    Answer,
+    Ask,
     CommandFailed,
     Died,
     Exit,
-    FreeFeatureHashes,
-    FreeSnapshotHandles,
     LogLine,
     Progress,
-    ReadSnapshot,
-    ReadStats,
-    Reply,
-    RunWarmup,
-    SnapshotRead,
-    SnapshotWritten,
-    StatsRead,
     Stepped,
+    Tell,
     ToEngine,
     ToServer,
-    Warmed,
-    WriteSnapshot,
+    encode_answer,
     error_to_wire,
     step_to_wire,
 )
@@ -116,57 +103,38 @@ def _died(link: _Link, reason: str) -> None:
 
 def _serve(link: _Link) -> int:
     decoder = msgspec.msgpack.Decoder(ToEngine)
+    callbacks = EngineCallbacks(on_output=lambda out: link.send(Stepped(step_to_wire(out))),
+                                on_fatal=lambda reason: _died(link, reason),
+                                on_progress=lambda text: link.send(Progress(text)))
     engine: LocalEngine | None = None
     while True:
         try:
-            cmd = decoder.decode(link.conn.recv_bytes())
+            frame = decoder.decode(link.conn.recv_bytes())
         except (EOFError, OSError):  # the server's end is closed: its process is gone
             return 0
-        if isinstance(cmd, BootEngine):
-            callbacks = EngineCallbacks(on_output=lambda out: link.send(Stepped(step_to_wire(out))),
-                                        on_fatal=lambda reason: _died(link, reason),
-                                        on_progress=lambda text: link.send(Progress(text)))
-            engine = LocalEngine(cmd.engine, cmd.specprefill, callbacks)
+        if engine is None and isinstance(frame, Ask) and isinstance(frame.command, BootEngine):
+            engine = LocalEngine(callbacks)
             engine.start()
-            _answer(link, cmd.cid, engine.boot(), lambda info, cid=cmd.cid: Booted(cid, info))
-            continue
         if engine is None:
-            logging.getLogger(__name__).error("%s before the engine booted; ignored", type(cmd).__name__)
+            logging.getLogger(__name__).error("%s before the engine booted; ignored", type(frame).__name__)
             continue
-        if isinstance(cmd, Exit):
-            engine.stop(cmd.timeout_s)
-            return 0
-        _dispatch(link, engine, cmd)
+        match frame:
+            case Exit(timeout_s=timeout_s):
+                engine.stop(timeout_s)
+                return 0
+            case Tell(command=command):
+                engine.tell(command)
+            case Ask(cid=cid, command=command):
+                _answer(link, cid, engine.ask(command))
 
 
-def _dispatch(link: _Link, engine: LocalEngine, cmd: ToEngine) -> None:
-    match cmd:
-        case AddRow(rid=rid, req=req):
-            engine.add(rid, req)
-        case CancelRow(rid=rid):
-            engine.cancel(rid)
-        case FreeSnapshotHandles(handles=handles, release_memory=release):
-            engine.free_snapshots(handles, release)
-        case FreeFeatureHashes(hashes=hashes):
-            engine.free_features(hashes)
-        case RunWarmup(cid=cid):
-            _answer(link, cid, engine.warmup(), lambda report: Warmed(cid, report))
-        case ReadStats(cid=cid):
-            _answer(link, cid, engine.stats(), lambda stats: StatsRead(cid, stats))
-        case WriteSnapshot(cid=cid, msg=msg):
-            _answer(link, cid, engine.save_snapshot(msg), lambda saved: SnapshotWritten(cid, saved))
-        case ReadSnapshot(cid=cid, msg=msg):
-            _answer(link, cid, engine.load_snapshot(msg), lambda loaded: SnapshotRead(cid, loaded))
-        case CloseEngine(cid=cid):
-            _answer(link, cid, engine.close(), lambda out: Closed(cid, step_to_wire(out)))
-
-
-def _answer(link: _Link, cid: int, future: Future[Any], reply: Callable[[Any], Reply]) -> None:
-    """When `future` is done (on the thread that finished it): its reply, or why it failed."""
+def _answer(link: _Link, cid: int, future: Future[Any]) -> None:
+    """When `future` is done (on the thread that finished it): its answer, or why it failed."""
+    encoder = msgspec.msgpack.Encoder()
 
     def done(f: Future[Any]) -> None:
         try:
-            frame: ToServer = reply(f.result())
+            frame: ToServer = Answer(cid, msgspec.Raw(encoder.encode(encode_answer(f.result()))))
         except BaseException as exc:
             frame = CommandFailed(cid, error_to_wire(exc))
         link.send(frame)

@@ -5,8 +5,10 @@
     GPUExecutor -> EngineProcess --ToEngine--> process_main -> LocalEngine (GPUThread + EngineCore)
     GPUExecutor <- EngineProcess <--ToServer-- process_main <- LocalEngine
 
-Commands that answer carry a call id (`cid`) and are answered by the one reply frame of their type
-(or `CommandFailed`); the rest are told. Each step's `StepOutput` travels as `Stepped`: its events
+A command of the protocol (`protocol.py`) travels as it is, in a `Tell` or, when it is asked, an
+`Ask` with a call id (`cid`), answered by the one `Answer` with that id (the answer's bytes, read
+with the command's answer type) or `CommandFailed`: nothing here knows one command from another.
+Each step's `StepOutput` travels as `Stepped`: its events
 in order, each error as a `WireError` (the class's name in `mlx_relay.errors` and the fields
 those classes carry) that is rebuilt as the same class on the server's side: no pickle, and no
 message text is ever parsed. Snapshot bytes never travel: the engine process writes and reads
@@ -16,16 +18,15 @@ the prefix cache's files itself, and only paths and results cross.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import msgspec
 
 from mlx_relay import errors
-from mlx_relay.config import EngineConfig, SpecPrefillConfig
-from mlx_relay.engine.core import StepOutput
-from mlx_relay.engine.output import Event
+from mlx_relay.engine.protocol import Asked, Command, Event, StepOutput, answer_type
 from mlx_relay.errors import GenerationFailed, RelayError
-from mlx_relay.messages.gpu import EngineStats, Finished, Generate, ModelInfo, TokenDelta, WarmupReport
-from mlx_relay.messages.prefix_cache import LoadSnapshot, SaveSnapshot, SnapshotLoaded, SnapshotSaved, SnapshotTaken
+from mlx_relay.messages.gpu import Finished, TokenDelta
+from mlx_relay.messages.prefix_cache import SnapshotTaken
 from mlx_relay.messages.specprefill import ScoringOutcome
 from mlx_relay.messages.text_mtp import MTPOutcome
 from mlx_relay.messages.vision import FeaturesEncoded
@@ -131,63 +132,30 @@ def step_from_wire(step: WireStep) -> StepOutput:
     return StepOutput(events, list(step.snapshots), list(step.scored), list(step.features), list(step.mtp))
 
 
+# -- answers ----------------------------------------------------------------------------------------
+def encode_answer(value: Any) -> Any:
+    """An answer as msgspec encodes it (a step's output as `WireStep`)."""
+    return step_to_wire(value) if isinstance(value, StepOutput) else value
+
+
+def decode_answer(raw: bytes | msgspec.Raw, command: type[Asked[Any]]) -> Any:
+    """The answer to a `command`, of its answer type."""
+    kind = answer_type(command)
+    if kind is StepOutput:
+        return step_from_wire(msgspec.msgpack.decode(raw, type=WireStep))
+    return msgspec.msgpack.decode(raw, type=kind)
+
+
 # -- server -> engine process -------------------------------------------------------------------
-class BootEngine(msgspec.Struct, frozen=True, tag=True):
-    """Load the model and build the engine. Reply: Booted."""
+class Tell(msgspec.Struct, frozen=True, tag=True):
+    command: Command
+
+
+class Ask(msgspec.Struct, frozen=True, tag=True):
+    """Answered by `Answer` (or `CommandFailed`) with the same call id."""
 
     cid: int
-    engine: EngineConfig
-    specprefill: SpecPrefillConfig
-
-
-class AddRow(msgspec.Struct, frozen=True, tag=True):
-    rid: int
-    req: Generate
-
-
-class CancelRow(msgspec.Struct, frozen=True, tag=True):
-    rid: int
-
-
-class FreeSnapshotHandles(msgspec.Struct, frozen=True, tag=True):
-    handles: list[int]
-    release_memory: bool = False
-
-
-class FreeFeatureHashes(msgspec.Struct, frozen=True, tag=True):
-    hashes: list[str]
-
-
-class RunWarmup(msgspec.Struct, frozen=True, tag=True):
-    """Reply: Warmed."""
-
-    cid: int
-
-
-class ReadStats(msgspec.Struct, frozen=True, tag=True):
-    """Reply: StatsRead."""
-
-    cid: int
-
-
-class WriteSnapshot(msgspec.Struct, frozen=True, tag=True):
-    """Copy the snapshot out and write its file, both in the engine process. Reply: SnapshotWritten."""
-
-    cid: int
-    msg: SaveSnapshot
-
-
-class ReadSnapshot(msgspec.Struct, frozen=True, tag=True):
-    """Check the file and load it, both in the engine process. Reply: SnapshotRead."""
-
-    cid: int
-    msg: LoadSnapshot
-
-
-class CloseEngine(msgspec.Struct, frozen=True, tag=True):
-    """End every request and drop the device state. Reply: Closed."""
-
-    cid: int
+    command: Command
 
 
 class Exit(msgspec.Struct, frozen=True, tag=True):
@@ -196,57 +164,16 @@ class Exit(msgspec.Struct, frozen=True, tag=True):
     timeout_s: float = 30.0
 
 
-ToEngine = (BootEngine | AddRow | CancelRow | FreeSnapshotHandles | FreeFeatureHashes | RunWarmup | ReadStats
-            | WriteSnapshot | ReadSnapshot | CloseEngine | Exit)
+ToEngine = Tell | Ask | Exit
 
 
 # -- engine process -> server -------------------------------------------------------------------
-class Booted(msgspec.Struct, frozen=True, tag=True):
+class Answer(msgspec.Struct, frozen=True, tag=True):
+    """The answer to `Ask(cid, command)`: encoded by `encode_answer`, read by `decode_answer`
+    with the command's type, which the asker keeps."""
+
     cid: int
-    info: ModelInfo
-
-    def result(self) -> ModelInfo:
-        return self.info
-
-
-class Warmed(msgspec.Struct, frozen=True, tag=True):
-    cid: int
-    report: WarmupReport
-
-    def result(self) -> WarmupReport:
-        return self.report
-
-
-class StatsRead(msgspec.Struct, frozen=True, tag=True):
-    cid: int
-    stats: EngineStats
-
-    def result(self) -> EngineStats:
-        return self.stats
-
-
-class SnapshotWritten(msgspec.Struct, frozen=True, tag=True):
-    cid: int
-    saved: SnapshotSaved
-
-    def result(self) -> SnapshotSaved:
-        return self.saved
-
-
-class SnapshotRead(msgspec.Struct, frozen=True, tag=True):
-    cid: int
-    loaded: SnapshotLoaded
-
-    def result(self) -> SnapshotLoaded:
-        return self.loaded
-
-
-class Closed(msgspec.Struct, frozen=True, tag=True):
-    cid: int
-    step: WireStep
-
-    def result(self) -> StepOutput:
-        return step_from_wire(self.step)
+    result: msgspec.Raw
 
 
 class CommandFailed(msgspec.Struct, frozen=True, tag=True):
@@ -280,5 +207,4 @@ class Died(msgspec.Struct, frozen=True, tag=True):
     reason: str
 
 
-Reply = Booted | Warmed | StatsRead | SnapshotWritten | SnapshotRead | Closed
-ToServer = Reply | CommandFailed | Stepped | Progress | LogLine | Died
+ToServer = Answer | CommandFailed | Stepped | Progress | LogLine | Died

@@ -1,9 +1,9 @@
-"""The checkpoint's image/video processors, run off the GPU thread (MediaRouter, worker thread).
+"""The checkpoint's image/video processors, run off the GPU thread (MediaRouter, worker thread; no MLX).
 
-For Qwen3.5 checkpoints mlx-vlm installs its torch-free `Qwen3VLProcessor` (numpy image and video
-processors) behind `transformers.AutoProcessor` when the model package is imported; loading it
-imports mlx but runs no MLX operation. Only the numpy sub-processors are called here, never the
-processor's `__call__` (it converts its output to MLX arrays).
+The tokenizer is transformers' own (`AutoTokenizer`, as the Normalizer's); the image and video
+processors are Qwen-VL's in numpy and PIL (`qwen_vl.py`): transformers' need torch, and mlx-vlm's
+torch-free ones cannot be imported without loading MLX, which the server's process never does
+when its engine runs in a process of its own (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 from mlx_relay.media.errors import MediaDecodeError
 from mlx_relay.media.expand import MediaSlot, PromptVocab, video_group_timestamps
 from mlx_relay.media.items import DecodedImage, DecodedVideo
+from mlx_relay.media.qwen_vl import ImageProcessor, VideoProcessor, load_processors
 
 __all__ = ["VisionProcessor", "load_vision_processor"]
 
@@ -27,8 +28,8 @@ __all__ = ["VisionProcessor", "load_vision_processor"]
 class VisionProcessor:
     """The parts of a checkpoint's processor the MediaRouter uses."""
 
-    image_processor: Any
-    video_processor: Any
+    image_processor: ImageProcessor
+    video_processor: VideoProcessor
     tokenizer: Any
     vocab: PromptVocab
 
@@ -36,7 +37,7 @@ class VisionProcessor:
     def video_frame_bounds(self) -> tuple[int, int | None]:
         """The checkpoint's (min_frames, max_frames) for a video."""
         vp = self.video_processor
-        return int(getattr(vp, "min_frames", 1) or 1), getattr(vp, "max_frames", None)
+        return int(vp.min_frames or 1), vp.max_frames
 
     def preprocess_images(self, images: Sequence[DecodedImage], labels: Sequence[str]
                           ) -> tuple[np.ndarray, np.ndarray, list[MediaSlot]]:
@@ -47,7 +48,7 @@ class VisionProcessor:
         for image, label in zip(images, labels, strict=True):
             chw = np.ascontiguousarray(image.pixels.transpose(2, 0, 1))
             try:
-                out = self.image_processor(images=[chw])
+                out = self.image_processor([chw])
             except ValueError as exc:  # e.g. an aspect ratio past 200:1
                 raise MediaDecodeError(f"{label}: cannot be preprocessed: {exc}") from None
             pixels.append(np.asarray(out["pixel_values"]))
@@ -61,13 +62,13 @@ class VisionProcessor:
         """`pixel_values_videos`, `video_grid_thw` (n, 3) and each video's slot (with timestamps)."""
         vp = self.video_processor
         merge = int(vp.merge_size)
-        tps = int(getattr(vp, "temporal_patch_size", 2))
+        tps = vp.temporal_patch_size
         pixels: list[np.ndarray] = []
         grids: list[np.ndarray] = []
         slots: list[MediaSlot] = []
         for video, label in zip(videos, labels, strict=True):
             try:
-                out = vp(videos=[video.frames])
+                out = vp([video.frames])
             except ValueError as exc:  # e.g. frames smaller than one merged patch
                 raise MediaDecodeError(f"{label}: cannot be preprocessed: {exc}") from None
             grid = np.asarray(out["video_grid_thw"], dtype=np.int64)
@@ -81,14 +82,6 @@ class VisionProcessor:
         return np.concatenate(pixels, axis=0), np.concatenate(grids, axis=0), slots
 
 
-def _import_model_package(model_path: Path) -> None:
-    """Import mlx-vlm's package for the checkpoint's model type: it patches AutoProcessor."""
-    from mlx_vlm.utils import get_model_and_args
-
-    config = json.loads((model_path / "config.json").read_text())
-    get_model_and_args(config, model_path)
-
-
 def checkpoint_has_vision(model_path: Path) -> bool:
     """Whether the checkpoint declares a vision tower (text-only checkpoints have no processor)."""
     config = json.loads((model_path / "config.json").read_text())
@@ -97,18 +90,13 @@ def checkpoint_has_vision(model_path: Path) -> bool:
 
 def load_vision_processor(model_path: Path) -> VisionProcessor:
     """Load the checkpoint's processor (local files only when HF_HUB_OFFLINE=1). Worker thread."""
-    from mlx_vlm.utils import load_processor
+    from transformers import AutoTokenizer  # (as the Normalizer's: transformers loads when the model does)
 
-    _import_model_package(model_path)
-    processor = load_processor(str(model_path), add_detokenizer=False)
-    tokenizer = processor.tokenizer
-    image_processor = processor.image_processor
-    video_processor = getattr(processor, "video_processor", None) or image_processor
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    image_processor, video_processor = load_processors(model_path)
 
-    def token(name: str, attr: str) -> int:
-        value = getattr(processor, attr, None)
-        if value is None:
-            value = tokenizer.convert_tokens_to_ids(name)
+    def token(name: str) -> int:
+        value = tokenizer.convert_tokens_to_ids(name)
         if value is None or value == getattr(tokenizer, "unk_token_id", -1):
             raise ValueError(f"{model_path}: the tokenizer has no {name} token")
         return int(value)
@@ -120,10 +108,10 @@ def load_vision_processor(model_path: Path) -> VisionProcessor:
         return list(tokenizer.encode(prefix + text, add_special_tokens=False))
 
     vocab = PromptVocab(
-        image_pad=token("<|image_pad|>", "image_token_id"),
-        video_pad=token("<|video_pad|>", "video_token_id"),
-        vision_start=token("<|vision_start|>", "vision_start_token_id"),
-        vision_end=token("<|vision_end|>", "vision_end_token_id"),
+        image_pad=token("<|image_pad|>"),
+        video_pad=token("<|video_pad|>"),
+        vision_start=token("<|vision_start|>"),
+        vision_end=token("<|vision_end|>"),
         boundaries=frozenset(int(i) for i in tokenizer.added_tokens_decoder),
         retokenize=retokenize,
     )

@@ -1,5 +1,6 @@
 """Plain single-sequence greedy decoding with the raw mlx-vlm loop: the reference that batched,
-speculative and cached paths must match token for token.
+speculative and cached paths must match token for token; and mlx-vlm's processor, the reference
+for the server's own tokenizer and image/video preprocessing.
 
 Run it in its own process (it touches MLX on the calling thread):
     python -m mlx_relay.testing.reference MODEL_DIR MAX_TOKENS < prompts.json > tokens.json
@@ -11,6 +12,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
+
+
+def vlm_processor(model_path: Path) -> Any:
+    """mlx-vlm's processor for the checkpoint (tokenizer, image and video processors), loaded as
+    mlx-vlm loads it: importing the checkpoint's model package installs its torch-free processor
+    (this loads MLX: tests only)."""
+    from mlx_vlm.utils import get_model_and_args, load_processor
+
+    get_model_and_args(json.loads((model_path / "config.json").read_text()), model_path)
+    return load_processor(str(model_path), add_detokenizer=False)
 
 
 def greedy_reference(model_path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -18,7 +30,7 @@ def greedy_reference(model_path: Path, prompts: list[list[int]], max_tokens: int
     import mlx_vlm
     from mlx_vlm.generate.ar import generate_step
 
-    from mlx_relay.engine.loader import eos_token_ids, read_config
+    from mlx_relay.engine.checkpoint import eos_token_ids, read_config
 
     model, _processor = mlx_vlm.load(str(model_path))
     eos = set(eos_token_ids(read_config(model_path)))
@@ -40,7 +52,7 @@ def sparse_greedy_reference(model_path: Path, prompt: list[int], kept: list[int]
     import mlx.core as mx
     import mlx_vlm
 
-    from mlx_relay.engine.loader import eos_token_ids, read_config
+    from mlx_relay.engine.checkpoint import eos_token_ids, read_config
 
     model, _processor = mlx_vlm.load(str(model_path))
     lm = model.language_model

@@ -1,0 +1,61 @@
+"""What a checkpoint's files say, read without MLX: where it is, its config, its context length,
+its end-of-sequence ids, whether it carries an MTP head. The server's process uses these (its
+engine may run in another process, where `loader.py` loads the model with MLX)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mlx_relay.errors import ModelLoadError
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local checkpoint directory, or a Hub repo id fetched into the local HF cache."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(
+                snapshot_download(
+                    model,
+                    allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py"],
+                )
+            )
+        except Exception as exc:
+            raise ModelLoadError(f"{model} is neither a local directory nor a reachable Hub repo: {exc}") from exc
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a model checkpoint (no config.json)")
+    return path.resolve()
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
+
+
+def context_length(config: dict[str, Any]) -> int:
+    text = config.get("text_config", config)
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length"):
+        if key in text:
+            return int(text[key])
+    return 4096
+
+
+def eos_token_ids(config: dict[str, Any]) -> list[int]:
+    eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def has_mtp_weights(path: Path) -> bool:
+    """Whether the checkpoint carries an `mtp.*` head (reads only the safetensors headers)."""
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        if any(key.startswith("mtp.") for key in header):
+            return True
+    return False
