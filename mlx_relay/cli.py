@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "e.g. for Claude Code's claude-* names)")
     serve.add_argument("--tool-parser", choices=TOOL_FORMATS, default=None,
                        help="the model's tool-call syntax (default: inferred from the chat template)")
+    serve.add_argument("--tool-grammar", choices=("lazy", "off"), default="lazy",
+                       help="tool_choice auto with tools declared: hold every call the model opens to a declared "
+                            "tool and its schema (lazy, the default; those requests decode without MTP) or leave "
+                            "the calls free and keep MTP (off; a malformed call reaches the client as written)")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting for a slot before new ones get 429 (default 64)")
@@ -325,6 +329,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_image_pixels=args.max_image_pixels,
         max_video_frames=args.max_video_frames,
         tool_parser=args.tool_parser,
+        tool_grammar=args.tool_grammar,
         render_timeout_s=args.render_timeout,
         allow_request_chat_template=args.allow_request_chat_template,
         max_request_bytes=args.max_request_bytes,

@@ -165,6 +165,11 @@ class PromptConfig(msgspec.Struct, frozen=True):
     the operator allows them, then sandboxed in a process of their own with a time limit."""
 
     tool_parser: str | None = None  # the model's tool-call syntax; None: inferred from the chat template
+    # tool_choice "auto" with tools declared: "lazy" holds every call the model opens to a declared
+    # tool and its schema (a grammar from the call's first tag on; such rows decode without MTP,
+    # whose lane applies no grammar yet), "off" leaves auto calls free (MTP stays on; a malformed
+    # call is delivered as written and counted)
+    tool_grammar: Literal["lazy", "off"] = "lazy"
     small_workers: int = 4  # renders of prompts up to `large_prompt_bytes` at once
     large_workers: int = 1  # renders of larger prompts at once (each holds a CPU core while tokenizing)
     large_prompt_bytes: int = 256 * 1024

@@ -201,6 +201,7 @@ class Relay:
             self.service = ChatService(actors, info, SamplingDefaults.from_generation_config(gen_cfg),
                                        default_max_tokens=cfg.default_max_tokens,
                                        max_tokens_policy=cfg.limits.max_tokens_policy,
+                                       tool_grammar=cfg.prompts.tool_grammar,
                                        metrics=self.metrics.requests)
             if cfg.engine.warmup:
                 await self._set_state("warming")

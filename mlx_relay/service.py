@@ -153,6 +153,7 @@ class Admitted:
 class ChatService:
     def __init__(self, actors: Actors, info: ModelInfo, defaults: SamplingDefaults, *, default_max_tokens: int,
                  max_tokens_policy: Literal["error", "clamp"] = "clamp",
+                 tool_grammar: Literal["lazy", "off"] = "lazy",
                  metrics: RequestMetrics | None = None) -> None:
         self.actors = actors
         self.gpu = actors.gpu
@@ -162,6 +163,7 @@ class ChatService:
         self.defaults = defaults
         self.default_max_tokens = default_max_tokens
         self.max_tokens_policy = max_tokens_policy
+        self.tool_grammar = tool_grammar
         self.metrics = metrics
         self._ids = itertools.count(1)
 
@@ -260,9 +262,10 @@ class ChatService:
 
     def _render_msg(self, req: ChatRequest, max_prompt_tokens: int) -> Render:
         constraint = None
-        # forced calls, structured output, or tools the model may call (`auto`: a lazy grammar)
+        # forced calls, structured output, or tools the model may call (`auto`: a lazy grammar,
+        # unless the server leaves auto calls free: `--tool-grammar off`)
         if forced_tools(req) or (req.response_format and req.response_format.type != "text") or \
-                (req.tools and req.tool_choice == "auto"):
+                (req.tools and req.tool_choice == "auto" and self.tool_grammar == "lazy"):
             constraint = OutputConstraint(response_format=req.response_format, tools=req.tools,
                                           tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
         if req.prompt is not None:

@@ -62,3 +62,18 @@ async def test_the_relay_measures_a_rounds_cost_at_warm_up_and_plans_by_it(fp32_
     planned = after["planned"] - before["planned"]
     assert planned == (1 if 2 / cost > 1 else 0)
     assert (result.mtp_drafted > 0) == (planned == 1)
+
+
+async def test_tool_grammar_off_keeps_mtp_for_auto_tool_requests(fp32_model: Path) -> None:
+    """`--tool-grammar lazy` (the default) holds auto calls to a grammar, and a row with a grammar
+    decodes in the plain lane; `off` leaves auto calls free, so a request with tools keeps MTP."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+    ask = [{"role": "user", "content": "look it up"}]
+    async with Relay.start(fp32_model, max_num_seqs=2, mtp_policy="always", warmup=False,
+                           tool_grammar="off") as relay:
+        free = await relay.chat(ask, tools=tools, max_tokens=8, temperature=0)
+    assert free.mtp_drafted > 0
+    async with Relay.start(fp32_model, max_num_seqs=2, mtp_policy="always", warmup=False) as relay:
+        held = await relay.chat(ask, tools=tools, max_tokens=8, temperature=0)
+    assert held.mtp_drafted == 0
