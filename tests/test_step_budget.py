@@ -42,10 +42,9 @@ def test_shares_are_max_min_fair() -> None:
     assert prefill_budget(8, 100) == 8
     assert split_by_rows([2, 1, 0], 48) == [32, 16, 0]
     assert split_by_rows([0, 0], 48) == [0, 0]
-    assert step_budget(None, 2048, "cuda") == 2048
-    assert step_budget(None, 2048, "cpu") == 256
-    assert step_budget(None, 64, "cpu") == 64
-    assert step_budget(100, 2048, "cpu") == 100
+    assert step_budget(None, 2048, "cuda", 32) == 2080  # a GPU: chunks as long as without a budget
+    assert step_budget(None, 2048, "cpu", 32) == 256
+    assert step_budget(100, 2048, "cpu", 32) == 100
 
 
 @pytest.mark.parametrize(("long_mtp", "short_mtp"), [(False, False), (True, True), (True, False)],

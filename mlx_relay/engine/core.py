@@ -91,7 +91,8 @@ class EngineCore:
         self._vocab_size = info.vocab_size
         lm = loaded.model.language_model
         # the step's token budget: decoding rows first, prefill chunks in what is left
-        self.token_budget = step_budget(config.max_num_batched_tokens, config.prefill_step_size, info.backend)
+        self.token_budget = step_budget(config.max_num_batched_tokens, config.prefill_step_size, info.backend,
+                                        config.max_num_seqs * max(1, config.mtp_block_size))
         self.lanes: dict[LaneName, Lane] = {
             "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
                                prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids,

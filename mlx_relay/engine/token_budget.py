@@ -66,9 +66,10 @@ def split_by_rows(rows: Sequence[int], budget: int) -> list[int]:
 CPU_BUDGET = 256  # the CPU backend's default budget (EngineConfig.max_num_batched_tokens)
 
 
-def step_budget(configured: int | None, prefill_step_size: int, backend: str) -> int:
-    """The step's token budget: as configured, else `prefill_step_size` on a GPU and
-    `CPU_BUDGET` (at most `prefill_step_size`) on the CPU backend."""
+def step_budget(configured: int | None, prefill_step_size: int, backend: str, decode_max: int) -> int:
+    """The step's token budget: as configured; else on the CPU backend `CPU_BUDGET`, and on a
+    GPU no limit beyond the prefill's own (`prefill_step_size` plus `decode_max`, the most
+    tokens the decoding rows can take: prefill chunks as long as before the budget existed)."""
     if configured is not None:
         return max(1, configured)
-    return min(CPU_BUDGET, prefill_step_size) if backend == "cpu" else max(1, prefill_step_size)
+    return CPU_BUDGET if backend == "cpu" else max(1, prefill_step_size) + max(0, decode_max)
