@@ -52,10 +52,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # A decoding row waits between two tokens on at most this many prompt tokens of others'
     # prefill; smaller: steadier decoding and shorter first tokens for short requests while long
     # prompts prefill, longer prefill for the long prompts (more steps, each with the decode
-    # rows' step). None: 256 on the CPU backend, where a prompt token costs ~3-6 ms
-    # (relay-tiny-agent's GatedDeltaNet prefill runs token by token there); on a GPU no limit
-    # beyond prefill_step_size (the decoding rows' tokens on top), until the GPU probe
-    # (benchmarks/gpu/device_short_behind_long.sh) says which budget to default to
+    # rows' step). None: 128 on the CPU backend (two 64-token chunks of the GatedDeltaNet prefill,
+    # whose every call costs a whole chunk there: ~25-70 ms per layer on a loaded 2-core box);
+    # on a GPU no limit beyond prefill_step_size (the decoding rows' tokens on top), until the
+    # GPU probe (benchmarks/gpu/device_short_behind_long.sh) says which budget to default to
     max_num_batched_tokens: int | None = None
     # the plain lane's decode step as one compiled function (`engine/decode_step.py`); off: the
     # same function run eagerly (for debugging: same tokens, slower)

@@ -37,13 +37,17 @@ def test_shares_are_max_min_fair() -> None:
     assert fair_shares([0, 100], 48) == [0, 48]
     assert fair_shares([100, 100, 100], 2) == [1, 1, 1]  # every row goes on
     assert sum(fair_shares([7, 30, 600, 9000], 256)) == 256
+    # long rows' shares in whole chunks of the GatedDeltaNet prefill (64), short ones whole
+    assert fair_shares([22, 9000, 9000], 256, 64) == [22, 64, 64]
+    assert fair_shares([100, 9000], 256, 64) == [100, 128]
+    assert fair_shares([9000, 9000], 100, 64) == [50, 50]
     assert prefill_budget(48, 2) == 46
     assert prefill_budget(48, 100) == 16  # prefill goes on however many rows decode
     assert prefill_budget(8, 100) == 8
     assert split_by_rows([2, 1, 0], 48) == [32, 16, 0]
     assert split_by_rows([0, 0], 48) == [0, 0]
     assert step_budget(None, 2048, "cuda", 32) == 2080  # a GPU: chunks as long as without a budget
-    assert step_budget(None, 2048, "cpu", 32) == 256
+    assert step_budget(None, 2048, "cpu", 32) == 128
     assert step_budget(100, 2048, "cpu", 32) == 100
 
 

@@ -62,7 +62,7 @@ from mlx_relay.engine.row_prefill import RowPrefill
 from mlx_relay.engine.sampling import RowSampler, processed_logprobs
 from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
 from mlx_relay.engine.stage_forward import StageForward
-from mlx_relay.engine.token_budget import fair_shares
+from mlx_relay.engine.token_budget import PREFILL_GRANULE, fair_shares
 
 
 @dataclass
@@ -288,7 +288,7 @@ class MTPLane:
         for row in rows:
             assert row.pre is not None
             needs.append(row.pre.next_end(self.prefill_step_size) - row.pre.done)
-        takes = [needs[0]] + [0] * (len(rows) - 1) if budget is None else fair_shares(needs, budget)
+        takes = [needs[0]] + [0] * (len(rows) - 1) if budget is None else fair_shares(needs, budget, PREFILL_GRANULE)
         joined, tokens = [], 0
         for row, take in zip(rows, takes, strict=True):
             if take <= 0:

@@ -43,6 +43,7 @@ from mlx_relay.engine.batch_caches import as_batch_caches, extend_caches, take_r
 from mlx_relay.engine.row_prefill import RowPrefill
 from mlx_relay.engine.snapshots import Snapshot, snapshot_caches
 from mlx_relay.engine.stage_forward import ModelForward
+from mlx_relay.engine.token_budget import PREFILL_GRANULE
 
 
 @dataclass
@@ -177,8 +178,9 @@ class PrefillBatch:
         """The longest chunk `rows` rows run at: the longest length within the token budget (or
         `budget`, when smaller: the engine step's share), the shortest length if none is."""
         limit = self.token_budget if budget is None else max(1, min(budget, self.token_budget))
-        if self.lengths is None:
-            return max(1, limit // rows)
+        if self.lengths is None:  # exact shapes: a multiple of the GatedDeltaNet prefill's chunk
+            n = max(1, limit // rows)
+            return n - n % PREFILL_GRANULE if n >= PREFILL_GRANULE else n
         within = [n for n in self.lengths if n * rows <= limit]
         return within[-1] if within else self.lengths[0]
 

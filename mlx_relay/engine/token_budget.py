@@ -23,6 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 MIN_PREFILL_TOKENS = 16  # the prefill's floor per step (the smallest chunk length of fixed shapes)
+# mlx-vlm's chunked GatedDeltaNet prefill (off Metal) pads every call to a multiple of 64 tokens
+# and solves each 64-token chunk in 64 sequential steps: a row's share is cut to a multiple of
+# this when it is at least this long, so no step pays for a padded chunk it could have filled
+PREFILL_GRANULE = 64
 
 
 def prefill_budget(budget: int, decode_tokens: int) -> int:
@@ -31,10 +35,17 @@ def prefill_budget(budget: int, decode_tokens: int) -> int:
     return max(budget - decode_tokens, min(budget, MIN_PREFILL_TOKENS))
 
 
-def fair_shares(needs: Sequence[int], budget: int) -> list[int]:
+def granular(share: int, need: int, granule: int = PREFILL_GRANULE) -> int:
+    """A share cut down to a multiple of `granule` when it is at least that and less than the
+    row needs (a row that finishes takes what it needs)."""
+    return share if share >= need or share < granule else share - share % granule
+
+
+def fair_shares(needs: Sequence[int], budget: int, granule: int = 1) -> list[int]:
     """Max-min fair split of `budget` tokens over rows that need `needs` tokens each: rows needing
     less than an equal share get all they need, the rest split what is left equally (the
-    remainder to the earliest rows). Every row with a need gets at least 1 token."""
+    remainder to the earliest rows), each cut to a multiple of `granule` (`granular`). Every
+    row with a need gets at least 1 token."""
     shares = [0] * len(needs)
     left = max(budget, 0)
     open_rows = sorted((i for i, n in enumerate(needs) if n > 0), key=lambda i: needs[i])
@@ -44,7 +55,7 @@ def fair_shares(needs: Sequence[int], budget: int) -> list[int]:
         if not small:
             extra = left - equal * len(open_rows)
             for j, i in enumerate(sorted(open_rows)):
-                shares[i] = max(1, equal + (1 if j < extra else 0))
+                shares[i] = granular(max(1, equal + (1 if j < extra else 0)), needs[i], granule)
             break
         for i in small:
             shares[i] = needs[i]
@@ -63,7 +74,7 @@ def split_by_rows(rows: Sequence[int], budget: int) -> list[int]:
     return [max(1, budget * n // total) if n else 0 for n in rows]
 
 
-CPU_BUDGET = 256  # the CPU backend's default budget (EngineConfig.max_num_batched_tokens)
+CPU_BUDGET = 128  # the CPU backend's default budget (EngineConfig.max_num_batched_tokens): two GatedDeltaNet chunks
 
 
 def step_budget(configured: int | None, prefill_step_size: int, backend: str, decode_max: int) -> int:
