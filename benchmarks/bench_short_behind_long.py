@@ -182,6 +182,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     loads = {"before": load()}
+    env = msgspec.to_builtins(environment())  # the commit that runs, before anything changes it
     rows: list[dict[str, Any]] = []
     raws = []
     for j, b in enumerate(args.budget):
@@ -194,7 +195,7 @@ def main() -> None:
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        doc = {"environment": msgspec.to_builtins(environment()), "load": loads, "args": vars(args) | {"out": None},
+        doc = {"environment": env, "load": loads, "args": vars(args) | {"out": None},
                "rows": rows, "raw": raws}
         (args.out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
         (args.out / "results.md").write_text(f"load average (1, 5, 15 min) before: {loads['before']}, "
