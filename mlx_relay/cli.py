@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens one engine step runs: decoding rows first, prefill chunks in the rest, "
                             "shared equally by the prompts prefilling, so a running stream waits on at most "
                             "this much of others' prefill and a short prompt passes long ones (default: "
-                            "128 on CPU; on a GPU no limit beyond --prefill-step-size)")
+                            "256 on CPU; on a GPU no limit beyond --prefill-step-size)")
     serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
     serve.add_argument("--default-max-tokens", type=int, default=4096,
                        help="max_tokens when a request gives none (default 4096)")

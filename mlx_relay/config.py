@@ -52,8 +52,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # A decoding row waits between two tokens on at most this many prompt tokens of others'
     # prefill; smaller: steadier decoding and shorter first tokens for short requests while long
     # prompts prefill, longer prefill for the long prompts (more steps, each with the decode
-    # rows' step). None: 128 on the CPU backend (two 64-token chunks of the GatedDeltaNet prefill,
-    # whose every call costs a whole chunk there: ~25-70 ms per layer on a loaded 2-core box);
+    # rows' step). None: 256 on the CPU backend (four 64-token chunks of the GatedDeltaNet prefill,
+    # whose every call costs a whole chunk there: ~25-70 ms per layer on a loaded 2-core box; 128
+    # prefilled two 18K prompts 1.5x slower, benchmarks/results/short-behind-long-cpu-2026-11-26/);
     # on a GPU no limit beyond prefill_step_size (the decoding rows' tokens on top), until the
     # GPU probe (benchmarks/gpu/device_short_behind_long.sh) says which budget to default to
     max_num_batched_tokens: int | None = None

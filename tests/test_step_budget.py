@@ -47,7 +47,7 @@ def test_shares_are_max_min_fair() -> None:
     assert split_by_rows([2, 1, 0], 48) == [32, 16, 0]
     assert split_by_rows([0, 0], 48) == [0, 0]
     assert step_budget(None, 2048, "cuda", 32) == 2080  # a GPU: chunks as long as without a budget
-    assert step_budget(None, 2048, "cpu", 32) == 128
+    assert step_budget(None, 2048, "cpu", 32) == 256
     assert step_budget(100, 2048, "cpu", 32) == 100
 
 

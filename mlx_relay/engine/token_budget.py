@@ -74,7 +74,7 @@ def split_by_rows(rows: Sequence[int], budget: int) -> list[int]:
     return [max(1, budget * n // total) if n else 0 for n in rows]
 
 
-CPU_BUDGET = 128  # the CPU backend's default budget (EngineConfig.max_num_batched_tokens): two GatedDeltaNet chunks
+CPU_BUDGET = 256  # the CPU backend's default budget (EngineConfig.max_num_batched_tokens): four GatedDeltaNet chunks
 
 
 def step_budget(configured: int | None, prefill_step_size: int, backend: str, decode_max: int) -> int:
