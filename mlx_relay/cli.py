@@ -83,7 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting for a slot before new ones get 429 (default 64)")
-    serve.add_argument("--prefill-step-size", type=int, default=2048, help="prefill chunk in tokens (default 2048)")
+    serve.add_argument("--prefill-step-size", type=int, default=2048,
+                       help="the longest prefill chunk in tokens, its rows together (default 2048)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens one engine step runs: decoding rows first, prefill chunks in the rest, "
+                            "shared equally by the prompts prefilling, so a running stream waits on at most "
+                            "this much of others' prefill and a short prompt passes long ones (default: "
+                            "256 on CPU; on a GPU no limit beyond --prefill-step-size)")
     serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
     serve.add_argument("--default-max-tokens", type=int, default=4096,
                        help="max_tokens when a request gives none (default 4096)")
@@ -289,6 +295,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_num_seqs=args.max_num_seqs,
         prefill_batch_size=args.prefill_batch_size,
         prefill_step_size=args.prefill_step_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         warmup=not args.no_warmup,
         compile_decode=not args.no_compile,
         compile_mtp=not args.no_compile_mtp,

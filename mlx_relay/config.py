@@ -44,7 +44,20 @@ class EngineConfig(msgspec.Struct, frozen=True):
     model_path: str
     max_num_seqs: int = 16
     prefill_batch_size: int = 8
-    prefill_step_size: int = 2048
+    prefill_step_size: int = 2048  # the longest prefill chunk (tokens) a step runs, all its rows together
+    # the engine step's token budget (`engine/token_budget.py`, vLLM's max_num_batched_tokens):
+    # decoding rows first (a plain row 1 token, an MTP row its verify block), then prefill chunks
+    # in what is left (at least 16 tokens), shared equally by the rows prefilling (a short prompt
+    # runs whole beside long ones' smaller chunks), each chunk also at most prefill_step_size.
+    # A decoding row waits between two tokens on at most this many prompt tokens of others'
+    # prefill; smaller: steadier decoding and shorter first tokens for short requests while long
+    # prompts prefill, longer prefill for the long prompts (more steps, each with the decode
+    # rows' step). None: 256 on the CPU backend (four 64-token chunks of the GatedDeltaNet prefill,
+    # whose every call costs a whole chunk there: ~25-70 ms per layer on a loaded 2-core box; 128
+    # prefilled two 18K prompts 1.5x slower, benchmarks/results/short-behind-long-cpu-2026-11-26/);
+    # on a GPU no limit beyond prefill_step_size (the decoding rows' tokens on top), until the
+    # GPU probe (benchmarks/gpu/device_short_behind_long.sh) says which budget to default to
+    max_num_batched_tokens: int | None = None
     # the plain lane's decode step as one compiled function (`engine/decode_step.py`); off: the
     # same function run eagerly (for debugging: same tokens, slower)
     compile_decode: bool = True
@@ -105,6 +118,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     pipeline: PipelineConfig = PipelineConfig()
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("EngineConfig.max_num_batched_tokens must be at least 1")
         if not 0.0 <= self.prefix_cache_preload <= 1.0:
             raise ValueError("EngineConfig.prefix_cache_preload must be in [0, 1]")
         if self.pipeline.enabled and self.prefix_cache_dir is not None:

@@ -1,7 +1,8 @@
 """The engine core: one step is schedule -> execute -> update (GPU thread only).
 
     plan = scheduler.schedule()      # StepPlan: which rows join which lane, which are scored
-    executed = self._execute(plan)   # rows start in their lanes; each lane steps once; a draft chunk
+    executed = self._execute(plan)   # rows start in their lanes; each lane steps once within the
+                                     # step's token budget (token_budget.py: decodes first); a draft chunk
     return self._update(executed)    # output stage: text, stops, endings; rows leave their lanes
 
 vLLM v1's `EngineCore.step` and nano-vllm's `step` have this shape. The pieces, one module each:
@@ -62,6 +63,7 @@ from mlx_relay.engine.scheduler import Scheduler, StepPlan
 from mlx_relay.engine.scoring import ScoringStage
 from mlx_relay.engine.snapshot_codec import CacheLayout, decode, encode, probe_layout
 from mlx_relay.engine.snapshots import Snapshot, SnapshotPool
+from mlx_relay.engine.token_budget import prefill_budget, split_by_rows, step_budget
 from mlx_relay.errors import GenerationFailed
 from mlx_relay.memory import release_freed_memory
 from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, SamplingParams, TokenDelta, WarmupReport
@@ -89,6 +91,9 @@ class EngineCore:
         self._tokenizer = tok
         self._vocab_size = info.vocab_size
         lm = loaded.model.language_model
+        # the step's token budget: decoding rows first, prefill chunks in what is left
+        self.token_budget = step_budget(config.max_num_batched_tokens, config.prefill_step_size, info.backend,
+                                        config.max_num_seqs * max(1, config.mtp_block_size))
         self.lanes: dict[LaneName, Lane] = {
             "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
                                prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids,
@@ -99,7 +104,8 @@ class EngineCore:
         if not prefix_cache and stage is None:
             self.lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
                                                 prefill_batch_size=config.prefill_batch_size,
-                                                prefill_step_size=config.prefill_step_size)
+                                                prefill_step_size=min(config.prefill_step_size,
+                                                                      self.token_budget))
         mtp_block = None
         if config.mtp and info.has_mtp and config.mtp_max_batch > 0:
             # a pipeline stage verifies with the batched forward: mlx-vlm's exact verifier runs the
@@ -115,7 +121,8 @@ class EngineCore:
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs, mtp_block=mtp_block,
                                    mtp_max_batch=config.mtp_max_batch,
                                    own_prefill=prefix_cache or stage is not None)
-        self.scoring = ScoringStage(draft_model, tok, config.prefill_step_size)
+        # the draft (a much smaller model) reads at most a budget's worth of a prompt per step
+        self.scoring = ScoringStage(draft_model, tok, min(config.prefill_step_size, self.token_budget))
         self.output = OutputStage()
         self.chains = LogitsChains(tok, info.vocab_size, info.eos_token_ids, config.seed)
         self.snapshots = SnapshotPool()
@@ -124,6 +131,7 @@ class EngineCore:
         self._rows: dict[int, Row] = {}  # every row the engine holds, by id
         self._mtp_totals = [0, 0, 0, 0]  # rounds, drafted, accepted, eager rounds (compiled round on)
         self._prefill_totals = [0, 0]  # chunks, rows
+        self.prefill_tokens = 0  # prompt tokens the lanes' prefill ran, padding included (all steps)
         # what MLX may keep cached while idle (EngineConfig.idle_cache_bytes)
         self._cuda = CudaMemory.open() if info.backend == "cuda" else None  # the driver's pool, beside MLX
         self._idle_cache_bytes = next((b for b in (config.idle_cache_bytes, config.cache_limit_bytes) if b is not None),
@@ -279,11 +287,12 @@ class EngineCore:
                     raise
                 log.exception("request %s could not join the batch", row.req.request_id)
                 executed.failed.append((row, GenerationFailed("could not start the generation")))
+        shares = self._prefill_shares()
         for name, lane in self.lanes.items():
             if not lane.has_work:
                 continue
             try:
-                executed.steps.append(lane.step())
+                executed.steps.append(lane.step(shares.get(name)))
             except BaseException as exc:
                 if not is_failure(exc):  # native panics are failures too; control flow is not
                     raise
@@ -292,6 +301,15 @@ class EngineCore:
                                     for row in self.scheduler.running.values() if row.lane == name]
                 lane.clear()
         return executed
+
+    def _prefill_shares(self) -> dict[LaneName, int]:
+        """Each lane's prefill tokens this step: the budget less every lane's decoding tokens,
+        split over the lanes by the rows each has prefilling (`token_budget.py`)."""
+        lanes = [(name, lane) for name, lane in self.lanes.items() if lane.has_work]
+        decode = sum(lane.decode_tokens for _, lane in lanes)
+        budget = prefill_budget(self.token_budget, decode)
+        split = split_by_rows([lane.prefilling for _, lane in lanes], budget)
+        return {name: share for (name, _), share in zip(lanes, split, strict=True)}
 
     def _update(self, executed: _Executed, out: StepOutput) -> None:
         for row, error in executed.failed:
@@ -303,6 +321,7 @@ class EngineCore:
             totals[1] += lane_step.mtp_drafted
             totals[2] += lane_step.mtp_accepted
             totals[3] += lane_step.mtp_fallback_rounds
+            self.prefill_tokens += lane_step.prefill_tokens
             if lane_step.prefill_rows:
                 self._prefill_totals[0] += 1
                 self._prefill_totals[1] += lane_step.prefill_rows

@@ -2,9 +2,11 @@
 (GPU thread only).
 
 A lane decodes a set of rows in one batch: `add` queues a row (from scratch or restored from a
-snapshot, with snapshot points), `step` runs one decode step of its joined rows and at most one
-prefill chunk of a joining row, `extract` copies a row's whole state (its turn snapshot),
-`remove` lets a row go, `clear` drops everything (after a failed step). Three lanes exist:
+snapshot, with snapshot points), `step` runs one decode step of its joined rows and then prefill
+chunks of its joining rows within the step's prefill budget (`token_budget.py`; the engine gives
+each lane its share after counting `decode_tokens` of every lane), `extract` copies a row's
+whole state (its turn snapshot), `remove` lets a row go, `clear` drops everything (after a
+failed step). Three lanes exist:
 `mtp_lane.MTPLane` (text rows with MTP speculative decoding), `plain_lane.PlainLane` (our own
 restorable prefill, then mlx-vlm's `GenerationBatch`) and `library_lane.LibraryLane` (mlx-vlm's
 `BatchGenerator`, which prefills joining rows together: used with the prefix cache off).
@@ -57,6 +59,7 @@ class LaneStep:
     tokens: list[RowTokens] = field(default_factory=list)
     snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (row, snapshot) taken in prefill
     prefill_rows: int = 0  # rows in this step's prefill chunk (0: none ran)
+    prefill_tokens: int = 0  # prompt tokens the step's prefill ran (padding included)
     mtp_rounds: int = 0
     mtp_drafted: int = 0
     mtp_accepted: int = 0
@@ -71,9 +74,19 @@ class Lane(Protocol):
 
     def __len__(self) -> int: ...
 
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens the lane's decoding rows run in one step (counted first against the budget)."""
+        ...
+
+    @property
+    def prefilling(self) -> int:
+        """Rows whose prefill would run this step (the lane's claim on the prefill budget)."""
+        ...
+
     def add(self, spec: RowSpec) -> None: ...
 
-    def step(self) -> LaneStep: ...
+    def step(self, prefill_budget: int | None = None) -> LaneStep: ...
 
     def extract(self, rid: int) -> Snapshot | None: ...
 

@@ -48,6 +48,14 @@ class LibraryLane:
     def has_work(self) -> bool:
         return bool(self._uid_of)
 
+    @property
+    def decode_tokens(self) -> int:
+        return len(self._uid_of)
+
+    @property
+    def prefilling(self) -> int:
+        return 0  # the generator prefills at its own chunk size (the engine caps it at the budget)
+
     def add(self, spec: RowSpec) -> None:
         kwargs = spec.prompt_kwargs
         if kwargs is None:
@@ -78,7 +86,10 @@ class LibraryLane:
     def close(self) -> None:
         self._gen.close()
 
-    def step(self) -> LaneStep:
+    def step(self, prefill_budget: int | None = None) -> LaneStep:
+        """One `next()` of the generator: a decode step of its rows, then (decode first, as our
+        lanes) one prompt chunk of its joining rows at its own chunk size; `prefill_budget` is
+        not the generator's to take."""
         out = LaneStep()
         _, responses = self._gen.next()
         for r in responses:

@@ -27,8 +27,10 @@ EOS / max_tokens and the commit on device, no speculative cache transaction). Sa
 every row under the exact verifier, and every row of a model `MTPStep` does not support keep the
 eager round above (counted in `LaneStep.mtp_fallback_rounds`). Each cohort runs one round per step.
 
-Rows join after their own prefill (prefilled alone, chunk by chunk, then merged into the
+Rows join after their own prefill (each prefilled alone, chunk by chunk, then merged into the
 cohort's batch caches) and leave by filtering the caches, so the cohort never stops for newcomers.
+Joining rows share the step's prefill budget (`token_budget.fair_shares`): a short prompt is not
+held behind a long one's remaining chunks.
 
 Invariant between rounds, per row: the target cache holds every emitted token but the last
 (``bonus``); the head's cache holds the pairs ``(h_i, tok_{i+1})`` up to ``(h_last, bonus)``;
@@ -60,6 +62,7 @@ from mlx_relay.engine.row_prefill import RowPrefill
 from mlx_relay.engine.sampling import RowSampler, processed_logprobs
 from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
 from mlx_relay.engine.stage_forward import StageForward
+from mlx_relay.engine.token_budget import PREFILL_GRANULE, fair_shares
 
 
 @dataclass
@@ -112,7 +115,7 @@ class MTPLane:
         self.eos = frozenset(eos_token_ids)
         self.exact_verify = exact_verify
         self.rows: list[MTPRow] = []  # the cohort, in batch order
-        self.prefilling: list[MTPRow] = []
+        self.prefilling_rows: list[MTPRow] = []
         self._cache: list[Any] | None = None
         self._dcache: list[Any] | None = None
         self._bonus: mx.array | None = None  # [B] int32
@@ -135,14 +138,14 @@ class MTPLane:
         self._fast: MTPState | None = None
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self.fast_rows) + len(self.prefilling)
+        return len(self.rows) + len(self.fast_rows) + len(self.prefilling_rows)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.rows) or bool(self.fast_rows) or bool(self.prefilling)
+        return bool(self.rows) or bool(self.fast_rows) or bool(self.prefilling_rows)
 
     def _all_rows(self) -> tuple[MTPRow, ...]:
-        return (*self.rows, *self.fast_rows, *self.prefilling)
+        return (*self.rows, *self.fast_rows, *self.prefilling_rows)
 
     # -- membership -------------------------------------------------------------------------------
     def add(self, spec: RowSpec) -> None:
@@ -163,8 +166,19 @@ class MTPLane:
         row = next((r for r in self._all_rows() if r.rid == rid), None)
         return (row.drafted, row.accepted) if row is not None else (0, 0)
 
-    def step(self) -> LaneStep:
-        """One round of the cohort, then one prefill chunk of the oldest joining row."""
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens a round of the cohort verifies: a block per row."""
+        return (len(self.rows) + len(self.fast_rows)) * self.k
+
+    @property
+    def prefilling(self) -> int:
+        return len(self.prefilling_rows)
+
+    def step(self, prefill_budget: int | None = None) -> LaneStep:
+        """One round of the cohort, then a prefill chunk of every joining row, the rows sharing
+        `prefill_budget` tokens (`token_budget.fair_shares`; None: the oldest row alone, one
+        `prefill_step_size` chunk)."""
         out = LaneStep()
         for rows, run in ((self.rows, self.round), (self.fast_rows, self.fast_round)):
             if not rows:
@@ -179,13 +193,12 @@ class MTPLane:
                 if tokens:
                     out.tokens.append(RowTokens(row.rid, tokens,
                                                 ending_of(tokens[-1], row.emitted, row.max_tokens, self.eos)))
-        joined = self.prefill_step()
+        joined, out.prefill_tokens = self.prefill_step(prefill_budget)
         for row in self._all_rows():
             if row.snapshots:
                 out.snapshots.extend((row.rid, s) for s in row.snapshots)
                 row.snapshots.clear()
-        if joined is not None:
-            row, token = joined
+        for row, token in joined:
             out.tokens.append(RowTokens(row.rid, [token], ending_of(token, row.emitted, row.max_tokens, self.eos)))
         return out
 
@@ -199,7 +212,7 @@ class MTPLane:
                 row.dcache, row.carry_hidden = restore_caches(restore.head), restore.head_hidden
         pre.snapshot_at = sorted(s for s in snapshot_at if pre.done < s < len(row.prompt))
         row.pre = pre
-        self.prefilling.append(row)
+        self.prefilling_rows.append(row)
 
     def extract(self, rid: int) -> Snapshot | None:
         """The state of a cohort row: every emitted token but the last (target caches only)."""
@@ -220,9 +233,9 @@ class MTPLane:
         return Snapshot(length=length, target=entries, nbytes=nbytes)
 
     def remove(self, rid: int) -> None:
-        for i, row in enumerate(self.prefilling):
+        for i, row in enumerate(self.prefilling_rows):
             if row.rid == rid:
-                del self.prefilling[i]
+                del self.prefilling_rows[i]
                 return
         fast_keep = [i for i, row in enumerate(self.fast_rows) if row.rid != rid]
         if len(fast_keep) < len(self.fast_rows):
@@ -252,7 +265,7 @@ class MTPLane:
 
     def clear(self) -> None:
         self.rows = []
-        self.prefilling = []
+        self.prefilling_rows = []
         self.fast_rows = []
         self._fast = None
         self._reset_cohort()
@@ -261,17 +274,37 @@ class MTPLane:
         self._cache = self._dcache = self._bonus = self._drafts = None
         self._draft_logq = self._seed_hidden = self._dpos = None
 
-    # -- prefill (one chunk of one row per call) ------------------------------------------------
-    def prefill_step(self) -> tuple[MTPRow, int] | None:
-        """Advance the oldest prefilling row by one chunk. Returns (row, first token) when its
-        prompt is done and it has joined the cohort (the first token is then emitted)."""
-        if not self.prefilling:
-            return None
-        row = self.prefilling[0]
+    # -- prefill (a chunk of each joining row per call) ---------------------------------------------
+    def prefill_step(self, budget: int | None = None) -> tuple[list[tuple[MTPRow, int]], int]:
+        """Advance the joining rows: each by a chunk of at most `prefill_step_size` tokens (up to
+        its next snapshot length), together at most `budget` tokens, shared fairly (a short row
+        takes all it needs, the long ones split the rest); None: the oldest row alone. Returns
+        the rows whose prompts are done and have joined the cohort, each with its first token
+        (then emitted), and the tokens prefilled."""
+        if not self.prefilling_rows:
+            return [], 0
+        rows = list(self.prefilling_rows)
+        needs = []
+        for row in rows:
+            assert row.pre is not None
+            needs.append(row.pre.next_end(self.prefill_step_size) - row.pre.done)
+        takes = [needs[0]] + [0] * (len(rows) - 1) if budget is None else fair_shares(needs, budget, PREFILL_GRANULE)
+        joined, tokens = [], 0
+        for row, take in zip(rows, takes, strict=True):
+            if take <= 0:
+                continue
+            assert row.pre is not None
+            tokens += take
+            if (first := self._prefill_chunk(row, row.pre.done + take)) is not None:
+                joined.append((row, first))
+        return joined, tokens
+
+    def _prefill_chunk(self, row: MTPRow, end: int) -> int | None:
+        """Prefill prompt[done:end] of a joining row; its first token when its prompt is done
+        (it has then joined the cohort)."""
         pre = row.pre
         assert pre is not None
         start = pre.done
-        end = pre.next_end(self.prefill_step_size)
         chunk = mx.array([row.prompt[start:end]], dtype=mx.int32)
         out = pre.forward(self._run, end, return_hidden=True, skip_logits=True)
         hidden = out.hidden_states[-1]  # [1, T, H]
@@ -307,14 +340,14 @@ class MTPLane:
         if not final:
             mx.eval([c.state for c in pre.cache], [c.state for c in row.dcache])
             return None
-        self.prefilling.pop(0)
+        self.prefilling_rows.remove(row)
         seed_h = h[:, -1:, :]
         draft, logq = self._propose(seed_h, [row])
         mx.eval(first, draft, [c.state for c in pre.cache], [c.state for c in row.dcache])
         token = int(first.item())
         row.emitted = 1
         self._join(row, first.astype(mx.int32), draft, logq, seed_h)
-        return row, token
+        return token
 
     def _join(self, row: MTPRow, first: mx.array, draft: mx.array, logq: mx.array | None, seed_h: mx.array) -> None:
         assert row.pre is not None

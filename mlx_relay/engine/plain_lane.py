@@ -66,6 +66,14 @@ class PlainLane:
     def has_work(self) -> bool:
         return bool(self.rows)
 
+    @property
+    def decode_tokens(self) -> int:
+        return len(self._batch)
+
+    @property
+    def prefilling(self) -> int:
+        return min(len(self.prefill), self.prefill.max_rows)
+
     def add(self, spec: RowSpec) -> None:
         pre = RowPrefill(prompt=spec.prompt, cache=self.lm.make_cache(), embeds=spec.embeds, positions=spec.positions,
                          rope_delta=spec.rope_delta)
@@ -129,17 +137,18 @@ class PlainLane:
             mx.eval(self._step(mx.zeros((size,), dtype=mx.int32), state))
         return len(sizes)
 
-    def step(self) -> LaneStep:
-        """One decode step of the decoding rows, then one prefill chunk of the joining rows (the
-        rows it finishes join the decode batch; their first tokens come out of its next step)."""
+    def step(self, prefill_budget: int | None = None) -> LaneStep:
+        """One decode step of the decoding rows, then one prefill chunk of the joining rows, of at
+        most `prefill_budget` tokens (the rows it finishes join the decode batch; their first
+        tokens come out of its next step)."""
         out = LaneStep()
         for rid, token in self._batch.step():
             row = self.rows[rid]
             row.emitted += 1
             out.tokens.append(RowTokens(rid, [token], ending_of(token, row.emitted, row.spec.max_tokens, self.eos)))
         if len(self.prefill):
-            chunk = self.prefill.step()
-            out.prefill_rows = chunk.rows
+            chunk = self.prefill.step(prefill_budget)
+            out.prefill_rows, out.prefill_tokens = chunk.rows, chunk.tokens
             out.snapshots.extend(chunk.snapshots)
             if (done := chunk.done) is not None:
                 self._batch.join([r.rid for r in done.rows], done.caches, done.first,

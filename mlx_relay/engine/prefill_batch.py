@@ -12,7 +12,9 @@ one chunk for up to `max_rows` rows *together*, in one forward of the language m
   nothing extra) a chunk is as long as its longest take;
 - each row takes up to the chunk's length, stopping at its next snapshot length (so at a
   boundary its caches hold exactly its prompt's state there, and its snapshot is taken then) or
-  its prompt's end, capped so the chunk holds at most `token_budget` tokens; the chunk is the
+  its prompt's end, capped so the chunk holds at most `token_budget` tokens, or the engine
+  step's prefill share when smaller (`token_budget.py`: a decoding row never waits on more);
+  every row gets the same cap, so a short prompt that joins runs whole beside the long ones; the chunk is the
   shortest length that holds the longest take. A row that takes less is right-padded: the caches'
   public `prepare(lengths, right_padding)` keeps the padding out of its GatedDeltaNet state and
   conv window, and `finalize()` rolls its padded keys into masked left padding, so ragged
@@ -41,6 +43,7 @@ from mlx_relay.engine.batch_caches import as_batch_caches, extend_caches, take_r
 from mlx_relay.engine.row_prefill import RowPrefill
 from mlx_relay.engine.snapshots import Snapshot, snapshot_caches
 from mlx_relay.engine.stage_forward import ModelForward
+from mlx_relay.engine.token_budget import PREFILL_GRANULE
 
 
 @dataclass
@@ -64,6 +67,7 @@ class Prefilled:
 @dataclass
 class PrefillStep:
     rows: int = 0  # rows the chunk ran
+    tokens: int = 0  # tokens the chunk's forward ran: rows x chunk length (padding included)
     done: Prefilled | None = None
     snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (row, snapshot at a boundary)
 
@@ -122,15 +126,17 @@ class PrefillBatch:
         self._caches = []
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self) -> PrefillStep:
-        """Admit waiting rows, then run one chunk for every row in the batch."""
+    def step(self, budget: int | None = None) -> PrefillStep:
+        """Admit waiting rows, then run one chunk for every row in the batch, of at most
+        `budget` tokens (padding included; None or more than `token_budget`: `token_budget`)."""
         out = PrefillStep()
         self._admit()
         if not self.rows:
             return out
         out.rows = len(self.rows)
-        takes = self._takes()  # real tokens per row
+        takes = self._takes(budget)  # real tokens per row
         n = max(takes) if self.lengths is None else next(n for n in self.lengths if n >= max(takes))
+        out.tokens = n * len(self.rows)
         padded = any(t < n for t in takes)
         if padded:
             for c in self._caches:
@@ -168,18 +174,20 @@ class PrefillBatch:
                 extend_caches(self._caches, caches)
             self.rows.append(row)
 
-    def cap(self, rows: int) -> int:
-        """The longest chunk `rows` rows run at: the longest length within the token budget (the
-        shortest length if none is)."""
-        if self.lengths is None:
-            return max(1, self.token_budget // rows)
-        within = [n for n in self.lengths if n * rows <= self.token_budget]
+    def cap(self, rows: int, budget: int | None = None) -> int:
+        """The longest chunk `rows` rows run at: the longest length within the token budget (or
+        `budget`, when smaller: the engine step's share), the shortest length if none is."""
+        limit = self.token_budget if budget is None else max(1, min(budget, self.token_budget))
+        if self.lengths is None:  # exact shapes: a multiple of the GatedDeltaNet prefill's chunk
+            n = max(1, limit // rows)
+            return n - n % PREFILL_GRANULE if n >= PREFILL_GRANULE else n
+        within = [n for n in self.lengths if n * rows <= limit]
         return within[-1] if within else self.lengths[0]
 
-    def _takes(self) -> list[int]:
+    def _takes(self, budget: int | None) -> list[int]:
         """Each row's tokens in this chunk: up to the cap, its next snapshot length, its prompt's
         end."""
-        cap = self.cap(len(self.rows))
+        cap = self.cap(len(self.rows), budget)
         takes = []
         for row in self.rows:
             pre = row.pre

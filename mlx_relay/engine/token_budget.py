@@ -1,0 +1,86 @@
+"""The engine step's token budget (pure functions, no MLX): decodes first, prefill in what is left.
+
+One engine step runs every decoding row once and then prefill chunks; the step lasts as long as
+the tokens it runs, so a row that decodes waits, between two of its tokens, for every prompt token
+prefilled in that step. As vLLM v1's scheduler does (`max_num_batched_tokens`, chunked prefill),
+each step has a budget of tokens: decoding rows are counted first (a plain row 1, an MTP row its
+verify block), and prefill chunks get what is left, never less than `MIN_PREFILL_TOKENS` (so
+prompts go on however many rows decode). A long prompt is cut into chunks no bigger than its
+share, so a running row's next token never waits on a whole long chunk.
+
+Shares: vLLM takes prompts first come first served and caps each long one at
+`long_prefill_token_threshold` so that others fit beside it. Here every prefilling row gets an
+equal share of the step's prefill budget (`fair_shares`: max-min fair), and a row that needs less
+than its share (a short prompt, or a row a snapshot boundary stops early) leaves the rest to the
+others. A short prompt that arrives while long ones prefill therefore runs whole in the next
+step, beside the long ones' smaller chunks, instead of waiting for their remaining chunks; the
+long ones lose only the few tokens it takes, for one step. No threshold is needed: equal shares
+bound every row's chunk by the budget over the rows prefilling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MIN_PREFILL_TOKENS = 16  # the prefill's floor per step (the smallest chunk length of fixed shapes)
+# mlx-vlm's chunked GatedDeltaNet prefill (off Metal) pads every call to a multiple of 64 tokens
+# and solves each 64-token chunk in 64 sequential steps: a row's share is cut to a multiple of
+# this when it is at least this long, so no step pays for a padded chunk it could have filled
+PREFILL_GRANULE = 64
+
+
+def prefill_budget(budget: int, decode_tokens: int) -> int:
+    """The tokens prefill may run this step: what decoding rows leave of `budget`, at least
+    `MIN_PREFILL_TOKENS` (or the whole budget if it is smaller)."""
+    return max(budget - decode_tokens, min(budget, MIN_PREFILL_TOKENS))
+
+
+def granular(share: int, need: int, granule: int = PREFILL_GRANULE) -> int:
+    """A share cut down to a multiple of `granule` when it is at least that and less than the
+    row needs (a row that finishes takes what it needs)."""
+    return share if share >= need or share < granule else share - share % granule
+
+
+def fair_shares(needs: Sequence[int], budget: int, granule: int = 1) -> list[int]:
+    """Max-min fair split of `budget` tokens over rows that need `needs` tokens each: rows needing
+    less than an equal share get all they need, the rest split what is left equally (the
+    remainder to the earliest rows), each cut to a multiple of `granule` (`granular`). Every
+    row with a need gets at least 1 token."""
+    shares = [0] * len(needs)
+    left = max(budget, 0)
+    open_rows = sorted((i for i, n in enumerate(needs) if n > 0), key=lambda i: needs[i])
+    while open_rows:
+        equal = left // len(open_rows)
+        small = [i for i in open_rows if needs[i] <= equal]
+        if not small:
+            extra = left - equal * len(open_rows)
+            for j, i in enumerate(sorted(open_rows)):
+                shares[i] = granular(max(1, equal + (1 if j < extra else 0)), needs[i], granule)
+            break
+        for i in small:
+            shares[i] = needs[i]
+            left -= needs[i]
+        open_rows = [i for i in open_rows if i not in small]
+    return shares
+
+
+def split_by_rows(rows: Sequence[int], budget: int) -> list[int]:
+    """`budget` split over consumers (lanes) in proportion to the rows each has prefilling, so
+    every prefilling row gets about the same share whichever lane it is in; a consumer with rows
+    gets at least 1 token."""
+    total = sum(rows)
+    if total == 0:
+        return [0] * len(rows)
+    return [max(1, budget * n // total) if n else 0 for n in rows]
+
+
+CPU_BUDGET = 256  # the CPU backend's default budget (EngineConfig.max_num_batched_tokens): four GatedDeltaNet chunks
+
+
+def step_budget(configured: int | None, prefill_step_size: int, backend: str, decode_max: int) -> int:
+    """The step's token budget: as configured; else on the CPU backend `CPU_BUDGET`, and on a
+    GPU no limit beyond the prefill's own (`prefill_step_size` plus `decode_max`, the most
+    tokens the decoding rows can take: prefill chunks as long as before the budget existed)."""
+    if configured is not None:
+        return max(1, configured)
+    return CPU_BUDGET if backend == "cpu" else max(1, prefill_step_size) + max(0, decode_max)
