@@ -86,6 +86,8 @@ def claude_code(sb: Sandbox) -> Run:
 
 
 # -- Codex: a model provider in config.toml with wire_api = "responses", MCP in config.toml, `codex exec`
+# (stream_idle_timeout_ms: Codex gives up on a stream after 5 minutes without an event, SSE comments
+# not counted, and a long prompt's prefill on a CPU takes longer; it then retries from scratch)
 
 def codex(sb: Sandbox) -> Run:
     files: dict[str, str] = {}
@@ -101,6 +103,7 @@ name = "mlx-relay"
 base_url = "{sb.base_url}/v1"
 env_key = "MLX_RELAY_API_KEY"
 wire_api = "responses"
+stream_idle_timeout_ms = 1800000
 
 [mcp_servers.{MCP_SERVER}]
 command = {json.dumps(sb.mcp_command[0])}
@@ -116,28 +119,33 @@ enabled = false
 
 # -- Qwen Code: OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL, `-p`, mcpServers in settings.json
 
-QWEN_SYSTEM = "You are a helpful assistant. Use the tools you are given when the user asks for what they do.\n"
+QWEN_SYSTEM = "You are a helpful assistant. Use the tools you are given when the user asks for what they do."
+# the tools Qwen Code 0.24.4 declares besides its core tools and the MCP ones
+QWEN_EXTRA_TOOLS = ["agent", "get_goal", "update_goal", "list_agents", "skill", "enter_worktree", "exit_worktree",
+                    "record_artifact", "report_findings", "send_message", "task_stop"]
 
 
 def _qwen(sb: Sandbox, slim: bool) -> Run:
     files: dict[str, str] = {}
+    stock: dict[str, object] = {"command": sb.mcp_command[0], "args": sb.mcp_command[1:], "trust": True}
     settings: dict[str, object] = {
         "security": {"auth": {"selectedType": "openai"}},
-        "mcpServers": {MCP_SERVER: {"command": sb.mcp_command[0], "args": sb.mcp_command[1:], "trust": True}},
+        "mcpServers": {MCP_SERVER: stock},
         "privacy": {"usageStatisticsEnabled": False},
         "telemetry": {"enabled": False},
         "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
     }
     env = {"OPENAI_BASE_URL": f"{sb.base_url}/v1", "OPENAI_API_KEY": API_KEY, "OPENAI_MODEL": MODEL}
-    if slim:
-        # Qwen Code's own prompt (41K tokens with its tool declarations) cannot fit the embedded model's
-        # 32K context: a short system prompt (QWEN_SYSTEM_MD) and no built-in tools (tools.core) leave
-        # the MCP tools only.
-        settings["tools"] = {"core": ["__none__"]}
-        env["QWEN_SYSTEM_MD"] = str(_write(sb, ".qwen/system.md", QWEN_SYSTEM, files))
-    _write(sb, ".qwen/settings.json", _json(settings), files)
     argv = [str(sb.bin_dir / "qwen"), "-p", PROMPT, "--output-format", "json"]
-    return Run(argv, env, files, expect_refusal=not slim)
+    if slim:
+        # Qwen Code's own prompt is 31.7K tokens (its system prompt, skills, memory and tool declarations),
+        # the MCP tools behind its tool_search bridge: for a small model, a short system prompt, no built-in
+        # tools, and the MCP tools declared up front (12.9K tokens, most of them its skills and memory notes)
+        stock["alwaysLoadTools"] = True
+        settings["tools"] = {"core": ["__none__"], "exclude": QWEN_EXTRA_TOOLS, "toolSearch": {"enabled": False}}
+        argv += ["--system-prompt", QWEN_SYSTEM]
+    _write(sb, ".qwen/settings.json", _json(settings), files)
+    return Run(argv, env, files)
 
 
 def qwen_code(sb: Sandbox) -> Run:

@@ -194,6 +194,6 @@ def refusal_problem(api: str, text: str) -> str | None:
     err = body.get("error")
     if not isinstance(err, dict) or not isinstance(err.get("message"), str):
         return f"not OpenAI's error shape: {text[:300]}"
-    if "context" not in err["message"]:
-        return f"not a context-length refusal: {err['message'][:200]}"
+    if err.get("code") != "context_length_exceeded" or err.get("param") == "max_tokens":
+        return f"not the refusal of a prompt longer than the context: {err['message'][:200]}"
     return None

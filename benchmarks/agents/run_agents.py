@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -134,12 +135,16 @@ def run_agent(agent: Agent, recorder: Recorder, results: Path, fixtures: Path | 
 
 
 def save_fixtures(folder: Path, agent: Agent, records: list[dict[str, Any]], expect_refusal: bool) -> None:
-    """Each POST the agent made, whole (secrets already redacted by the proxy), and what it got."""
+    """Each POST the agent made, whole (secrets already redacted by the proxy), and what it got; a
+    body sent again as it was (a retry) is kept once."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
+    seen: set[str] = set()
     for r in records:
-        if r["method"] != "POST":
+        key = json.dumps([r["path"], r["body"]], sort_keys=True)
+        if r["method"] != "POST" or key in seen:
             continue
+        seen.add(key)
         fixture = {"agent": agent.name, "package": agent.package, "api": agent.api, "method": r["method"],
                    "path": r["path"], "headers": r["headers"], "body": r["body"],
                    "recorded_status": r.get("status"), "expect_refusal": expect_refusal and r.get("status") == 400}
@@ -171,8 +176,11 @@ def main() -> int:
     ap.add_argument("--results", type=Path, default=None, help="default benchmarks/results/agents-<date>/")
     ap.add_argument("--save-fixtures", action="store_true", help="write tests/agent_requests/<agent>/")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per agent")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="a flag for mlx-relay serve (repeatable; the check proper runs it without any)")
     ap.add_argument("--no-netns", action="store_true", help="run without the loopback-only network namespace")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the agent and the server go down with us
     if not args.no_netns:
         in_netns(sys.argv)
     names = args.agents.split(",")
@@ -184,7 +192,8 @@ def main() -> int:
     fixtures = ROOT / "tests" / "agent_requests" if args.save_fixtures else None
 
     netns = os.environ.get(NETNS_ENV) == "1"
-    serve = [str(ROOT / ".venv" / "bin" / "mlx-relay"), "serve"] + ([] if netns else ["--port", "18000"])
+    port = [] if netns else ["--port", "18000"]
+    serve = [str(ROOT / ".venv" / "bin" / "mlx-relay"), "serve", *args.serve_arg, *port]
     server_url = "http://127.0.0.1:8000" if netns else "http://127.0.0.1:18000"
     log = (results / "server.log").open("w")
     server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -206,9 +215,10 @@ def main() -> int:
         log.close()
     pins = versions()
     text = table(verdicts, pins)
-    print(text)
-    (results / "summary.md").write_text(f"# make agents, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
-                                        f" (network namespace: {netns})\n\n{text}")
+    print(f"mlx-relay {' '.join(serve[1:])}\n{text}")
+    how = " ".join(serve[1:])
+    (results / "summary.md").write_text(f"# make agents, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
+                                        f"`mlx-relay {how}`, network namespace: {netns}\n\n{text}")
     (results / "summary.json").write_text(json.dumps(
         [{"agent": v.agent, "version": pins[v.agent], "api": v.api, "ok": v.ok, "exit_code": v.exit_code,
           "requests": v.requests, "statuses": v.statuses, "problems": v.problems, "tool_called": v.tool_called,
