@@ -21,10 +21,12 @@ prompts: relay-tiny-agent prefills a few hundred tokens a second on this CPU):
   `max_completion_tokens`, `max_output_tokens`), set when the agent sent none.
 
 Every such request must answer 200 with the right content type and a well-formed stream ending
-with its API's terminal event (the checks of `tests/test_agent_sequences.py`). A request whose
-prompt the context cannot hold as recorded (Qwen Code's own 41K-token prompt against the 32K
-context) is replayed whole, uncut: the answer must be the 400 its SDK understands
-(`context_length_exceeded` in OpenAI's error shape), which costs a tokenization, not a prefill.
+with its API's terminal event (the checks of `tests/test_agent_sequences.py`). And a prompt past
+the context must get the refusal the agent's SDK understands, before anything runs: Qwen Code's
+and Claude Code's first requests, their last user text padded past 32K tokens, answer 400 in the
+route's error shape (OpenAI's `context_length_exceeded`; Anthropic's `invalid_request_error`);
+that costs a tokenization, not a prefill. (Qwen Code's own prompt, 31.7K tokens at 0.24.4, fits
+the embedded model's 32K context; recorded with its `max_tokens: 32000` it was refused for that.)
 What the agents do with the answers (a tool round trip, a completed turn) is `make agents`'s to
 check: it needs the agents themselves.
 """
@@ -120,14 +122,6 @@ def test_agent_request_replays(embedded: LiveServer, case: Path) -> None:
     fixture = json.loads(case.read_text())
     path, headers = fixture["path"], headers_of(fixture)
     what = f"{fixture['agent']} {case.stem} {path}"
-    if fixture["expect_refusal"]:
-        r = httpx.post(embedded.url + path, json=fixture["body"], headers=headers, timeout=TIMEOUT)
-        assert r.status_code == 400, f"{what}: HTTP {r.status_code}: {r.text[:300]}"
-        assert r.headers["content-type"].startswith("application/json")
-        error = r.json()["error"]
-        assert error["type"] == "invalid_request_error" and error["code"] == "context_length_exceeded", error
-        assert "maximum context length" in error["message"], error
-        return
     body = replayed(fixture)
     streamed = body.get("stream") is True
     if path.startswith("/v1/chat/completions"):
@@ -156,6 +150,36 @@ def post_json(server: LiveServer, path: str, body: Json, headers: dict[str, str]
     assert_ok(r, what)
     assert r.headers["content-type"].startswith("application/json"), r.headers["content-type"]
     return r.json()
+
+
+def padded_past_the_context(fixture: Json) -> Json:
+    """The agent's request with its last user text made longer than the context (about 40K tokens
+    of the tiny vocabulary), the reply capped as in the replay."""
+    body = copy.deepcopy(fixture["body"])
+    body[reply_field(fixture["path"], body)] = REPLY_TOKENS
+    last = next(m for m in reversed(body["messages"]) if m["role"] == "user")
+    filler = "The quick brown fox jumps over the lazy dog. " * 3000
+    if isinstance(last["content"], str):
+        last["content"] += filler
+    else:
+        last["content"].append({"type": "text", "text": filler})
+    return body
+
+
+@pytest.mark.parametrize("agent", ["qwen-code", "claude-code"])
+def test_a_prompt_past_the_context_gets_the_refusal_agents_read(embedded: LiveServer, agent: str) -> None:
+    fixture = json.loads(sorted((FIXTURES / agent).glob("*.json"))[0].read_text())
+    body = padded_past_the_context(fixture)
+    r = httpx.post(embedded.url + fixture["path"], json=body, headers=headers_of(fixture), timeout=TIMEOUT)
+    assert r.status_code == 400, f"{agent}: HTTP {r.status_code}: {r.text[:300]}"
+    assert r.headers["content-type"].startswith("application/json")
+    if fixture["api"] == "messages":
+        answer = r.json()
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error", answer
+    else:
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "context_length_exceeded", error
+        assert error["param"] == "messages" and "maximum context length" in error["message"], error
 
 
 def test_every_agent_has_recorded_requests() -> None:
