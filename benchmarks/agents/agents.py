@@ -140,7 +140,7 @@ def _qwen(sb: Sandbox, slim: bool) -> Run:
     if slim:
         # Qwen Code's own prompt is 31.7K tokens (its system prompt, skills, memory and tool declarations),
         # the MCP tools behind its tool_search bridge: for a small model, a short system prompt, no built-in
-        # tools, and the MCP tools declared up front (12.9K tokens, most of them its skills and memory notes)
+        # tools, and the MCP tools declared up front (7.7K tokens, most of them its skills and memory notes)
         stock["alwaysLoadTools"] = True
         settings["tools"] = {"core": ["__none__"], "exclude": QWEN_EXTRA_TOOLS, "toolSearch": {"enabled": False}}
         argv += ["--system-prompt", QWEN_SYSTEM]
