@@ -142,6 +142,7 @@ class Verdict:
     requests: int = 0
     statuses: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # per exchange, "NNN path: why"
+    notes: list[str] = field(default_factory=list)  # what the agent did that is no server's fault
     refused_as_expected: bool = False
     tool_called: list[str] = field(default_factory=list)
     tool_result_sent: bool = False
@@ -172,7 +173,9 @@ def judge(agent: str, api: str, records: list[Json], exit_code: int | None, fina
         if v.tool_called and any(value in t for t in tool_results_in(api, r["body"])):
             v.tool_result_sent = True
         why = response_problem(api, r.get("status", 0), r.get("content_type", ""), r["body"], r.get("response", ""))
-        if why:
+        if why and r.get("client_closed") and 200 <= r.get("status", 0) < 300:
+            v.notes.append(f"{r['seq']:03d} {r['path']}: the agent closed the stream before its end")
+        elif why:
             v.problems.append(f"{r['seq']:03d} {r['path']}: {why}")
         streamed = r["body"].get("stream") is True
         v.tool_called += [n for n in tool_calls_in(api, r.get("response", ""), streamed) if tool in n]

@@ -4,9 +4,9 @@ arrived).
 
 A record holds what the agent sent (method, path, headers with the secrets replaced, the body as
 JSON) and what it got back (status, content type, the whole body: the SSE text of a stream, keep-
-alives included, as the agent read it). Bodies are forwarded byte for byte; only hop-by-hop
-headers are dropped and `accept-encoding` is set to identity so that the recording is readable.
-The fixtures of `tests/test_agent_requests.py` are these records.
+alives included, as the agent read it; `client_closed` when the agent stopped reading first).
+Bodies are forwarded byte for byte; only hop-by-hop headers are dropped and `accept-encoding` is
+set to identity so that the recording is readable. The fixtures of `tests/test_agent_requests.py` are these records.
 """
 
 from __future__ import annotations
@@ -103,10 +103,12 @@ class Recorder:
 
         async def body() -> AsyncIterator[bytes]:
             chunks: list[bytes] = []
+            record["client_closed"] = True  # until the whole answer has gone through
             try:
                 async for chunk in reply.aiter_raw():
                     chunks.append(chunk)
                     yield chunk
+                record["client_closed"] = False
             finally:
                 await reply.aclose()
                 record["response"] = b"".join(chunks).decode("utf-8", errors="replace")

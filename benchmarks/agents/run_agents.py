@@ -167,7 +167,9 @@ def table(verdicts: list[Verdict], pins: dict[str, str]) -> str:
         rows.append(f"| {v.agent} | {pins[v.agent]} | {v.api} | {v.requests} | {statuses} | {v.exit_code} | "
                     f"{'yes' if v.tool_called else 'no'} | {'yes' if v.tool_result_sent else 'no'} | {verdict} |")
     problems = [f"- {v.agent}: {p}" for v in verdicts for p in v.problems]
-    return "\n".join(rows) + ("\n\nProblems:\n" + "\n".join(problems) if problems else "") + "\n"
+    notes = [f"- {v.agent}: {n}" for v in verdicts for n in v.notes]
+    return ("\n".join(rows) + ("\n\nProblems:\n" + "\n".join(problems) if problems else "")
+            + ("\n\nNotes:\n" + "\n".join(notes) if notes else "") + "\n")
 
 
 def main() -> int:
@@ -222,7 +224,7 @@ def main() -> int:
     (results / "summary.json").write_text(json.dumps(
         [{"agent": v.agent, "version": pins[v.agent], "api": v.api, "ok": v.ok, "exit_code": v.exit_code,
           "requests": v.requests, "statuses": v.statuses, "problems": v.problems, "tool_called": v.tool_called,
-          "tool_result_sent": v.tool_result_sent, "refused_as_expected": v.refused_as_expected,
+          "tool_result_sent": v.tool_result_sent, "notes": v.notes, "refused_as_expected": v.refused_as_expected,
           "final_output": v.final} for v in verdicts], indent=1) + "\n")
     return 0 if all(v.ok for v in verdicts) else 1
 
