@@ -46,10 +46,10 @@ AGENTS_CACHE := .cache/agents
 AGENTS_STAMP := $(AGENTS_CACHE)/.installed-stamp
 AGENTS ?= claude-code,codex,qwen-code,qwen-code-slim,opencode,cline
 
-$(AGENTS_STAMP): benchmarks/agents/package.json benchmarks/agents/package-lock.json
+$(AGENTS_STAMP): benchmarks/agents/package.json
 	mkdir -p $(AGENTS_CACHE)
-	cp benchmarks/agents/package.json benchmarks/agents/package-lock.json $(AGENTS_CACHE)/
-	npm ci --prefix $(AGENTS_CACHE) --no-fund --no-audit --loglevel=error
+	cp benchmarks/agents/package.json $(AGENTS_CACHE)/
+	npm install --prefix $(AGENTS_CACHE) --no-fund --no-audit --loglevel=error
 	$(PYTHON) -m venv $(AGENTS_CACHE)/mcp-venv
 	$(AGENTS_CACHE)/mcp-venv/bin/pip install -q mcp==2.3.0
 	touch $(AGENTS_STAMP)
