@@ -10,7 +10,7 @@ TEST_WORKERS ?= 2
 
 REPLICAS ?= 2
 
-.PHONY: install serve cluster test lint bench clean
+.PHONY: install serve cluster test lint bench agents clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,23 @@ lint: install
 ## First benchmark: raw library loop vs in-process API vs HTTP streaming on the tiny model.
 bench: install
 	$(PY) benchmarks/bench_decode.py
+
+AGENTS_CACHE := .cache/agents
+AGENTS_STAMP := $(AGENTS_CACHE)/.installed-stamp
+AGENTS ?= claude-code,codex,qwen-code,qwen-code-slim,opencode,cline
+
+$(AGENTS_STAMP): benchmarks/agents/package.json
+	mkdir -p $(AGENTS_CACHE)
+	cp benchmarks/agents/package.json $(AGENTS_CACHE)/
+	npm install --prefix $(AGENTS_CACHE) --no-fund --no-audit --loglevel=error
+	$(PYTHON) -m venv $(AGENTS_CACHE)/mcp-venv
+	$(AGENTS_CACHE)/mcp-venv/bin/pip install -q mcp==2.3.0
+	touch $(AGENTS_STAMP)
+
+## Not part of `make test`: the pinned coding agents (npm, under .cache/agents/), one headless turn each
+## against `mlx-relay serve` with an MCP tool, recorded (benchmarks/agents/; AGENTS=claude-code,codex,...).
+agents: install $(AGENTS_STAMP)
+	$(PY) benchmarks/agents/run_agents.py --agents $(AGENTS) $(AGENTS_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,202 @@
+"""How `make agents` sets up each coding agent for mlx-relay: the configuration files, environment
+and command line each agent's own docs give for a custom endpoint and a headless turn.
+
+This is the source of truth for the README's "Using it with coding agents" (its snippets are these
+files and commands with the harness's paths and port replaced by the defaults). Each setup gets a
+fresh HOME and working directory (`Sandbox`), an API key that means nothing (the server runs
+without `--api-key`; agents insist on sending one) and the variables that turn off each agent's
+telemetry, update checks and other traffic (the harness also runs them in a network namespace
+with loopback only, where it can).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODEL = "relay-tiny-agent"  # the embedded model's served name (`mlx-relay serve` without flags)
+API_KEY = "relay-local-key"  # any string: the server checks keys only with --api-key
+PROMPT = "Please get the stock with path 423."  # the embedded model's curriculum shape for get_stock
+MCP_SERVER = "stock"
+MCP_TOOL = "get_stock"
+VALUE = "123456"  # what get_stock returns (mcp_stock.py); found in a later request, the result went back
+
+
+@dataclass
+class Sandbox:
+    """One run's world: a temp HOME, a temp working directory, the proxy's URL, the MCP server's command."""
+
+    home: Path
+    work: Path
+    base_url: str  # http://127.0.0.1:PORT, no /v1
+    mcp_command: list[str]
+    bin_dir: Path  # node_modules/.bin of the pinned agents
+
+
+@dataclass
+class Run:
+    argv: list[str]
+    env: dict[str, str]
+    files: dict[str, str] = field(default_factory=dict)  # what was written (path relative to the sandbox) -> text
+    expect_refusal: bool = False  # the agent's prompt cannot fit the model: a 400 is the right answer
+    pre: list[list[str]] = field(default_factory=list)  # setup commands run before the turn, same env
+
+
+@dataclass(frozen=True)
+class Agent:
+    name: str  # the folder of its recordings and fixtures
+    package: str
+    api: str  # messages | responses | chat
+    setup: Callable[[Sandbox], Run]
+
+
+def _write(sb: Sandbox, rel: str, text: str, files: dict[str, str]) -> Path:
+    path = sb.home / rel if not rel.startswith("work/") else sb.work / rel.removeprefix("work/")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    files[rel] = text
+    return path
+
+
+def _json(obj: object) -> str:
+    return json.dumps(obj, indent=2) + "\n"
+
+
+# -- Claude Code: ANTHROPIC_BASE_URL + ANTHROPIC_AUTH_TOKEN (its LLM-gateway docs), `-p`, `--mcp-config`
+
+def claude_code(sb: Sandbox) -> Run:
+    files: dict[str, str] = {}
+    mcp = _write(sb, "mcp.json", _json({"mcpServers": {MCP_SERVER: {
+        "type": "stdio", "command": sb.mcp_command[0], "args": sb.mcp_command[1:]}}}), files)
+    env = {
+        "ANTHROPIC_BASE_URL": sb.base_url,
+        "ANTHROPIC_AUTH_TOKEN": API_KEY,
+        "ANTHROPIC_MODEL": MODEL,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,  # its side requests (titles, summaries) use the haiku tier
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+    argv = [str(sb.bin_dir / "claude"), "-p", PROMPT, "--model", MODEL, "--mcp-config", str(mcp),
+            "--strict-mcp-config", "--allowedTools", f"mcp__{MCP_SERVER}__{MCP_TOOL}", "--output-format", "json"]
+    return Run(argv, env, files)
+
+
+# -- Codex: a model provider in config.toml with wire_api = "responses", MCP in config.toml, `codex exec`
+# (stream_idle_timeout_ms: Codex gives up on a stream after 5 minutes without an event, SSE comments
+# not counted, and a long prompt's prefill on a CPU takes longer; it then retries from scratch)
+
+def codex(sb: Sandbox) -> Run:
+    files: dict[str, str] = {}
+    args = ", ".join(json.dumps(a) for a in sb.mcp_command[1:])
+    _write(sb, ".codex/config.toml", f"""model = "{MODEL}"
+model_provider = "mlx-relay"
+approval_policy = "never"
+sandbox_mode = "read-only"
+check_for_update_on_startup = false
+
+[model_providers.mlx-relay]
+name = "mlx-relay"
+base_url = "{sb.base_url}/v1"
+env_key = "MLX_RELAY_API_KEY"
+wire_api = "responses"
+stream_idle_timeout_ms = 1800000
+
+[mcp_servers.{MCP_SERVER}]
+command = {json.dumps(sb.mcp_command[0])}
+args = [{args}]
+
+[analytics]
+enabled = false
+""", files)
+    env = {"CODEX_HOME": str(sb.home / ".codex"), "MLX_RELAY_API_KEY": API_KEY}
+    argv = [str(sb.bin_dir / "codex"), "exec", "--skip-git-repo-check", PROMPT]
+    return Run(argv, env, files)
+
+
+# -- Qwen Code: OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL, `-p`, mcpServers in settings.json
+
+QWEN_SYSTEM = "You are a helpful assistant. Use the tools you are given when the user asks for what they do."
+# the tools Qwen Code 0.24.4 declares besides its core tools and the MCP ones
+QWEN_EXTRA_TOOLS = ["agent", "get_goal", "update_goal", "list_agents", "skill", "enter_worktree", "exit_worktree",
+                    "record_artifact", "report_findings", "send_message", "task_stop"]
+
+
+def _qwen(sb: Sandbox, slim: bool) -> Run:
+    files: dict[str, str] = {}
+    stock: dict[str, object] = {"command": sb.mcp_command[0], "args": sb.mcp_command[1:], "trust": True}
+    settings: dict[str, object] = {
+        "security": {"auth": {"selectedType": "openai"}},
+        "mcpServers": {MCP_SERVER: stock},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+        "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
+    }
+    env = {"OPENAI_BASE_URL": f"{sb.base_url}/v1", "OPENAI_API_KEY": API_KEY, "OPENAI_MODEL": MODEL}
+    argv = [str(sb.bin_dir / "qwen"), "-p", PROMPT, "--output-format", "json"]
+    if slim:
+        # Qwen Code's own prompt is 31.7K tokens (its system prompt, skills, memory and tool declarations),
+        # the MCP tools behind its tool_search bridge: for a small model, a short system prompt, no built-in
+        # tools, and the MCP tools declared up front (7.7K tokens, most of them its skills and memory notes)
+        stock["alwaysLoadTools"] = True
+        settings["tools"] = {"core": ["__none__"], "exclude": QWEN_EXTRA_TOOLS, "toolSearch": {"enabled": False}}
+        argv += ["--system-prompt", QWEN_SYSTEM]
+    _write(sb, ".qwen/settings.json", _json(settings), files)
+    return Run(argv, env, files)
+
+
+def qwen_code(sb: Sandbox) -> Run:
+    return _qwen(sb, slim=False)
+
+
+def qwen_code_slim(sb: Sandbox) -> Run:
+    return _qwen(sb, slim=True)
+
+
+# -- OpenCode: a provider in opencode.json through @ai-sdk/openai-compatible, `opencode run`
+
+def opencode(sb: Sandbox) -> Run:
+    files: dict[str, str] = {}
+    _write(sb, "work/opencode.json", _json({
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"mlx-relay": {
+            "npm": "@ai-sdk/openai-compatible",
+            "name": "mlx-relay",
+            "options": {"baseURL": f"{sb.base_url}/v1", "apiKey": "{env:MLX_RELAY_API_KEY}"},
+            "models": {MODEL: {"name": MODEL}},
+        }},
+        "model": f"mlx-relay/{MODEL}",
+        "mcp": {MCP_SERVER: {"type": "local", "command": sb.mcp_command, "enabled": True}},
+        "autoupdate": False,
+        "share": "disabled",
+    }), files)
+    env = {"MLX_RELAY_API_KEY": API_KEY, "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+           "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1"}
+    argv = [str(sb.bin_dir / "opencode"), "run", "--model", f"mlx-relay/{MODEL}", PROMPT]
+    return Run(argv, env, files)
+
+
+# -- Cline: `cline auth` with the OpenAI-compatible provider, `cline mcp add`, a prompt (headless when piped)
+
+def cline(sb: Sandbox) -> Run:
+    exe = str(sb.bin_dir / "cline")
+    pre = [
+        [exe, "auth", "--provider", "openai", "--apikey", API_KEY, "--modelid", MODEL,
+         "--baseurl", f"{sb.base_url}/v1"],
+        [exe, "mcp", "add", MCP_SERVER, "--yes", "--", *sb.mcp_command],
+    ]
+    env = {"CLINE_NO_AUTO_UPDATE": "1"}
+    return Run([exe, "--json", PROMPT], env, pre=pre)
+
+
+AGENTS: tuple[Agent, ...] = (
+    Agent("claude-code", "@anthropic-ai/claude-code", "messages", claude_code),
+    Agent("codex", "@openai/codex", "responses", codex),
+    Agent("qwen-code", "@qwen-code/qwen-code", "chat", qwen_code),
+    Agent("qwen-code-slim", "@qwen-code/qwen-code", "chat", qwen_code_slim),
+    Agent("opencode", "opencode-ai", "chat", opencode),
+    Agent("cline", "cline", "chat", cline),
+)
