@@ -7,7 +7,7 @@ from typing import Any, Final
 
 import mlx.core as mx
 
-from mlx_relay.engine.models import KV
+from mlx_relay.engine.models import KV, ModelFamily
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.qwen3_5 import MODEL_TYPES, layers, mtp, pipeline
 from mlx_relay.engine.pipeline_stage import Stage
@@ -50,4 +50,4 @@ class Qwen3_5Family:
         return mtp.mtp_head(lm, drafter, tokens, hidden, head_kv, at)
 
 
-FAMILY: Final = Qwen3_5Family()
+FAMILY: Final[ModelFamily] = Qwen3_5Family()  # annotated: a type checker holds it to the protocol
