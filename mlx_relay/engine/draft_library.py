@@ -44,6 +44,8 @@ from mlx_lm.models.cache import KVCache as LmKVCache
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_vlm.models.cache import KVCache as VlmKVCache
 
+from mlx_relay.engine.models.qwen3_5 import MODEL_TYPES
+
 __all__ = [
     "QWEN3_5_FAMILY",
     "DraftLibrary",
@@ -61,8 +63,8 @@ __all__ = [
 
 DraftLibrary = Literal["mlx-lm", "mlx-vlm"]
 
-#: Model types whose draft is run by mlx-vlm (the chunked GatedDeltaNet prefill off Metal).
-QWEN3_5_FAMILY: Final[frozenset[str]] = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"})
+#: Model types whose draft is run by mlx-vlm (the chunked GatedDeltaNet prefill off Metal): the Qwen3.5 family's.
+QWEN3_5_FAMILY: Final[frozenset[str]] = MODEL_TYPES
 
 _ATTENTION_CACHES: Final[tuple[type, ...]] = (LmKVCache, VlmKVCache)
 

@@ -11,14 +11,13 @@ documented one:
 with the target's own `embed_tokens` and head (`speculative_logits_from_hidden` /
 `speculative_argmax_from_hidden`), so the head costs no extra copy of either.
 
-Text-only checkpoints (`model_type: qwen3_5_text`): mlx-vlm 0.7.10 registers its MTP splitters
-under the VLM family names only, and `load_drafter` on such a checkpoint silently falls back to
-loading the whole target model instead of the head. `load_mtp_drafter` asks the public splitter
-registry for the family's splitter by name (pinned by tests/test_text_only.py).
+The family's code (loading the head from its checkpoint layouts, its input) lives in the model's
+family (`models.ModelFamily`; Qwen3.5: `models/qwen3_5/mtp.py`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,28 +25,13 @@ import mlx.core as mx
 from mlx_vlm.models.base import create_attention_mask
 from mlx_vlm.models.cache import KVCache
 
-from mlx_relay.errors import ModelLoadError
-
-#: Text-only model types -> the VLM family whose MTP splitter reads their `mtp.*` tensors.
-TEXT_ONLY_FAMILIES: dict[str, str] = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+from mlx_relay.engine.models import family_for, family_of
 
 
 def load_mtp_drafter(path: Path) -> Any:
-    """The checkpoint's MTP head as mlx-vlm's drafter module, for VLM and text-only layouts."""
-    import json
-
-    from mlx_vlm.speculative.drafters import load_drafter
-    from mlx_vlm.speculative.drafters.mtp_split import get_mtp_splitter
-
+    """The checkpoint's MTP head as its family loads it (`UnsupportedModel` for a model type of no family)."""
     config = json.loads((path / "config.json").read_text())
-    family = TEXT_ONLY_FAMILIES.get(str(config.get("model_type")))
-    if family is None:
-        drafter, _kind = load_drafter(str(path), kind="mtp")
-        return drafter
-    splitter = get_mtp_splitter(family, source_config=config)
-    if splitter is None:
-        raise ModelLoadError(f"mlx-vlm has no MTP head loader for {family}")
-    return splitter.load(path, source_config=config)
+    return family_for(str(config.get("model_type"))).load_mtp_drafter(path, config)
 
 
 class MTPHead:
@@ -58,9 +42,7 @@ class MTPHead:
         self.drafter = drafter
         self.lm = lm
         self.exact = exact
-        inner = lm.model
-        self._embed = inner.embed_tokens
-        self._embed_scale = float(getattr(inner, "embed_scale", 1.0))
+        self.family = family_of(lm)
 
     @classmethod
     def load(cls, path: Path, lm: Any, *, exact: bool = True) -> MTPHead:
@@ -72,9 +54,7 @@ class MTPHead:
     def forward(self, tokens: mx.array, hidden: mx.array, cache: list[Any], positions: mx.array) -> mx.array:
         """tokens [B, T] (tok_{t+1}), hidden [B, T, H] (the target's h_t), positions [B, T]."""
         d = self.drafter
-        emb = self._embed(tokens) * self._embed_scale
-        h = mx.concatenate([d.pre_fc_norm_embedding(emb), d.pre_fc_norm_hidden(hidden)], axis=-1)
-        h = d.fc(h)
+        h = self.family.mtp_input(self.lm, d, tokens, hidden)
         for layer, layer_cache in zip(d.layers, cache, strict=True):
             mask = create_attention_mask(h, layer_cache)
             h = layer(h, mask=mask, cache=layer_cache, position_ids=positions)
@@ -83,9 +63,7 @@ class MTPHead:
     def logits(self, hidden: mx.array) -> mx.array:
         if self.exact:
             return self.lm.speculative_logits_from_hidden(hidden)
-        if self.lm.args.tie_word_embeddings:
-            return self.lm.model.embed_tokens.as_linear(hidden)
-        return self.lm.lm_head(hidden)
+        return self.family.logits(self.lm, hidden)
 
     def argmax(self, hidden: mx.array) -> mx.array:
         out = self.lm.speculative_argmax_from_hidden(hidden) if self.exact else None

@@ -5,16 +5,10 @@
 
 The split is mlx-lm's `PipelineMixin.pipeline` (mlx_lm/models/pipeline.py): layers split in
 reverse, so rank 0 (the server) runs the last layers; an even split gives the low ranks the extra
-layers. mlx-vlm's qwen3_5 language model has no pipeline API, so `shard_language_model` does what
-the mixin does to its own model through the same public attributes: the decoder's `layers` list
-becomes this stage's layers (the others' weights are never evaluated when the model was loaded
-lazily) and `fa_idx` / `ssm_idx`, the layers whose caches give the masks, index into it (as
-mlx-lm's qwen3_5 `pipeline` recomputes them). The model's forward, `make_cache` and our decode
-step then run this stage's layers only; `tests/test_pipeline.py` pins that the library forward
-runs exactly the list it is given.
-
-Each stage must hold at least one attention layer and one GatedDeltaNet layer: mlx-vlm's forward
-takes its masks from both kinds' caches (`UnsupportedSplit` otherwise).
+layers (`split_layers`). `shard_language_model` cuts the model as its family says
+(`models.ModelFamily.pipeline_split`; Qwen3.5: `models/qwen3_5/pipeline.py`, which also says which
+splits it refuses); the model's forward, `make_cache` and our decode step then run this stage's
+layers only.
 """
 
 from __future__ import annotations
@@ -23,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+
+from mlx_relay.engine.models import family_of
 
 
 class UnsupportedSplit(ValueError):
@@ -76,22 +72,7 @@ def split_layers(n_layers: int, size: int, split: tuple[int, ...] | None = None)
 
 
 def shard_language_model(lm: Any, rank: int, size: int, split: tuple[int, ...] | None = None) -> tuple[int, int]:
-    """Keep only rank `rank`'s layers (of `size` ranks) in mlx-vlm's language model `lm` (in
-    place); the range [start, end) of the model's layers it keeps."""
-    layers = list(lm.model.layers)
-    counts = split_layers(len(layers), size, split)
-    start = sum(counts[rank + 1:])  # rank r runs the layers after those of ranks r+1 ... size-1
-    end = start + counts[rank]
-    for r in range(size):  # every rank checks every stage: all refuse the same split
-        lo = sum(counts[r + 1:])
-        kinds = {bool(layer.is_linear) for layer in layers[lo:lo + counts[r]]}
-        if kinds != {True, False}:
-            raise UnsupportedSplit(
-                f"rank {r} would run layers {lo}..{lo + counts[r] - 1}, which lack "
-                f"{'an attention' if True in kinds else 'a GatedDeltaNet'} layer; each stage needs both kinds "
-                f"(fewer processes, or another split)")
-    mine = layers[start:end]
-    lm.model.layers = mine
-    lm.model.fa_idx = next(i for i, layer in enumerate(mine) if not layer.is_linear)
-    lm.model.ssm_idx = next(i for i, layer in enumerate(mine) if layer.is_linear)
-    return start, end
+    """Keep only rank `rank`'s layers (of `size` ranks) in the language model `lm` (in place), as
+    its family splits it (`models.ModelFamily.pipeline_split`); the range [start, end) of the
+    model's layers it keeps."""
+    return family_of(lm).pipeline_split(lm, rank, size, split)

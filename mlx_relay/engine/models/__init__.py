@@ -1,0 +1,112 @@
+"""Model families: what the engine's own decode step, MTP verify round and pipeline split need to
+know of a model's shape, written once per family behind one protocol (`ModelFamily`).
+
+The steps (`decode_step.DecodeStep`, `mtp_step.MTPStep`), the MTP head (`mtp_head.MTPHead`) and
+the pipeline split (`pipeline_stage.shard_language_model`) hold no family's code: they ask
+`family_of(lm)` (or `family_for(model_type)`) for the family and call it. A family lives in a
+package of its own under this one (`qwen3_5/`): its `__init__` names the model types it serves
+(`MODEL_TYPES`, importing no MLX) and its `family` module holds the `FAMILY` object. A model type
+no family serves gets `UnsupportedModel`, a load failure with a message that says why (never a
+wrong token).
+
+This module imports no MLX (the families are imported when first asked for), so the model type of
+a checkpoint can be checked anywhere. ARCHITECTURE.md ("Model families") says how to add one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from mlx_relay.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from mlx_relay.engine.models.positions import Positions
+    from mlx_relay.engine.pipeline_stage import Stage
+
+__all__ = ["FAMILY_PACKAGES", "ModelFamily", "UnsupportedModel", "family_for", "family_of"]
+
+#: The families' packages; each has `MODEL_TYPES` (its `__init__`) and `family.FAMILY`.
+FAMILY_PACKAGES: Final[tuple[str, ...]] = ("mlx_relay.engine.models.qwen3_5",)
+
+KV = list[tuple["mx.array", "mx.array"]]
+
+
+class UnsupportedModel(ModelLoadError):
+    """The model is of no family the engine's steps serve, or not of its family's shape."""
+
+
+class ModelFamily(Protocol):
+    """One family's model shape, as the engine's steps call it (GPU thread only; every method is
+    traced into the compiled steps, so none may read a value that changes between calls)."""
+
+    name: str
+    model_types: frozenset[str]
+
+    def layers(self, lm: Any) -> list[Any]:
+        """The language model's decoder layers; `UnsupportedModel` when `lm` is not of the family's shape."""
+        ...
+
+    def cache_layout(self, lm: Any) -> tuple[bool, ...]:
+        """Per layer: True where it keeps a recurrent state (conv window + SSM state), False where
+        it keeps attention keys and values (`decode_state` / `mtp_state` hold the arrays in this order)."""
+        ...
+
+    def forward_block(self, lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[mx.array],
+                      ssm: list[mx.array], *, keep_states: bool, stage: Stage | None
+                      ) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
+        """The final-normed hidden states [B, T, H] of `tokens` [B, T] over explicit caches, and the
+        caches after: keys and values written where `at` says; per recurrent layer the conv window
+        and the SSM state after the block, or (`keep_states`) the whole conv input [B, K-1+T, C] and
+        the state after each position [B, T, ...] for the caller to commit from. Under a pipeline
+        `stage`, this stage's layers only; every rank gets the last stage's hidden states."""
+        ...
+
+    def logits(self, lm: Any, hidden: mx.array) -> mx.array:
+        """The language model's head over hidden states."""
+        ...
+
+    def pipeline_split(self, lm: Any, rank: int, size: int, split: tuple[int, ...] | None) -> tuple[int, int]:
+        """Keep only rank `rank`'s layers in `lm` (in place); the range [start, end) it keeps."""
+        ...
+
+    def load_mtp_drafter(self, path: Path, config: dict[str, Any]) -> Any:
+        """The checkpoint's MTP head module (`ModelLoadError` when the family has none)."""
+        ...
+
+    def check_mtp_head(self, drafter: Any) -> None:
+        """`UnsupportedModel` when the compiled round cannot run this head."""
+        ...
+
+    def mtp_input(self, lm: Any, drafter: Any, tokens: mx.array, hidden: mx.array) -> mx.array:
+        """The head's input from pairs (the next token [B, T], the target's hidden state [B, T, H])."""
+        ...
+
+    def mtp_head(self, lm: Any, drafter: Any, tokens: mx.array, hidden: mx.array, head_kv: KV, at: Positions
+                 ) -> tuple[mx.array, KV]:
+        """The head's final-normed hidden states over pairs, its keys and values written where `at` says."""
+        ...
+
+
+def family_for(model_type: str) -> ModelFamily:
+    """The family serving `model_type` (a checkpoint's or a language model's); `UnsupportedModel`
+    when none does."""
+    for package in FAMILY_PACKAGES:
+        if model_type in importlib.import_module(package).MODEL_TYPES:
+            family: ModelFamily = importlib.import_module(f"{package}.family").FAMILY
+            return family
+    served = sorted(t for p in FAMILY_PACKAGES for t in importlib.import_module(p).MODEL_TYPES)
+    raise UnsupportedModel(f"model type {model_type!r} is not served by the engine's decode step "
+                           f"(model families: {', '.join(served)})")
+
+
+def family_of(lm: Any) -> ModelFamily:
+    """The family of a loaded language model (its `model_type`, as the library names it)."""
+    model_type = getattr(lm, "model_type", None) or getattr(getattr(lm, "args", None), "model_type", None)
+    if not model_type:
+        raise UnsupportedModel(f"{type(lm).__module__} names no model type")
+    return family_for(str(model_type))

@@ -1,0 +1,39 @@
+"""Where a forward's T positions sit in explicit caches (GPU thread only): the rotary positions,
+the attention mask over the key/value buffers' columns, and where each position's keys and values
+are written. One value for every family's `forward_block` and MTP head (`models.ModelFamily`).
+
+Two ways to write: the decode step writes every row's one position at the same column
+(`Positions.column`: `mx.slice_update`, the rows' left padding keeps them aligned); the MTP
+verify and head write each row's T positions at its own columns (`Positions.per_row`:
+`mx.put_along_axis`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Positions:
+    rotary: mx.array  # the positions the attention's rotary embedding takes
+    mask: mx.array  # the attention mask over the buffers' columns
+    column: mx.array | None  # a scalar: every row writes its one position there
+    where: mx.array | None  # [B, 1, T, 1]: row i's position t is written at column where[i, 0, t, 0]
+
+    @staticmethod
+    def at_column(column: mx.array, rotary: mx.array, mask: mx.array) -> Positions:
+        return Positions(rotary, mask, column, None)
+
+    @staticmethod
+    def per_row(columns: mx.array, rotary: mx.array, mask: mx.array) -> Positions:
+        """`columns` [B, T]."""
+        return Positions(rotary, mask, None, columns[:, None, :, None])
+
+    def write(self, buf: mx.array, new: mx.array) -> mx.array:
+        """`buf` [B, heads, cap, D] with `new` [B, heads, T, D] written at these positions."""
+        new = new.astype(buf.dtype)
+        if self.where is None:
+            return mx.slice_update(buf, new, self.column, axes=(2,))
+        return mx.put_along_axis(buf, mx.broadcast_to(self.where, new.shape), new, axis=2)

@@ -1,0 +1,47 @@
+"""The model-family seam (issue 31.3, `mlx_relay/engine/models/`): `family_for` answers the family
+of each model type it serves and a typed load error, saying why, for one it does not; the engine's
+steps refuse a language model of another family at construction (never a wrong token); the
+registry imports no MLX. The Qwen3.5 family's numerics are pinned by tests/test_decode_step.py and
+tests/test_mtp_step.py (greedy exactness, float32), its split by tests/test_pipeline.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mlx_relay.engine.models import UnsupportedModel, family_for
+from mlx_relay.engine.models.qwen3_5 import MODEL_TYPES
+from mlx_relay.errors import ModelLoadError
+
+
+def test_the_qwen3_5_family_serves_its_model_types() -> None:
+    assert {"qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"} <= MODEL_TYPES
+    assert {family_for(t).name for t in MODEL_TYPES} == {"qwen3_5"}
+
+
+def test_a_model_type_no_family_serves_is_a_load_error_that_says_why() -> None:
+    with pytest.raises(UnsupportedModel, match="'llama' is not served") as caught:
+        family_for("llama")
+    assert isinstance(caught.value, ModelLoadError)  # reported as the server's load failure
+    assert "qwen3_5" in str(caught.value)  # and names what is served
+
+
+def test_the_steps_refuse_a_language_model_of_another_family() -> None:
+    """mlx-lm's own Llama (random weights: only its type and shape are read)."""
+    from mlx_lm.models import llama
+
+    from mlx_relay.engine.decode_step import DecodeStep
+
+    lm = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=16, num_hidden_layers=1, intermediate_size=32,
+                                     num_attention_heads=2, rms_norm_eps=1e-6, vocab_size=32))
+    with pytest.raises(UnsupportedModel, match="'llama'"):
+        DecodeStep(lm)
+
+
+def test_the_registry_imports_no_mlx() -> None:
+    code = ("import sys, mlx_relay.engine.models; "
+            "import mlx_relay.engine.models.qwen3_5; print('mlx.core' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
