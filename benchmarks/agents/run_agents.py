@@ -91,7 +91,8 @@ def base_env(home: Path) -> dict[str, str]:
 
 def run_agent(agent: Agent, recorder: Recorder, results: Path, fixtures: Path | None, timeout: float) -> Verdict:
     out = results / agent.name
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # one run's exchanges alone (an earlier run's would be checked too)
+    out.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix=f"agent-{agent.name}-") as tmp:
         home, work = Path(tmp) / "home", Path(tmp) / "work"
         for d in (home, work, home / "tmp"):
