@@ -89,6 +89,14 @@ def base_env(home: Path) -> dict[str, str]:
             "TMPDIR": str(home / "tmp")}
 
 
+def _capped(text: str, keep: int = 100_000) -> str:
+    """An agent's output for the results folder: its start and end (a babbling model made one
+    agent print 35 MB of events)."""
+    if len(text) <= 2 * keep:
+        return text
+    return f"{text[:keep]}\n\n[... {len(text) - 2 * keep} characters cut ...]\n\n{text[-keep:]}"
+
+
 def run_agent(agent: Agent, recorder: Recorder, results: Path, fixtures: Path | None, timeout: float) -> Verdict:
     out = results / agent.name
     shutil.rmtree(out, ignore_errors=True)  # one run's exchanges alone (an earlier run's would be checked too)
@@ -119,8 +127,8 @@ def run_agent(agent: Agent, recorder: Recorder, results: Path, fixtures: Path | 
             stderr = (exc.stderr or b"").decode(errors="replace") + f"\n[harness] timed out after {timeout:.0f} s\n"
         elapsed = time.monotonic() - started
         time.sleep(1)  # the proxy writes an exchange when its body has gone through
-        (out / "stdout.txt").write_text(stdout)
-        (out / "stderr.txt").write_text(stderr)
+        (out / "stdout.txt").write_text(_capped(stdout))
+        (out / "stderr.txt").write_text(_capped(stderr))
         for rel, text in run.files.items():
             (out / "config" / rel).parent.mkdir(parents=True, exist_ok=True)
             (out / "config" / rel).write_text(text.replace(str(sb.home), "~").replace(str(ROOT), "<repo>"))
