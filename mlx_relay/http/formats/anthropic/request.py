@@ -1,9 +1,19 @@
 """Anthropic Messages: the wire request (`types.MessagesRequest`, or `CountTokensRequest`: the
 prompt side alone) into the front-end-neutral `ChatRequest`: system blocks, text / image /
 document / tool_use / tool_result / thinking blocks, tools, tool_choice, thinking.
+
+Tool search (client-side, as Claude Code runs it for MCP tools): a tool with `defer_loading` is
+left out of the `ChatRequest` (neither in the prompt nor callable) until a tool_result of the
+conversation holds a `tool_reference` to it; from then on it is declared like any tool. The
+reference reaches the model where it stands, as the tool's definition in the form ToolSearch's
+description promises (`<functions>`, one `<function>{"description", "name", "parameters"}</function>`
+line per tool). A reference to a tool that is not in `tools` is a 400.
 """
 
 from __future__ import annotations
+
+import json
+from collections.abc import Sequence
 
 import msgspec
 
@@ -39,6 +49,7 @@ from mlx_relay.http.formats.anthropic.types import (
     ToolChoiceAny,
     ToolChoiceNone,
     ToolChoiceTool,
+    ToolReferenceBlock,
     ToolResultBlock,
     ToolResultPart,
     ToolUseBlock,
@@ -47,6 +58,36 @@ from mlx_relay.http.formats.anthropic.types import (
 from mlx_relay.service import ChatRequest
 
 _ERROR_PREFIX = "Error: "  # a tool_result with is_error: true reaches the model as this + its text
+
+
+class ToolSet:
+    """The request's client tools by name, and the deferred ones the conversation loaded."""
+
+    def __init__(self, tools: list[Tool] | None) -> None:
+        self.tools = [t for t in tools or () if t.input_schema is not None or t.type in (None, "custom")]
+        self.by_name = {t.name: t for t in self.tools}
+        self.loaded: set[str] = set()
+
+    def reference(self, refs: Sequence[tuple[ToolReferenceBlock, str]]) -> TextPart:
+        """Consecutive references of a tool_result as one `<functions>` block; each loads its tool."""
+        lines = []
+        for ref, where in refs:
+            tool = self.by_name.get(ref.tool_name)
+            if tool is None:
+                raise InvalidRequest(f"{where}: tool_reference names a tool that is not in tools: {ref.tool_name!r}",
+                                     param=where)
+            self.loaded.add(tool.name)
+            spec = {"description": tool.description, "name": tool.name, "parameters": tool.input_schema}
+            entry = {k: v for k, v in spec.items() if v is not None}
+            lines.append(f"<function>{json.dumps(entry, ensure_ascii=False)}</function>")
+        return TextPart("<functions>\n" + "\n".join(lines) + "\n</functions>")
+
+    def declared(self) -> list[ToolDef] | None:
+        """Client tools only: server tools (a versioned `type`, no `input_schema`) run on Anthropic's
+        side, and this server has none, so they are left out; so are deferred tools not loaded."""
+        defs = [ToolDef(FunctionDef(t.name, t.description, t.input_schema))
+                for t in self.tools if not t.defer_loading or t.name in self.loaded]
+        return defs or None
 
 
 def _image_url(block: ImageBlock, where: str) -> ImageUrlPart:
@@ -65,7 +106,7 @@ def _document_text(block: DocumentBlock, where: str) -> TextPart:
     return TextPart(f"{heading}\n\n{block.source.data}" if heading else block.source.data)
 
 
-def _part(block: ToolResultPart, where: str) -> ContentPart:
+def _part(block: TextBlock | ImageBlock | DocumentBlock, where: str) -> ContentPart:
     if isinstance(block, TextBlock):
         return TextPart(block.text)
     if isinstance(block, ImageBlock):
@@ -80,18 +121,36 @@ def _content(parts: list[ContentPart]) -> str | list[ContentPart]:
     return parts
 
 
-def _tool_result(block: ToolResultBlock, names: dict[str, str], where: str) -> ChatMessage:
+def _result_parts(blocks: list[ToolResultPart], tools: ToolSet, where: str) -> list[ContentPart]:
+    parts: list[ContentPart] = []
+    refs: list[tuple[ToolReferenceBlock, str]] = []
+    for k, block in enumerate(blocks):
+        at = f"{where}.content[{k}]"
+        if isinstance(block, ToolReferenceBlock):
+            refs.append((block, f"{at}.tool_name"))
+            continue
+        if refs:
+            parts.append(tools.reference(refs))
+            refs = []
+        parts.append(_part(block, at))
+    if refs:
+        parts.append(tools.reference(refs))
+    return parts
+
+
+def _tool_result(block: ToolResultBlock, names: dict[str, str], tools: ToolSet, where: str) -> ChatMessage:
     if block.content is None or isinstance(block.content, str):
         parts: list[ContentPart] = [TextPart(block.content or "")]
     else:
-        parts = [_part(b, f"{where}.content[{k}]") for k, b in enumerate(block.content)]
+        parts = _result_parts(block.content, tools, where)
     if block.is_error:
         parts.insert(0, TextPart(_ERROR_PREFIX))
     return ChatMessage(role="tool", content=_content(parts), tool_call_id=block.tool_use_id,
                        name=names.get(block.tool_use_id))
 
 
-def _user_messages(blocks: list[InputBlock], names: dict[str, str], where: str) -> list[ChatMessage]:
+def _user_messages(blocks: list[InputBlock], names: dict[str, str], tools: ToolSet, where: str
+                   ) -> list[ChatMessage]:
     """One `tool` message per tool_result, the other blocks as user turns between them (in order)."""
     out: list[ChatMessage] = []
     pending: list[ContentPart] = []
@@ -101,7 +160,7 @@ def _user_messages(blocks: list[InputBlock], names: dict[str, str], where: str) 
             if pending:
                 out.append(ChatMessage(role="user", content=_content(pending)))
                 pending = []
-            out.append(_tool_result(block, names, at))
+            out.append(_tool_result(block, names, tools, at))
         elif isinstance(block, TextBlock | ImageBlock | DocumentBlock):
             pending.append(_part(block, at))
         else:
@@ -158,7 +217,10 @@ def _system_text(content: str | list[InputBlock]) -> str:
     return "\n\n".join(b.text for b in content if isinstance(b, TextBlock))
 
 
-def to_messages(system: str | list[TextBlock] | None, messages: list[InputMessage]) -> list[ChatMessage]:
+def to_messages(system: str | list[TextBlock] | None, messages: list[InputMessage], tools: ToolSet
+                ) -> list[ChatMessage]:
+    """The conversation as chat messages; the deferred tools its tool_results reference are
+    recorded as loaded in `tools`."""
     if not messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     out = _system_message(system)
@@ -172,21 +234,8 @@ def to_messages(system: str | list[TextBlock] | None, messages: list[InputMessag
         elif message.role == "assistant":
             out.append(_assistant_message(message.content, names, where))
         else:
-            out.extend(_user_messages(message.content, names, where))
+            out.extend(_user_messages(message.content, names, tools, where))
     return out
-
-
-def _tool_defs(tools: list[Tool] | None) -> list[ToolDef] | None:
-    """Client tools only: server tools (a versioned `type`, no `input_schema`) run on Anthropic's
-    side, and this server has none, so they are left out."""
-    if not tools:
-        return None
-    defs = [
-        ToolDef(FunctionDef(t.name, t.description, t.input_schema))
-        for t in tools
-        if t.input_schema is not None or t.type in (None, "custom")
-    ]
-    return defs or None
 
 
 def _tool_choice(body: CountTokensRequest, tools: list[ToolDef] | None) -> dict[str, object]:
@@ -225,7 +274,9 @@ def to_chat_request(body: CountTokensRequest) -> ChatRequest:
     """The prompt side of a request (all that `count_tokens` needs); `MessagesRequest` adds sampling.
     Anthropic's rule: a tool_choice that forces tool use (`any`, `tool`) excludes extended
     thinking (asking for both is a 400; forcing alone turns the template's thinking off)."""
-    tools = _tool_defs(body.tools)
+    toolset = ToolSet(body.tools)
+    messages = to_messages(body.system, body.messages, toolset)  # first: it loads deferred tools
+    tools = toolset.declared()
     fields: dict[str, object] = {**_tool_choice(body, tools), **_thinking(body)}
     if isinstance(body.tool_choice, ToolChoiceAny | ToolChoiceTool):
         if fields.get("enable_thinking"):
@@ -242,4 +293,4 @@ def to_chat_request(body: CountTokensRequest) -> ChatRequest:
             specprefill_keep=body.specprefill_keep,
             specprefill_anchor_ngram=body.specprefill_anchor_ngram,
         )
-    return ChatRequest(messages=to_messages(body.system, body.messages), tools=tools, **fields)  # type: ignore[arg-type]
+    return ChatRequest(messages=messages, tools=tools, **fields)  # type: ignore[arg-type]

@@ -64,7 +64,13 @@ class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
     input: dict[str, Any] = {}
 
 
-ToolResultPart = TextBlock | ImageBlock | DocumentBlock
+class ToolReferenceBlock(msgspec.Struct, tag="tool_reference", tag_field="type"):
+    """Tool search (in a tool_result only): loads the named tool of `tools` (see `Tool.defer_loading`)."""
+
+    tool_name: str
+
+
+ToolResultPart = TextBlock | ImageBlock | DocumentBlock | ToolReferenceBlock
 
 
 class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type", omit_defaults=True):
@@ -97,12 +103,15 @@ class InputMessage(msgspec.Struct):
 
 class Tool(msgspec.Struct, omit_defaults=True):
     """A client tool ({name, description, input_schema}). Anthropic's server tools (web search,
-    code execution, ...) carry a versioned `type` and no `input_schema`: this server runs none."""
+    code execution, ...) carry a versioned `type` and no `input_schema`: this server runs none.
+    `defer_loading` (tool search): the tool is neither shown to the model nor callable until a
+    `tool_reference` to it appears in a tool_result of the conversation."""
 
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
+    defer_loading: bool = False
 
 
 class ToolChoiceAuto(msgspec.Struct, tag="auto", tag_field="type", omit_defaults=True):
