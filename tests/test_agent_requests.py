@@ -4,7 +4,9 @@
 Cline, pinned, against `mlx-relay serve` through a recording proxy; with `--save-fixtures` it
 writes every POST each agent made, whole, to `tests/agent_requests/<agent>/NNN.json`: method,
 path, headers as sent (credentials replaced by `<redacted>`), body as sent. Re-record them when an
-agent's pin moves. This file replays each one against a server under the name the agents asked
+agent's pin moves. (`claude-code-toolsearch/` is Claude Code's tool search round trip, recorded
+in the same format against a stub that scripted the model's turns: ToolSearch, then the MCP call.)
+This file replays each one against a server under the name the agents asked
 for (`relay-tiny-agent`, the embedded model's), with its tokenizer and context, so a change that
 breaks the shape of what an agent sends (a field, a role, a tool type, a header) fails here, in
 `make test`.
@@ -184,6 +186,33 @@ def test_a_prompt_past_the_context_gets_the_refusal_agents_read(embedded: LiveSe
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["code"] == "context_length_exceeded", error
         assert error["param"] == "messages" and "maximum context length" in error["message"], error
+
+
+def count_tokens(server: LiveServer, fixture: Json, body: Json) -> httpx.Response:
+    return httpx.post(server.url + "/v1/messages/count_tokens", json=body, headers=headers_of(fixture), timeout=TIMEOUT)
+
+
+def test_tool_search_counts_only_the_tools_loaded(embedded: LiveServer) -> None:
+    """Claude Code's tool search round trip (`claude-code-toolsearch/`, recorded against a scripted
+    stub): count_tokens sees the prompt `/v1/messages` would. A deferred tool never referenced
+    (Claude Code's `DeferredToolPlaceholder`) costs nothing: the first request counts as it would
+    without it; once a tool_result references the MCP tool, it counts as a tool declared outright;
+    a reference to a tool the request does not declare is a 400 in Anthropic's shape."""
+    fixtures = [json.loads((FIXTURES / "claude-code-toolsearch" / f"{n}.json").read_text()) for n in ("001", "002")]
+    bodies = [{k: v for k, v in shrink(copy.deepcopy(f["body"])).items() if k not in ("max_tokens", "stream")}
+              for f in fixtures]
+    for fixture, body in zip(fixtures, bodies, strict=True):
+        outright = [{k: v for k, v in t.items() if k != "defer_loading"}
+                    for t in body["tools"] if t["name"] != "DeferredToolPlaceholder"]
+        as_sent = count_tokens(embedded, fixture, body)
+        plain = count_tokens(embedded, fixture, {**body, "tools": outright})
+        assert_ok(as_sent, "count_tokens")
+        assert_ok(plain, "count_tokens")
+        assert as_sent.json()["input_tokens"] == plain.json()["input_tokens"] > 0
+    undeclared = [t for t in bodies[1]["tools"] if t["name"] != "mcp__stock__get_stock"]
+    refused = count_tokens(embedded, fixtures[1], {**bodies[1], "tools": undeclared})
+    assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error", refused.text
+    assert "mcp__stock__get_stock" in refused.json()["error"]["message"]
 
 
 def test_every_agent_has_recorded_requests() -> None:
