@@ -47,10 +47,10 @@ from dataclasses import dataclass
 import anyio
 
 from mlx_relay.config import EngineConfig, SpecPrefillConfig
-from mlx_relay.engine.engine_process import EngineProcessDied
-from mlx_relay.engine.gpu_thread import GPUThreadDied
-from mlx_relay.engine.handle import EngineCallbacks, EngineHandle
-from mlx_relay.engine.placement import open_engine, wants_process
+from mlx_relay.engine.hosting.engine_process import EngineProcessDied
+from mlx_relay.engine.hosting.gpu_thread import GPUThreadDied
+from mlx_relay.engine.hosting.handle import EngineCallbacks, EngineHandle
+from mlx_relay.engine.hosting.placement import open_engine, wants_process
 from mlx_relay.engine.protocol import (
     AddRow,
     Asked,

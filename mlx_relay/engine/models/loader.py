@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx_vlm
 
 from mlx_relay.config import EngineConfig
-from mlx_relay.engine.checkpoint import context_length, eos_token_ids, has_mtp_weights, read_config
+from mlx_relay.engine.models.checkpoint import context_length, eos_token_ids, has_mtp_weights, read_config
 from mlx_relay.messages.gpu import ModelInfo
 
 

@@ -50,19 +50,19 @@ from mlx_vlm.speculative.cache_state import (
     start_speculative_cache,
 )
 
-from mlx_relay.engine.batch_caches import as_batch_caches, batched
-from mlx_relay.engine.decode_state import batch_bucket
-from mlx_relay.engine.decode_step import UnsupportedModel
-from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
-from mlx_relay.engine.mtp_head import MTPHead
-from mlx_relay.engine.mtp_state import MTPState
-from mlx_relay.engine.mtp_step import MTPStep
-from mlx_relay.engine.pipeline_stage import Stage
-from mlx_relay.engine.row_prefill import RowPrefill
-from mlx_relay.engine.sampling import RowSampler, processed_logprobs
-from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
-from mlx_relay.engine.stage_forward import StageForward
-from mlx_relay.engine.token_budget import PREFILL_GRANULE, fair_shares
+from mlx_relay.engine.lanes.decode_state import batch_bucket
+from mlx_relay.engine.lanes.decode_step import UnsupportedModel
+from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, ending_of
+from mlx_relay.engine.lanes.mtp_head import MTPHead
+from mlx_relay.engine.lanes.mtp_state import MTPState
+from mlx_relay.engine.lanes.mtp_step import MTPStep
+from mlx_relay.engine.lanes.row_prefill import RowPrefill
+from mlx_relay.engine.lanes.stage_forward import StageForward
+from mlx_relay.engine.memory.batch_caches import as_batch_caches, batched
+from mlx_relay.engine.memory.snapshots import Snapshot, restore_caches, snapshot_caches
+from mlx_relay.engine.models.pipeline_stage import Stage
+from mlx_relay.engine.step.sampling import RowSampler, processed_logprobs
+from mlx_relay.engine.step.token_budget import PREFILL_GRANULE, fair_shares
 
 
 @dataclass

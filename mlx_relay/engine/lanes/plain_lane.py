@@ -26,16 +26,16 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from mlx_relay.engine.batch_caches import as_batch_caches
-from mlx_relay.engine.decode_batch import DecodeBatch
-from mlx_relay.engine.decode_state import DecodeState, batch_bucket
-from mlx_relay.engine.decode_step import DecodeStep
-from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
-from mlx_relay.engine.pipeline_stage import Stage
-from mlx_relay.engine.prefill_batch import PrefillBatch, PrefillRow
-from mlx_relay.engine.row_prefill import RowPrefill
-from mlx_relay.engine.snapshots import Snapshot, restore_caches, snapshot_caches
-from mlx_relay.engine.stage_forward import ModelForward, StageForward
+from mlx_relay.engine.lanes.decode_batch import DecodeBatch
+from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
+from mlx_relay.engine.lanes.decode_step import DecodeStep
+from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, ending_of
+from mlx_relay.engine.lanes.prefill_batch import PrefillBatch, PrefillRow
+from mlx_relay.engine.lanes.row_prefill import RowPrefill
+from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
+from mlx_relay.engine.memory.batch_caches import as_batch_caches
+from mlx_relay.engine.memory.snapshots import Snapshot, restore_caches, snapshot_caches
+from mlx_relay.engine.models.pipeline_stage import Stage
 
 
 @dataclass

@@ -39,11 +39,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.batch_caches import as_batch_caches, extend_caches, take_rows
-from mlx_relay.engine.row_prefill import RowPrefill
-from mlx_relay.engine.snapshots import Snapshot, snapshot_caches
-from mlx_relay.engine.stage_forward import ModelForward
-from mlx_relay.engine.token_budget import PREFILL_GRANULE
+from mlx_relay.engine.lanes.row_prefill import RowPrefill
+from mlx_relay.engine.lanes.stage_forward import ModelForward
+from mlx_relay.engine.memory.batch_caches import as_batch_caches, extend_caches, take_rows
+from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
+from mlx_relay.engine.step.token_budget import PREFILL_GRANULE
 
 
 @dataclass

@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache, KVCache
 
 from mlx_relay.cache.snapshot_files import SnapshotCorrupt, SnapshotLayoutError
-from mlx_relay.engine.snapshots import Snapshot
+from mlx_relay.engine.memory.snapshots import Snapshot
 
 __all__ = ["CacheLayout", "LayerLayout", "decode", "dtype_name", "encode", "probe_layout"]
 

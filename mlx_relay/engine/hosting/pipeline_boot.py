@@ -30,12 +30,12 @@ import mlx.core as mx
 import msgspec
 
 from mlx_relay.config import EngineConfig, PipelineConfig, ServerConfig, SpecPrefillConfig
-from mlx_relay.engine.checkpoint import resolve_model_path
-from mlx_relay.engine.core import EngineCore
-from mlx_relay.engine.loader import LoadedModel, apply_memory_limits, default_prefix_cache_bytes, load_model
-from mlx_relay.engine.pipeline_stage import Stage, UnsupportedSplit, shard_language_model
-from mlx_relay.engine.pipeline_sync import follow, share_commands
-from mlx_relay.engine.pipeline_watch import FollowerWatch, LeaderWatch, WatchLeader
+from mlx_relay.engine.hosting.pipeline_sync import follow, share_commands
+from mlx_relay.engine.hosting.pipeline_watch import FollowerWatch, LeaderWatch, WatchLeader
+from mlx_relay.engine.models.checkpoint import resolve_model_path
+from mlx_relay.engine.models.loader import LoadedModel, apply_memory_limits, default_prefix_cache_bytes, load_model
+from mlx_relay.engine.models.pipeline_stage import Stage, UnsupportedSplit, shard_language_model
+from mlx_relay.engine.step.core import EngineCore
 from mlx_relay.errors import PipelineSetupError
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from typing import Any, Literal, Protocol
 
 import mlx.core as mx
 
-from mlx_relay.engine.sampling import RowSampler
-from mlx_relay.engine.snapshots import Snapshot
+from mlx_relay.engine.memory.snapshots import Snapshot
+from mlx_relay.engine.step.sampling import RowSampler
 
 Ending = Literal["stop", "length"]
 

@@ -3,13 +3,13 @@
 SpecPrefill prefills a long prompt sparsely: a small *draft* model that shares the target's
 tokenizer reads the whole prompt, and the attention that the prompt's last ``window`` query
 positions pay to each token is that token's importance. The engine's scoring stage
-(:mod:`mlx_relay.engine.scoring`) runs the work here, on the GPUExecutor's thread and nowhere
+(:mod:`mlx_relay.engine.scoring.stage`) runs the work here, on the GPUExecutor's thread and nowhere
 else (MLX arrays never leave it), one draft chunk per engine step so that the other requests'
 decode steps go on between the chunks of a long prompt. Which chunks of the prompt are then
 kept is a pure function (:mod:`mlx_relay.specprefill.selection`); this module only produces the
 scores.
 
-* :meth:`DraftScorer.load` loads the draft through :mod:`mlx_relay.engine.draft_library`:
+* :meth:`DraftScorer.load` loads the draft through :mod:`mlx_relay.engine.scoring.draft_library`:
   a qwen3_5-family draft (hybrid GatedDeltaNet + gated attention) with ``mlx_vlm.load`` and
   its ``language_model``, any other with ``mlx_lm.load``. (Before, every draft went through
   mlx_lm, whose GatedDeltaNet prefill off Metal is a per-token loop: on CUDA a hybrid draft
@@ -32,7 +32,7 @@ draft's outputs are bit-identical) and only while a job arms it, during the fina
    qwen3_next/qwen3_5 gated attention, ``q_norm`` when present, RoPE at the queries' absolute
    positions: mlx_lm's ``rope`` or mlx_vlm's multimodal ``rotary_emb``);
 2. takes every key so far, post-RoPE, from the layer's ``KVCache`` (trimmed to its offset:
-   :func:`mlx_relay.engine.draft_library.cached_keys_values` reads either library's);
+   :func:`mlx_relay.engine.scoring.draft_library.cached_keys_values` reads either library's);
 3. computes the attention probabilities in float32: ``softmax(q . k * scale)`` with grouped
    query heads, causal among the window's own positions (:func:`window_attention`).
 
@@ -70,7 +70,7 @@ import mlx.nn as nn
 import msgspec
 import numpy as np
 
-from mlx_relay.engine.draft_library import (
+from mlx_relay.engine.scoring.draft_library import (
     DraftLibrary,
     cache_arrays,
     cached_keys_values,
@@ -314,7 +314,7 @@ class DraftScorer:
     @classmethod
     def load(cls, path: Path, target_tokenizer: Any, *, library: DraftLibrary | None = None) -> DraftScorer:
         """Load the draft at ``path`` (a local checkpoint), through ``library`` (default: mlx-vlm
-        for a qwen3_5-family draft, mlx-lm for any other; see :mod:`~mlx_relay.engine.draft_library`).
+        for a qwen3_5-family draft, mlx-lm for any other; see :mod:`~mlx_relay.engine.scoring.draft_library`).
 
         Raises ModelLoadError when it cannot be loaded, DraftIncompatible when its vocabulary
         differs from ``target_tokenizer``'s or none of its attention layers can be probed."""

@@ -28,10 +28,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.decode_state import DecodeState
+from mlx_relay.engine.lanes.decode_state import DecodeState
 from mlx_relay.engine.models import UnsupportedModel, family_of
+from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.positions import Positions
-from mlx_relay.engine.pipeline_stage import Stage
 
 __all__ = ["DecodeStep", "UnsupportedModel"]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mlx_relay.chat.output import TokenLogprob
-from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from mlx_relay.engine.processors import GrammarMask, LogprobRecorder
+from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
+from mlx_relay.engine.step.processors import GrammarMask, LogprobRecorder
 from mlx_relay.messages.gpu import Generate
 from mlx_relay.messages.specprefill import SparsePrefill, SpecPrefillReport
 

@@ -36,9 +36,9 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-from mlx_relay.engine.core import EngineCore
-from mlx_relay.engine.pipeline_watch import WatchLeader
+from mlx_relay.engine.hosting.pipeline_watch import WatchLeader
 from mlx_relay.engine.protocol import Asked, Command, StepOutput, Told
+from mlx_relay.engine.step.core import EngineCore
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlx_relay.engine.rows import LaneName, Row
+from mlx_relay.engine.step.rows import LaneName, Row
 
 
 @dataclass

@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 from mlx_relay.config import EngineConfig
-from mlx_relay.engine.engine_process import EngineProcess
-from mlx_relay.engine.handle import EngineCallbacks, EngineHandle
+from mlx_relay.engine.hosting.engine_process import EngineProcess
+from mlx_relay.engine.hosting.handle import EngineCallbacks, EngineHandle
 
 _GPU_PROBE = ("import mlx.core as mx; c = getattr(mx, 'cuda', None); "
               "print(int(bool(mx.metal.is_available() or (c and c.is_available()))))")
@@ -50,6 +50,6 @@ def open_engine(own_process: bool, callbacks: EngineCallbacks) -> EngineHandle:
         return EngineProcess(callbacks, log_level=logging.getLogger("mlx_relay").getEffectiveLevel())
     # imported here, the one place that runs the engine in this process: importing it loads MLX,
     # which a server whose engine runs in a process of its own never does
-    from mlx_relay.engine.local_engine import LocalEngine
+    from mlx_relay.engine.hosting.local_engine import LocalEngine
 
     return LocalEngine(callbacks)

@@ -21,8 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.decode_state import DecodeState, batch_bucket
-from mlx_relay.engine.decode_step import DecodeStep
+from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
+from mlx_relay.engine.lanes.decode_step import DecodeStep
 
 
 class DecodeBatch:

@@ -5,7 +5,7 @@
 
 vLLM v1 runs its engine core this way: no Python work of the server (HTTP, SSE encoding, the
 actors) shares a GIL with the thread that launches the kernels. The child is a fresh interpreter
-(`python -m mlx_relay.engine.process_main`, never a fork: MLX and the event loop's threads do not
+(`python -m mlx_relay.engine.hosting.process_main`, never a fork: MLX and the event loop's threads do not
 survive one) given one end of a socket pair as a `multiprocessing.connection.Connection` (length-
 framed messages); every frame is a msgspec struct of `wire.py`, msgpack-encoded. Not
 `multiprocessing`'s spawn context: it runs the server's main script again in the child (a script
@@ -37,9 +37,8 @@ from typing import Any
 import msgspec
 
 import mlx_relay
-from mlx_relay.engine.handle import EngineCallbacks
-from mlx_relay.engine.protocol import Asked, R, Told
-from mlx_relay.engine.wire import (
+from mlx_relay.engine.hosting.handle import EngineCallbacks
+from mlx_relay.engine.hosting.wire import (
     Answer,
     Ask,
     CommandFailed,
@@ -55,6 +54,7 @@ from mlx_relay.engine.wire import (
     decode_answer,
     step_from_wire,
 )
+from mlx_relay.engine.protocol import Asked, R, Told
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class EngineProcess:
         with theirs:  # only the child holds its end once it runs: its exit is the end of the pipe here
             try:
                 self.process = subprocess.Popen(
-                    [sys.executable, "-m", "mlx_relay.engine.process_main", str(theirs.fileno()),
+                    [sys.executable, "-m", "mlx_relay.engine.hosting.process_main", str(theirs.fileno()),
                      str(self._log_level)], pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
             except BaseException:
                 ours.close()

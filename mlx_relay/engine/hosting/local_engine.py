@@ -37,14 +37,13 @@ from mlx_relay.cache.snapshot_files import (
     verify,
     write_atomic,
 )
-from mlx_relay.engine.core import EngineCore
-from mlx_relay.engine.gpu_thread import GPUThread, GPUThreadDied
-from mlx_relay.engine.handle import EngineCallbacks
-from mlx_relay.engine.loader import apply_memory_limits, load_model
-from mlx_relay.engine.pipeline_boot import lead_group, load_stage, prefix_cache_budget
-from mlx_relay.engine.pipeline_stage import Stage
-from mlx_relay.engine.pipeline_sync import PipelineLeader
-from mlx_relay.engine.pipeline_watch import FollowerWatch
+from mlx_relay.engine.hosting.gpu_thread import GPUThread, GPUThreadDied
+from mlx_relay.engine.hosting.handle import EngineCallbacks
+from mlx_relay.engine.hosting.pipeline_boot import lead_group, load_stage, prefix_cache_budget
+from mlx_relay.engine.hosting.pipeline_sync import PipelineLeader
+from mlx_relay.engine.hosting.pipeline_watch import FollowerWatch
+from mlx_relay.engine.models.loader import apply_memory_limits, load_model
+from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.protocol import (
     Asked,
     BootEngine,
@@ -55,6 +54,7 @@ from mlx_relay.engine.protocol import (
     Told,
     WriteSnapshot,
 )
+from mlx_relay.engine.step.core import EngineCore
 from mlx_relay.errors import PipelineRankLost
 from mlx_relay.messages.gpu import ModelInfo
 from mlx_relay.messages.prefix_cache import LoadSnapshot, SaveSnapshot, SnapshotLoaded, SnapshotSaved

@@ -34,10 +34,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_relay.engine.lanes.mtp_state import MTPState
 from mlx_relay.engine.models import family_of
+from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.positions import Positions
-from mlx_relay.engine.mtp_state import MTPState
-from mlx_relay.engine.pipeline_stage import Stage
 
 
 @dataclass

@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from mlx_relay.engine.batch_caches import batched
-from mlx_relay.engine.pipeline_stage import Stage
+from mlx_relay.engine.memory.batch_caches import batched
+from mlx_relay.engine.models.pipeline_stage import Stage
 
 
 class StageOutput(NamedTuple):

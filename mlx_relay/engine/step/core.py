@@ -30,18 +30,18 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.config import EngineConfig
-from mlx_relay.engine.cuda_memory import CudaMemory
-from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from mlx_relay.engine.features import FeatureStore
-from mlx_relay.engine.lanes import Lane, LaneStep, RowSpec
-from mlx_relay.engine.library_lane import LibraryLane
-from mlx_relay.engine.loader import LoadedModel, device_memory_bytes
-from mlx_relay.engine.logits import LogitsChains
-from mlx_relay.engine.mtp_head import MTPHead
-from mlx_relay.engine.mtp_lane import MTPLane
-from mlx_relay.engine.output import Ending, OutputStage, RowCounts
-from mlx_relay.engine.pipeline_stage import Stage
-from mlx_relay.engine.plain_lane import PlainLane
+from mlx_relay.engine.lanes.lane import Lane, LaneStep, RowSpec
+from mlx_relay.engine.lanes.library_lane import LibraryLane
+from mlx_relay.engine.lanes.mtp_head import MTPHead
+from mlx_relay.engine.lanes.mtp_lane import MTPLane
+from mlx_relay.engine.lanes.plain_lane import PlainLane
+from mlx_relay.engine.lanes.row_prefill import sparse_row
+from mlx_relay.engine.memory.cuda_memory import CudaMemory
+from mlx_relay.engine.memory.features import FeatureStore
+from mlx_relay.engine.memory.snapshot_codec import CacheLayout, decode, encode, probe_layout
+from mlx_relay.engine.memory.snapshots import Snapshot, SnapshotPool
+from mlx_relay.engine.models.loader import LoadedModel, device_memory_bytes
+from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.protocol import (
     AddRow,
     Asked,
@@ -57,13 +57,13 @@ from mlx_relay.engine.protocol import (
     StepOutput,
     Told,
 )
-from mlx_relay.engine.row_prefill import sparse_row
-from mlx_relay.engine.rows import LaneName, Row
-from mlx_relay.engine.scheduler import Scheduler, StepPlan
-from mlx_relay.engine.scoring import ScoringStage
-from mlx_relay.engine.snapshot_codec import CacheLayout, decode, encode, probe_layout
-from mlx_relay.engine.snapshots import Snapshot, SnapshotPool
-from mlx_relay.engine.token_budget import prefill_budget, split_by_rows, step_budget
+from mlx_relay.engine.scoring.stage import ScoringStage
+from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
+from mlx_relay.engine.step.logits import LogitsChains
+from mlx_relay.engine.step.output import Ending, OutputStage, RowCounts
+from mlx_relay.engine.step.rows import LaneName, Row
+from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
+from mlx_relay.engine.step.token_budget import prefill_budget, split_by_rows, step_budget
 from mlx_relay.errors import GenerationFailed
 from mlx_relay.memory import release_freed_memory
 from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, SamplingParams, TokenDelta, WarmupReport

@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache, KVCache
 
-from mlx_relay.engine.decode_state import GROW, batch_bucket, library_caches
+from mlx_relay.engine.lanes.decode_state import GROW, batch_bucket, library_caches
 
 
 def _cap_for(columns: int) -> int:

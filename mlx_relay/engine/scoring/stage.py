@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_relay.engine.draft_scorer import DraftScorer, ScoringJob
-from mlx_relay.engine.rows import Row
+from mlx_relay.engine.scoring.draft_scorer import DraftScorer, ScoringJob
+from mlx_relay.engine.step.rows import Row
 from mlx_relay.messages.gpu import DraftInfo
 from mlx_relay.messages.specprefill import ScoringOutcome, SpecPrefillReport
 from mlx_relay.runtime.supervision import is_failure

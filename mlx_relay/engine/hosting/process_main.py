@@ -3,7 +3,7 @@
     server: GPUExecutor -> EngineProcess ==pipe (wire.py frames)== main thread -> LocalEngine
                                         <=========================== GPU / writer / reader threads
 
-Started by `engine_process.EngineProcess` as `python -m mlx_relay.engine.process_main FD LOG_LEVEL`
+Started by `engine_process.EngineProcess` as `python -m mlx_relay.engine.hosting.process_main FD LOG_LEVEL`
 (FD: its end of a socket pair). The main thread blocks on the pipe and
 hands each command to the LocalEngine; replies, step outputs, the boot's progress and log records
 are encoded and sent from the thread that has them (the GPU thread for steps: a send per step,
@@ -29,10 +29,9 @@ from typing import Any
 
 import msgspec
 
-from mlx_relay.engine.handle import EngineCallbacks
-from mlx_relay.engine.local_engine import LocalEngine
-from mlx_relay.engine.protocol import BootEngine
-from mlx_relay.engine.wire import (
+from mlx_relay.engine.hosting.handle import EngineCallbacks
+from mlx_relay.engine.hosting.local_engine import LocalEngine
+from mlx_relay.engine.hosting.wire import (
     Answer,
     Ask,
     CommandFailed,
@@ -48,6 +47,7 @@ from mlx_relay.engine.wire import (
     error_to_wire,
     step_to_wire,
 )
+from mlx_relay.engine.protocol import BootEngine
 
 
 class _Link:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from mlx_relay.engine.lanes import RowTokens
+from mlx_relay.engine.lanes.lane import RowTokens
 from mlx_relay.engine.protocol import Event
-from mlx_relay.engine.rows import Row
+from mlx_relay.engine.step.rows import Row
 from mlx_relay.errors import GenerationFailed
 from mlx_relay.messages.gpu import Finished, TokenDelta
 from mlx_relay.runtime.supervision import is_failure

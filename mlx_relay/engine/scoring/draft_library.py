@@ -1,6 +1,6 @@
 """Which library runs SpecPrefill's draft, and what the draft scorer relies on in it (GPU thread only).
 
-Part of the engine's scoring stage: :class:`mlx_relay.engine.draft_scorer.DraftScorer` loads
+Part of the engine's scoring stage: :class:`mlx_relay.engine.scoring.draft_scorer.DraftScorer` loads
 its draft through :func:`load_draft` and reads the draft's caches and attention modules only
 through the functions here, so that the scorer works the same on either library's model.
 
