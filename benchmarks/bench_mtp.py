@@ -3,7 +3,7 @@
 In one process, on one thread, alternating variant by variant over `--repeats` passes (ABBA)
 so machine drift cancels, for each batch size B:
   - ours, MTP on   (EngineCore, text rows in the MTP lane, block `--block`, batched verify; greedy
-                   rounds compiled: `engine/mtp_step.py`)
+                   rounds compiled: `engine/lanes/mtp_step.py`)
   - with `--eager-mtp`: ours, MTP on with the eager round (`compile_mtp=False`: mlx-vlm's
                    speculative cache transaction, the round before the compiled one)
   - with `--exact`: ours, MTP on with `--mtp-verify exact` (mlx-vlm's batch-invariant verifier)

@@ -6,8 +6,8 @@
     return self._update(executed)    # output stage: text, stops, endings; rows leave their lanes
 
 vLLM v1's `EngineCore.step` and nano-vllm's `step` have this shape. The pieces, one module each:
-`scheduler.py` (queue, slots, lane routing), the lanes behind `lanes.Lane` (`mtp_lane.py`,
-`plain_lane.py`, `library_lane.py`), `scoring.py` (SpecPrefill's draft, where it lives),
+`scheduler.py` (queue, slots, lane routing), the lanes behind `lanes/lane.Lane` (`lanes/mtp_lane.py`,
+`plain_lane.py`, `library_lane.py`), `scoring/stage.py` (SpecPrefill's draft, where it lives),
 `output.py` (detokenizing, stop strings, finishing), `logits.py` (each row's processor chain),
 `snapshots.py` and `features.py` (prefix-cache snapshots and image features behind handles),
 `snapshot_codec.py` (snapshots to and from file bytes, for the prefix cache's disk tier).

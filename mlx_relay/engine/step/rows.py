@@ -1,7 +1,7 @@
 """One request's state inside the engine (GPU thread only), from arrival to its last event.
 
 A `Row` moves through the engine's stages: waiting (the scheduler's queue), scoring (SpecPrefill's
-draft, `scoring.py`), running in one lane (`lanes.py`), finished. The scheduler owns where a row
+draft, `scoring/stage.py`), running in one lane (`lanes/lane.py`), finished. The scheduler owns where a row
 is; the output stage (`output.py`) owns its text (detokenizer, stop strings, pending deltas);
 the lanes own its device state, keyed by the row's id.
 """
