@@ -55,15 +55,28 @@ class RowTokens:
 
 
 @dataclass
+class MTPCounts:
+    """MTP rounds and their drafts: of one round, one lane step, or the engine's whole life."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    fallback_rounds: int = 0  # rounds run eagerly while the compiled round is on
+
+    def add(self, other: MTPCounts) -> None:
+        self.rounds += other.rounds
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.fallback_rounds += other.fallback_rounds
+
+
+@dataclass
 class LaneStep:
     tokens: list[RowTokens] = field(default_factory=list)
     snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (row, snapshot) taken in prefill
     prefill_rows: int = 0  # rows in this step's prefill chunk (0: none ran)
     prefill_tokens: int = 0  # prompt tokens the step's prefill ran (padding included)
-    mtp_rounds: int = 0
-    mtp_drafted: int = 0
-    mtp_accepted: int = 0
-    mtp_fallback_rounds: int = 0  # MTP rounds run eagerly while the compiled round is on
+    mtp: MTPCounts = field(default_factory=MTPCounts)  # the MTP lane's rounds this step
 
 
 class Lane(Protocol):

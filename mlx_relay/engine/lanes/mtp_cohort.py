@@ -30,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.speculative.cache_state import abort_speculative_round, commit_speculative_round
 
+from mlx_relay.engine.lanes.lane import MTPCounts
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_rows import MTPRow, RoundResult
 from mlx_relay.engine.lanes.mtp_sampling import merge_logq, propose, sampling_walk
@@ -174,12 +175,12 @@ class EagerCohort:
         self._seed_hidden = seed_h
         mx.async_eval(self._drafts, self._seed_hidden, [c.state for c in (*self._cache, *self._dcache)])
         # 4. emitted tokens (the engine finishes rows on EOS / max_tokens / stop strings)
-        result = RoundResult(tokens={}, rounds=1, fallback_rounds=int(self._fallback))
+        result = RoundResult(tokens={}, counts=MTPCounts(rounds=1, fallback_rounds=int(self._fallback)))
         for i, row in enumerate(rows):
             row.drafted += k - 1
             row.accepted += took[i]
-            result.drafted += k - 1
-            result.accepted += took[i]
+            result.counts.drafted += k - 1
+            result.counts.accepted += took[i]
             result.tokens[row.rid] = replay[i]
             row.emitted += len(replay[i])
         return result

@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.engine.lanes.decode_state import batch_bucket
+from mlx_relay.engine.lanes.lane import MTPCounts
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_rows import MTPRow, RoundResult
 from mlx_relay.engine.lanes.mtp_state import MTPState
@@ -85,14 +86,14 @@ class CompiledCohort:
         accepted: list[int] = out.accepted.tolist()
         committed: list[int] = out.committed.tolist()
         step.advance(state, committed)
-        result = RoundResult(tokens={}, rounds=1)
+        result = RoundResult(tokens={}, counts=MTPCounts(rounds=1))
         for i, row in enumerate(rows):
             m = committed[i]
             took = min(accepted[i], m + 1)
             row.drafted += k - 1
             row.accepted += took
-            result.drafted += k - 1
-            result.accepted += took
+            result.counts.drafted += k - 1
+            result.counts.accepted += took
             result.tokens[row.rid] = targets[i][:m + 1]
             row.emitted += m + 1
         return result

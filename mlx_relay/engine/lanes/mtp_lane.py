@@ -14,7 +14,7 @@ first draft. The pieces, one module each:
 - `mtp_compiled.CompiledCohort`: with `compiled=True` and the batched verifier, greedy rows
   whose whole round is one compiled call (`mtp_step.MTPStep` over `mtp_state.MTPState`).
   Sampling rows, every row under the exact verifier, and every row of a model `MTPStep` does not
-  support keep the eager cohort (counted in `LaneStep.mtp_fallback_rounds`).
+  support keep the eager cohort (counted in `MTPCounts.fallback_rounds`).
 
 Each cohort runs one round per step; rows join after their prefill and leave by filtering their
 cohort's state, so a cohort never stops for newcomers.
@@ -123,10 +123,7 @@ class MTPLane:
                 continue
             rows = cohort.rows
             result = cohort.round()
-            out.mtp_rounds += result.rounds
-            out.mtp_drafted += result.drafted
-            out.mtp_accepted += result.accepted
-            out.mtp_fallback_rounds += result.fallback_rounds
+            out.mtp.add(result.counts)
             for row in rows:
                 tokens = result.tokens.get(row.rid)
                 if tokens:

@@ -12,6 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_relay.engine.lanes.lane import MTPCounts
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.step.sampling import RowSampler
@@ -40,7 +41,4 @@ class MTPRow:
 @dataclass
 class RoundResult:
     tokens: dict[int, list[int]]  # row -> tokens emitted this step
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    fallback_rounds: int = 0  # eager rounds while the compiled round is on
+    counts: MTPCounts

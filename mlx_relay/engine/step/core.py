@@ -6,11 +6,11 @@
     return self._update(executed)    # output stage: text, stops, endings; rows leave their lanes
 
 vLLM v1's `EngineCore.step` and nano-vllm's `step` have this shape. The pieces, one module each:
-`scheduler.py` (queue, slots, lane routing), the lanes behind `lanes/lane.Lane` (`lanes/mtp_lane.py`,
-`plain_lane.py`, `library_lane.py`), `scoring/stage.py` (SpecPrefill's draft, where it lives),
-`output.py` (detokenizing, stop strings, finishing), `logits.py` (each row's processor chain),
-`snapshots.py` and `features.py` (prefix-cache snapshots and image features behind handles),
-`snapshot_codec.py` (snapshots to and from file bytes, for the prefix cache's disk tier).
+`scheduler.py` (queue, slots, lane routing), the lanes behind `lanes/lane.Lane` (`lanes/build.py`
+says which run), `scoring/stage.py` (SpecPrefill's draft, where it lives), `output.py`
+(detokenizing, stop strings, finishing), `logits.py` (each row's processor chain),
+`memory/held.py` (prefix-cache snapshots and image features behind handles, their file bytes,
+the memory counters and the idle release), `warmup.py` (the warm-up and the MTP calibration).
 
 `step` returns a `StepOutput`: the events of each request's stream and the side results for the
 policy actors (snapshots taken, scoring outcomes, features encoded, MTP outcomes), each typed.
@@ -22,24 +22,18 @@ empty. Its host applies the protocol's commands (`apply`) between steps.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
 from mlx_relay.config import EngineConfig
-from mlx_relay.engine.lanes.lane import Lane, LaneStep, RowSpec
+from mlx_relay.engine.lanes.build import build_lanes
+from mlx_relay.engine.lanes.lane import Lane, LaneStep, MTPCounts, RowSpec
 from mlx_relay.engine.lanes.library_lane import LibraryLane
-from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
-from mlx_relay.engine.lanes.plain_lane import PlainLane
 from mlx_relay.engine.lanes.row_prefill import sparse_row
-from mlx_relay.engine.memory.cuda_memory import CudaMemory
-from mlx_relay.engine.memory.features import FeatureStore
-from mlx_relay.engine.memory.snapshot_codec import CacheLayout, decode, encode, probe_layout
-from mlx_relay.engine.memory.snapshots import Snapshot, SnapshotPool
+from mlx_relay.engine.memory.held import HeldMemory
+from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
+from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models.loader import LoadedModel, device_memory_bytes
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.protocol import (
@@ -64,10 +58,11 @@ from mlx_relay.engine.step.output import Ending, OutputStage, RowCounts
 from mlx_relay.engine.step.rows import LaneName, Row
 from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
 from mlx_relay.engine.step.token_budget import prefill_budget, split_by_rows, step_budget
+from mlx_relay.engine.step.warmup import warm_up
 from mlx_relay.errors import GenerationFailed
-from mlx_relay.memory import release_freed_memory
-from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, SamplingParams, TokenDelta, WarmupReport
+from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, WarmupReport
 from mlx_relay.messages.prefix_cache import PrefixPlan, SnapshotTaken
+from mlx_relay.messages.specprefill import ScoringOutcome
 from mlx_relay.messages.text_mtp import MTPOutcome
 from mlx_relay.messages.vision import FeaturesEncoded
 from mlx_relay.runtime.supervision import is_failure
@@ -77,8 +72,21 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Executed:
+    """What the execute stage did: each lane's step, the rows that failed, and what it tells the
+    policy actors (a scoring outcome, the features joining rows encoded)."""
+
     steps: list[LaneStep] = field(default_factory=list)
     failed: list[tuple[Row, Exception]] = field(default_factory=list)
+    scored: list[ScoringOutcome] = field(default_factory=list)
+    features: list[FeaturesEncoded] = field(default_factory=list)
+
+
+@dataclass
+class _Updated:
+    """What the update stage leaves for the policy actors: snapshots taken, ended rows' MTP counts."""
+
+    snapshots: list[SnapshotTaken] = field(default_factory=list)
+    mtp: list[MTPOutcome] = field(default_factory=list)
 
 
 class EngineCore:
@@ -89,53 +97,30 @@ class EngineCore:
         info = loaded.info
         tok = loaded.processor.tokenizer if hasattr(loaded.processor, "tokenizer") else loaded.processor
         self._tokenizer = tok
-        self._vocab_size = info.vocab_size
-        lm = loaded.model.language_model
+        self.vocab_size = info.vocab_size
         # the step's token budget: decoding rows first, prefill chunks in what is left
         self.token_budget = step_budget(config.max_num_batched_tokens, config.prefill_step_size, info.backend,
                                         config.max_num_seqs * max(1, config.mtp_block_size))
-        self.lanes: dict[LaneName, Lane] = {
-            "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
-                               prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids,
-                               compiled=config.compile_decode,
-                               fixed_prefill_shapes=config.prefill_shapes == "fixed"
-                               or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage)}
-        # a pipeline stage runs no library lane: mlx-vlm's BatchGenerator runs the whole model
-        if not prefix_cache and stage is None:
-            self.lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
-                                                prefill_batch_size=config.prefill_batch_size,
-                                                prefill_step_size=min(config.prefill_step_size,
-                                                                      self.token_budget))
-        mtp_block = None
-        if config.mtp and info.has_mtp and config.mtp_max_batch > 0:
-            # a pipeline stage verifies with the batched forward: mlx-vlm's exact verifier runs the
-            # whole model in one call
-            exact = stage is None and (config.mtp_verify == "exact"
-                                       or (config.mtp_verify == "auto" and info.backend == "metal"))
-            head = MTPHead.load(Path(info.model_path), lm, exact=exact)
-            self.lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size,
-                                        prefill_step_size=config.prefill_step_size,
-                                        eos_token_ids=info.eos_token_ids, exact_verify=exact,
-                                        compiled=config.compile_mtp, stage=stage)
-            mtp_block = config.mtp_block_size
-        self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs, mtp_block=mtp_block,
+        self.lanes = build_lanes(loaded, config, prefix_cache=prefix_cache, token_budget=self.token_budget,
+                                 stage=stage)
+        self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
+                                   mtp_block=config.mtp_block_size if "mtp" in self.lanes else None,
                                    mtp_max_batch=config.mtp_max_batch,
                                    own_prefill=prefix_cache or stage is not None)
         # the draft (a much smaller model) reads at most a budget's worth of a prompt per step
         self.scoring = ScoringStage(draft_model, tok, min(config.prefill_step_size, self.token_budget))
         self.output = OutputStage()
         self.chains = LogitsChains(tok, info.vocab_size, info.eos_token_ids, config.seed)
-        self.snapshots = SnapshotPool()
-        self._layout: CacheLayout | None = None  # the caches' layout (the disk tier's check), probed once
-        self.features = FeatureStore()
+        # snapshots, features, memory; what MLX may keep cached while idle (EngineConfig.idle_cache_bytes)
+        self.memory = HeldMemory(cuda=info.backend == "cuda", probe_layout=self._probe_layout,
+                                 idle_cache_bytes=next((b for b in (config.idle_cache_bytes, config.cache_limit_bytes)
+                                                        if b is not None), device_memory_bytes()[0] // 20))
+        self.snapshots, self.features = self.memory.snapshots, self.memory.features
         self._rows: dict[int, Row] = {}  # every row the engine holds, by id
-        self._mtp_totals = [0, 0, 0, 0]  # rounds, drafted, accepted, eager rounds (compiled round on)
-        self._prefill_totals = [0, 0]  # chunks, rows
+        self.mtp_totals = MTPCounts()
+        self.prefill_chunks = 0  # steps whose prefill ran
+        self.prefill_rows = 0  # rows over those chunks
         self.prefill_tokens = 0  # prompt tokens the lanes' prefill ran, padding included (all steps)
-        # what MLX may keep cached while idle (EngineConfig.idle_cache_bytes)
-        self._cuda = CudaMemory.open() if info.backend == "cuda" else None  # the driver's pool, beside MLX
-        self._idle_cache_bytes = next((b for b in (config.idle_cache_bytes, config.cache_limit_bytes) if b is not None),
-                                      device_memory_bytes()[0] // 20)
 
     @property
     def draft(self) -> DraftInfo | None:
@@ -154,27 +139,25 @@ class EngineCore:
             case CancelRow(rid=rid):
                 return self.cancel(rid)
             case FreeSnapshotHandles(handles=handles, release_memory=release):
-                return self.free_snapshots(handles, release)
+                return self.memory.free_snapshots(handles, release)
             case FreeFeatureHashes(hashes=hashes):
-                return self.free_features(hashes)
+                return self.features.free(hashes)
             case RunWarmup():
                 return self.warmup()
             case ReadStats():
                 return self.stats()
             case ResetPeakMemory():
-                peak = mx.get_peak_memory()
-                mx.reset_peak_memory()
-                return peak
+                return self.memory.reset_peak()
             case CloseEngine():
                 return self.close()
             case CopySnapshotOut(handle=handle, metadata=metadata, free_after=free_after):
-                return self.encode_snapshot(handle, metadata, free_after)
+                return self.memory.encode_snapshot(handle, metadata, free_after)
             case LoadSnapshotFile(path=path, length=length):
-                return self.load_snapshot(path, length)
+                return self.memory.load_snapshot(path, length)
         raise TypeError(f"the engine core does not apply {type(command).__name__}")
 
     def add(self, rid: int, req: Generate) -> None:
-        row = Row(rid=rid, req=req, detok=IncrementalDetokenizer(self._tokenizer.backend_tokenizer, self._vocab_size),
+        row = Row(rid=rid, req=req, detok=IncrementalDetokenizer(self._tokenizer.backend_tokenizer, self.vocab_size),
                   stops=StopMatcher(req.sampling.stop), sparse=req.sparse, specprefill=req.specprefill)
         self._rows[rid] = row
         self.scheduler.add(row)
@@ -188,41 +171,13 @@ class EngineCore:
         if row.lane is not None:
             self.lanes[row.lane].remove(rid)
 
-    def free_snapshots(self, handles: list[int], release_memory: bool = False) -> int:
-        """Drop snapshots; `release_memory` (a flush) also returns MLX's freed buffers to the system."""
-        freed = self.snapshots.free(handles)
-        if release_memory:
-            mx.clear_cache()
-            release_freed_memory(collect=False)
-        return freed
-
     def snapshot_layout(self) -> CacheLayout:
         """The live model's cache layout (and its MTP head's): what a snapshot file must fit."""
-        if self._layout is None:
-            mtp = self.lanes.get("mtp")
-            self._layout = probe_layout(self._model.language_model, mtp.head if isinstance(mtp, MTPLane) else None)
-        return self._layout
+        return self.memory.layout()
 
-    def encode_snapshot(self, handle: int, metadata: dict[str, str],
-                        free_after: bool = False) -> tuple[memoryview, float]:
-        """A held snapshot as safetensors bytes (one host copy; the file is written off this
-        thread) and the seconds the copy held this thread; `free_after`: the snapshot is dropped
-        once copied. KeyError: no such snapshot."""
-        tic = time.perf_counter()
-        try:
-            return encode(self.snapshots.get(handle), metadata), time.perf_counter() - tic
-        finally:
-            if free_after:
-                self.snapshots.free([handle])
-
-    def load_snapshot(self, source: str | bytes, length: int) -> tuple[int, int]:
-        """A verified file (its path, or its bytes) as a new snapshot, checked against the cache
-        layout: (handle, bytes held). `SnapshotFileError` when it does not fit."""
-        snap = decode(source, length, self.snapshot_layout())
-        return self.snapshots.add(snap), snap.nbytes
-
-    def free_features(self, hashes: list[str]) -> None:
-        self.features.free(hashes)
+    def _probe_layout(self) -> CacheLayout:
+        mtp = self.lanes.get("mtp")
+        return probe_layout(self._model.language_model, mtp.head if isinstance(mtp, MTPLane) else None)
 
     def close(self) -> StepOutput:
         """End every request (the engine is shutting down) and drop all device state."""
@@ -233,55 +188,32 @@ class EngineCore:
         if isinstance(lib := self.lanes.get("library"), LibraryLane):
             lib.close()
         self.scoring.clear()
-        self.snapshots.clear()
-        self.features.clear()
+        self.memory.clear()
         return StepOutput(self.output.take())
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> StepOutput:
-        out = StepOutput()
         plan = self.scheduler.schedule()
-        executed = self._execute(plan, out)
-        self._update(executed, out)
-        out.events = self.output.take()
+        executed = self._execute(plan)
+        updated = self._update(executed)
+        out = StepOutput(events=self.output.take(), snapshots=updated.snapshots, scored=executed.scored,
+                         features=executed.features, mtp=updated.mtp)
         if not self.has_work:
-            self._release_idle_memory()
+            self.memory.release_idle()
         return out
 
-    def _release_idle_memory(self) -> None:
-        """Drained after a burst: MLX's freed buffers (prefill chunks and batch states, which MLX
-        keeps for reuse up to its cache limit) go back to the device; a lone agent's few buffers
-        stay below the bound and stay cached. On CUDA the bound also counts what the driver's pool
-        still reserves beyond what it hands out: after a 64-stream burst on an H200 MLX's cache held
-        0.07 GB but the pool 104 GB more than MLX used, which `mx.clear_cache()` gave back (142.6 ->
-        38.1 GB); the old test of MLX's cache alone never fired and the device stayed at 139 GB."""
-        cached = mx.get_cache_memory()
-        before = self._cuda.read() if self._cuda is not None else None
-        spare = before.reserved - before.used if before is not None else 0
-        if cached + spare <= self._idle_cache_bytes:
-            return
-        mx.clear_cache()
-        if self._cuda is None or before is None:
-            log.info("idle: gave %.2f GB of MLX's buffer cache back (%.2f GB in use)", cached / 1e9,
-                     mx.get_active_memory() / 1e9)
-            return
-        after = self._cuda.read()
-        log.info("idle: gave %.2f GB of MLX's buffer cache back (%.2f GB in use); CUDA pool reserved "
-                 "%.2f GB -> %.2f GB (high %.2f GB); device in use %s GB", cached / 1e9,
-                 mx.get_active_memory() / 1e9, before.reserved / 1e9, after.reserved / 1e9,
-                 after.reserved_high / 1e9, "?" if after.device_used is None else f"{after.device_used / 1e9:.2f}")
-
-    def _execute(self, plan: StepPlan, out: StepOutput) -> _Executed:
+    def _execute(self, plan: StepPlan) -> _Executed:
         executed = _Executed()
         for row in plan.to_score:
             self.scoring.add(row)
         if (scored := self.scoring.step()) is not None:
             row, outcome = scored
-            out.scored.append(outcome)
+            executed.scored.append(outcome)
             self.scheduler.add(row, first=True)
         for row in plan.joins:
             try:
-                self._join(row, out)
+                if (encoded := self._join(row)) is not None:
+                    executed.features.append(encoded)
             except BaseException as exc:
                 if not is_failure(exc):  # native panics are failures too; control flow is not
                     raise
@@ -311,40 +243,40 @@ class EngineCore:
         split = split_by_rows([lane.prefilling for _, lane in lanes], budget)
         return {name: share for (name, _), share in zip(lanes, split, strict=True)}
 
-    def _update(self, executed: _Executed, out: StepOutput) -> None:
+    def _update(self, executed: _Executed) -> _Updated:
+        updated = _Updated()
         for row, error in executed.failed:
             self._drop(row, error)
         endings: list[Ending] = []
         for lane_step in executed.steps:
-            totals = self._mtp_totals
-            totals[0] += lane_step.mtp_rounds
-            totals[1] += lane_step.mtp_drafted
-            totals[2] += lane_step.mtp_accepted
-            totals[3] += lane_step.mtp_fallback_rounds
+            self.mtp_totals.add(lane_step.mtp)
             self.prefill_tokens += lane_step.prefill_tokens
             if lane_step.prefill_rows:
-                self._prefill_totals[0] += 1
-                self._prefill_totals[1] += lane_step.prefill_rows
+                self.prefill_chunks += 1
+                self.prefill_rows += lane_step.prefill_rows
             for rid, snap in lane_step.snapshots:
                 if (row := self._rows.get(rid)) is not None:
-                    out.snapshots.append(self._keep(row, snap, "system"))
+                    updated.snapshots.append(self._keep(row, snap, "system"))
             for tokens in lane_step.tokens:
                 row = self._rows.get(tokens.rid)
                 if row is not None and (ending := self.output.tokens(row, tokens)) is not None:
                     endings.append(ending)
         for ending in endings:
-            self._end(ending, out)
+            self._end(ending, updated)
         for row in self.scheduler.running.values():
             self.output.release(row)
+        return updated
 
     # -- execute: a row joins its lane --------------------------------------------------------
-    def _join(self, row: Row, out: StepOutput) -> None:
+    def _join(self, row: Row) -> FeaturesEncoded | None:
+        """The row starts in its lane; the image features it encoded, if any."""
         req = row.req
         assert row.lane is not None
         lane = self.lanes[row.lane]
         restore, snapshot_at = self._restore(req.prefix)
         spec = RowSpec(rid=row.rid, prompt=list(req.prompt_tokens), max_tokens=req.sampling.max_tokens,
                        restore=restore, snapshot_at=snapshot_at)
+        encoded = None
         if row.lane == "mtp":
             assert req.mtp_block is not None
             spec.sampler, spec.block_size = self.chains.sampler(req.sampling), req.mtp_block
@@ -352,9 +284,9 @@ class EngineCore:
             chain = self.chains.build(req.sampling)
             spec.processors, row.recorder, row.grammar = chain.processors, chain.recorder, chain.grammar
         if req.vision is not None:
-            kwargs, encoded = self.features.prompt_kwargs(self._model, spec.prompt, req.vision)
-            if encoded:
-                out.features.append(FeaturesEncoded(req.request_id, encoded))
+            kwargs, hashes = self.features.prompt_kwargs(self._model, spec.prompt, req.vision)
+            if hashes:
+                encoded = FeaturesEncoded(req.request_id, hashes)
             if row.lane == "library":
                 spec.prompt_kwargs = kwargs
             else:
@@ -366,6 +298,7 @@ class EngineCore:
                                                            restore.length if restore else 0, snapshot_at)
             spec.positions, spec.rope_delta = kw["positions"], kw["rope_delta"]
         lane.add(spec)
+        return encoded
 
     def _restore(self, plan: PrefixPlan | None) -> tuple[Snapshot | None, list[int]]:
         if plan is None:
@@ -379,7 +312,7 @@ class EngineCore:
         return snap, list(plan.snapshot_at)
 
     # -- update: rows end ---------------------------------------------------------------------
-    def _end(self, ending: Ending, out: StepOutput) -> None:
+    def _end(self, ending: Ending, updated: _Updated) -> None:
         row = ending.row
         if ending.reason is None:
             assert ending.error is not None
@@ -390,9 +323,9 @@ class EngineCore:
         counts = RowCounts(cached_tokens=lane.cached_tokens(row.rid))
         if isinstance(lane, MTPLane):
             counts.mtp_drafted, counts.mtp_accepted = lane.drafts(row.rid)
-            out.mtp.append(MTPOutcome(counts.mtp_drafted, counts.mtp_accepted))
+            updated.mtp.append(MTPOutcome(counts.mtp_drafted, counts.mtp_accepted))
         if ending.whole_step and (turn := self._turn_snapshot(row, lane)) is not None:
-            out.snapshots.append(turn)
+            updated.snapshots.append(turn)
         lane.remove(row.rid)
         self.scheduler.remove(row.rid)
         del self._rows[row.rid]
@@ -431,75 +364,13 @@ class EngineCore:
 
     # -- warm-up and stats ----------------------------------------------------------------------
     def warmup(self) -> WarmupReport:
-        """Compile the kernels the server uses: prefill and decode, greedy and sampled, batch 1
-        and 2, then the plain lane's prefill at every (rows, chunk length) shape it runs at (fixed
-        shapes; none with exact shapes) and its decode step at every batch size it runs at (up to
-        max_num_seqs) and the compiled MTP round at every batch size its cohort runs at (up to
-        mtp_max_batch); then measure what an MTP round costs in plain steps. Runs to completion on
-        the calling (GPU) thread before traffic."""
-        tic = time.perf_counter()
-        prompt = list(range(1, min(64, self._vocab_size - 1)))
-        greedy = SamplingParams(max_tokens=8)
-        sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=0, max_tokens=8)
-        mtp_block = self.scheduler.mtp_block
-        for wave, batch in enumerate(([greedy], [greedy, sampled])):
-            for j, params in enumerate(batch):
-                self.add(-(2 * wave + j + 1), Generate(f"warmup-{wave}-{j}", prompt, params, mtp_block=mtp_block))
-            while self.has_work:
-                self.step()
-        plain = self.lanes["plain"]
-        assert isinstance(plain, PlainLane)
-        shapes = plain.warm_prefill(self._vocab_size, lambda rows, n, seconds: log.info(
-            "warm-up: prefill of %d row(s) x %d tokens took %.2fs", rows, n, seconds))
-        sizes = plain.warm_decode(self.config.max_num_seqs)
-        log.info("prefill run at %d chunk shapes, decode step traced at %d batch sizes", shapes, sizes)
-        if isinstance(mtp := self.lanes.get("mtp"), MTPLane):
-            rounds = mtp.warm_rounds(min(self.config.mtp_max_batch, self.config.max_num_seqs))
-            log.info("compiled MTP round traced at %d batch sizes", rounds)
-        cost = self._mtp_round_cost(prompt) if "mtp" in self.lanes else None
-        mx.clear_cache()  # the warm-up's buffers, dozens of shapes of them
-        return WarmupReport(time.perf_counter() - tic, cost)
-
-    def _mtp_round_cost(self, prompt: list[int], tokens: int = 32) -> float | None:
-        """Seconds per MTP round over seconds per plain decode step, a lone greedy row each way,
-        timed from its first token on (kernels already compiled). None if a row ended too soon
-        to tell."""
-        per_unit = []
-        for mtp_block in (self.scheduler.mtp_block, None):
-            self.add(-99, Generate("calibrate", prompt, SamplingParams(max_tokens=tokens), mtp_block=mtp_block))
-            started, units, rounds0, tic = False, 0, 0, 0.0
-            while self.has_work:
-                out = self.step()
-                if started:
-                    units += 1
-                elif any(isinstance(ev, TokenDelta) for _, ev in out.events):
-                    started, rounds0, tic = True, self._mtp_totals[0], time.perf_counter()
-            elapsed = time.perf_counter() - tic
-            if mtp_block is not None:
-                units = self._mtp_totals[0] - rounds0
-            if units < 4:
-                return None
-            per_unit.append(elapsed / units)
-        return per_unit[0] / per_unit[1]
+        """Compile the kernels the server uses and calibrate MTP (`warmup.py`)."""
+        return warm_up(self)
 
     def stats(self) -> EngineStats:
-        rounds, drafted, accepted, fallback = self._mtp_totals
-        mtp = self.lanes.get("mtp")
+        mtp, totals = self.lanes.get("mtp"), self.mtp_totals
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                            scoring=len(self.scoring), mtp_running=len(mtp) if mtp is not None else 0,
-                           mtp_rounds=rounds, mtp_drafted=drafted, mtp_accepted=accepted,
-                           mtp_fallback_rounds=fallback,
-                           snapshots=len(self.snapshots), snapshot_bytes=self.snapshots.bytes,
-                           features=len(self.features), feature_bytes=self.features.bytes,
-                           prefill_chunks=self._prefill_totals[0], prefill_rows=self._prefill_totals[1],
-                           active_memory_bytes=mx.get_active_memory(), cache_memory_bytes=mx.get_cache_memory(),
-                           peak_memory_bytes=mx.get_peak_memory(), **self._cuda_stats())
-
-    def _cuda_stats(self) -> dict[str, int]:
-        if self._cuda is None:
-            return {}
-        pool = self._cuda.read()
-        return {"cuda_pool_reserved_bytes": pool.reserved, "cuda_pool_used_bytes": pool.used,
-                "cuda_pool_reserved_high_bytes": pool.reserved_high,
-                **({"device_used_bytes": pool.device_used} if pool.device_used is not None else {})}
-
+                           mtp_rounds=totals.rounds, mtp_drafted=totals.drafted, mtp_accepted=totals.accepted,
+                           mtp_fallback_rounds=totals.fallback_rounds,
+                           prefill_chunks=self.prefill_chunks, prefill_rows=self.prefill_rows, **self.memory.stats())
