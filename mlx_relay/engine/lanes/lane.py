@@ -26,7 +26,8 @@ import mlx.core as mx
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.step.sampling import RowSampler
 
-Ending = Literal["stop", "length"]
+#: How a lane ended a row's sequence: end-of-sequence ("stop") or its last allowed token ("length").
+SequenceEnd = Literal["stop", "length"]
 
 
 @dataclass
@@ -51,7 +52,7 @@ class RowSpec:
 class RowTokens:
     rid: int
     tokens: list[int]
-    ended: Ending | None = None  # the lane ended the sequence with the last of `tokens`
+    ended: SequenceEnd | None = None  # the lane ended the sequence with the last of `tokens`
 
 
 @dataclass
@@ -110,7 +111,7 @@ class Lane(Protocol):
     def cached_tokens(self, rid: int) -> int: ...
 
 
-def ending_of(token: int, emitted: int, max_tokens: int, eos: frozenset[int]) -> Ending | None:
+def sequence_end(token: int, emitted: int, max_tokens: int, eos: frozenset[int]) -> SequenceEnd | None:
     """Whether the `emitted`-th token of a row ends it: end-of-sequence, or its last allowed."""
     if token in eos:
         return "stop"

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, ending_of
+from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, sequence_end
 from mlx_relay.engine.lanes.mtp_cohort import EagerCohort
 from mlx_relay.engine.lanes.mtp_compiled import CompiledCohort
 from mlx_relay.engine.lanes.mtp_head import MTPHead
@@ -128,14 +128,14 @@ class MTPLane:
                 tokens = result.tokens.get(row.rid)
                 if tokens:
                     out.tokens.append(RowTokens(row.rid, tokens,
-                                                ending_of(tokens[-1], row.emitted, row.max_tokens, self.eos)))
+                                                sequence_end(tokens[-1], row.emitted, row.max_tokens, self.eos)))
         joined, out.prefill_tokens = self._prefill.step(prefill_budget, self._join)
         for row in self._all_rows():
             if row.snapshots:
                 out.snapshots.extend((row.rid, s) for s in row.snapshots)
                 row.snapshots.clear()
         for row, token in joined:
-            out.tokens.append(RowTokens(row.rid, [token], ending_of(token, row.emitted, row.max_tokens, self.eos)))
+            out.tokens.append(RowTokens(row.rid, [token], sequence_end(token, row.emitted, row.max_tokens, self.eos)))
         return out
 
     def _join(self, row: MTPRow, first: mx.array, draft: mx.array, logq: mx.array | None, seed_h: mx.array) -> None:

@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx_relay.engine.lanes.decode_batch import DecodeBatch
 from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
 from mlx_relay.engine.lanes.decode_step import DecodeStep
-from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, ending_of
+from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, sequence_end
 from mlx_relay.engine.lanes.prefill_batch import PrefillBatch, PrefillRow
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
@@ -145,7 +145,7 @@ class PlainLane:
         for rid, token in self._batch.step():
             row = self.rows[rid]
             row.emitted += 1
-            out.tokens.append(RowTokens(rid, [token], ending_of(token, row.emitted, row.spec.max_tokens, self.eos)))
+            out.tokens.append(RowTokens(rid, [token], sequence_end(token, row.emitted, row.spec.max_tokens, self.eos)))
         if len(self.prefill):
             chunk = self.prefill.step(prefill_budget)
             out.prefill_rows, out.prefill_tokens = chunk.rows, chunk.tokens

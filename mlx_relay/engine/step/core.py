@@ -54,7 +54,7 @@ from mlx_relay.engine.protocol import (
 from mlx_relay.engine.scoring.stage import ScoringStage
 from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.step.logits import LogitsChains
-from mlx_relay.engine.step.output import Ending, OutputStage, RowCounts
+from mlx_relay.engine.step.output import OutputStage, RowCounts, RowEnd
 from mlx_relay.engine.step.rows import LaneName, Row
 from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
 from mlx_relay.engine.step.token_budget import prefill_budget, split_by_rows, step_budget
@@ -247,7 +247,7 @@ class EngineCore:
         updated = _Updated()
         for row, error in executed.failed:
             self._drop(row, error)
-        endings: list[Ending] = []
+        endings: list[RowEnd] = []
         for lane_step in executed.steps:
             self.mtp_totals.add(lane_step.mtp)
             self.prefill_tokens += lane_step.prefill_tokens
@@ -312,7 +312,7 @@ class EngineCore:
         return snap, list(plan.snapshot_at)
 
     # -- update: rows end ---------------------------------------------------------------------
-    def _end(self, ending: Ending, updated: _Updated) -> None:
+    def _end(self, ending: RowEnd, updated: _Updated) -> None:
         row = ending.row
         if ending.reason is None:
             assert ending.error is not None

@@ -4,7 +4,7 @@ For each row's new tokens (`lanes/lane.RowTokens`) in order: its logprobs are ta
 a grammar in an error state ends it with that error, the token is detokenized (UTF-8 safe) and
 stop strings are matched (text that could still become a stop string is held back). A row ends
 at a stop string, or where its lane said its sequence ended (end-of-sequence, max_tokens). What
-ends is returned as `Ending`s for the engine to take out of their lanes (a normal end first takes
+ends is returned as `RowEnd`s for the engine to take out of their lanes (a normal end first takes
 the row's turn snapshot); `finish` then writes the row's `Finished`. At the end of a step each
 running row's text and tokens so far go out as one `TokenDelta`.
 """
@@ -23,7 +23,9 @@ from mlx_relay.runtime.supervision import is_failure
 
 
 @dataclass
-class Ending:
+class RowEnd:
+    """A row ends this step: with a reason (a stop string, or its lane's `SequenceEnd`), or with an error."""
+
     row: Row
     reason: str | None  # "stop" / "length"; None: `error`
     error: Exception | None = None
@@ -47,8 +49,8 @@ class OutputStage:
         events, self.events = self.events, []
         return events
 
-    def tokens(self, row: Row, out: RowTokens) -> Ending | None:
-        """Feed one row's new tokens; an Ending when the row ends with them."""
+    def tokens(self, row: Row, out: RowTokens) -> RowEnd | None:
+        """Feed one row's new tokens; an RowEnd when the row ends with them."""
         last = len(out.tokens) - 1
         for i, token in enumerate(out.tokens):
             now = time.perf_counter()
@@ -62,23 +64,23 @@ class OutputStage:
                 if lp is not None:
                     row.pending_logprobs.append(lp)
             if row.grammar is not None and row.grammar.error is not None:
-                return Ending(row, None, GenerationFailed(f"the output grammar failed: {row.grammar.error}"))
+                return RowEnd(row, None, GenerationFailed(f"the output grammar failed: {row.grammar.error}"))
             try:
                 text = row.detok.step(token)
             except BaseException as exc:
                 if not is_failure(exc):  # native panics are failures too; control flow is not
                     raise
-                return Ending(row, None, GenerationFailed(f"could not detokenize token {token}"))
+                return RowEnd(row, None, GenerationFailed(f"could not detokenize token {token}"))
             safe, hit = row.stops.feed(text)
             if safe:
                 row.pending_text.append(safe)
             if hit:
-                return Ending(row, "stop", whole_step=i == last)
+                return RowEnd(row, "stop", whole_step=i == last)
             if i == last and out.ended is not None:
                 tail = row.stops.flush()
                 if tail:
                     row.pending_text.append(tail)
-                return Ending(row, out.ended)
+                return RowEnd(row, out.ended)
         return None
 
     def release(self, row: Row) -> None:
