@@ -51,7 +51,7 @@ def decode_rate(times: list[float]) -> float:
 def raw_loops(model_dir: Path, prompt_ids: list[int], max_tokens: int, rounds: int) -> dict[str, list[float]]:
     """The raw library loops on their own thread (MLX work stays on one thread): mlx-vlm's
     single-sequence `generate_step` and its continuous `BatchGenerator` with one row."""
-    from mlx_relay.engine.gpu_thread import GPUThread
+    from mlx_relay.engine.hosting.gpu_thread import GPUThread
 
     def run() -> dict[str, list[float]]:
         import mlx.core as mx

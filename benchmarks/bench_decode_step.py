@@ -45,10 +45,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import mlx.core as mx
 
 from mlx_relay.bench.machine import environment
-from mlx_relay.engine.batch_caches import as_batch_caches, batched, extend_caches
-from mlx_relay.engine.decode_state import DecodeState, batch_bucket
-from mlx_relay.engine.decode_step import DecodeStep
-from mlx_relay.engine.loader import load_model
+from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
+from mlx_relay.engine.lanes.decode_step import DecodeStep
+from mlx_relay.engine.memory.batch_caches import as_batch_caches, batched, extend_caches
+from mlx_relay.engine.models.loader import load_model
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 
 

@@ -3,7 +3,7 @@
 In one process, on one thread, alternating variant by variant over `--repeats` passes (ABBA)
 so machine drift cancels, for each batch size B:
   - ours, MTP on   (EngineCore, text rows in the MTP lane, block `--block`, batched verify; greedy
-                   rounds compiled: `engine/mtp_step.py`)
+                   rounds compiled: `engine/lanes/mtp_step.py`)
   - with `--eager-mtp`: ours, MTP on with the eager round (`compile_mtp=False`: mlx-vlm's
                    speculative cache transaction, the round before the compiled one)
   - with `--exact`: ours, MTP on with `--mtp-verify exact` (mlx-vlm's batch-invariant verifier)
@@ -42,11 +42,11 @@ import mlx.core as mx
 from mlx_relay.bench.machine import library_versions, source_commit
 from mlx_relay.bench.tables import rows_markdown
 from mlx_relay.config import EngineConfig
-from mlx_relay.engine.core import EngineCore
-from mlx_relay.engine.loader import load_model
+from mlx_relay.engine.models.loader import load_model
+from mlx_relay.engine.step.core import EngineCore
 from mlx_relay.messages.gpu import Finished, Generate, SamplingParams, TokenDelta
 
-TEXT = (Path(__file__).resolve().parent.parent / "mlx_relay" / "engine" / "mtp_lane.py").read_text()
+TEXT = (Path(__file__).resolve().parent.parent / "mlx_relay" / "engine" / "lanes" / "mtp_lane.py").read_text()
 
 
 def prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:

@@ -28,8 +28,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_relay.cache.snapshot_files import SnapshotIdentity, verify, write_atomic
-from mlx_relay.engine.snapshot_codec import CacheLayout, LayerLayout, decode, encode
-from mlx_relay.engine.snapshots import Snapshot
+from mlx_relay.engine.memory.snapshot_codec import CacheLayout, LayerLayout, decode, encode
+from mlx_relay.engine.memory.snapshots import Snapshot
 
 
 def synthetic(args: argparse.Namespace) -> tuple[Snapshot, CacheLayout]:

@@ -35,8 +35,8 @@ import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
 from mlx_vlm.speculative.cache_state import commit_speculative_round, start_speculative_cache
 
-from mlx_relay.engine.loader import load_model
-from mlx_relay.engine.mtp_head import MTPHead
+from mlx_relay.engine.lanes.mtp_head import MTPHead
+from mlx_relay.engine.models.loader import load_model
 
 
 def prefill(lm: Any, rows: list[list[int]]) -> list[Any]:

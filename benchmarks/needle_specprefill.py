@@ -36,7 +36,7 @@ identifier that is not there.
    length), and as its `control`. A cell's first sweep-trials prompts are the sweep's (greedy:
    the `off` result is reused).
 3. Needle kept? The report gives only how many tokens were kept, not which. The draft's scores
-   are recomputed offline for each main prompt (`mlx_relay.engine.draft_scorer`, the engine's
+   are recomputed offline for each main prompt (`mlx_relay.engine.scoring.draft_scorer`, the engine's
    own scorer, after the server is closed) and `select_chunks` applied (after the anchors of the
    same rule, `--anchor-ngram`, by default the server's: `specprefill/anchors.py`; the usage
    reports how many chunks were anchored, `anchored_chunks`): `needle_kept` means every
@@ -254,7 +254,7 @@ async def main_phase(relay: Any, maker: PromptMaker, lengths: list[int], args: a
 def infer_kept(args: argparse.Namespace, tokenizer: Any, prompts: list[Prompt]) -> dict[str, dict[str, Any]]:
     """Per prompt and keep fraction: the chunks the server kept, recomputed with its own scorer."""
     from mlx_relay.config import SpecPrefillConfig
-    from mlx_relay.engine.draft_scorer import DraftScorer
+    from mlx_relay.engine.scoring.draft_scorer import DraftScorer
     from mlx_relay.specprefill.anchors import anchor_chunks, anchor_rule
     from mlx_relay.specprefill.selection import select_chunks
 

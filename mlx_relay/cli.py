@@ -373,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.engine.pipeline.enabled and config.engine.pipeline.rank > 0:
             # a pipeline's other rank: its layers, no server (imported here: it loads MLX, which
             # a server whose engine runs in a process of its own never does)
-            from mlx_relay.engine.pipeline_boot import serve_follower
+            from mlx_relay.engine.hosting.pipeline_boot import serve_follower
 
             return serve_follower(config)
         return serve(config, Relay.start, progress)

@@ -26,7 +26,7 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     # None: an even split, the low ranks taking the extra layers
     split: tuple[int, ...] | None = None
     rank: int = 0
-    # where rank 0 listens for the followers' liveness connections (`engine/pipeline_watch.py`):
+    # where rank 0 listens for the followers' liveness connections (`engine/hosting/pipeline_watch.py`):
     # its address as the launcher gave it (the ring hostfile's rank 0, NCCL_HOST_IP,
     # MLX_JACCL_COORDINATOR), read once with the rank; None: every interface, announced by host name
     leader_host: str | None = None
@@ -45,7 +45,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     max_num_seqs: int = 16
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048  # the longest prefill chunk (tokens) a step runs, all its rows together
-    # the engine step's token budget (`engine/token_budget.py`, vLLM's max_num_batched_tokens):
+    # the engine step's token budget (`engine/step/token_budget.py`, vLLM's max_num_batched_tokens):
     # decoding rows first (a plain row 1 token, an MTP row its verify block), then prefill chunks
     # in what is left (at least 16 tokens), shared equally by the rows prefilling (a short prompt
     # runs whole beside long ones' smaller chunks), each chunk also at most prefill_step_size.
@@ -58,10 +58,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # on a GPU no limit beyond prefill_step_size (the decoding rows' tokens on top), until the
     # GPU probe (benchmarks/gpu/device_short_behind_long.sh) says which budget to default to
     max_num_batched_tokens: int | None = None
-    # the plain lane's decode step as one compiled function (`engine/decode_step.py`); off: the
+    # the plain lane's decode step as one compiled function (`engine/lanes/decode_step.py`); off: the
     # same function run eagerly (for debugging: same tokens, slower)
     compile_decode: bool = True
-    # the MTP lane's greedy rounds as one compiled function (`engine/mtp_step.py`, with the batched
+    # the MTP lane's greedy rounds as one compiled function (`engine/lanes/mtp_step.py`, with the batched
     # verifier only); off, for sampling rows and under mtp_verify "exact": the eager round through
     # mlx-vlm's speculative cache transaction
     compile_mtp: bool = True

@@ -49,7 +49,7 @@ from mlx_relay.chat.reply import ChatReply, ReplyCollector
 from mlx_relay.chat.types import ChatMessage
 from mlx_relay.config import ServerConfig, build_config
 from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
-from mlx_relay.engine.checkpoint import resolve_model_path
+from mlx_relay.engine.models.checkpoint import resolve_model_path
 from mlx_relay.engine.protocol import ResetPeakMemory
 from mlx_relay.errors import NotReady, UnprocessableRequest
 from mlx_relay.messages.admission import AdmissionStats, GetStats, SetState, WhenIdle

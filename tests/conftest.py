@@ -13,7 +13,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from mlx_relay.engine.gpu_thread import GPUThread
+from mlx_relay.engine.hosting.gpu_thread import GPUThread
 from mlx_relay.relay import Relay, default_config
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer

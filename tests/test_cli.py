@@ -91,7 +91,7 @@ def test_a_preload_fraction_outside_0_to_1_is_a_usage_error(value: str, capsys: 
 
 def test_engine_process_flag_reaches_the_engine_config_and_auto_is_the_thread_on_cpu() -> None:
     from mlx_relay.cli import build_parser, config_from_args
-    from mlx_relay.engine.placement import wants_process
+    from mlx_relay.engine.hosting.placement import wants_process
 
     engine = config_from_args(build_parser().parse_args(["serve", "m", "--engine-process", "on"])).engine
     assert engine.engine_process == "on" and wants_process(engine)

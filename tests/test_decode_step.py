@@ -18,7 +18,7 @@ STEPS = 12
 
 @pytest.fixture(scope="module")
 def lm(gpu: Callable, fp32_model: Path) -> Any:
-    from mlx_relay.engine.loader import load_model
+    from mlx_relay.engine.models.loader import load_model
 
     return gpu(lambda: load_model(fp32_model).model.language_model)
 
@@ -70,8 +70,8 @@ class _LibraryRow:
 
 
 def _state(lm: Any, prompt: list[int]) -> tuple[Any, Any]:
-    from mlx_relay.engine.batch_caches import as_batch_caches
-    from mlx_relay.engine.decode_state import DecodeState
+    from mlx_relay.engine.lanes.decode_state import DecodeState
+    from mlx_relay.engine.memory.batch_caches import as_batch_caches
 
     cache, first = _prefill(lm, prompt)
     return DecodeState.from_batch_caches(as_batch_caches(cache), [0]), first
@@ -81,7 +81,7 @@ def _state(lm: Any, prompt: list[int]) -> tuple[Any, Any]:
 def test_a_lone_row_decodes_exactly_as_the_library(gpu: Callable, lm: Any, compiled: bool) -> None:
     import mlx.core as mx
 
-    from mlx_relay.engine.decode_step import DecodeStep
+    from mlx_relay.engine.lanes.decode_step import DecodeStep
 
     def run() -> tuple[list[int], list[int]]:
         step = DecodeStep(lm, compiled=compiled)
@@ -103,8 +103,8 @@ def test_a_ragged_batch_that_rows_join_and_leave_decodes_exactly(gpu: Callable, 
     state would show), and so do its greedy tokens."""
     import mlx.core as mx
 
-    from mlx_relay.engine import decode_state
-    from mlx_relay.engine.decode_step import DecodeStep
+    from mlx_relay.engine.lanes import decode_state
+    from mlx_relay.engine.lanes.decode_step import DecodeStep
 
     def run() -> tuple[dict[int, list[int]], list[list[int]], float, int]:
         step = DecodeStep(lm)
@@ -145,7 +145,7 @@ def test_buffers_grow_and_a_row_hands_back_its_state(gpu: Callable, lm: Any) -> 
     (`row_caches`, what a turn snapshot takes) continues exactly in the library's decode."""
     import mlx.core as mx
 
-    from mlx_relay.engine.decode_step import DecodeStep
+    from mlx_relay.engine.lanes.decode_step import DecodeStep
 
     def run() -> tuple[list[int], list[int], int, int]:
         step = DecodeStep(lm)

@@ -1,5 +1,5 @@
 """Pins what SpecPrefill's draft scorer relies on in mlx_lm and mlx_vlm
-(:mod:`mlx_relay.engine.draft_library`), on CPU: which library loads which draft, both
+(:mod:`mlx_relay.engine.scoring.draft_library`), on CPU: which library loads which draft, both
 libraries' KV caches as the adapter reads them, RoPE at the cache's positions, and -- the
 reason a qwen3_5 draft goes through mlx_vlm -- that mlx_vlm's GatedDeltaNet update takes the
 chunked scan for a prefill when no Metal kernel runs, where mlx_lm's takes the per-token loop."""
@@ -19,7 +19,7 @@ from mlx_vlm.models.cache import ArraysCache as VlmArraysCache
 from mlx_vlm.models.cache import KVCache as VlmKVCache
 from mlx_vlm.models.qwen3_5 import gated_delta as vlm_gd
 
-from mlx_relay.engine.draft_library import (
+from mlx_relay.engine.scoring.draft_library import (
     LoadedDraft,
     cache_arrays,
     cached_keys_values,

@@ -26,8 +26,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from transformers import AutoTokenizer
 
-from mlx_relay.engine.draft_library import load_draft
-from mlx_relay.engine.draft_scorer import (
+from mlx_relay.engine.scoring.draft_library import load_draft
+from mlx_relay.engine.scoring.draft_scorer import (
     DraftIncompatible,
     DraftScorer,
     QueryProbe,

@@ -23,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_relay import errors
 from mlx_relay.actors.gpu_executor import GPUExecutor
-from mlx_relay.engine.engine_process import EngineProcess
-from mlx_relay.engine.gpu_thread import GPUThread, GPUThreadDied
-from mlx_relay.engine.handle import EngineHandle
-from mlx_relay.engine.wire import (
+from mlx_relay.engine.hosting.engine_process import EngineProcess
+from mlx_relay.engine.hosting.gpu_thread import GPUThread, GPUThreadDied
+from mlx_relay.engine.hosting.handle import EngineHandle
+from mlx_relay.engine.hosting.wire import (
     ERROR_TYPES,
     EngineFailure,
     WireError,

@@ -15,6 +15,7 @@ import mlx_relay
 from mlx_relay import errors
 from mlx_relay.config import EngineConfig, SpecPrefillConfig
 from mlx_relay.engine import protocol
+from mlx_relay.engine.hosting.wire import Answer, Ask, Tell, ToEngine, ToServer, decode_answer, encode_answer
 from mlx_relay.engine.protocol import (
     AddRow,
     Asked,
@@ -27,7 +28,6 @@ from mlx_relay.engine.protocol import (
     Told,
     answer_type,
 )
-from mlx_relay.engine.wire import Answer, Ask, Tell, ToEngine, ToServer, decode_answer, encode_answer
 from mlx_relay.messages.gpu import EngineStats, Finished, Generate, ModelInfo, SamplingParams, TokenDelta
 
 COMMANDS = typing.get_args(Command)
@@ -72,7 +72,7 @@ def test_answers_are_read_with_the_commands_answer_type() -> None:
 
 
 def test_the_core_applies_every_command_a_host_does_not_run() -> None:
-    source = (Path(mlx_relay.__file__).parent / "engine" / "core.py").read_text()
+    source = (Path(mlx_relay.__file__).parent / "engine" / "step" / "core.py").read_text()
     apply = next(node for node in ast.walk(ast.parse(source))
                  if isinstance(node, ast.FunctionDef) and node.name == "apply")
     cases = {case.pattern.cls.id for node in ast.walk(apply) if isinstance(node, ast.Match) for case in node.cases

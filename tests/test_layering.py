@@ -23,8 +23,13 @@ from mlx_relay.testing.live_server import free_port
 PACKAGE = Path(mlx_relay.__file__).parent
 MLX = ("mlx", "mlx.core", "mlx_vlm", "mlx_lm")
 NO_MLX = ["mlx_relay", "mlx_relay.cli", "mlx_relay.relay", "mlx_relay.http.server", "mlx_relay.actors.gpu_executor",
-          "mlx_relay.engine.protocol", "mlx_relay.engine.wire", "mlx_relay.engine.engine_process",
-          "mlx_relay.engine.placement", "mlx_relay.engine.checkpoint", "mlx_relay.media.preprocess",
+          "mlx_relay.engine.protocol", "mlx_relay.engine.hosting.wire", "mlx_relay.engine.hosting.engine_process",
+          "mlx_relay.engine.hosting.placement", "mlx_relay.engine.hosting.handle",
+          "mlx_relay.engine.hosting.pipeline_watch", "mlx_relay.engine.models.checkpoint",
+          "mlx_relay.engine.models", "mlx_relay.engine.step.token_budget", "mlx_relay.engine.memory.cuda_memory",
+          # the engine's role folders: importing a folder imports none of its modules
+          *(f"mlx_relay.engine.{p.parent.name}" for p in sorted((PACKAGE / "engine").glob("*/__init__.py"))),
+          "mlx_relay.media.preprocess",
           "mlx_relay.runtime", "mlx_relay.service", "mlx_relay.config", "mlx_relay.messages.gpu",
           "mlx_relay.messages.prompt", "mlx_relay.messages.prefix_cache", "mlx_relay.messages.specprefill",
           "mlx_relay.messages.text_mtp", "mlx_relay.messages.vision", "mlx_relay.messages.admission",
@@ -44,10 +49,11 @@ def test_the_runtime_http_the_request_path_and_every_actor_but_the_gpu_executor_
     assert "mlx_relay.actors.text_mtp_executor" in NO_MLX and "mlx_relay.http.app" in NO_MLX
     assert "mlx_relay.http.server" in NO_MLX and "mlx_relay.http.streaming" in NO_MLX
     assert "mlx_relay.http.formats.responses.routes" in NO_MLX
+    assert {"mlx_relay.engine.hosting", "mlx_relay.engine.lanes", "mlx_relay.engine.step"} <= set(NO_MLX)
 
 
 def test_the_engines_thread_host_is_where_mlx_is() -> None:
-    code = "import sys, mlx_relay.engine.local_engine; print('mlx.core' in sys.modules)"
+    code = "import sys, mlx_relay.engine.hosting.local_engine; print('mlx.core' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "True"
 
@@ -65,7 +71,7 @@ def _engine_child(pid: int) -> int:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == pid and b"mlx_relay.engine.process_main" in cmdline:
+        if int(fields[1]) == pid and b"mlx_relay.engine.hosting.process_main" in cmdline:
             return int(stat.parent.name)
     raise AssertionError(f"no engine process under {pid}")
 

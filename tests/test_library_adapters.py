@@ -10,14 +10,14 @@ from typing import Any, TypeVar
 import pytest
 from tokenizers.decoders import DecodeStream
 
-from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
 
 T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
 def loaded(gpu: Callable, fp32_model: Path) -> Any:
-    from mlx_relay.engine.loader import load_model
+    from mlx_relay.engine.models.loader import load_model
 
     return gpu(lambda: load_model(fp32_model))
 
@@ -47,7 +47,7 @@ def _ragged_batch(lm: Any, prompts: list[list[int]], cached: list[int]) -> list[
     """Batch caches of rows that hold `cached[i]` tokens of `prompts[i]` each (0: empty)."""
     import mlx.core as mx
 
-    from mlx_relay.engine.batch_caches import as_batch_caches, extend_caches
+    from mlx_relay.engine.memory.batch_caches import as_batch_caches, extend_caches
 
     batch: list[Any] = []
     for p, k in zip(prompts, cached, strict=True):
@@ -168,7 +168,7 @@ def test_a_ragged_batch_chunk_runs_batched_and_equals_each_row_alone(gpu: Callab
     keeps a row's state, and a lone row's decode step runs in place too (no per-step copies)."""
     import mlx.core as mx
 
-    from mlx_relay.engine.batch_caches import batched, take_rows
+    from mlx_relay.engine.memory.batch_caches import batched, take_rows
 
     lm = loaded.model.language_model
     prompts = [list(range(10, 50)), list(range(60, 85)), list(range(90, 150))]
@@ -216,7 +216,7 @@ def test_a_right_padded_chunk_keeps_padding_out_of_each_rows_state(gpu: Callable
     carry no `left_padding`: `as_batch_caches` drops the zero one an empty cache's merge gives.)"""
     import mlx.core as mx
 
-    from mlx_relay.engine.batch_caches import batched
+    from mlx_relay.engine.memory.batch_caches import batched
 
     lm = loaded.model.language_model
     prompts = [list(range(10, 30)), list(range(60, 67)), list(range(90, 110))]

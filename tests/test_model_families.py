@@ -32,7 +32,7 @@ def test_the_steps_refuse_a_language_model_of_another_family() -> None:
     """mlx-lm's own Llama (random weights: only its type and shape are read)."""
     from mlx_lm.models import llama
 
-    from mlx_relay.engine.decode_step import DecodeStep
+    from mlx_relay.engine.lanes.decode_step import DecodeStep
 
     lm = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=16, num_hidden_layers=1, intermediate_size=32,
                                      num_attention_heads=2, rms_norm_eps=1e-6, vocab_size=32))

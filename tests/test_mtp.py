@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from mlx_relay.engine.loader import load_model
+from mlx_relay.engine.models.loader import load_model
 from mlx_relay.messages.gpu import Finished, Generate, SamplingParams
 from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
@@ -132,7 +132,7 @@ def _exact_two_token_distribution(path: Path, prompt: list[int],
     import mlx.core as mx
     import mlx_vlm
 
-    from mlx_relay.engine.sampling import processed_logprobs
+    from mlx_relay.engine.step.sampling import processed_logprobs
 
     model, _ = mlx_vlm.load(str(path))
     lm = model.language_model

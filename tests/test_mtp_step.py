@@ -32,8 +32,8 @@ def bigram_model() -> Path:
 
 
 def _load(gpu: Callable, path: Path) -> tuple[Any, Any]:
-    from mlx_relay.engine.loader import load_model
-    from mlx_relay.engine.mtp_head import MTPHead
+    from mlx_relay.engine.lanes.mtp_head import MTPHead
+    from mlx_relay.engine.models.loader import load_model
 
     def load() -> tuple[Any, Any]:
         lm = load_model(path).model.language_model
@@ -86,7 +86,7 @@ def _row(lm: Any, head: Any, prompt: list[int]) -> tuple[Any, int]:
     """A prefilled row as the lane hands it over: its state and first token."""
     import mlx.core as mx
 
-    from mlx_relay.engine.mtp_state import MTPState
+    from mlx_relay.engine.lanes.mtp_state import MTPState
 
     cache = lm.make_cache()
     out = lm(mx.array([prompt]), cache=cache, return_hidden=True)
@@ -108,7 +108,7 @@ def test_rounds_emit_plain_greedy_tokens_alone_and_in_a_ragged_batch(request: py
                                                                       model: str, compiled: bool, block: int) -> None:
     """Row 0 alone for 2 rounds; rows 1, 2 and 3 (other prompt lengths) join, one per round; row 0
     leaves after round 5 (the batch shrinks to its bucket); every row's tokens equal plain decoding."""
-    from mlx_relay.engine.mtp_step import MTPStep
+    from mlx_relay.engine.lanes.mtp_step import MTPStep
 
     lm, head = request.getfixturevalue("coder" if model == "coder" else "random_head")
     reference = request.getfixturevalue(f"{model}_reference")
@@ -160,7 +160,7 @@ def test_a_row_stops_at_its_first_eos_and_its_state_ends_there(gpu: Callable, co
     the library's decode of the same tokens."""
     import mlx.core as mx
 
-    from mlx_relay.engine.mtp_step import MTPStep
+    from mlx_relay.engine.lanes.mtp_step import MTPStep
 
     lm, head = coder
     ref = coder_reference[0]
@@ -192,7 +192,7 @@ def test_engine_greedy_rows_compiled_sampling_rows_eager(gpu: Callable, bigram_m
     """In the engine (compile_mtp on), greedy rows of different lengths decode in the compiled
     cohort and equal plain decoding; a sampling row beside them runs eager rounds, counted in
     `mtp_fallback_rounds`; with compile_mtp off nothing is counted and the tokens are the same."""
-    from mlx_relay.engine.loader import load_model
+    from mlx_relay.engine.models.loader import load_model
     from mlx_relay.messages.gpu import Generate, SamplingParams
     from mlx_relay.testing.engine_driver import Driver
     from mlx_relay.testing.reference import greedy_reference
@@ -221,7 +221,7 @@ def test_engine_greedy_rows_compiled_sampling_rows_eager(gpu: Callable, bigram_m
 def test_buffers_grow_mid_decode(gpu: Callable, coder: tuple[Any, Any], coder_reference: list[list[int]]) -> None:
     """A row whose KV buffers (target and head) have room for only a few more columns keeps
     decoding exactly as they grow."""
-    from mlx_relay.engine.mtp_step import MTPStep
+    from mlx_relay.engine.lanes.mtp_step import MTPStep
 
     lm, head = coder
 

@@ -30,9 +30,9 @@ import pytest
 from PIL import Image
 
 from mlx_relay.config import PipelineConfig
-from mlx_relay.engine.batch_caches import as_batch_caches, batched
-from mlx_relay.engine.loader import load_model
-from mlx_relay.engine.pipeline_stage import UnsupportedSplit, shard_language_model, split_layers
+from mlx_relay.engine.memory.batch_caches import as_batch_caches, batched
+from mlx_relay.engine.models.loader import load_model
+from mlx_relay.engine.models.pipeline_stage import UnsupportedSplit, shard_language_model, split_layers
 from mlx_relay.relay import default_config
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer, free_port_range

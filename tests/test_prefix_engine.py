@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from mlx_relay.engine.loader import load_model
+from mlx_relay.engine.models.loader import load_model
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.messages.prefix_cache import PrefixPlan
 from mlx_relay.testing.engine_driver import Driver
@@ -144,8 +144,8 @@ def test_fixed_prefill_shapes_are_few_and_the_warmup_runs_each(gpu: Callable, fp
     """Issue 17.6: with fixed shapes a prefill chunk only ever runs at one of a few lengths within
     the token budget, and the warm-up runs every (rows, length) a step can meet, leaving the lane
     empty; a prompt afterwards still decodes exactly."""
-    from mlx_relay.engine.plain_lane import PlainLane
-    from mlx_relay.engine.prefill_batch import chunk_lengths
+    from mlx_relay.engine.lanes.plain_lane import PlainLane
+    from mlx_relay.engine.lanes.prefill_batch import chunk_lengths
 
     assert chunk_lengths(2048) == (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
     assert chunk_lengths(64) == (16, 32, 64)

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from mlx_relay.engine.loader import load_model
-from mlx_relay.engine.token_budget import fair_shares, prefill_budget, split_by_rows, step_budget
+from mlx_relay.engine.models.loader import load_model
+from mlx_relay.engine.step.token_budget import fair_shares, prefill_budget, split_by_rows, step_budget
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.messages.prefix_cache import PrefixPlan
 from mlx_relay.testing.engine_driver import Driver

@@ -15,8 +15,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_relay.engine.loader import load_model
-from mlx_relay.engine.mtp_head import load_mtp_drafter
+from mlx_relay.engine.lanes.mtp_head import load_mtp_drafter
+from mlx_relay.engine.models.loader import load_model
 from mlx_relay.relay import Relay, default_config
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer

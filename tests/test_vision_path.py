@@ -100,7 +100,7 @@ def test_per_image_encoding_equals_whole_batch_encoding(gpu: Callable, fp32_mode
         import mlx.core as mx
         import mlx_vlm
 
-        from mlx_relay.engine.features import FeatureStore
+        from mlx_relay.engine.memory.features import FeatureStore
 
         model, _ = mlx_vlm.load(str(fp32_model))
         from mlx_relay.media.items import DecodedImage

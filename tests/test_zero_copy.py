@@ -12,10 +12,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_relay.config import EngineConfig
-from mlx_relay.engine.core import EngineCore
-from mlx_relay.engine.loader import load_model
-from mlx_relay.engine.mtp_head import MTPHead
-from mlx_relay.engine.mtp_lane import MTPLane
+from mlx_relay.engine.lanes.mtp_head import MTPHead
+from mlx_relay.engine.lanes.mtp_lane import MTPLane
+from mlx_relay.engine.models.loader import load_model
+from mlx_relay.engine.step.core import EngineCore
 
 
 def test_text_and_vision_paths_share_the_language_model_weights(gpu: Callable, fp32_model: Path) -> None:

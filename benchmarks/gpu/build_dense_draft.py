@@ -10,7 +10,7 @@ of plain attention layers shows what scoring costs when the draft's own prefill 
     python benchmarks/gpu/build_dense_draft.py OUT_DIR --tokenizer DIR [--tiny]
 
 (Since issue 19.5 the hybrid draft is loaded through mlx-vlm, whose GatedDeltaNet prefill is a
-chunked scan off Metal: `mlx_relay/engine/draft_library.py`; this dense draft stays the
+chunked scan off Metal: `mlx_relay/engine/scoring/draft_library.py`; this dense draft stays the
 comparison.) `--tiny`: the same architecture at toy size, for checking the scripts on a CPU.
 """
 

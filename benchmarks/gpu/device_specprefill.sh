@@ -5,7 +5,7 @@
 # one table of them all (benchmarks/gpu/specprefill_compare.py; also $OUT/specprefill-compare.md).
 #   DRAFT_KIND=hybrid (default): a random bf16 Qwen3.5-0.8B-shape draft ($DRAFT; 3 GatedDeltaNet : 1
 #     attention). Since issue 19.5 the server loads it through mlx-vlm, whose GatedDeltaNet prefill
-#     off Metal is a chunked scan (mlx_relay/engine/draft_library.py); through mlx-lm (a per-token
+#     off Metal is a chunked scan (mlx_relay/engine/scoring/draft_library.py); through mlx-lm (a per-token
 #     loop on CUDA) it scored 8K tokens in 10 s, slower than the target's whole prefill
 #     (benchmarks/results/specprefill-gpu-h200-2026-11-21/hybrid-draft). The log's `draft:` line
 #     says which library ran it.

@@ -72,7 +72,7 @@ def main() -> None:
     import mlx.core as mx
     import mlx_vlm
 
-    from mlx_relay.engine.loader import detect_backend
+    from mlx_relay.engine.models.loader import detect_backend
 
     model, processor = mlx_vlm.load(str(args.model))
     vocab = len(processor.tokenizer)

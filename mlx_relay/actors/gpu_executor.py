@@ -8,12 +8,12 @@
 
 It executes what the policy actors decided (each `Generate` carries their plans) and reports
 back what it did; it decides nothing about what is cached or how a request decodes. On the event
-loop it keeps the reply stream of each request; its engine (`engine/handle.py`: a `GPUThread`
+loop it keeps the reply stream of each request; its engine (`engine/hosting/handle.py`: a `GPUThread`
 stepping the `EngineCore`) loads the model (and SpecPrefill's draft model, which scores prompts
 here, where it lives), warms the kernels and steps. The engine runs on a thread of this process,
 or in a process of its own (`EngineConfig.engine_process`; "auto": on a GPU), where no Python of
 the server (HTTP, SSE encoding, the other actors) shares the GIL with the thread that launches
-the kernels; commands and outputs then cross a pipe as msgpack frames (`engine/wire.py`), and the
+the kernels; commands and outputs then cross a pipe as msgpack frames (`engine/hosting/wire.py`), and the
 message handling here is the same either way: each actor message becomes the engine's commands
 (`engine/protocol.py`) in `receive`, the one place that knows both. Each step's `StepOutput` is posted to the loop in
 one call and routed: stream events to their streams, side results to the actors that own them
@@ -47,10 +47,10 @@ from dataclasses import dataclass
 import anyio
 
 from mlx_relay.config import EngineConfig, SpecPrefillConfig
-from mlx_relay.engine.engine_process import EngineProcessDied
-from mlx_relay.engine.gpu_thread import GPUThreadDied
-from mlx_relay.engine.handle import EngineCallbacks, EngineHandle
-from mlx_relay.engine.placement import open_engine, wants_process
+from mlx_relay.engine.hosting.engine_process import EngineProcessDied
+from mlx_relay.engine.hosting.gpu_thread import GPUThreadDied
+from mlx_relay.engine.hosting.handle import EngineCallbacks, EngineHandle
+from mlx_relay.engine.hosting.placement import open_engine, wants_process
 from mlx_relay.engine.protocol import (
     AddRow,
     Asked,

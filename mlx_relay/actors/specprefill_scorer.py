@@ -6,7 +6,7 @@
         model scores the uncached tokens one chunk per engine step (other requests keep decoding
         meanwhile), the chunks are selected (`specprefill.selection`, a pure function; first the
         anchors of the plan's rule, `specprefill.anchors`: the request's n-gram length or the
-        server's) and the kept tokens prefilled, all in one visit (`engine/scoring.py`)
+        server's) and the kept tokens prefilled, all in one visit (`engine/scoring/stage.py`)
     GPUExecutor --ScoringOutcome--> scorer: what the selection kept (and anchored), or why it fell back
 
 Anything that goes wrong with scoring (the draft fails, the scores are not finite, the lengths

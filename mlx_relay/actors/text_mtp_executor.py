@@ -13,7 +13,7 @@ a lone row each way), so MTP is planned only while (1 + a(k-1)) / r > 1: never w
 accepted tokens cannot pay for a round, and, once enough drafts were counted, only at an
 acceptance that pays, with one request in `EXPLORE_EVERY` still sent to MTP so the acceptance
 keeps being measured. "always" plans it wherever it can run. The GPUExecutor executes the plan
-(its MTP lane, `engine/mtp_lane.py`); its scheduler admits the row to that lane only while the
+(its MTP lane, `engine/lanes/mtp_lane.py`); its scheduler admits the row to that lane only while the
 lane has room (`mtp_max_batch`). Requests with images or video take the vision path and never ask.
 """
 

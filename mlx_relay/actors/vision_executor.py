@@ -9,7 +9,7 @@ Requests with images or video take the vision path (the MediaRouter said so). Ea
 features are keyed by its content hash, so a repeated image (the same screenshot in every turn
 of a conversation) is never encoded again, even next to new images. This actor owns the index:
 which features are held, their bytes against `vision_cache_bytes`, least-recently-used eviction
-of the unpinned ones, hits and misses. The arrays stay on the GPU thread (`engine/features.py`),
+of the unpinned ones, hits and misses. The arrays stay on the GPU thread (`engine/memory/features.py`),
 which encodes what it does not hold and reports it here.
 """
 

@@ -23,7 +23,7 @@ import anyio
 
 from mlx_relay.bench.records import Measurement, Outcome
 from mlx_relay.bench.workload import BenchRequest
-from mlx_relay.engine.gpu_thread import GPUThread
+from mlx_relay.engine.hosting.gpu_thread import GPUThread
 
 # (request id, time on the GPU thread, token, finish reason)
 _Event = tuple[int, float, int, str | None]

@@ -136,7 +136,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     active_memory_bytes: int = 0
     cache_memory_bytes: int = 0
     peak_memory_bytes: int = 0
-    # CUDA only (engine/cuda_memory.py): the driver's default memory pool under MLX's allocator,
+    # CUDA only (engine/memory/cuda_memory.py): the driver's default memory pool under MLX's allocator,
     # what it reserves from the device, hands out, and reserved at most; the device's memory in use
     cuda_pool_reserved_bytes: int | None = None
     cuda_pool_used_bytes: int | None = None

@@ -1,6 +1,6 @@
 """SpecPrefill's anchors: the chunks of a long prompt that its query names (pure Python and numpy, no MLX).
 
-Run by the engine's scoring stage (`engine/scoring.py`, on the GPU thread between engine steps)
+Run by the engine's scoring stage (`engine/scoring/stage.py`, on the GPU thread between engine steps)
 next to `selection.select_chunks`, which keeps these chunks ahead of the draft's scores.
 
 A question about a long context usually repeats what it asks about: "What is the code for ABC-12?"

@@ -12,7 +12,7 @@ import msgspec
 
 from mlx_relay.actors.text_mtp_executor import TextMTPExecutor
 from mlx_relay.config import EngineConfig
-from mlx_relay.engine.core import EngineCore
+from mlx_relay.engine.step.core import EngineCore
 from mlx_relay.messages.gpu import Finished, Generate, TokenDelta
 from mlx_relay.messages.prefix_cache import SnapshotTaken
 from mlx_relay.messages.specprefill import ScoringOutcome

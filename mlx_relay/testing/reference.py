@@ -30,7 +30,7 @@ def greedy_reference(model_path: Path, prompts: list[list[int]], max_tokens: int
     import mlx_vlm
     from mlx_vlm.generate.ar import generate_step
 
-    from mlx_relay.engine.checkpoint import eos_token_ids, read_config
+    from mlx_relay.engine.models.checkpoint import eos_token_ids, read_config
 
     model, _processor = mlx_vlm.load(str(model_path))
     eos = set(eos_token_ids(read_config(model_path)))
@@ -52,7 +52,7 @@ def sparse_greedy_reference(model_path: Path, prompt: list[int], kept: list[int]
     import mlx.core as mx
     import mlx_vlm
 
-    from mlx_relay.engine.checkpoint import eos_token_ids, read_config
+    from mlx_relay.engine.models.checkpoint import eos_token_ids, read_config
 
     model, _processor = mlx_vlm.load(str(model_path))
     lm = model.language_model

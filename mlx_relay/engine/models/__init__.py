@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
     import mlx.core as mx
 
+    from mlx_relay.engine.models.pipeline_stage import Stage
     from mlx_relay.engine.models.positions import Positions
-    from mlx_relay.engine.pipeline_stage import Stage
 
 __all__ = ["FAMILY_PACKAGES", "ModelFamily", "UnsupportedModel", "family_for", "family_of"]
 

@@ -8,9 +8,9 @@ from typing import Any, Final
 import mlx.core as mx
 
 from mlx_relay.engine.models import KV, ModelFamily
+from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.qwen3_5 import MODEL_TYPES, layers, mtp, pipeline
-from mlx_relay.engine.pipeline_stage import Stage
 
 
 class Qwen3_5Family:

@@ -22,7 +22,7 @@ from mlx_relay.engine.models import KV, UnsupportedModel
 from mlx_relay.engine.models.positions import Positions
 
 if TYPE_CHECKING:
-    from mlx_relay.engine.pipeline_stage import Stage
+    from mlx_relay.engine.models.pipeline_stage import Stage
 
 
 def decoder_layers(lm: Any) -> list[Any]:

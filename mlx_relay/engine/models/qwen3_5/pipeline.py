@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_relay.engine.pipeline_stage import UnsupportedSplit, split_layers
+from mlx_relay.engine.models.pipeline_stage import UnsupportedSplit, split_layers
 
 
 def pipeline_split(lm: Any, rank: int, size: int, split: tuple[int, ...] | None = None) -> tuple[int, int]:

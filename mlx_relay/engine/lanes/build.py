@@ -1,0 +1,49 @@
+"""Which lanes an engine runs, built from its config (GPU thread only; called by `EngineCore`).
+
+Always the plain lane; the library lane (mlx-vlm's `BatchGenerator`) when the prefix cache is off
+and the engine runs the whole model (a pipeline stage runs none: the generator runs the whole
+model); the MTP lane when the checkpoint has an MTP head and the config asks for it (its
+verifier: mlx-vlm's exact one where asked, or on Metal with `mtp_verify="auto"`; the batched
+forward otherwise, and always on a pipeline stage).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlx_relay.config import EngineConfig
+from mlx_relay.engine.lanes.lane import Lane
+from mlx_relay.engine.lanes.library_lane import LibraryLane
+from mlx_relay.engine.lanes.mtp_head import MTPHead
+from mlx_relay.engine.lanes.mtp_lane import MTPLane
+from mlx_relay.engine.lanes.plain_lane import PlainLane
+from mlx_relay.engine.models.loader import LoadedModel
+from mlx_relay.engine.models.pipeline_stage import Stage
+from mlx_relay.engine.step.rows import LaneName
+
+
+def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool, token_budget: int,
+                stage: Stage | None) -> dict[LaneName, Lane]:
+    info = loaded.info
+    lm = loaded.model.language_model
+    lanes: dict[LaneName, Lane] = {
+        "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
+                           prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids,
+                           compiled=config.compile_decode,
+                           fixed_prefill_shapes=config.prefill_shapes == "fixed"
+                           or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage)}
+    # a pipeline stage runs no library lane: mlx-vlm's BatchGenerator runs the whole model
+    if not prefix_cache and stage is None:
+        lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
+                                       prefill_batch_size=config.prefill_batch_size,
+                                       prefill_step_size=min(config.prefill_step_size, token_budget))
+    if config.mtp and info.has_mtp and config.mtp_max_batch > 0:
+        # a pipeline stage verifies with the batched forward: mlx-vlm's exact verifier runs the
+        # whole model in one call
+        exact = stage is None and (config.mtp_verify == "exact"
+                                   or (config.mtp_verify == "auto" and info.backend == "metal"))
+        head = MTPHead.load(Path(info.model_path), lm, exact=exact)
+        lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size, prefill_step_size=config.prefill_step_size,
+                               eos_token_ids=info.eos_token_ids, exact_verify=exact, compiled=config.compile_mtp,
+                               stage=stage)
+    return lanes

@@ -1,0 +1,118 @@
+"""The interface every decode lane implements, and the typed values a lane step returns
+(GPU thread only).
+
+A lane decodes a set of rows in one batch: `add` queues a row (from scratch or restored from a
+snapshot, with snapshot points), `step` runs one decode step of its joined rows and then prefill
+chunks of its joining rows within the step's prefill budget (`token_budget.py`; the engine gives
+each lane its share after counting `decode_tokens` of every lane), `extract` copies a row's
+whole state (its turn snapshot), `remove` lets a row go, `clear` drops everything (after a
+failed step). Three lanes exist:
+`mtp_lane.MTPLane` (text rows with MTP speculative decoding), `plain_lane.PlainLane` (our own
+restorable prefill, then mlx-vlm's `GenerationBatch`) and `library_lane.LibraryLane` (mlx-vlm's
+`BatchGenerator`, which prefills joining rows together: used with the prefix cache off).
+
+A lane reports each row's new tokens and, where the lane knows it (end-of-sequence, max_tokens),
+that the row's sequence ended; the output stage adds stop strings and finishes rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import mlx.core as mx
+
+from mlx_relay.engine.memory.snapshots import Snapshot
+from mlx_relay.engine.step.sampling import RowSampler
+
+#: How a lane ended a row's sequence: end-of-sequence ("stop") or its last allowed token ("length").
+SequenceEnd = Literal["stop", "length"]
+
+
+@dataclass
+class RowSpec:
+    """What a lane needs to start a row."""
+
+    rid: int
+    prompt: list[int]  # the tokens to prefill (a sparse row: only the kept ones)
+    max_tokens: int
+    processors: list[Any] = field(default_factory=list)  # logits processors, the sampler last
+    sampler: RowSampler | None = None  # the MTP lane samples itself (its rows have no processors)
+    restore: Snapshot | None = None
+    snapshot_at: Sequence[int] = ()
+    embeds: mx.array | None = None  # [1, L, D]: vision rows (features merged in)
+    positions: mx.array | None = None  # [3, 1, L]: M-RoPE positions (vision and sparse rows)
+    rope_delta: int = 0  # decode position = index + rope_delta
+    prompt_kwargs: dict[str, Any] | None = None  # the library lane's insert arguments (vision rows)
+    block_size: int = 2  # MTP rows: tokens per verify round
+
+
+@dataclass
+class RowTokens:
+    rid: int
+    tokens: list[int]
+    ended: SequenceEnd | None = None  # the lane ended the sequence with the last of `tokens`
+
+
+@dataclass
+class MTPCounts:
+    """MTP rounds and their drafts: of one round, one lane step, or the engine's whole life."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    fallback_rounds: int = 0  # rounds run eagerly while the compiled round is on
+
+    def add(self, other: MTPCounts) -> None:
+        self.rounds += other.rounds
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.fallback_rounds += other.fallback_rounds
+
+
+@dataclass
+class LaneStep:
+    tokens: list[RowTokens] = field(default_factory=list)
+    snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (row, snapshot) taken in prefill
+    prefill_rows: int = 0  # rows in this step's prefill chunk (0: none ran)
+    prefill_tokens: int = 0  # prompt tokens the step's prefill ran (padding included)
+    mtp: MTPCounts = field(default_factory=MTPCounts)  # the MTP lane's rounds this step
+
+
+class Lane(Protocol):
+    name: Literal["mtp", "plain", "library"]
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens the lane's decoding rows run in one step (counted first against the budget)."""
+        ...
+
+    @property
+    def prefilling(self) -> int:
+        """Rows whose prefill would run this step (the lane's claim on the prefill budget)."""
+        ...
+
+    def add(self, spec: RowSpec) -> None: ...
+
+    def step(self, prefill_budget: int | None = None) -> LaneStep: ...
+
+    def extract(self, rid: int) -> Snapshot | None: ...
+
+    def remove(self, rid: int) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def cached_tokens(self, rid: int) -> int: ...
+
+
+def sequence_end(token: int, emitted: int, max_tokens: int, eos: frozenset[int]) -> SequenceEnd | None:
+    """Whether the `emitted`-th token of a row ends it: end-of-sequence, or its last allowed."""
+    if token in eos:
+        return "stop"
+    return "length" if emitted >= max_tokens else None

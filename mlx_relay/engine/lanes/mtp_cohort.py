@@ -1,0 +1,197 @@
+"""The MTP lane's eager cohort: rows that decode together in mlx-vlm's batch caches, one round
+per engine step (GPU thread only; used by `mtp_lane.MTPLane` for sampling rows, for every row
+under the exact verifier, and for every row when the compiled round is off or unsupported).
+
+A round:
+
+1. draft: each row already holds its first draft token (computed by the previous round's MTP
+   forward); for block size k > 2 the head drafts k - 2 more, autoregressively;
+2. verify: one target forward over ``[bonus, d_1 .. d_{k-1}]`` per row (`mtp_verify`: the exact
+   or the batched verifier) inside a speculative cache transaction. Greedy rows take the argmax,
+   sampling rows the speculative-sampling walk (`mtp_sampling.sampling_walk`);
+3. commit: mlx-vlm's public ``commit_speculative_round`` keeps exactly ``accepted + 1`` positions
+   per row (ragged: KV rows are right-trimmed, recurrent states are picked per row);
+4. the head re-reads the accepted positions with the target's verified hidden states (one
+   forward over ``accepted + 1`` pairs per row, right-padded), which also yields the next
+   round's first draft.
+
+One host synchronisation per round (the verified tokens). Rows join merged into the batch caches
+and leave by filtering them, so the cohort never stops for newcomers.
+
+Invariant between rounds, per row: the target cache holds every emitted token but the last
+(``bonus``); the head's cache holds the pairs ``(h_i, tok_{i+1})`` up to ``(h_last, bonus)``;
+``drafts[:, 0]`` is the head's proposal for the token after ``bonus``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_vlm.speculative.cache_state import abort_speculative_round, commit_speculative_round
+
+from mlx_relay.engine.lanes.lane import MTPCounts
+from mlx_relay.engine.lanes.mtp_head import MTPHead
+from mlx_relay.engine.lanes.mtp_rows import MTPRow, RoundResult
+from mlx_relay.engine.lanes.mtp_sampling import merge_logq, propose, sampling_walk
+from mlx_relay.engine.lanes.mtp_verify import Verifier
+from mlx_relay.engine.memory.batch_caches import as_batch_caches
+from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
+
+
+class EagerCohort:
+    def __init__(self, lm: Any, head: MTPHead, verify: Verifier, *, block_size: int, eos: frozenset[int],
+                 fallback: bool) -> None:
+        self.lm = lm
+        self.head = head
+        self._verify = verify
+        self.k = block_size
+        self.eos = eos
+        self._fallback = fallback  # the compiled round is on: every round here is counted as a fallback
+        self.rows: list[MTPRow] = []  # in batch order
+        self._cache: list[Any] | None = None
+        self._dcache: list[Any] | None = None
+        self._bonus: mx.array | None = None  # [B] int32
+        self._drafts: mx.array | None = None  # [B, 1] first draft token
+        self._draft_logq: mx.array | None = None  # [B, 1, V] log q of the first draft (sampling rows)
+        self._seed_hidden: mx.array | None = None  # [B, 1, H] head output that proposed drafts[:, 0]
+        self._dpos: mx.array | None = None  # [B] next head position per row
+
+    def join(self, row: MTPRow, first: mx.array, draft: mx.array, logq: mx.array | None, seed_h: mx.array) -> None:
+        """A prefilled row joins (its batch-1 caches merged into the cohort's)."""
+        assert row.pre is not None
+        cache, dcache = as_batch_caches(row.pre.cache), as_batch_caches(row.dcache)
+        row.pre.cache, row.dcache = [], []
+        dpos = mx.array([len(row.prompt)], dtype=mx.int32)
+        if not self.rows:
+            self._cache, self._dcache = cache, dcache
+            self._bonus, self._drafts, self._seed_hidden, self._dpos = first, draft, seed_h, dpos
+            self._draft_logq = logq
+        else:
+            for mine, theirs in zip((*self._cache, *self._dcache), (*cache, *dcache), strict=True):  # type: ignore[misc]
+                mine.extend(theirs)
+            self._bonus = mx.concatenate([self._bonus, first])  # type: ignore[list-item]
+            self._drafts = mx.concatenate([self._drafts, draft])  # type: ignore[list-item]
+            self._seed_hidden = mx.concatenate([self._seed_hidden, seed_h])  # type: ignore[list-item]
+            self._dpos = mx.concatenate([self._dpos, dpos])  # type: ignore[list-item]
+            self._draft_logq = merge_logq(self._draft_logq, logq, len(self.rows), 1)
+        self.rows.append(row)
+
+    def extract(self, rid: int) -> Snapshot | None:
+        """A row's state: every emitted token but the last (target caches only); None: not here."""
+        i = next((i for i, r in enumerate(self.rows) if r.rid == rid), None)
+        if i is None or self._cache is None:
+            return None
+        row = self.rows[i]
+        caches = [c.extract(i) for c in self._cache]
+        length = len(row.prompt) + row.emitted - 1
+        entries, nbytes = snapshot_caches(caches, length)
+        return Snapshot(length=length, target=entries, nbytes=nbytes)
+
+    def remove(self, rid: int) -> None:
+        keep = [i for i, row in enumerate(self.rows) if row.rid != rid]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.clear()
+            return
+        idx = mx.array(keep, dtype=mx.int32)
+        for c in (*self._cache, *self._dcache):  # type: ignore[misc]
+            c.filter(idx)
+        self._bonus = self._bonus[idx]  # type: ignore[index]
+        self._drafts = self._drafts[idx]  # type: ignore[index]
+        self._seed_hidden = self._seed_hidden[idx]  # type: ignore[index]
+        self._dpos = self._dpos[idx]  # type: ignore[index]
+        if self._draft_logq is not None:
+            self._draft_logq = self._draft_logq[idx]
+
+    def clear(self) -> None:
+        self.rows = []
+        self._cache = self._dcache = self._bonus = self._drafts = None
+        self._draft_logq = self._seed_hidden = self._dpos = None
+
+    def round(self) -> RoundResult:
+        rows = self.rows
+        B, k = len(rows), self.k
+        assert self._cache is not None and self._dcache is not None and self._bonus is not None
+        assert self._drafts is not None and self._seed_hidden is not None and self._dpos is not None
+        # 1. draft k - 2 more tokens (entries appended here are trimmed after verification)
+        drafts, logqs = [self._drafts], [self._draft_logq]
+        h, tok = self._seed_hidden, self._drafts
+        for j in range(k - 2):
+            h = self.head.forward(tok, h, self._dcache, (self._dpos + j)[:, None])
+            tok, logq = propose(self.head, h, rows)
+            drafts.append(tok)
+            logqs.append(logq)
+        draft_block = mx.concatenate(drafts, axis=1)  # [B, k-1]
+        # 2. verify
+        verify_in = mx.concatenate([self._bonus[:, None], draft_block], axis=1)
+        vh, txn = self._verify(verify_in, self._cache)
+        try:
+            targets = self.head.argmax(vh).astype(mx.int32)  # [B, k]
+            sampled = [i for i, r in enumerate(rows) if r.sampler is not None]
+            walk = sampling_walk(self.head, rows, vh, draft_block, logqs, sampled, k) if sampled else None
+            mx.eval(targets, draft_block, walk)
+            t_host: list[list[int]] = targets.tolist()
+            d_host: list[list[int]] = draft_block.tolist()
+            # per row, whether each draft is accepted: equal to the target's argmax (greedy rows)
+            # or the speculative-sampling draw (sampling rows, whose emitted tokens are the walk's)
+            ok = [[d == t for d, t in zip(d_host[i], t_host[i], strict=False)] for i in range(B)]
+            if walk is not None:
+                w_acc, w_tok = walk[0].tolist(), walk[1].tolist()
+                for j, i in enumerate(sampled):
+                    t_host[i], ok[i] = w_tok[j], w_acc[j]
+            accepted = [next((a for a, good in enumerate(flags) if not good), k - 1) for flags in ok]
+            replay = [self._cut(rows[i], [*d_host[i][:accepted[i]], t_host[i][accepted[i]]]) for i in range(B)]
+            # drafts emitted (a cut replay ends on an accepted draft), and positions committed
+            took = [min(a, len(r)) for a, r in zip(accepted, replay, strict=True)]
+            accepted = [len(r) - 1 for r in replay]
+            commit_speculative_round(self.lm, self._cache, txn, accepted, k)
+        except BaseException:
+            abort_speculative_round(txn)
+            raise
+        # 3. head: drop this round's draft entries, re-read the accepted pairs with verified hiddens
+        if k > 2:
+            for c in self._dcache:
+                c.trim(k - 2)
+        a_max = max(accepted)
+        width = a_max + 1
+        tokens = mx.array([r + [0] * (width - len(r)) for r in replay], dtype=mx.int32)
+        right = [a_max - a for a in accepted]
+        positions = self._dpos[:, None] + mx.arange(width, dtype=mx.int32)[None, :]
+        if any(right):
+            for c in self._dcache:
+                c.prepare(right_padding=right)
+        hh = self.head.forward(tokens, vh[:, :width, :], self._dcache, positions)
+        if any(right):
+            for c in self._dcache:
+                c.finalize()
+        last = mx.array(accepted, dtype=mx.int32)
+        seed_h = mx.take_along_axis(hh, last[:, None, None], axis=1)  # [B, 1, H]
+        self._dpos = self._dpos + last + 1
+        self._bonus = mx.array([r[-1] for r in replay], dtype=mx.int32)
+        self._drafts, self._draft_logq = propose(self.head, seed_h, rows)
+        self._seed_hidden = seed_h
+        mx.async_eval(self._drafts, self._seed_hidden, [c.state for c in (*self._cache, *self._dcache)])
+        # 4. emitted tokens (the engine finishes rows on EOS / max_tokens / stop strings)
+        result = RoundResult(tokens={}, counts=MTPCounts(rounds=1, fallback_rounds=int(self._fallback)))
+        for i, row in enumerate(rows):
+            row.drafted += k - 1
+            row.accepted += took[i]
+            result.counts.drafted += k - 1
+            result.counts.accepted += took[i]
+            result.tokens[row.rid] = replay[i]
+            row.emitted += len(replay[i])
+        return result
+
+    def _cut(self, row: MTPRow, replay: list[int]) -> list[int]:
+        """A round's tokens for `row`, ending at its first EOS or at its max_tokens: the tokens
+        after either are never emitted, so they are not committed to the caches either (the
+        row's state then ends exactly at its last token, which its turn snapshot relies on).
+        Cutting after token m keeps m drafts: token m is itself an accepted draft."""
+        end = min(len(replay), max(row.max_tokens - row.emitted, 1))
+        for m, token in enumerate(replay[:end]):
+            if token in self.eos:
+                return replay[:m + 1]
+        return replay[:end]

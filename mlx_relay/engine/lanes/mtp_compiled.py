@@ -1,0 +1,121 @@
+"""The MTP lane's compiled cohort: greedy rows whose whole round is one compiled call over
+fixed-size state (GPU thread only; used by `mtp_lane.MTPLane` with `compiled=True` and the
+batched verifier, the engine's default off Metal).
+
+`mtp_step.MTPStep` over `mtp_state.MTPState`: the drafts, the verify forward, the accept
+decision, the cut at EOS / max_tokens and the commit run on device, with no speculative cache
+transaction; one host synchronisation per round (the counts). A row joins with its library
+caches copied once into the state, and leaves by filtering it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_relay.engine.lanes.decode_state import batch_bucket
+from mlx_relay.engine.lanes.lane import MTPCounts
+from mlx_relay.engine.lanes.mtp_head import MTPHead
+from mlx_relay.engine.lanes.mtp_rows import MTPRow, RoundResult
+from mlx_relay.engine.lanes.mtp_state import MTPState
+from mlx_relay.engine.lanes.mtp_step import MTPStep
+from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
+
+
+class CompiledCohort:
+    def __init__(self, step: MTPStep, *, block_size: int) -> None:
+        self._step = step
+        self.k = block_size
+        self.rows: list[MTPRow] = []  # in batch order
+        self._state: MTPState | None = None
+
+    def join(self, row: MTPRow, first: mx.array, draft: mx.array, seed_h: mx.array) -> None:
+        """A greedy row joins (its library caches copied once)."""
+        assert row.pre is not None
+        state = MTPState.from_row(row.pre.cache, row.dcache, self._step.layout, first, draft, seed_h,
+                                  dpos=len(row.prompt))
+        row.pre.cache, row.dcache = [], []
+        if self._state is None:
+            state.pad_to_bucket()
+            self._state = state
+        else:
+            self._state.extend(state)
+        self.rows.append(row)
+
+    def extract(self, rid: int) -> Snapshot | None:
+        """A row's state: every emitted token but the last (target caches only); None: not here."""
+        j = next((j for j, r in enumerate(self.rows) if r.rid == rid), None)
+        if j is None or self._state is None:
+            return None
+        row = self.rows[j]
+        length = len(row.prompt) + row.emitted - 1
+        assert self._state.lengths[j] == length, (self._state.lengths[j], length)
+        entries, nbytes = snapshot_caches(self._state.row_caches(j), length)
+        return Snapshot(length=length, target=entries, nbytes=nbytes)
+
+    def remove(self, rid: int) -> bool:
+        """Whether the row was here (then it has left)."""
+        keep = [i for i, row in enumerate(self.rows) if row.rid != rid]
+        if len(keep) == len(self.rows):
+            return False
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self._state = None
+        else:
+            assert self._state is not None
+            self._state.filter(keep)
+        return True
+
+    def clear(self) -> None:
+        self.rows = []
+        self._state = None
+
+    def round(self) -> RoundResult:
+        """One compiled round; one host synchronisation (the counts)."""
+        rows, state, step = self.rows, self._state, self._step
+        assert state is not None
+        k = self.k
+        room = [max(r.max_tokens - r.emitted, 1) for r in rows]
+        out = step(state, room)
+        # the counts first, then the rest of the round (commit, the head's next draft) in a second
+        # batch that runs while the host emits this round's tokens
+        mx.async_eval(out.targets, out.accepted, out.committed)
+        mx.async_eval(state.arrays())
+        targets: list[list[int]] = out.targets.tolist()
+        accepted: list[int] = out.accepted.tolist()
+        committed: list[int] = out.committed.tolist()
+        step.advance(state, committed)
+        result = RoundResult(tokens={}, counts=MTPCounts(rounds=1))
+        for i, row in enumerate(rows):
+            m = committed[i]
+            took = min(accepted[i], m + 1)
+            row.drafted += k - 1
+            row.accepted += took
+            result.counts.drafted += k - 1
+            result.counts.accepted += took
+            result.tokens[row.rid] = targets[i][:m + 1]
+            row.emitted += m + 1
+        return result
+
+    def warm(self, lm: Any, head: MTPHead, max_rows: int) -> int:
+        """Trace the compiled round at every batch size the cohort can run at (idle rows from a
+        one-token prefill), so no request meets a first-shape compile; returns how many sizes."""
+        sizes = sorted({batch_bucket(n) for n in range(1, max_rows + 1)})
+        for size in sizes:
+            state: MTPState | None = None
+            for _ in range(size):
+                cache, dcache = lm.make_cache(), head.make_cache()
+                out = lm(mx.array([[0]]), cache=cache, return_hidden=True, skip_logits=True)
+                seed = head.forward(mx.array([[0]]), out.hidden_states[-1], dcache, mx.array([[0]]))
+                zero = mx.zeros((1,), dtype=mx.int32)
+                row = MTPState.from_row(cache, dcache, self._step.layout, zero, zero, seed, dpos=1)
+                if state is None:
+                    state = row
+                else:
+                    state.extend(row)
+            assert state is not None
+            state.pad_to_bucket()
+            out_round = self._step(state, [1] * size)
+            mx.eval(out_round.targets, out_round.committed, state.arrays())
+        return len(sizes)

@@ -1,0 +1,167 @@
+"""The text path's MTP speculative decoding under continuous batching (GPU thread only).
+
+Rows decode in cohorts, one *round* per engine step: the head drafts ``k - 1`` tokens per row, the
+target verifies ``[bonus, d_1 .. d_{k-1}]`` in one forward, each row keeps its accepted drafts
+plus one token of the target's, and the head re-reads the accepted positions for the next round's
+first draft. The pieces, one module each:
+
+- `mtp_prefill.MTPPrefill`: joining rows, each prefilled alone, chunk by chunk, within the lane's
+  share of the step's prefill budget (snapshots taken and restored, the head's state too);
+- `mtp_cohort.EagerCohort`: rows in mlx-vlm's batch caches, verified by one of the two verifiers
+  (`mtp_verify`: `ExactVerifier`, batch-invariant, the default on Metal; `BatchedVerifier`, one
+  forward for the block) and decided by `mtp_sampling` (argmax for greedy rows, the
+  speculative-sampling walk for sampling rows);
+- `mtp_compiled.CompiledCohort`: with `compiled=True` and the batched verifier, greedy rows
+  whose whole round is one compiled call (`mtp_step.MTPStep` over `mtp_state.MTPState`).
+  Sampling rows, every row under the exact verifier, and every row of a model `MTPStep` does not
+  support keep the eager cohort (counted in `MTPCounts.fallback_rounds`).
+
+Each cohort runs one round per step; rows join after their prefill and leave by filtering their
+cohort's state, so a cohort never stops for newcomers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import mlx.core as mx
+
+from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, sequence_end
+from mlx_relay.engine.lanes.mtp_cohort import EagerCohort
+from mlx_relay.engine.lanes.mtp_compiled import CompiledCohort
+from mlx_relay.engine.lanes.mtp_head import MTPHead
+from mlx_relay.engine.lanes.mtp_prefill import MTPPrefill
+from mlx_relay.engine.lanes.mtp_rows import MTPRow
+from mlx_relay.engine.lanes.mtp_step import MTPStep
+from mlx_relay.engine.lanes.mtp_verify import BatchedVerifier, ExactVerifier
+from mlx_relay.engine.lanes.stage_forward import StageForward
+from mlx_relay.engine.memory.snapshots import Snapshot
+from mlx_relay.engine.models import UnsupportedModel
+from mlx_relay.engine.models.pipeline_stage import Stage
+
+
+class MTPLane:
+    name: Literal["mtp"] = "mtp"
+
+    def __init__(self, lm: Any, head: MTPHead, *, block_size: int, prefill_step_size: int,
+                 eos_token_ids: Sequence[int], exact_verify: bool = True, compiled: bool = True,
+                 stage: Stage | None = None) -> None:
+        if block_size < 2:
+            raise ValueError("MTP block size must be at least 2")
+        if stage is not None and exact_verify:
+            raise ValueError("a pipeline stage verifies with the batched forward (mlx-vlm's exact verifier runs "
+                             "the whole model)")
+        self.lm = lm
+        self.head = head
+        self.k = block_size
+        self.eos = frozenset(eos_token_ids)
+        # the prefill's and the batched verify's forward: the model, or this pipeline stage of it
+        # (which answers every rank the whole model's hidden states)
+        run: Any = lm if stage is None else StageForward(lm, stage)
+        self._prefill = MTPPrefill(lm, run, head, prefill_step_size)
+        verify = ExactVerifier(lm) if exact_verify else BatchedVerifier(run)
+        self._eager = EagerCohort(lm, head, verify, block_size=block_size, eos=self.eos, fallback=compiled)
+        # the compiled greedy cohort; the compiled round verifies the block with one batched
+        # forward, so an exact (batch-invariant) verifier keeps the eager round
+        self._compiled: CompiledCohort | None = None
+        if compiled and not exact_verify:
+            try:
+                step = MTPStep(lm, head, block_size=block_size, eos_token_ids=list(eos_token_ids), stage=stage)
+                self._compiled = CompiledCohort(step, block_size=block_size)
+            except UnsupportedModel:
+                self._compiled = None
+
+    def _cohorts(self) -> tuple[EagerCohort | CompiledCohort, ...]:
+        return (self._eager,) if self._compiled is None else (self._eager, self._compiled)
+
+    def _all_rows(self) -> tuple[MTPRow, ...]:
+        return (*(r for c in self._cohorts() for r in c.rows), *self._prefill.rows)
+
+    def __len__(self) -> int:
+        return len(self._all_rows())
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._all_rows())
+
+    # -- membership -------------------------------------------------------------------------------
+    def add(self, spec: RowSpec) -> None:
+        """Queue a row for prefill: from scratch, or from `spec.restore` (its state at the
+        snapshot's length; the head's too when the snapshot has it), taking snapshots at
+        `spec.snapshot_at`. Every row of the lane verifies `block_size` tokens per round."""
+        if spec.block_size != self.k:
+            raise ValueError(f"this MTP lane verifies blocks of {self.k}, not {spec.block_size}")
+        self._prefill.add(MTPRow(rid=spec.rid, prompt=spec.prompt, max_tokens=spec.max_tokens, sampler=spec.sampler),
+                          spec.restore, spec.snapshot_at)
+
+    def cached_tokens(self, rid: int) -> int:
+        row = next((r for r in self._all_rows() if r.rid == rid), None)
+        return row.cached_tokens if row is not None else 0
+
+    def drafts(self, rid: int) -> tuple[int, int]:
+        """(drafted, accepted) of a row so far."""
+        row = next((r for r in self._all_rows() if r.rid == rid), None)
+        return (row.drafted, row.accepted) if row is not None else (0, 0)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens a round of the cohorts verifies: a block per row."""
+        return sum(len(c.rows) for c in self._cohorts()) * self.k
+
+    @property
+    def prefilling(self) -> int:
+        return len(self._prefill.rows)
+
+    def step(self, prefill_budget: int | None = None) -> LaneStep:
+        """One round of each cohort, then a prefill chunk of every joining row, the rows sharing
+        `prefill_budget` tokens (`token_budget.fair_shares`; None: the oldest row alone, one
+        `prefill_step_size` chunk)."""
+        out = LaneStep()
+        for cohort in self._cohorts():
+            if not cohort.rows:
+                continue
+            rows = cohort.rows
+            result = cohort.round()
+            out.mtp.add(result.counts)
+            for row in rows:
+                tokens = result.tokens.get(row.rid)
+                if tokens:
+                    out.tokens.append(RowTokens(row.rid, tokens,
+                                                sequence_end(tokens[-1], row.emitted, row.max_tokens, self.eos)))
+        joined, out.prefill_tokens = self._prefill.step(prefill_budget, self._join)
+        for row in self._all_rows():
+            if row.snapshots:
+                out.snapshots.extend((row.rid, s) for s in row.snapshots)
+                row.snapshots.clear()
+        for row, token in joined:
+            out.tokens.append(RowTokens(row.rid, [token], sequence_end(token, row.emitted, row.max_tokens, self.eos)))
+        return out
+
+    def _join(self, row: MTPRow, first: mx.array, draft: mx.array, logq: mx.array | None, seed_h: mx.array) -> None:
+        """A prefilled row joins its cohort: the compiled one when it is greedy and there is one."""
+        if self._compiled is not None and row.sampler is None:
+            self._compiled.join(row, first, draft, seed_h)
+        else:
+            self._eager.join(row, first, draft, logq, seed_h)
+
+    def extract(self, rid: int) -> Snapshot | None:
+        """The state of a cohort row: every emitted token but the last (target caches only)."""
+        if self._compiled is not None and (snap := self._compiled.extract(rid)) is not None:
+            return snap
+        return self._eager.extract(rid)
+
+    def remove(self, rid: int) -> None:
+        if self._prefill.remove(rid) or (self._compiled is not None and self._compiled.remove(rid)):
+            return
+        self._eager.remove(rid)
+
+    def clear(self) -> None:
+        self._prefill.rows = []
+        for cohort in self._cohorts():
+            cohort.clear()
+
+    def warm_rounds(self, max_rows: int) -> int:
+        """Trace the compiled round at every batch size its cohort can run at (idle rows from a
+        one-token prefill), so no request meets a first-shape compile; returns how many sizes."""
+        return 0 if self._compiled is None else self._compiled.warm(self.lm, self.head, max_rows)

@@ -1,0 +1,44 @@
+"""One row of the MTP lane, and what a round of a cohort returns (GPU thread only).
+
+A row is prefilling (`mtp_prefill.MTPPrefill`: its own batch-1 caches, `pre`, `dcache`) until its
+prompt is done, then decodes in one of the lane's two cohorts (`mtp_cohort.EagerCohort`,
+`mtp_compiled.CompiledCohort`), which hold its state in their batch; the row keeps its counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_relay.engine.lanes.lane import MTPCounts
+from mlx_relay.engine.lanes.row_prefill import RowPrefill
+from mlx_relay.engine.memory.snapshots import Snapshot
+from mlx_relay.engine.step.sampling import RowSampler
+
+
+@dataclass
+class MTPRow:
+    rid: int
+    prompt: list[int]
+    max_tokens: int
+    sampler: RowSampler | None = None  # None: greedy
+    emitted: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    # prefill (rows not yet in the cohort): the target's own prefill, restorable from a snapshot
+    pre: RowPrefill | None = None
+    dcache: list[Any] = field(default_factory=list)
+    carry_hidden: mx.array | None = None  # h_{S-1} of a restored snapshot: pairs with prompt[S]
+    snapshots: list[Snapshot] = field(default_factory=list)  # taken during prefill, for the engine
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.pre.cached_tokens if self.pre is not None else 0
+
+
+@dataclass
+class RoundResult:
+    tokens: dict[int, list[int]]  # row -> tokens emitted this step
+    counts: MTPCounts

@@ -1,0 +1,150 @@
+"""One greedy MTP round of a model with an MTP head as a pure function, compiled (GPU thread only;
+used by `mtp_lane.MTPLane` for cohorts of greedy rows).
+
+    out, state' = round(state, room)        # state: mtp_state.MTPState; room [B]: tokens each row may still emit
+
+A round of block k, all inside one `mx.compile`d call over fixed-size state:
+1. draft: the head proposes `k - 2` more tokens after the state's `draft` (k > 2 only), writing
+   its KV at each row's next head columns;
+2. verify: the target over `[bonus, d_1 .. d_{k-1}]` per row in one forward: attention keys and
+   values written at columns `lengths[i] .. lengths[i] + k - 1` of the fixed buffers
+   (`mx.put_along_axis`, per-row write index), each query seeing only its row's prefix and the
+   block's earlier positions (a mask from the row's length), the GatedDeltaNet conv and
+   recurrence run over the k positions keeping the k per-position states
+   (`gated_delta_update_with_states`: k states, not a growing record);
+3. accept on device: `a` = leading drafts equal to the target's argmax, cut like the eager lane's
+   `_cut` (at the row's first EOS, and at `room`): `m = min(a, room - 1, first EOS)`; the row
+   emits `targets[:, :m + 1]` (an accepted draft equals the target's argmax there);
+   commit selects the conv window and recurrent state after position m (`mx.take_along_axis`);
+   the KV needs nothing but the row's new length `lengths + m + 1` (kept on the host);
+4. the head re-reads the k verified positions (pairs `(h_j, targets_j)`; the ones past m are
+   overwritten by the next round) and proposes the next draft from position m.
+The host reads `targets`, `a` and `m` once per round (the synchronisation the lane needs anyway to
+emit tokens). Greedy rows only: sampling rows keep the eager path (`MTPLane`).
+
+`tests/test_mtp_step.py` pins that it emits the greedy tokens of plain decoding (float32),
+compiled and eager, alone and in ragged batches, and that a row's handed-back state continues
+exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_relay.engine.lanes.mtp_state import MTPState
+from mlx_relay.engine.models import family_of
+from mlx_relay.engine.models.pipeline_stage import Stage
+from mlx_relay.engine.models.positions import Positions
+
+
+@dataclass
+class RoundOut:
+    targets: mx.array  # [B, k] the target's argmax at each block position
+    accepted: mx.array  # [B] leading drafts accepted (before the cut)
+    committed: mx.array  # [B] m: the row emits targets[:, :m + 1] and commits m + 1 positions
+
+
+def _prefix_mask(columns: mx.array, cap: int) -> mx.array:
+    """[B, 1, T, cap]: query t of row i sees columns 0 .. columns[i, t]."""
+    return (mx.arange(cap)[None, None, :] <= columns[:, :, None])[:, None]
+
+
+def _at(columns: mx.array, rotary: mx.array, cap: int) -> Positions:
+    """Positions `columns` [B, T] of each row, written there, each query seeing its row's prefix."""
+    return Positions.per_row(columns, rotary, _prefix_mask(columns, cap))
+
+
+class MTPStep:
+    """`step(state, room) -> RoundOut`, updating `state`; compiled unless `compiled=False`.
+    `UnsupportedModel` for a model of no family `models` serves, or a head it cannot run."""
+
+    def __init__(self, lm: Any, head: Any, *, block_size: int, eos_token_ids: list[int],
+                 compiled: bool = True, stage: Stage | None = None) -> None:
+        self.family = family_of(lm)
+        drafter = head.drafter
+        self.family.check_mtp_head(drafter)
+        if block_size < 2:
+            raise ValueError("MTP block size must be at least 2")
+        self.lm, self.drafter, self.k = lm, drafter, block_size
+        self.stage = stage  # a pipeline stage: its layers only in the verify, the head on every rank
+        self.layout = self.family.cache_layout(lm)
+        self._eos = tuple(sorted(set(eos_token_ids)))  # constants of the trace (no array: building costs no memory)
+        self._fn = mx.compile(self._round) if compiled else self._round
+
+    def __call__(self, state: MTPState, room: list[int]) -> RoundOut:
+        """One round; `room[i]` >= 1: tokens row i may still emit (its max_tokens left)."""
+        state.ensure_room(self.k)
+        lengths, head_lengths, dpos = state.index_arrays()
+        room_arr = mx.array(room + [1] * (state.batch_size - len(room)), dtype=mx.int32)
+        (targets, accepted, committed, state.bonus, state.draft, state.seed, state.kv, state.conv, state.ssm,
+         state.head_kv) = self._fn(state.bonus, state.draft, state.seed, lengths, head_lengths, dpos, room_arr,
+                                   state.kv, state.conv, state.ssm, state.head_kv)
+        return RoundOut(targets, accepted, committed)
+
+    @staticmethod
+    def advance(state: MTPState, committed: list[int]) -> None:
+        """The host's side of the commit: each real row's lengths move on by m + 1."""
+        for i, m in enumerate(committed[:state.rows]):
+            state.lengths[i] += m + 1
+            state.head_lengths[i] += m + 1
+            state.dpos[i] += m + 1
+
+    # -- the pure function ------------------------------------------------------------------------
+    def _logits(self, h: mx.array) -> mx.array:
+        return self.family.logits(self.lm, h)
+
+    def _head(self, tokens: mx.array, hidden: mx.array, head_kv: list[tuple[mx.array, mx.array]],
+              columns: mx.array, positions: mx.array) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
+        """The head over pairs (hidden [B, T, H], tokens [B, T]) written at `columns` [B, T]."""
+        return self.family.mtp_head(self.lm, self.drafter, tokens, hidden, head_kv,
+                                    _at(columns, positions, head_kv[0][0].shape[2]))
+
+    def _target(self, block: mx.array, lengths: mx.array, kv: list[tuple[mx.array, mx.array]],
+                conv: list[mx.array], ssm: list[mx.array]) -> tuple[mx.array, list[Any], list[Any], list[Any]]:
+        """The target over the block: its hidden states, and per GatedDeltaNet layer the conv input
+        and the state after each position (the commit picks one)."""
+        B, T = block.shape
+        columns = lengths[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
+        at = _at(columns, mx.broadcast_to(columns[None], (3, B, T)), kv[0][0].shape[2])
+        return self.family.forward_block(self.lm, block, at, kv, conv, ssm, keep_states=True, stage=self.stage)
+
+    def _round(self, bonus: mx.array, draft: mx.array, seed: mx.array, lengths: mx.array, head_lengths: mx.array,
+               dpos: mx.array, room: mx.array, kv: list[tuple[mx.array, mx.array]], conv: list[mx.array],
+               ssm: list[mx.array], head_kv: list[tuple[mx.array, mx.array]]) -> tuple[Any, ...]:
+        k = self.k
+        # 1. draft k - 2 more tokens
+        drafts, h, tok = [draft], seed, draft
+        for j in range(k - 2):
+            col = (head_lengths + j)[:, None]
+            h, head_kv = self._head(tok[:, None], h, head_kv, col, (dpos + j)[:, None])
+            tok = mx.argmax(self._logits(h[:, -1, :]), axis=-1).astype(mx.int32)
+            drafts.append(tok)
+        block = mx.stack([bonus, *drafts], axis=1)  # [B, k]
+        # 2. verify
+        vh, kv, conv_ins, states = self._target(block, lengths, kv, conv, ssm)
+        targets = mx.argmax(self._logits(vh), axis=-1).astype(mx.int32)  # [B, k]
+        # 3. accept and cut
+        ok = (block[:, 1:] == targets[:, :-1]).astype(mx.int32)
+        accepted = mx.sum(mx.cumprod(ok, axis=1), axis=1)  # [B]
+        is_eos = mx.zeros(targets.shape, dtype=mx.bool_)
+        for eos in self._eos:
+            is_eos = is_eos | (targets == eos)
+        first_eos = mx.where(mx.any(is_eos, axis=1), mx.argmax(is_eos, axis=1), k).astype(mx.int32)
+        m = mx.minimum(mx.minimum(accepted, room - 1), first_eos).astype(mx.int32)
+        # commit: the GatedDeltaNet states after position m
+        window = conv[0].shape[1] if conv else 0
+        take_conv = (m + 1)[:, None] + mx.arange(window, dtype=mx.int32)[None, :]  # [B, K-1]
+        conv = [mx.take_along_axis(c, take_conv[:, :, None], axis=1) for c in conv_ins]
+        ssm = [mx.take_along_axis(s, m[:, None, None, None, None], axis=1)[:, 0] for s in states]
+        # 4. the head over the verified positions, the next draft from position m
+        T = block.shape[1]
+        columns = head_lengths[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
+        positions = dpos[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
+        hh, head_kv = self._head(targets, vh, head_kv, columns, positions)
+        seed = mx.take_along_axis(hh, m[:, None, None], axis=1)  # [B, 1, H]
+        draft = mx.argmax(self._logits(seed[:, 0, :]), axis=-1).astype(mx.int32)
+        bonus = mx.take_along_axis(targets, m[:, None], axis=1)[:, 0]
+        return targets, accepted, m, bonus, draft, seed, kv, conv, ssm, head_kv

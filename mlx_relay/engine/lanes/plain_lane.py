@@ -1,0 +1,156 @@
+"""The plain decode lane: our own restorable prefill, several rows at a time, then a
+`DecodeBatch` (GPU thread only).
+
+mlx-vlm's `BatchGenerator` prefills inside the library and cannot start a row from a cache we
+hand it, nor stop at a boundary to let us copy its state. This lane owns both halves:
+- prefill: `prefill_batch.PrefillBatch`, up to `prefill_batch_size` joining rows together, one
+  chunk per step, each row restored from its own snapshot (or from scratch) and snapshotted at
+  its own requested lengths; text rows by token ids, vision rows by their prompt embeddings and
+  M-RoPE positions, sparse SpecPrefill rows by their kept tokens at their true positions;
+- decode: `decode_batch.DecodeBatch`, the rows a chunk finished joining it together, each with
+  its own M-RoPE delta, stepped by one compiled function (`decode_step.DecodeStep`). A row's
+  sequence ends at end-of-sequence or max_tokens (reported in `LaneStep`), but the row stays in
+  the batch until the engine removes it, so its turn snapshot can still be taken.
+
+tests/test_prefix_cache.py pins that image rows decode here exactly as on mlx-vlm's
+BatchGenerator (same tokens, cache or not); tests/test_prefix_engine.py that rows prefilled
+together equal rows prefilled alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import mlx.core as mx
+
+from mlx_relay.engine.lanes.decode_batch import DecodeBatch
+from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
+from mlx_relay.engine.lanes.decode_step import DecodeStep
+from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, sequence_end
+from mlx_relay.engine.lanes.prefill_batch import PrefillBatch, PrefillRow
+from mlx_relay.engine.lanes.row_prefill import RowPrefill
+from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
+from mlx_relay.engine.memory.batch_caches import as_batch_caches
+from mlx_relay.engine.memory.snapshots import Snapshot, restore_caches, snapshot_caches
+from mlx_relay.engine.models.pipeline_stage import Stage
+
+
+@dataclass
+class PlainRow:
+    spec: RowSpec
+    cached_tokens: int = 0  # restored from the prefix cache
+    emitted: int = 0
+
+
+class PlainLane:
+    name: Literal["plain"] = "plain"
+
+    def __init__(self, lm: Any, *, prefill_batch_size: int, prefill_step_size: int, eos_token_ids: list[int],
+                 compiled: bool = True, fixed_prefill_shapes: bool = False, stage: Stage | None = None) -> None:
+        self.lm = lm
+        self.eos = frozenset(eos_token_ids)
+        self.prefill = PrefillBatch(lm, max_rows=prefill_batch_size, token_budget=prefill_step_size,
+                                    fixed_shapes=fixed_prefill_shapes,
+                                    forward=ModelForward(lm) if stage is None else StageForward(lm, stage))
+        self.rows: dict[int, PlainRow] = {}  # every row of the lane, prefilling or decoding
+        self._step = DecodeStep(lm, compiled=compiled, stage=stage)
+        self._batch = DecodeBatch(self._step)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.rows)
+
+    @property
+    def decode_tokens(self) -> int:
+        return len(self._batch)
+
+    @property
+    def prefilling(self) -> int:
+        return min(len(self.prefill), self.prefill.max_rows)
+
+    def add(self, spec: RowSpec) -> None:
+        pre = RowPrefill(prompt=spec.prompt, cache=self.lm.make_cache(), embeds=spec.embeds, positions=spec.positions,
+                         rope_delta=spec.rope_delta)
+        if spec.restore is not None:
+            pre.cache, pre.done = restore_caches(spec.restore.target), spec.restore.length
+            pre.cached_tokens = spec.restore.length
+        pre.snapshot_at = sorted(s for s in spec.snapshot_at if pre.done < s < len(spec.prompt))
+        self.rows[spec.rid] = PlainRow(spec, cached_tokens=pre.cached_tokens)
+        self.prefill.add(PrefillRow(spec.rid, pre, spec.processors))
+
+    def cached_tokens(self, rid: int) -> int:
+        row = self.rows.get(rid)
+        return row.cached_tokens if row is not None else 0
+
+    def remove(self, rid: int) -> None:
+        if self.rows.pop(rid, None) is not None:
+            self.prefill.remove(rid)
+            self._batch.remove(rid)
+
+    def clear(self) -> None:
+        self.prefill.clear()
+        self.rows.clear()
+        self._batch = DecodeBatch(self._step)
+
+    def extract(self, rid: int) -> Snapshot | None:
+        """The state of a decoding row: its prompt and every token it has emitted."""
+        row = self.rows.get(rid)
+        if row is None or rid in self.prefill:
+            return None
+        length = len(row.spec.prompt) + row.emitted
+        entries, nbytes = snapshot_caches(self._batch.extract(rid), length)
+        return Snapshot(length=length, target=entries, nbytes=nbytes)
+
+    def warm_prefill(self, vocab_size: int,
+                     on_shape: Callable[[int, int, float], None] | None = None) -> int:
+        """Run a prefill chunk at every (rows, length) shape the prefill can run at, rows from
+        empty caches, so no prompt meets a first-shape compile; `on_shape(rows, length, seconds)`
+        hears each; returns how many shapes."""
+        shapes = self.prefill.shapes()
+        for rows, n in shapes:
+            tic = time.perf_counter()
+            for j in range(rows):
+                prompt = [(7 * j + i) % max(1, vocab_size - 1) + 1 for i in range(n)]
+                self.prefill.add(PrefillRow(-(j + 1), RowPrefill(prompt=prompt, cache=self.lm.make_cache())))
+            while len(self.prefill):
+                self.prefill.step()
+            if on_shape is not None:
+                on_shape(rows, n, time.perf_counter() - tic)
+        return len(shapes)
+
+    def warm_decode(self, max_rows: int) -> int:
+        """Trace the decode step at every batch size it can run at (idle rows only), so no
+        request meets a first-shape compile; returns how many sizes."""
+        cache = self.lm.make_cache()
+        self.lm(mx.array([[0]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        sizes = sorted({batch_bucket(n) for n in range(1, max_rows + 1)})
+        for size in sizes:
+            state = DecodeState.from_batch_caches(as_batch_caches(cache), [0])
+            state.pad_to(size)
+            mx.eval(self._step(mx.zeros((size,), dtype=mx.int32), state))
+        return len(sizes)
+
+    def step(self, prefill_budget: int | None = None) -> LaneStep:
+        """One decode step of the decoding rows, then one prefill chunk of the joining rows, of at
+        most `prefill_budget` tokens (the rows it finishes join the decode batch; their first
+        tokens come out of its next step)."""
+        out = LaneStep()
+        for rid, token in self._batch.step():
+            row = self.rows[rid]
+            row.emitted += 1
+            out.tokens.append(RowTokens(rid, [token], sequence_end(token, row.emitted, row.spec.max_tokens, self.eos)))
+        if len(self.prefill):
+            chunk = self.prefill.step(prefill_budget)
+            out.prefill_rows, out.prefill_tokens = chunk.rows, chunk.tokens
+            out.snapshots.extend(chunk.snapshots)
+            if (done := chunk.done) is not None:
+                self._batch.join([r.rid for r in done.rows], done.caches, done.first,
+                                 [r.pre.rope_delta for r in done.rows], [r.processors for r in done.rows])
+        return out

@@ -1,0 +1,89 @@
+"""The prefill's forward over batch caches: the whole model, or this process's pipeline stage
+(GPU thread only).
+
+`PrefillBatch` runs each chunk through `forward.prefill(...)` and turns the last positions of the
+rows it finishes into first tokens after `forward.share(...)`:
+- `ModelForward`: mlx-vlm's language model called once over the chunk (`batch_caches.batched`),
+  its final (normed) hidden states;
+- `StageForward` (`pipeline_stage.Stage`): the same call over this stage's layers only. A stage
+  after the first takes the previous stage's hidden states as the call's `inputs_embeds` (a public
+  argument: the model then skips its embedding), a stage before the last sends the hidden state
+  after its last layer (`capture_layer_ids`, a public argument) on. The send is tied into the
+  stage's last cache (`mx.depends`, as mlx-lm's qwen3_5 pipeline does), so that evaluating the
+  caches alone, as a chunk that finishes no row does, still sends. `share` gathers the last
+  stage's rows on every rank, only the few the first tokens need, so every rank computes the same
+  logits. Called like the language model (`__call__`), it stands in for it in the MTP lane's
+  prefill and batched verify, sharing every position's hidden state (the MTP head, which every
+  rank holds, reads them all).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+
+from mlx_relay.engine.memory.batch_caches import batched
+from mlx_relay.engine.models.pipeline_stage import Stage
+
+
+class StageOutput(NamedTuple):
+    """What a `StageForward` call answers in place of the model's output: the model's final hidden
+    states, on every rank (the MTP lane reads `hidden_states[-1]`)."""
+
+    hidden_states: list[mx.array]
+
+
+class ModelForward:
+    def __init__(self, lm: Any) -> None:
+        self.lm = lm
+
+    def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array) -> mx.array:
+        """[B, n, D]: the final hidden states of the chunk (on this rank: see `share`)."""
+        result = self.lm(ids, inputs_embeds=embeds, cache=caches,
+                         **batched(position_ids=positions, return_hidden=True, skip_logits=True))
+        return result.hidden_states[-1]
+
+    def share(self, x: mx.array) -> mx.array:
+        """Rows of `prefill`'s output as the model's output on every rank."""
+        return x
+
+
+class StageForward(ModelForward):
+    def __init__(self, lm: Any, stage: Stage) -> None:
+        super().__init__(lm)
+        self.stage = stage
+
+    def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array) -> mx.array:
+        return self.hidden(ids, embeds, caches, **batched(position_ids=positions))
+
+    def __call__(self, ids: mx.array, inputs_embeds: mx.array | None = None, cache: Any = None,
+                 **kwargs: Any) -> StageOutput:
+        """As the language model's call with `return_hidden` (the MTP lane's prefill and verify):
+        the whole model's final hidden states on every rank (every position: the MTP head reads
+        them all)."""
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("return_hidden", "skip_logits")}
+        return StageOutput([self.share(self.hidden(ids, inputs_embeds, cache, **kwargs))])
+
+    def hidden(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], **kwargs: Any) -> mx.array:
+        """This stage's part of the forward; the final hidden states on the last stage, what was
+        sent on elsewhere."""
+        stage = self.stage
+        if not stage.first:
+            like = embeds if embeds is not None else self.lm.model.embed_tokens(ids)  # its shape only
+            embeds = stage.receive(like)
+        last_layer = len(self.lm.model.layers) - 1
+        kwargs["capture_layer_ids"] = [] if stage.last else [last_layer]
+        result = self.lm(ids, inputs_embeds=embeds, cache=caches, return_hidden=True, skip_logits=True, **kwargs)
+        if stage.last:
+            return result.hidden_states[-1]
+        sent = stage.send(result.hidden_states[0])
+        tail = caches[-1]
+        if hasattr(tail, "keys"):  # BatchKVCache
+            tail.keys = mx.depends(tail.keys, sent)
+        else:  # ArraysCache: conv window and recurrent state
+            tail[0] = mx.depends(tail[0], sent)
+        return sent
+
+    def share(self, x: mx.array) -> mx.array:
+        return self.stage.share(x)

@@ -1,0 +1,104 @@
+"""Model loading (GPU thread only) and the facts other actors need about the model.
+
+Resolves a Hugging Face repo id or local directory, loads the VLM with mlx-vlm and reports a
+`ModelInfo`. Called only from the GPUExecutor's thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_vlm
+
+from mlx_relay.config import EngineConfig
+from mlx_relay.engine.models.checkpoint import context_length, eos_token_ids, has_mtp_weights, read_config
+from mlx_relay.messages.gpu import ModelInfo
+
+
+def detect_backend() -> str:
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+#: Share of the device's memory the prefix cache may hold by default: of the recommended
+#: working set (Metal) or the device memory (CUDA), or of RAM on the CPU backend.
+PREFIX_CACHE_SHARE_GPU = 0.2
+PREFIX_CACHE_SHARE_RAM = 0.1
+
+
+def device_memory_bytes() -> tuple[int, bool]:
+    """(bytes, on a GPU): the recommended working set (Metal) or the device memory (CUDA), else
+    the machine's RAM (CPU backend). Runs on the GPU thread: it asks MLX."""
+    import os
+
+    info: dict[str, Any] = {}
+    try:
+        info = dict(mx.device_info()) if hasattr(mx, "device_info") else dict(mx.metal.device_info())
+    except Exception:
+        info = {}
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return value, True
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), False
+
+
+def default_prefix_cache_bytes() -> int:
+    """The prefix cache's default byte budget (runs on the GPU thread)."""
+    total, gpu = device_memory_bytes()
+    return int(total * (PREFIX_CACHE_SHARE_GPU if gpu else PREFIX_CACHE_SHARE_RAM))
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # mlx_vlm Model
+    processor: Any  # mlx_vlm processor (tokenizer + image processor)
+    info: ModelInfo
+
+
+#: MLX's buffer cache on CUDA unless --cache-limit-gb says otherwise: this, or a tenth of the
+#: device if that is less. MLX's own default is its memory limit (95% of the device): during a
+#: 64-stream burst on an H200 it kept ~90 GB of freed buffers (the CUDA pool peaked at 142.6 GB for
+#: 50.9 GB of arrays); capped at 8 GiB the pool peaked at 62.6 GB at the same 220 tok/s
+#: (benchmarks/results/gpu-h200-2026-11-25/).
+CUDA_CACHE_LIMIT_BYTES = 8 << 30
+
+
+def apply_memory_limits(config: EngineConfig) -> None:
+    """Set MLX's process-wide memory and buffer-cache limits (on the GPU thread, before loading)."""
+    if config.memory_limit_bytes is not None:
+        mx.set_memory_limit(config.memory_limit_bytes)
+    if config.cache_limit_bytes is not None:
+        mx.set_cache_limit(config.cache_limit_bytes)
+    elif detect_backend() == "cuda":
+        mx.set_cache_limit(min(CUDA_CACHE_LIMIT_BYTES, device_memory_bytes()[0] // 10))
+
+
+def load_model(path: Path, *, lazy: bool = False) -> LoadedModel:
+    """Load on the calling thread (which must be the GPU thread); `lazy`: the weights are read when
+    first evaluated (a pipeline stage evaluates only its own layers')."""
+    tic = time.perf_counter()
+    config = read_config(path)
+    model, processor = mlx_vlm.load(str(path), lazy=lazy)
+    tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
+    text_cfg = config.get("text_config", config)
+    info = ModelInfo(
+        model_path=str(path),
+        model_type=str(config.get("model_type", "unknown")),
+        backend=detect_backend(),  # type: ignore[arg-type]
+        context_length=context_length(config),
+        vocab_size=len(tokenizer),
+        eos_token_ids=eos_token_ids(config),
+        has_vision=getattr(model, "vision_tower", None) is not None,
+        has_mtp=int(text_cfg.get("mtp_num_hidden_layers", 0) or 0) > 0 and has_mtp_weights(path),
+        load_seconds=time.perf_counter() - tic,
+    )
+    return LoadedModel(model, processor, info)

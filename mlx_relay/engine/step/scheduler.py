@@ -1,0 +1,75 @@
+"""The engine's scheduler (GPU thread, no MLX): which rows run, in which lane, this step.
+
+Rows wait in arrival order. Each step, rows whose SpecPrefill scoring is due move to the scoring
+stage (they hold no decode slot while the draft reads them), then waiting rows join while fewer
+than `max_num_seqs` run, each in one lane for its whole life:
+- `mtp`: the TextMTPExecutor planned MTP for it at the lane's block size, and fewer than
+  `mtp_max_batch` rows are running (a round costs more than a plain step, more so as the batch
+  grows: MTP pays only for (nearly) lone rows);
+- `plain`: our own prefill (restorable, snapshottable: the prefix cache is on, or the row is a
+  sparse SpecPrefill row);
+- `library`: mlx-vlm's BatchGenerator (prefix cache off), which prefills joining rows together.
+The plan is a typed value; the engine executes it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mlx_relay.engine.step.rows import LaneName, Row
+
+
+@dataclass
+class StepPlan:
+    joins: list[Row] = field(default_factory=list)  # rows joining a lane (`row.lane` set)
+    to_score: list[Row] = field(default_factory=list)  # rows entering the scoring stage
+
+
+class Scheduler:
+    def __init__(self, *, max_num_seqs: int, mtp_block: int | None, mtp_max_batch: int, own_prefill: bool) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.mtp_block = mtp_block  # the MTP lane's block size (None: no MTP lane)
+        self.mtp_max_batch = mtp_max_batch
+        self.own_prefill = own_prefill
+        self.waiting: deque[Row] = deque()
+        self.running: dict[int, Row] = {}
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, row: Row, *, first: bool = False) -> None:
+        """A new row waits last; a row back from scoring (it has waited already) first."""
+        if first:
+            self.waiting.appendleft(row)
+        else:
+            self.waiting.append(row)
+
+    def remove(self, rid: int) -> Row | None:
+        row = self.running.pop(rid, None)
+        if row is None:
+            for waiting in self.waiting:
+                if waiting.rid == rid:
+                    self.waiting.remove(waiting)
+                    return waiting
+        return row
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        if any(row.wants_scoring for row in self.waiting):
+            plan.to_score = [row for row in self.waiting if row.wants_scoring]
+            self.waiting = deque(row for row in self.waiting if not row.wants_scoring)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            row = self.waiting.popleft()
+            row.lane = self._lane_for(row)
+            self.running[row.rid] = row
+            plan.joins.append(row)
+        return plan
+
+    def _lane_for(self, row: Row) -> LaneName:
+        block = row.req.mtp_block
+        if block is not None and block == self.mtp_block and len(self.running) < self.mtp_max_batch:
+            return "mtp"
+        if self.own_prefill or row.sparse is not None:
+            return "plain"
+        return "library"

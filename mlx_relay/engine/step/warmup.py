@@ -1,0 +1,78 @@
+"""The engine's warm-up and its MTP calibration, run before traffic (GPU thread only).
+
+`warm_up` compiles the kernels the server uses by running requests through the engine's own step
+(prefill and decode, greedy and sampled, batch 1 and 2), then has each lane trace the shapes it
+runs at (the plain lane's prefill and decode step, the compiled MTP round), then measures what an
+MTP round costs in plain decode steps (`mtp_round_cost`, which the TextMTPExecutor's policy reads).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from mlx_relay.engine.lanes.mtp_lane import MTPLane
+from mlx_relay.engine.lanes.plain_lane import PlainLane
+from mlx_relay.messages.gpu import Generate, SamplingParams, TokenDelta, WarmupReport
+
+if TYPE_CHECKING:
+    from mlx_relay.engine.step.core import EngineCore
+
+log = logging.getLogger(__name__)
+
+
+def warm_up(core: EngineCore) -> WarmupReport:
+    """Compile the kernels the server uses: prefill and decode, greedy and sampled, batch 1
+    and 2, then the plain lane's prefill at every (rows, chunk length) shape it runs at (fixed
+    shapes; none with exact shapes) and its decode step at every batch size it runs at (up to
+    max_num_seqs) and the compiled MTP round at every batch size its cohort runs at (up to
+    mtp_max_batch); then measure what an MTP round costs in plain steps. Runs to completion on
+    the calling (GPU) thread before traffic."""
+    tic = time.perf_counter()
+    prompt = list(range(1, min(64, core.vocab_size - 1)))
+    greedy = SamplingParams(max_tokens=8)
+    sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=0, max_tokens=8)
+    mtp_block = core.scheduler.mtp_block
+    for wave, batch in enumerate(([greedy], [greedy, sampled])):
+        for j, params in enumerate(batch):
+            core.add(-(2 * wave + j + 1), Generate(f"warmup-{wave}-{j}", prompt, params, mtp_block=mtp_block))
+        while core.has_work:
+            core.step()
+    plain = core.lanes["plain"]
+    assert isinstance(plain, PlainLane)
+    shapes = plain.warm_prefill(core.vocab_size, lambda rows, n, seconds: log.info(
+        "warm-up: prefill of %d row(s) x %d tokens took %.2fs", rows, n, seconds))
+    sizes = plain.warm_decode(core.config.max_num_seqs)
+    log.info("prefill run at %d chunk shapes, decode step traced at %d batch sizes", shapes, sizes)
+    if isinstance(mtp := core.lanes.get("mtp"), MTPLane):
+        rounds = mtp.warm_rounds(min(core.config.mtp_max_batch, core.config.max_num_seqs))
+        log.info("compiled MTP round traced at %d batch sizes", rounds)
+    cost = mtp_round_cost(core, prompt) if "mtp" in core.lanes else None
+    mx.clear_cache()  # the warm-up's buffers, dozens of shapes of them
+    return WarmupReport(time.perf_counter() - tic, cost)
+
+
+def mtp_round_cost(core: EngineCore, prompt: list[int], tokens: int = 32) -> float | None:
+    """Seconds per MTP round over seconds per plain decode step, a lone greedy row each way,
+    timed from its first token on (kernels already compiled). None if a row ended too soon
+    to tell."""
+    per_unit = []
+    for mtp_block in (core.scheduler.mtp_block, None):
+        core.add(-99, Generate("calibrate", prompt, SamplingParams(max_tokens=tokens), mtp_block=mtp_block))
+        started, units, rounds0, tic = False, 0, 0, 0.0
+        while core.has_work:
+            out = core.step()
+            if started:
+                units += 1
+            elif any(isinstance(ev, TokenDelta) for _, ev in out.events):
+                started, rounds0, tic = True, core.mtp_totals.rounds, time.perf_counter()
+        elapsed = time.perf_counter() - tic
+        if mtp_block is not None:
+            units = core.mtp_totals.rounds - rounds0
+        if units < 4:
+            return None
+        per_unit.append(elapsed / units)
+    return per_unit[0] / per_unit[1]
