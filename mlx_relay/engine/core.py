@@ -33,10 +33,13 @@ from mlx_relay.config import EngineConfig
 from mlx_relay.engine.cuda_memory import CudaMemory
 from mlx_relay.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.features import FeatureStore
+from mlx_relay.engine.kv_lane import KVLane
 from mlx_relay.engine.lanes import Lane, LaneStep, RowSpec
 from mlx_relay.engine.library_lane import LibraryLane
 from mlx_relay.engine.loader import LoadedModel, device_memory_bytes
 from mlx_relay.engine.logits import LogitsChains
+from mlx_relay.engine.models import UnsupportedModel
+from mlx_relay.engine.models.library_kv import uses_library_forward
 from mlx_relay.engine.mtp_head import MTPHead
 from mlx_relay.engine.mtp_lane import MTPLane
 from mlx_relay.engine.output import Ending, OutputStage, RowCounts
@@ -94,20 +97,26 @@ class EngineCore:
         # the step's token budget: decoding rows first, prefill chunks in what is left
         self.token_budget = step_budget(config.max_num_batched_tokens, config.prefill_step_size, info.backend,
                                         config.max_num_seqs * max(1, config.mtp_block_size))
+        # a model of no family of ours runs its library's forward over KV caches (one lane for all rows)
+        generic = uses_library_forward(lm)
+        if generic and stage is not None:
+            raise UnsupportedModel(f"a pipeline split needs a model family of the engine's own ({info.model_type})")
         self.lanes: dict[LaneName, Lane] = {
-            "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
+            "plain": KVLane(lm, prefill_step_size=min(config.prefill_step_size, self.token_budget),
+                            eos_token_ids=info.eos_token_ids) if generic else
+            PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
                                prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids,
                                compiled=config.compile_decode,
                                fixed_prefill_shapes=config.prefill_shapes == "fixed"
                                or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage)}
         # a pipeline stage runs no library lane: mlx-vlm's BatchGenerator runs the whole model
-        if not prefix_cache and stage is None:
+        if not prefix_cache and stage is None and not generic:
             self.lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
                                                 prefill_batch_size=config.prefill_batch_size,
                                                 prefill_step_size=min(config.prefill_step_size,
                                                                       self.token_budget))
         mtp_block = None
-        if config.mtp and info.has_mtp and config.mtp_max_batch > 0:
+        if config.mtp and info.has_mtp and config.mtp_max_batch > 0 and not generic:
             # a pipeline stage verifies with the batched forward: mlx-vlm's exact verifier runs the
             # whole model in one call
             exact = stage is None and (config.mtp_verify == "exact"
@@ -120,7 +129,7 @@ class EngineCore:
             mtp_block = config.mtp_block_size
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs, mtp_block=mtp_block,
                                    mtp_max_batch=config.mtp_max_batch,
-                                   own_prefill=prefix_cache or stage is not None)
+                                   own_prefill=prefix_cache or stage is not None or generic)
         # the draft (a much smaller model) reads at most a budget's worth of a prompt per step
         self.scoring = ScoringStage(draft_model, tok, min(config.prefill_step_size, self.token_budget))
         self.output = OutputStage()
@@ -198,6 +207,9 @@ class EngineCore:
 
     def snapshot_layout(self) -> CacheLayout:
         """The live model's cache layout (and its MTP head's): what a snapshot file must fit."""
+        if isinstance(self.lanes["plain"], KVLane):
+            raise UnsupportedModel("the prefix cache's disk tier keeps no snapshots of a model of no family "
+                                   "of the engine's own yet (serve it without --prefix-cache-dir)")
         if self._layout is None:
             mtp = self.lanes.get("mtp")
             self._layout = probe_layout(self._model.language_model, mtp.head if isinstance(mtp, MTPLane) else None)
@@ -447,12 +459,11 @@ class EngineCore:
                 self.add(-(2 * wave + j + 1), Generate(f"warmup-{wave}-{j}", prompt, params, mtp_block=mtp_block))
             while self.has_work:
                 self.step()
-        plain = self.lanes["plain"]
-        assert isinstance(plain, PlainLane)
-        shapes = plain.warm_prefill(self._vocab_size, lambda rows, n, seconds: log.info(
-            "warm-up: prefill of %d row(s) x %d tokens took %.2fs", rows, n, seconds))
-        sizes = plain.warm_decode(self.config.max_num_seqs)
-        log.info("prefill run at %d chunk shapes, decode step traced at %d batch sizes", shapes, sizes)
+        if isinstance(plain := self.lanes["plain"], PlainLane):  # the KV lane traces nothing ahead
+            shapes = plain.warm_prefill(self._vocab_size, lambda rows, n, seconds: log.info(
+                "warm-up: prefill of %d row(s) x %d tokens took %.2fs", rows, n, seconds))
+            sizes = plain.warm_decode(self.config.max_num_seqs)
+            log.info("prefill run at %d chunk shapes, decode step traced at %d batch sizes", shapes, sizes)
         if isinstance(mtp := self.lanes.get("mtp"), MTPLane):
             rounds = mtp.warm_rounds(min(self.config.mtp_max_batch, self.config.max_num_seqs))
             log.info("compiled MTP round traced at %d batch sizes", rounds)

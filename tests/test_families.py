@@ -1,0 +1,105 @@
+"""Two more model families through the engine (issue 31.4): a dense attention-only Qwen3 text model
+loaded by mlx-lm and a Gemma 3 VLM loaded by mlx-vlm (`mlx_relay/testing/family_fixtures.py`),
+served by the KV lane (`engine/kv_lane.py`) over the library's own forward.
+
+Greedy exactness on float32: every request's tokens equal the library's plain decoding of the same
+prompt, whether it ran alone, in a batch that rows join and leave at different steps, restored from
+a system-prompt snapshot or from the previous turn's snapshot (Gemma 3's prompts and replies run
+past its sliding window). A model of neither kind of family is refused at load, saying why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlx_relay.engine.loader import load_model
+from mlx_relay.engine.models import UnsupportedModel
+from mlx_relay.messages.gpu import Generate, SamplingParams
+from mlx_relay.messages.prefix_cache import PrefixPlan
+from mlx_relay.testing.engine_driver import Driver
+from mlx_relay.testing.family_fixtures import Family, family_fixture_path
+from mlx_relay.testing.reference import greedy_reference
+
+FAMILIES: list[Family] = ["qwen3", "gemma3"]
+SYSTEM = [(37 * i + 11) % 997 + 1 for i in range(21)]
+SUFFIXES = [[(53 * i + 7 * k) % 991 + 3 for i in range(5 + 4 * k)] for k in range(3)]
+OTHER = [(29 * i + 5) % 983 + 2 for i in range(9)]
+MAX_TOKENS = 12
+
+
+def library_greedy(path: Path, family: Family, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Plain greedy decoding, one prompt at a time, by the library that loads the family."""
+    if family == "gemma3":
+        return greedy_reference(path, prompts, max_tokens)  # mlx-vlm's generate_step
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model as lm_load
+
+    model, _config = lm_load(path)
+    return [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=max_tokens)] for p in prompts]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_and_cached_decoding_equal_the_librarys_plain_decoding(gpu: Callable, family: Family) -> None:
+    path = family_fixture_path(family)
+
+    def run() -> tuple[Any, ...]:
+        loaded = load_model(path)
+        d = Driver(loaded, prefill_step_size=16)
+        sp = SamplingParams(max_tokens=MAX_TOKENS)
+        first = SYSTEM + SUFFIXES[0]
+        a = d.add(Generate("a", first, sp, prefix=PrefixPlan(snapshot_at=[len(SYSTEM)], snapshot_turn=True)))
+        d.run()
+        (system,) = [s for s in d.snapshots[a] if s.kind == "system"]
+        (turn,) = [s for s in d.snapshots[a] if s.kind == "turn"]
+        # three rows at once: two restored from the system prompt, one from scratch; their prefills
+        # end at different steps (16 tokens a step), so they join the decode batch one by one
+        b = d.add(Generate("b", SYSTEM + SUFFIXES[1], sp, prefix=PrefixPlan(system.handle, system.length)))
+        c = d.add(Generate("c", SYSTEM + SUFFIXES[2], sp, prefix=PrefixPlan(system.handle, system.length)))
+        o = d.add(Generate("o", OTHER, SamplingParams(max_tokens=5)))
+        d.run()
+        turn2 = first + turn.generated + [400, 401, 402]
+        e = d.add(Generate("e", turn2, sp, prefix=PrefixPlan(turn.handle, turn.length)))
+        d.run()
+        prompts = [first, SYSTEM + SUFFIXES[1], SYSTEM + SUFFIXES[2], OTHER, turn2]
+        ref = library_greedy(path, family, prompts, MAX_TOKENS)
+        ref[3] = ref[3][:5]
+        stats = d.engine.stats()
+        d.engine.close()
+        return loaded.info, d, (a, b, c, o, e), turn, ref, stats
+
+    info, d, sids, turn, ref, stats = gpu(run)
+    assert info.model_type == family and not info.has_mtp
+    assert [d.tokens[s] for s in sids] == ref
+    assert turn.length == len(SYSTEM + SUFFIXES[0]) + len(turn.generated) and len(turn.generated) == MAX_TOKENS
+    assert [d.finished[s].cached_tokens for s in sids] == [0, len(SYSTEM), len(SYSTEM), 0, turn.length]
+    assert [d.finished[s].reason for s in sids] == ["length"] * 5
+    assert stats.snapshots >= 2 and stats.snapshot_bytes > 0 and stats.mtp_rounds == 0
+
+
+def test_a_model_no_path_serves_is_refused_at_load_saying_why(gpu: Callable) -> None:
+    """A hybrid Qwen3.5 layer list under a model type of no family of ours: its recurrent layers
+    keep state the KV lane cannot snapshot or batch, so the engine refuses it (never serves it)."""
+    from mlx_lm.models import qwen3_next
+
+    from mlx_relay.engine.models.library_kv import uses_library_forward
+
+    def run() -> str:
+        lm = qwen3_next.Model(qwen3_next.ModelArgs(
+            model_type="qwen3_next", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, vocab_size=64,
+            linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=False,
+            max_position_embeddings=128, rope_theta=10000.0, partial_rotary_factor=0.5,
+            num_experts=0, num_experts_per_tok=0, decoder_sparse_step=1, shared_expert_intermediate_size=0,
+            moe_intermediate_size=0, norm_topk_prob=False, mlp_only_layers=[]))
+        with pytest.raises(UnsupportedModel) as caught:
+            uses_library_forward(lm)
+        return str(caught.value)
+
+    message = gpu(run)
+    assert "'qwen3_next' is not served" in message and "ArraysCache in layer 0" in message
