@@ -18,6 +18,7 @@ import mlx_vlm
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.checkpoint import context_length, eos_token_ids, has_mtp_weights, read_config
 from mlx_relay.engine.models.library_kv import load_text_model, loads_with_mlx_lm
+from mlx_relay.media.served import unserved_vision
 from mlx_relay.messages.gpu import ModelInfo
 
 
@@ -102,7 +103,7 @@ def load_model(path: Path, *, lazy: bool = False) -> LoadedModel:
         context_length=context_length(config),
         vocab_size=len(tokenizer),
         eos_token_ids=eos_token_ids(config),
-        has_vision=getattr(model, "vision_tower", None) is not None,
+        has_vision=getattr(model, "vision_tower", None) is not None and unserved_vision(path) is None,
         has_mtp=int(text_cfg.get("mtp_num_hidden_layers", 0) or 0) > 0 and has_mtp_weights(path),
         load_seconds=time.perf_counter() - tic,
     )

@@ -136,6 +136,9 @@ def check(lm: Any) -> int:
     library = _library(lm)
     cache = importlib.import_module(f"{library}.models.cache")
     model_type = _model_type(lm)
+    if "mrope" in repr(getattr(lm, "config", None) or getattr(lm, "args", None)):
+        raise UnsupportedModel(f"model type {model_type!r} takes M-RoPE positions, which the library's forward "
+                               f"keeps as the model's own state between calls: no batch of rows can share it")
     caches = lm.make_cache() if hasattr(lm, "make_cache") else cache.make_prompt_cache(lm)
     for i, c in enumerate(caches):
         if type(c) is cache.KVCache:
