@@ -10,10 +10,12 @@ past its sliding window). A model of neither kind of family is refused at load, 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from mlx_relay.engine.loader import load_model
@@ -103,3 +105,44 @@ def test_a_model_no_path_serves_is_refused_at_load_saying_why(gpu: Callable) -> 
 
     message = gpu(run)
     assert "'qwen3_next' is not served" in message and "ArraysCache in layer 0" in message
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_familys_template_decides_its_tool_and_reasoning_format(family: Family) -> None:
+    """No MLX: what the front end reads from each family's own chat template. Qwen3's teaches
+    Hermes-style JSON calls and thinking blocks, and renders the tools; Gemma 3's renders neither,
+    so the tools are written into its prompt (`chat/tool_prompt.py`) and its calls read as JSON; a
+    reply in the family's format parses into reasoning, content and a call."""
+    from transformers import AutoTokenizer
+
+    from mlx_relay.chat.output import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallStart
+    from mlx_relay.chat.prompt_render import template_renders_tools
+    from mlx_relay.chat.reply_parser import ReplyParser, reasoning_in_template, tool_format_for_template
+    from mlx_relay.chat.tool_prompt import fold_tools
+    from mlx_relay.chat.types import ToolDef
+
+    tokenizer = AutoTokenizer.from_pretrained(str(family_fixture_path(family)))
+    template = tokenizer.chat_template
+    assert template_renders_tools(tokenizer) is (family == "qwen3")
+    assert tool_format_for_template(template) == ("json" if family == "qwen3" else None)
+    assert reasoning_in_template(template) is (family == "qwen3")
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "list it"},
+               {"role": "assistant", "content": "", "reasoning_content": "use ls",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": {"p": "."}}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "a.py"}]
+    if family == "gemma3":
+        history, tools = fold_tools(history, tools), None
+    text = tokenizer.apply_chat_template(history, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert '<tool_call>\n{"name": "ls", "arguments": {"p": "."}}\n</tool_call>' in text
+    assert "<tool_response>\na.py\n</tool_response>" in text and '"name": "ls"' in text.split("list it")[0]
+    assert text.endswith("<|im_start|>assistant\n" if family == "qwen3" else "<start_of_turn>model\n")
+    reply = '<think>plan</think>Sure.\n<tool_call>\n{"name": "ls", "arguments": {"p": "src"}}\n</tool_call>'
+    declared = [msgspec.convert({"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}},
+                                ToolDef)]
+    parser = ReplyParser(tools=declared, tool_format="json")
+    events = parser.feed(reply) + parser.finish("stop")
+    assert "".join(e.text for e in events if isinstance(e, ReasoningDelta)) == "plan"
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)).strip() == "Sure."
+    assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["ls"]
+    assert json.loads("".join(e.fragment for e in events if isinstance(e, ToolCallArguments))) == {"p": "src"}

@@ -99,8 +99,9 @@ class EngineCore:
                                         config.max_num_seqs * max(1, config.mtp_block_size))
         # a model of no family of ours runs its library's forward over KV caches (one lane for all rows)
         generic = uses_library_forward(lm)
-        if generic and stage is not None:
-            raise UnsupportedModel(f"a pipeline split needs a model family of the engine's own ({info.model_type})")
+        if generic and (stage is not None or draft_model is not None):
+            raise UnsupportedModel(f"a pipeline split and SpecPrefill need a model family of the engine's own "
+                                   f"({info.model_type} is served through its library's forward)")
         self.lanes: dict[LaneName, Lane] = {
             "plain": KVLane(lm, prefill_step_size=min(config.prefill_step_size, self.token_budget),
                             eos_token_ids=info.eos_token_ids) if generic else
