@@ -146,3 +146,26 @@ def test_each_familys_template_decides_its_tool_and_reasoning_format(family: Fam
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)).strip() == "Sure."
     assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["ls"]
     assert json.loads("".join(e.fragment for e in events if isinstance(e, ToolCallArguments))) == {"p": "src"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_a_new_server_restores_the_familys_snapshots_from_disk(family: Family, tmp_path: Path) -> None:
+    """The prefix cache's disk tier: a server writes a system-prompt snapshot through; a new server on
+    the same directory restores it (checked against the KV lane's cache layout) and answers exactly
+    what the cold prefill answered."""
+    from mlx_relay.relay import Relay
+
+    path = family_fixture_path(family)
+    conv = [{"role": "system", "content": "Keep every change small and run the tests first. " * 3},
+            {"role": "user", "content": "Fix the failing test"}]
+    opts: dict[str, Any] = {"prefix_min_snapshot_tokens": 8, "max_num_seqs": 4, "warmup": False,
+                            "prefix_cache_dir": str(tmp_path)}
+    async with Relay.start(path, **opts) as relay:
+        cold = await relay.chat(conv, max_tokens=6, temperature=0)
+        assert (await relay.persist_prefix_cache()).pending == 0
+    async with Relay.start(path, prefix_cache_preload=0, **opts) as relay:
+        warm = await relay.chat(conv, max_tokens=6, temperature=0)
+        disk = (await relay.prefix_cache_stats())["prefix_cache"]["disk"]
+    assert cold.cached_tokens == 0 and warm.cached_tokens > 0
+    assert warm.token_ids == cold.token_ids
+    assert disk["loads"] == 1 and disk["rejected"]["layout"] == 0

@@ -208,9 +208,8 @@ class EngineCore:
 
     def snapshot_layout(self) -> CacheLayout:
         """The live model's cache layout (and its MTP head's): what a snapshot file must fit."""
-        if isinstance(self.lanes["plain"], KVLane):
-            raise UnsupportedModel("the prefix cache's disk tier keeps no snapshots of a model of no family "
-                                   "of the engine's own yet (serve it without --prefix-cache-dir)")
+        if self._layout is None and isinstance(kv := self.lanes["plain"], KVLane):
+            self._layout = kv.cache_layout()
         if self._layout is None:
             mtp = self.lanes.get("mtp")
             self._layout = probe_layout(self._model.language_model, mtp.head if isinstance(mtp, MTPLane) else None)

@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
 from mlx_relay.engine.models import UnsupportedModel
 from mlx_relay.engine.models.library_kv import KVModel
+from mlx_relay.engine.snapshot_codec import CacheLayout, kv_layout
 from mlx_relay.engine.snapshots import Snapshot
 
 
@@ -144,6 +145,14 @@ class KVLane:
         caches = [c.extract(i) for c in self._caches]
         length = len(row.spec.prompt) + row.emitted
         return _snapshot(caches, length) if caches[0].offset == length else None
+
+    def cache_layout(self) -> CacheLayout:
+        """What a snapshot file of this model must hold (the disk tier's check): one token through
+        fresh caches; every layer an attention layer."""
+        caches = self.model.new_caches()
+        self.model.forward(mx.array([[0]], dtype=mx.int32), caches)
+        mx.eval([(c.keys, c.values) for c in caches])
+        return CacheLayout(tuple(kv_layout(c.keys[..., :1, :], c.values[..., :1, :]) for c in caches), None, None)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, prefill_budget: int | None = None) -> LaneStep:
