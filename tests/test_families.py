@@ -83,28 +83,35 @@ def test_batched_and_cached_decoding_equal_the_librarys_plain_decoding(gpu: Call
     assert stats.snapshots >= 2 and stats.snapshot_bytes > 0 and stats.mtp_rounds == 0
 
 
-def test_a_model_no_path_serves_is_refused_at_load_saying_why(gpu: Callable) -> None:
-    """A hybrid Qwen3.5 layer list under a model type of no family of ours: its recurrent layers
-    keep state the KV lane cannot snapshot or batch, so the engine refuses it (never serves it)."""
+async def test_a_model_no_path_serves_is_refused_at_load_saying_why(tmp_path: Path) -> None:
+    """A Qwen3-Next checkpoint (mlx-lm loads it; hybrid: its linear-attention layers keep a recurrent
+    state the KV lane cannot snapshot or batch) with the Qwen3 fixture's tokenizer: the server's
+    load fails, naming the type, the layer and what it keeps; it never serves a token."""
+    import numpy as np
+    from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3_next
 
-    from mlx_relay.engine.models.library_kv import uses_library_forward
+    from mlx_relay.relay import Relay
+    from mlx_relay.testing.fixtures import save_safetensors
 
-    def run() -> str:
-        lm = qwen3_next.Model(qwen3_next.ModelArgs(
-            model_type="qwen3_next", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, vocab_size=64,
-            linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
-            linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=False,
-            max_position_embeddings=128, rope_theta=10000.0, partial_rotary_factor=0.5,
-            num_experts=0, num_experts_per_tok=0, decoder_sparse_step=1, shared_expert_intermediate_size=0,
-            moe_intermediate_size=0, norm_topk_prob=False, mlp_only_layers=[]))
-        with pytest.raises(UnsupportedModel) as caught:
-            uses_library_forward(lm)
-        return str(caught.value)
-
-    message = gpu(run)
-    assert "'qwen3_next' is not served" in message and "ArraysCache in layer 0" in message
+    source = family_fixture_path("qwen3")
+    for f in source.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((source / "config.json").read_text()) | {
+        "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "linear_num_value_heads": 2,
+        "linear_num_key_heads": 1, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+        "num_experts": 0, "num_experts_per_tok": 0, "decoder_sparse_step": 1, "shared_expert_intermediate_size": 0,
+        "mlp_only_layers": [], "moe_intermediate_size": 0, "partial_rotary_factor": 0.5, "full_attention_interval": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shapes = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(config)).parameters()  # lazy: never evaluated
+    save_safetensors(tmp_path / "model.safetensors",
+                     {k: ("F32", np.zeros(v.shape, np.float32)) for k, v in tree_flatten(shapes)})
+    with pytest.raises(UnsupportedModel) as caught:
+        async with Relay.start(tmp_path, warmup=False):
+            pass
+    message = str(caught.value)
+    assert "'qwen3_next' is not served" in message and "layer 0's state in ArraysCache" in message
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -146,7 +146,7 @@ def check(lm: Any) -> int:
         if type(c) is cache.RotatingKVCache and model_type in WINDOW_MASKED_TYPES:
             continue
         raise UnsupportedModel(
-            f"model type {model_type!r} keeps a {type(c).__name__} in layer {i}: the engine serves a model "
+            f"model type {model_type!r} keeps its layer {i}'s state in {type(c).__name__}: the engine serves a model "
             f"of no family of its own only when every layer keeps attention keys and values (KVCache)")
     if not caches:
         raise UnsupportedModel(f"model type {model_type!r} has no layers with caches")
