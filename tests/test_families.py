@@ -63,6 +63,10 @@ def test_batched_and_cached_decoding_equal_the_librarys_plain_decoding(gpu: Call
         b = d.add(Generate("b", SYSTEM + SUFFIXES[1], sp, prefix=PrefixPlan(system.handle, system.length)))
         c = d.add(Generate("c", SYSTEM + SUFFIXES[2], sp, prefix=PrefixPlan(system.handle, system.length)))
         o = d.add(Generate("o", OTHER, SamplingParams(max_tokens=5)))
+        x = d.add(Generate("x", OTHER[::-1], sp))  # cancelled while the others decode
+        for _ in range(4):
+            d.step()
+        d.engine.cancel(x)
         d.run()
         turn2 = first + turn.generated + [400, 401, 402]
         e = d.add(Generate("e", turn2, sp, prefix=PrefixPlan(turn.handle, turn.length)))
@@ -72,11 +76,12 @@ def test_batched_and_cached_decoding_equal_the_librarys_plain_decoding(gpu: Call
         ref[3] = ref[3][:5]
         stats = d.engine.stats()
         d.engine.close()
-        return loaded.info, d, (a, b, c, o, e), turn, ref, stats
+        return loaded.info, d, (a, b, c, o, e), x, turn, ref, stats
 
-    info, d, sids, turn, ref, stats = gpu(run)
+    info, d, sids, x, turn, ref, stats = gpu(run)
     assert info.model_type == family and not info.has_mtp
     assert [d.tokens[s] for s in sids] == ref
+    assert x not in d.finished and d.tokens[x]  # it had started decoding beside them
     assert turn.length == len(SYSTEM + SUFFIXES[0]) + len(turn.generated) and len(turn.generated) == MAX_TOKENS
     assert [d.finished[s].cached_tokens for s in sids] == [0, len(SYSTEM), len(SYSTEM), 0, turn.length]
     assert [d.finished[s].reason for s in sids] == ["length"] * 5

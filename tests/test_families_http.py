@@ -130,3 +130,15 @@ def test_images_get_a_400_that_says_why(served: tuple[Family, LiveServer]) -> No
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert ("'gemma3'" in message and "not served" in message) if family == "gemma3" else "vision" in message
+
+
+def test_seeded_sampling_repeats_and_logprobs_match_the_tokens(served: tuple[Family, LiveServer]) -> None:
+    _family, live = served
+    ask = {"messages": USER, "max_tokens": 8, "temperature": 0.9, "top_p": 0.9, "seed": 7}
+    a, b = chat(live, **ask), chat(live, **ask)
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    lp = chat(live, messages=USER, max_tokens=6, logprobs=True, top_logprobs=2)
+    content = lp["choices"][0]["logprobs"]["content"]
+    assert len(content) == lp["usage"]["completion_tokens"] == 6
+    assert all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in content)
+    assert content[0]["logprob"] == max(t["logprob"] for t in content[0]["top_logprobs"])  # greedy: the top one
