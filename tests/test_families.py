@@ -1,6 +1,7 @@
 """Two more model families through the engine (issue 31.4): a dense attention-only Qwen3 text model
-loaded by mlx-lm and a Gemma 3 VLM loaded by mlx-vlm (`mlx_relay/testing/family_fixtures.py`),
-served by the KV lane (`engine/kv_lane.py`) over the library's own forward.
+loaded by mlx-lm and a Gemma 3 VLM loaded by mlx-vlm, and that VLM's language model as a text-only
+Gemma 3 loaded by mlx-lm (`mlx_relay/testing/family_fixtures.py`), served by the KV lane
+(`engine/kv_lane.py`) over the library's own forward.
 
 Greedy exactness on float32: every request's tokens equal the library's plain decoding of the same
 prompt, whether it ran alone, in a batch that rows join and leave at different steps, restored from
@@ -26,7 +27,7 @@ from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.family_fixtures import Family, family_fixture_path
 from mlx_relay.testing.reference import greedy_reference
 
-FAMILIES: list[Family] = ["qwen3", "gemma3"]
+FAMILIES: list[Family] = ["qwen3", "gemma3", "gemma3_text"]
 SYSTEM = [(37 * i + 11) % 997 + 1 for i in range(21)]
 SUFFIXES = [[(53 * i + 7 * k) % 991 + 3 for i in range(5 + 4 * k)] for k in range(3)]
 OTHER = [(29 * i + 5) % 983 + 2 for i in range(9)]
@@ -143,7 +144,7 @@ def test_each_familys_template_decides_its_tool_and_reasoning_format(family: Fam
                {"role": "assistant", "content": "", "reasoning_content": "use ls",
                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": {"p": "."}}}]},
                {"role": "tool", "tool_call_id": "c1", "content": "a.py"}]
-    if family == "gemma3":
+    if family != "qwen3":
         history, tools = fold_tools(history, tools), None
     text = tokenizer.apply_chat_template(history, tools=tools, add_generation_prompt=True, tokenize=False)
     assert '<tool_call>\n{"name": "ls", "arguments": {"p": "."}}\n</tool_call>' in text
@@ -158,6 +159,14 @@ def test_each_familys_template_decides_its_tool_and_reasoning_format(family: Fam
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)).strip() == "Sure."
     assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["ls"]
     assert json.loads("".join(e.fragment for e in events if isinstance(e, ToolCallArguments))) == {"p": "src"}
+
+
+def test_the_text_only_gemma3_is_the_vlms_language_model(gpu: Callable) -> None:
+    """The same weights in both libraries decode the same tokens: the fixtures are one model."""
+    prompts = [SYSTEM + SUFFIXES[1], OTHER]
+    vlm, text = gpu(lambda: [library_greedy(family_fixture_path(f), f, prompts, MAX_TOKENS)
+                             for f in ("gemma3", "gemma3_text")])
+    assert vlm == text
 
 
 @pytest.mark.parametrize("family", FAMILIES)

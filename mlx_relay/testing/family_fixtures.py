@@ -9,12 +9,15 @@ Qwen3.5 ones): the engine serves them through the library's own forward over KV 
 - ``gemma3``: a Gemma 3 vision-language model (``Gemma3ForConditionalGeneration``, model type
   ``gemma3``: a SigLIP vision tower, a projector, a Gemma 3 text model with sliding-window and
   global attention layers), loaded by mlx-vlm; the same BPE with Gemma's added tokens (BOS/EOS,
-  turns, image tokens) and a Gemma 3 chat template (``gemma3_chat_template.jinja``).
+  turns, image tokens) and a Gemma 3 chat template (``gemma3_chat_template.jinja``);
+- ``gemma3_text``: the same language model as a text-only ``Gemma3ForCausalLM`` checkpoint (model
+  type ``gemma3_text``), loaded by mlx-lm (whose own Gemma 3 masks the sliding window too).
 
 Weights are the parameter trees of the libraries' own modules (so names and shapes are what they
 load strictly), values drawn from numpy's PCG64 keyed by (seed, tensor name) as in `fixtures`,
-float32. The head's rows of the added tokens are zero, so greedy decoding of the random model
-never ends a turn or opens a tag by accident. Each checkpoint is about 0.6 MB, built on first use
+float32. The head's rows of the added tokens are zero (Gemma 3's head is tied to its embeddings, as
+in its checkpoints: those embedding rows), so greedy decoding of the random model never ends a turn
+or opens a tag by accident. Each checkpoint is under 1.5 MB, built on first use (about a second)
 and cached under ``$MLX_RELAY_CACHE/fixtures/<family>-fp32-s<seed>-r<FAMILY_RECIPE_VERSION>``.
 """
 
@@ -50,7 +53,7 @@ __all__ = ["FAMILY_RECIPE_VERSION", "GEMMA3_TOKENS", "Family", "build_family_fix
 #: Bump whenever anything that changes these fixtures' bytes changes.
 FAMILY_RECIPE_VERSION: Final[int] = 1
 
-Family = Literal["qwen3", "gemma3"]
+Family = Literal["qwen3", "gemma3", "gemma3_text"]
 
 #: Gemma 3's added tokens (id order from BASE_VOCAB_SIZE), with their `special` flag.
 GEMMA3_TOKENS: Final[tuple[tuple[str, bool], ...]] = (
@@ -156,7 +159,7 @@ def gemma3_config(vocab_size: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- weights
 
 
-def _param_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def _param_shapes(family: Literal["qwen3", "gemma3"], config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The libraries' own parameter names and shapes (their lazy init is never evaluated)."""
     from mlx.utils import tree_flatten
 
@@ -175,7 +178,7 @@ def _param_shapes(family: Family, config: dict[str, Any]) -> dict[str, tuple[int
     return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
 
 
-def _init(family: Family, name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+def _init(family: Literal["qwen3", "gemma3"], name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     rng = _rng(seed, f"{family}/{name}")
     if name.endswith(".bias"):
         return np.zeros(shape, np.float32)
@@ -185,7 +188,7 @@ def _init(family: Family, name: str, shape: tuple[int, ...], seed: int) -> np.nd
     if name.endswith("embed_tokens.weight") or name.endswith("position_embedding.weight"):
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(_EMBED_STD)
         if family == "gemma3" and name.endswith("embed_tokens.weight"):
-            w[BASE_VOCAB_SIZE:] = 0.0  # mlx-vlm ties Gemma 3's head to the embeddings: as the head's rows below
+            w[BASE_VOCAB_SIZE:] = 0.0  # the tied head's rows of the added tokens (as the head's rows below)
         return w
     if name.endswith("lm_head.weight"):
         w = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[1]))
@@ -195,9 +198,12 @@ def _init(family: Family, name: str, shape: tuple[int, ...], seed: int) -> np.nd
     return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(fan_in))
 
 
-def _weights(family: Family, config: dict[str, Any], seed: int) -> dict[str, tuple[str, np.ndarray]]:
+def _weights(family: Literal["qwen3", "gemma3"], config: dict[str, Any],
+             seed: int) -> dict[str, tuple[str, np.ndarray]]:
+    """Name -> (dtype, value); Gemma 3 ties its head to the embeddings (as its checkpoints: no head)."""
     return {name: ("F32", _init(family, name, shape, seed))
-            for name, shape in sorted(_param_shapes(family, config).items())}
+            for name, shape in sorted(_param_shapes(family, config).items())
+            if not (family == "gemma3" and name.endswith("lm_head.weight"))}
 
 
 # --------------------------------------------------------------------------- tokenizer files
@@ -236,6 +242,11 @@ def build_family_fixture(out_dir: Path, family: Family, seed: int = 0) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = _write_tokenizer(out_dir, family)
     config = qwen3_config(vocab) if family == "qwen3" else gemma3_config(vocab)
+    weights = _weights("qwen3" if family == "qwen3" else "gemma3", config, seed)
+    if family == "gemma3_text":  # the VLM's language model alone, under mlx-lm's names
+        config = config["text_config"] | {"architectures": ["Gemma3ForCausalLM"],
+                                          "eos_token_id": config["eos_token_id"], "torch_dtype": "float32"}
+        weights = {k.removeprefix("language_model."): v for k, v in weights.items() if k.startswith("language_model.")}
     _dump_json(out_dir / "config.json", config)
     eos = config["eos_token_id"]
     _dump_json(out_dir / "generation_config.json", {
@@ -251,7 +262,7 @@ def build_family_fixture(out_dir: Path, family: Family, seed: int = 0) -> Path:
             "pan_and_scan_min_crop_size": None, "pan_and_scan_min_ratio_to_activate": None})
         _dump_json(out_dir / "processor_config.json", {"processor_class": "Gemma3Processor",
                                                        "image_seq_length": config["mm_tokens_per_image"]})
-    save_safetensors(out_dir / "model.safetensors", _weights(family, config, seed))
+    save_safetensors(out_dir / "model.safetensors", weights)
     _dump_json(out_dir / MANIFEST_NAME, {
         "family_recipe_version": FAMILY_RECIPE_VERSION, "family": family, "seed": seed,
         "libraries": {pkg: version(pkg.replace("_", "-")) for pkg in ("mlx_lm", "mlx_vlm")}})
