@@ -71,21 +71,25 @@ def test_batched_and_cached_decoding_equal_the_librarys_plain_decoding(gpu: Call
         d.run()
         turn2 = first + turn.generated + [400, 401, 402]
         e = d.add(Generate("e", turn2, sp, prefix=PrefixPlan(turn.handle, turn.length)))
+        # a snapshot as long as the prompt: its last token runs again, for the first token's logits
+        again = first + turn.generated
+        f = d.add(Generate("f", again, sp, prefix=PrefixPlan(turn.handle, turn.length)))
         d.run()
-        prompts = [first, SYSTEM + SUFFIXES[1], SYSTEM + SUFFIXES[2], OTHER, turn2]
+        prompts = [first, SYSTEM + SUFFIXES[1], SYSTEM + SUFFIXES[2], OTHER, turn2, again]
         ref = library_greedy(path, family, prompts, MAX_TOKENS)
         ref[3] = ref[3][:5]
         stats = d.engine.stats()
         d.engine.close()
-        return loaded.info, d, (a, b, c, o, e), x, turn, ref, stats
+        return loaded.info, d, (a, b, c, o, e, f), x, turn, ref, stats
 
     info, d, sids, x, turn, ref, stats = gpu(run)
     assert info.model_type == family and not info.has_mtp
     assert [d.tokens[s] for s in sids] == ref
     assert x not in d.finished and d.tokens[x]  # it had started decoding beside them
     assert turn.length == len(SYSTEM + SUFFIXES[0]) + len(turn.generated) and len(turn.generated) == MAX_TOKENS
-    assert [d.finished[s].cached_tokens for s in sids] == [0, len(SYSTEM), len(SYSTEM), 0, turn.length]
-    assert [d.finished[s].reason for s in sids] == ["length"] * 5
+    assert [d.finished[s].cached_tokens for s in sids] == [0, len(SYSTEM), len(SYSTEM), 0, turn.length,
+                                                           turn.length - 1]
+    assert [d.finished[s].reason for s in sids] == ["length"] * 6
     assert stats.snapshots >= 2 and stats.snapshot_bytes > 0 and stats.mtp_rounds == 0
 
 
