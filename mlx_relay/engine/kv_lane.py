@@ -30,7 +30,6 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from mlx_relay.engine.lanes import LaneStep, RowSpec, RowTokens, ending_of
-from mlx_relay.engine.models import UnsupportedModel
 from mlx_relay.engine.models.library_kv import KVModel
 from mlx_relay.engine.snapshot_codec import CacheLayout, kv_layout
 from mlx_relay.engine.snapshots import Snapshot
@@ -95,7 +94,7 @@ class KVLane:
 
     def add(self, spec: RowSpec) -> None:
         if spec.positions is not None:
-            raise UnsupportedModel(f"{self.model.model_type} rows take no explicit positions (sparse prefill)")
+            raise ValueError(f"{self.model.model_type} rows take no explicit positions (sparse prefill)")
         row = _Row(spec, self.model.new_caches())
         if spec.restore is not None:
             row.caches = self.model.restored(spec.restore.target)
