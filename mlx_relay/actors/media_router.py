@@ -33,6 +33,7 @@ from mlx_relay.media.expand import check_placeholders
 from mlx_relay.media.limits import check_media_counts
 from mlx_relay.media.pipeline import fetch_all, media_kinds, prepare_vision
 from mlx_relay.media.preprocess import VisionProcessor, checkpoint_has_vision, load_vision_processor
+from mlx_relay.media.served import unserved_vision
 from mlx_relay.media.tensors import VisionInputs
 from mlx_relay.messages.prompt import Route, Routed
 from mlx_relay.runtime import Actor, ReplyStream
@@ -47,9 +48,11 @@ class MediaRouter(Actor):
         self.config = config
         self.model_path = model_path
         self.processor: VisionProcessor | None = None
+        self.unserved: str | None = None  # why the checkpoint's vision tower is not served
 
     async def on_start(self) -> None:
-        if checkpoint_has_vision(self.model_path):
+        self.unserved = unserved_vision(self.model_path)
+        if self.unserved is None and checkpoint_has_vision(self.model_path):
             self.processor = await anyio.to_thread.run_sync(load_vision_processor, self.model_path)
 
     async def receive(self, msg: Route, stream: ReplyStream | None) -> Routed:
@@ -58,7 +61,7 @@ class MediaRouter(Actor):
             return Routed(path="text", prompt_tokens=msg.prompt_tokens, vision=None, system_end=msg.system_end,
                           reply_start=msg.reply_start)
         if self.processor is None:
-            raise InvalidRequest("this model has no vision tower: send text only", param="messages")
+            raise InvalidRequest(self.unserved or "this model has no vision tower: send text only", param="messages")
         kinds = media_kinds(parts)
         check_media_counts(kinds, self.config)
         check_placeholders(msg.prompt_tokens, kinds, self.processor.vocab)  # before any download

@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from mlx_relay.chat.prompt_render import PromptRenderer, prompt_chars
+from mlx_relay.chat.prompt_render import PromptRenderer, prompt_chars, template_renders_tools
 from mlx_relay.chat.reply_parser import reasoning_in_template, tool_format_for_template
 from mlx_relay.chat.template_sandbox import TemplateSandbox
 from mlx_relay.config import PromptConfig
@@ -72,12 +72,14 @@ class Normalizer(Actor):
         tokenizer = await anyio.to_thread.run_sync(load_tokenizer, self.model_path)
         template = getattr(tokenizer, "chat_template", None)
         own = template if isinstance(template, str) else None
-        tool_format = self.config.tool_parser or tool_format_for_template(own)
+        # a template that renders no tools (Gemma 3's) gets them written in, as "json" calls (chat/tool_prompt.py)
+        fold = own is not None and not await anyio.to_thread.run_sync(template_renders_tools, tokenizer)
+        tool_format = self.config.tool_parser or tool_format_for_template(own) or ("json" if fold else None)
         sandbox = None
         if self.config.allow_request_chat_template:
             sandbox = TemplateSandbox(dict(tokenizer.special_tokens_map), self.config.template_timeout_s,
                                       self.config.template_memory_bytes)
-        self.renderer = PromptRenderer(tokenizer, tool_format, sandbox)
+        self.renderer = PromptRenderer(tokenizer, tool_format, sandbox, fold_tools=fold)
         self.features = PromptFeatures(tool_format, reasoning_in_template(own))
 
     async def on_stop(self) -> None:

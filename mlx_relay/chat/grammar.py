@@ -176,6 +176,13 @@ def lazy_tool_grammar(c: OutputConstraint, special: frozenset[str], llg_tokenize
         return None, sorted(t.function.name for t in tools)
 
 
+# the whitespace a JSON reply may put between two tokens (unless its schema says otherwise): a line
+# break and an indent, enough to pretty-print ten levels deep, but bounded, so a weak model cannot
+# spend its tokens on whitespace and never close the object (a random-weight one did, every time)
+def _json_layout() -> dict[str, Any]:
+    return {"whitespace_flexible": True, "whitespace_pattern": r"(\r?\n)?[ \t]{0,40}"}
+
+
 def json_grammar(fmt: ResponseFormat, after_thinking: bool = False) -> str:
     if fmt.type == "json_object":
         schema: dict[str, Any] = {"type": "object"}
@@ -184,6 +191,8 @@ def json_grammar(fmt: ResponseFormat, after_thinking: bool = False) -> str:
             raise GrammarError("response_format json_schema needs a `schema` object")
         schema = fmt.schema
         check_schema(schema, "the response_format schema")
+    if "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": _json_layout()}
     with _native("the JSON schema cannot be compiled"):
         if after_thinking:
             start = _after_thinking(f"start: %json{json.dumps(schema)}", True)

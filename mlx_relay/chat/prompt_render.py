@@ -34,6 +34,7 @@ from mlx_relay.chat.grammar import (
 )
 from mlx_relay.chat.normalize import NormalizationError, media_parts, normalize_messages, to_template_messages
 from mlx_relay.chat.template_sandbox import TemplateFailed, TemplateSandbox
+from mlx_relay.chat.tool_prompt import fold_tools, renders_tools
 from mlx_relay.chat.types import ChatMessage, TextPart
 from mlx_relay.errors import InvalidRequest, PromptTooLong
 from mlx_relay.messages.prompt import Render, RenderedPrompt
@@ -42,6 +43,12 @@ from mlx_relay.messages.prompt import Render, RenderedPrompt
 # raise_exception): the client's input is at fault
 _TEMPLATE_INPUT_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
                           RecursionError)
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the model's own chat template renders the tools it is given (Gemma 3's renders none)."""
+    return renders_tools(lambda messages, tools: str(tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False)), _TEMPLATE_INPUT_ERRORS)
 
 
 def thinking_left_open(text: str, start: str = "<think>", end: str = "</think>") -> bool:
@@ -86,10 +93,12 @@ class PromptRenderer:
     #: text normalizers may compose characters (NFC: up to 3 into 1): the character bound's slack
     normalizer_slack = 4
 
-    def __init__(self, tokenizer: Any, tool_format: str | None, sandbox: TemplateSandbox | None = None) -> None:
+    def __init__(self, tokenizer: Any, tool_format: str | None, sandbox: TemplateSandbox | None = None,
+                 fold_tools: bool = False) -> None:
         self.tokenizer = tokenizer
         self.tool_format = tool_format
         self.sandbox = sandbox
+        self.fold_tools = fold_tools  # the template renders no tools: `chat.tool_prompt` writes them in
         self._backend = tokenizer.backend_tokenizer
         self._special = frozenset(tokenizer.get_added_vocab())
         # the most characters one token can stand for (byte-level vocab strings have one character per byte)
@@ -203,6 +212,8 @@ class PromptRenderer:
             raise InvalidRequest(str(exc), param="messages") from exc
         media = media_parts(messages)
         tools = [msgspec.to_builtins(t) for t in msg.tools] if msg.tools else None
+        if self.fold_tools and msg.chat_template is None:
+            template_messages, tools = fold_tools(template_messages, tools), None
         kwargs = msg.template_kwargs
         try:
             if msg.chat_template is not None:

@@ -265,6 +265,9 @@ def _json_call(i: int, tool: ToolDef, values: _Values, special: frozenset[str]) 
     for key in ("$defs", "definitions"):  # the arguments' `#/$defs/...` refs resolve at the call's root
         if isinstance(params.get(key), dict):
             schema[key] = params[key]
+    # written as `json.dumps` writes it (as Hermes-style models do), no whitespace of the model's choosing
+    # between tokens: a random-weight model otherwise spends its tokens on it and never closes the call
+    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     values.rules.append(f"body{i}: {lark_str(chr(10))} %json{json.dumps(schema)} {lark_str(chr(10))} "
                         f"{token_or_text(CALL_END, special)}")
     return f"body{i}"

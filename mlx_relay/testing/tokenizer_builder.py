@@ -115,8 +115,10 @@ def _corpus(max_bytes: int = CORPUS_MAX_BYTES) -> Iterator[str]:
         yield data.decode("utf-8", errors="ignore")
 
 
-def build_tokenizer(vocab_size: int = BASE_VOCAB_SIZE) -> Tokenizer:
-    """Train the byte-level BPE and append the Qwen3.5 added tokens (deterministic)."""
+def build_tokenizer(vocab_size: int = BASE_VOCAB_SIZE,
+                    added: tuple[tuple[str, bool], ...] = SPECIAL_TOKENS) -> Tokenizer:
+    """Train the byte-level BPE and append the added tokens (Qwen3.5's unless `added` names
+    another family's, as `(content, special)` in id order from `vocab_size`; deterministic)."""
     tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -138,12 +140,12 @@ def build_tokenizer(vocab_size: int = BASE_VOCAB_SIZE) -> Tokenizer:
         raise RuntimeError(
             f"BPE training produced {tokenizer.get_vocab_size(with_added_tokens=False)} tokens, expected {vocab_size}"
         )
-    for content, special in SPECIAL_TOKENS:
+    for content, special in added:
         token = AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
-        tokenizer.add_tokens([token])  # one by one keeps Qwen's order and ids
-    for content, _special in SPECIAL_TOKENS:
-        if tokenizer.token_to_id(content) != token_id(content):
-            raise RuntimeError(f"{content} got id {tokenizer.token_to_id(content)}, expected {token_id(content)}")
+        tokenizer.add_tokens([token])  # one by one keeps the family's order and ids
+    for index, (content, _special) in enumerate(added):
+        if tokenizer.token_to_id(content) != vocab_size + index:
+            raise RuntimeError(f"{content} got id {tokenizer.token_to_id(content)}, expected {vocab_size + index}")
     return tokenizer
 
 

@@ -1,6 +1,7 @@
 """Which lanes an engine runs, built from its config (GPU thread only; called by `EngineCore`).
 
-Always the plain lane; the library lane (mlx-vlm's `BatchGenerator`) when the prefix cache is off
+A model of no family of ours (served through its library's forward, `models/library_kv.py`): the
+KV lane alone. Otherwise always the plain lane; the library lane (mlx-vlm's `BatchGenerator`) when the prefix cache is off
 and the engine runs the whole model (a pipeline stage runs none: the generator runs the whole
 model); the MTP lane when the checkpoint has an MTP head and the config asks for it (its
 verifier: mlx-vlm's exact one where asked, or on Metal with `mtp_verify="auto"`; the batched
@@ -12,11 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlx_relay.config import EngineConfig
+from mlx_relay.engine.lanes.kv_lane import KVLane
 from mlx_relay.engine.lanes.lane import Lane
 from mlx_relay.engine.lanes.library_lane import LibraryLane
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
 from mlx_relay.engine.lanes.plain_lane import PlainLane
+from mlx_relay.engine.models import UnsupportedModel
+from mlx_relay.engine.models.library_kv import uses_library_forward
 from mlx_relay.engine.models.loader import LoadedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.step.rows import LaneName
@@ -26,6 +30,13 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool
                 stage: Stage | None) -> dict[LaneName, Lane]:
     info = loaded.info
     lm = loaded.model.language_model
+    if uses_library_forward(lm):
+        # a model of no family of ours runs its library's forward over KV caches: one lane for all rows
+        if stage is not None:
+            raise UnsupportedModel(f"a pipeline split needs a model family of the engine's own "
+                                   f"({info.model_type} is served through its library's forward)")
+        return {"plain": KVLane(lm, prefill_step_size=min(config.prefill_step_size, token_budget),
+                                eos_token_ids=info.eos_token_ids)}
     lanes: dict[LaneName, Lane] = {
         "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
                            prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids,

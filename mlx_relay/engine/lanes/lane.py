@@ -9,7 +9,8 @@ whole state (its turn snapshot), `remove` lets a row go, `clear` drops everythin
 failed step). Three lanes exist:
 `mtp_lane.MTPLane` (text rows with MTP speculative decoding), `plain_lane.PlainLane` (our own
 restorable prefill, then mlx-vlm's `GenerationBatch`) and `library_lane.LibraryLane` (mlx-vlm's
-`BatchGenerator`, which prefills joining rows together: used with the prefix cache off).
+`BatchGenerator`, which prefills joining rows together: used with the prefix cache off); a
+model of no family of ours runs `kv_lane.KVLane` alone (its library's forward over KV caches).
 
 A lane reports each row's new tokens and, where the lane knows it (end-of-sequence, max_tokens),
 that the row's sequence ended; the output stage adds stop strings and finishes rows.

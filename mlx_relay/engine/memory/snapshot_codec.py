@@ -28,7 +28,7 @@ from mlx_vlm.models.cache import ArraysCache, KVCache
 from mlx_relay.cache.snapshot_files import SnapshotCorrupt, SnapshotLayoutError
 from mlx_relay.engine.memory.snapshots import Snapshot
 
-__all__ = ["CacheLayout", "LayerLayout", "decode", "dtype_name", "encode", "probe_layout"]
+__all__ = ["CacheLayout", "LayerLayout", "decode", "dtype_name", "encode", "kv_layout", "probe_layout"]
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -58,11 +58,15 @@ class CacheLayout:
                     next((d for layer in self.target for d in layer.dtypes if d), "unknown"))
 
 
+def kv_layout(k: mx.array, v: mx.array) -> LayerLayout:
+    """An attention layer's layout from its keys and values (any length)."""
+    return LayerLayout("kv", ((*k.shape[:2], -1, k.shape[3]), (*v.shape[:2], -1, v.shape[3])),
+                       (dtype_name(k.dtype), dtype_name(v.dtype)))
+
+
 def _layer_layout(cache: Any) -> LayerLayout:
     if isinstance(cache, KVCache):
-        k, v = cache.state
-        return LayerLayout("kv", ((*k.shape[:2], -1, k.shape[3]), (*v.shape[:2], -1, v.shape[3])),
-                           (dtype_name(k.dtype), dtype_name(v.dtype)))
+        return kv_layout(*cache.state)
     if isinstance(cache, ArraysCache):
         state = list(cache.state)
         return LayerLayout("arrays", tuple(None if a is None else tuple(a.shape) for a in state),

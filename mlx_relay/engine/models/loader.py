@@ -1,7 +1,8 @@
 """Model loading (GPU thread only) and the facts other actors need about the model.
 
-Resolves a Hugging Face repo id or local directory, loads the VLM with mlx-vlm and reports a
-`ModelInfo`. Called only from the GPUExecutor's thread.
+Resolves a Hugging Face repo id or local directory, loads the VLM with mlx-vlm (a text checkpoint
+of no family of ours with mlx-lm: `models.library_kv`) and reports a `ModelInfo`. Called only from
+the GPUExecutor's thread.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import mlx_vlm
 
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.models.checkpoint import context_length, eos_token_ids, has_mtp_weights, read_config
+from mlx_relay.engine.models.library_kv import load_text_model, loads_with_mlx_lm
+from mlx_relay.media.served import unserved_vision
 from mlx_relay.messages.gpu import ModelInfo
 
 
@@ -87,7 +90,10 @@ def load_model(path: Path, *, lazy: bool = False) -> LoadedModel:
     first evaluated (a pipeline stage evaluates only its own layers')."""
     tic = time.perf_counter()
     config = read_config(path)
-    model, processor = mlx_vlm.load(str(path), lazy=lazy)
+    if loads_with_mlx_lm(config):  # a text model of no family of ours: mlx-lm's
+        model, processor = load_text_model(path, lazy=lazy)
+    else:
+        model, processor = mlx_vlm.load(str(path), lazy=lazy)
     tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
     text_cfg = config.get("text_config", config)
     info = ModelInfo(
@@ -97,7 +103,7 @@ def load_model(path: Path, *, lazy: bool = False) -> LoadedModel:
         context_length=context_length(config),
         vocab_size=len(tokenizer),
         eos_token_ids=eos_token_ids(config),
-        has_vision=getattr(model, "vision_tower", None) is not None,
+        has_vision=getattr(model, "vision_tower", None) is not None and unserved_vision(path) is None,
         has_mtp=int(text_cfg.get("mtp_num_hidden_layers", 0) or 0) > 0 and has_mtp_weights(path),
         load_seconds=time.perf_counter() - tic,
     )

@@ -27,6 +27,7 @@ from typing import Any
 
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.lanes.build import build_lanes
+from mlx_relay.engine.lanes.kv_lane import KVLane
 from mlx_relay.engine.lanes.lane import Lane, LaneStep, MTPCounts, RowSpec
 from mlx_relay.engine.lanes.library_lane import LibraryLane
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
@@ -51,6 +52,7 @@ from mlx_relay.engine.protocol import (
     StepOutput,
     Told,
 )
+from mlx_relay.engine.models import UnsupportedModel
 from mlx_relay.engine.scoring.stage import ScoringStage
 from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.step.logits import LogitsChains
@@ -106,7 +108,11 @@ class EngineCore:
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
                                    mtp_block=config.mtp_block_size if "mtp" in self.lanes else None,
                                    mtp_max_batch=config.mtp_max_batch,
-                                   own_prefill=prefix_cache or stage is not None)
+                                   own_prefill=prefix_cache or stage is not None
+                                   or isinstance(self.lanes["plain"], KVLane))
+        if draft_model is not None and isinstance(self.lanes["plain"], KVLane):
+            raise UnsupportedModel(f"SpecPrefill needs a model family of the engine's own "
+                                   f"({info.model_type} is served through its library's forward)")
         # the draft (a much smaller model) reads at most a budget's worth of a prompt per step
         self.scoring = ScoringStage(draft_model, tok, min(config.prefill_step_size, self.token_budget))
         self.output = OutputStage()
@@ -176,6 +182,8 @@ class EngineCore:
         return self.memory.layout()
 
     def _probe_layout(self) -> CacheLayout:
+        if isinstance(kv := self.lanes["plain"], KVLane):
+            return kv.cache_layout()
         mtp = self.lanes.get("mtp")
         return probe_layout(self._model.language_model, mtp.head if isinstance(mtp, MTPLane) else None)
 

@@ -41,12 +41,11 @@ def warm_up(core: EngineCore) -> WarmupReport:
             core.add(-(2 * wave + j + 1), Generate(f"warmup-{wave}-{j}", prompt, params, mtp_block=mtp_block))
         while core.has_work:
             core.step()
-    plain = core.lanes["plain"]
-    assert isinstance(plain, PlainLane)
-    shapes = plain.warm_prefill(core.vocab_size, lambda rows, n, seconds: log.info(
-        "warm-up: prefill of %d row(s) x %d tokens took %.2fs", rows, n, seconds))
-    sizes = plain.warm_decode(core.config.max_num_seqs)
-    log.info("prefill run at %d chunk shapes, decode step traced at %d batch sizes", shapes, sizes)
+    if isinstance(plain := core.lanes["plain"], PlainLane):  # the KV lane traces nothing ahead
+        shapes = plain.warm_prefill(core.vocab_size, lambda rows, n, seconds: log.info(
+            "warm-up: prefill of %d row(s) x %d tokens took %.2fs", rows, n, seconds))
+        sizes = plain.warm_decode(core.config.max_num_seqs)
+        log.info("prefill run at %d chunk shapes, decode step traced at %d batch sizes", shapes, sizes)
     if isinstance(mtp := core.lanes.get("mtp"), MTPLane):
         rounds = mtp.warm_rounds(min(core.config.mtp_max_batch, core.config.max_num_seqs))
         log.info("compiled MTP round traced at %d batch sizes", rounds)
