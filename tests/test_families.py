@@ -19,8 +19,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.models import UnsupportedModel
+from mlx_relay.engine.models.loader import load_model
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.messages.prefix_cache import PrefixPlan
 from mlx_relay.testing.engine_driver import Driver

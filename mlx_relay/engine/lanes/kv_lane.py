@@ -30,9 +30,9 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, sequence_end
-from mlx_relay.engine.models.library_kv import KVModel
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, kv_layout
 from mlx_relay.engine.memory.snapshots import Snapshot
+from mlx_relay.engine.models.library_kv import KVModel
 
 
 @dataclass

@@ -35,6 +35,7 @@ from mlx_relay.engine.lanes.row_prefill import sparse_row
 from mlx_relay.engine.memory.held import HeldMemory
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot
+from mlx_relay.engine.models import UnsupportedModel
 from mlx_relay.engine.models.loader import LoadedModel, device_memory_bytes
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.protocol import (
@@ -52,7 +53,6 @@ from mlx_relay.engine.protocol import (
     StepOutput,
     Told,
 )
-from mlx_relay.engine.models import UnsupportedModel
 from mlx_relay.engine.scoring.stage import ScoringStage
 from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.step.logits import LogitsChains
