@@ -2,7 +2,8 @@
 
 A model of no family of ours (served through its library's forward, `models/library_kv.py`): the
 KV lane alone. Otherwise always the plain lane; the library lane (mlx-vlm's `BatchGenerator`)
-when the prefix cache is off and the engine runs the whole model (a pipeline stage runs none: the generator runs the whole
+when the prefix cache is off and the engine runs the whole model (a pipeline stage runs none: the
+generator runs the whole
 model); the MTP lane when the checkpoint has an MTP head and the config asks for it (its
 verifier: mlx-vlm's exact one where asked, or on Metal with `mtp_verify="auto"`; the batched
 forward otherwise, and always on a pipeline stage).
