@@ -196,7 +196,7 @@ class SceneMaker:
             if scene.deferred:
                 wanted = "mcp__stock__get_stock"
                 call = {"name": "ToolSearch", "arguments": {"query": f"select:{wanted}"}}
-                why = f"The stock tool {wanted} is deferred. I will load it with ToolSearch."
+                why = f"The user wants the stock with path {n}. {wanted} is deferred, so I will call ToolSearch."
             else:
                 assert name is not None, f"{scene.file}: no stock tool declared"
                 call = {"name": name, "arguments": {"path": n}}

@@ -135,9 +135,11 @@ def scene_loss(model: TargetWithMTP, cache: list[Any], suffix: mx.array, mask: m
     return (ce * m).sum() / mx.maximum(m.sum(), 1.0)
 
 
-def greedy_turn(model: TargetWithMTP, caches: PrefixCaches, enc: Encoded, step: int) -> bool:
+def greedy_turn(model: TargetWithMTP, caches: PrefixCaches, enc: Encoded, step: int,
+                tokenizer: Any = None) -> bool:
     """Whether greedy decoding from the example's prompt writes its target turn exactly (no
-    grammar: the server's tool grammar only narrows what the model may write)."""
+    grammar: the server's tool grammar only narrows what the model may write). With a
+    ``tokenizer``, a miss prints what was written instead."""
     lm = model.vlm.language_model
     prefix = enc.ids[:enc.split]
     cache = caches.fresh_cache(prefix, step)
@@ -145,24 +147,34 @@ def greedy_turn(model: TargetWithMTP, caches: PrefixCaches, enc: Encoded, step: 
     target = enc.ids[enc.prompt_len: enc.prompt_len + int(enc.mask[enc.prompt_len:].sum())]
     start = len(prefix)
     tokens = mx.array(rest)[None]
-    for want in target:
+    written: list[int] = []
+    for k in range(len(target) + 24):
         n = tokens.shape[1]
         pos = mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32)[None, None, :], (3, 1, n))
         h = lm.model(tokens, cache=cache, position_ids=pos)
         got = int(mx.argmax(lm.lm_head(h[:, -1]), axis=-1).item())
-        if got != int(want):
+        written.append(got)
+        if k < len(target) and got != int(target[k]) and tokenizer is None:
             return False
+        if k == len(target) - 1 and written == [int(t) for t in target]:
+            return True
         start += n
         tokens = mx.array([[got]])
-    return True
+    if tokenizer is not None:
+        print("   wrote:", repr(tokenizer.decode(written)), flush=True)
+    return False
 
 
-def evaluate(model: TargetWithMTP, maker: SceneMaker, caches: PrefixCaches, n: int, seed: int) -> dict[str, float]:
+def evaluate(model: TargetWithMTP, maker: SceneMaker, caches: PrefixCaches, n: int, seed: int,
+             only: tuple[str, ...] = ()) -> dict[str, float]:
     """Exact greedy target turns per scene over ``n`` fresh examples (seeds the training never drew)."""
     out: dict[str, float] = {}
     for k, scene in enumerate(SCENES):
         rng = np.random.default_rng((seed, 10_000 + k))
-        hits = sum(greedy_turn(model, caches, maker.encode(maker.example(scene, rng)), 1 << 30) for _ in range(n))
+        if only and scene.agent not in only:
+            continue
+        hits = sum(greedy_turn(model, caches, maker.encode(maker.example(scene, rng)), 1 << 30, maker.tokenizer)
+                   for _ in range(n))
         out[f"{scene.agent}/{scene.target}/{Path(scene.file).name}"] = hits / n
         print(f"eval {scene.agent:15s} {scene.target:6s} {Path(scene.file).name}: {hits}/{n}", flush=True)
     return out
@@ -204,6 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics", type=Path, default=None)
     p.add_argument("--eval", type=int, default=0, help="after training: greedy exact-turn rate on N examples a scene")
     p.add_argument("--eval-only", action="store_true", help="evaluate --init, no training")
+    p.add_argument("--agents", nargs="*", default=[], help="with --eval-only: these agents' scenes only")
     return p.parse_args(argv)
 
 
@@ -251,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batches = rows.batches([(s, args.curriculum_length, args.curriculum_rows) for s in range(n_cur)])
 
     if args.eval_only:
-        return {"eval": evaluate(model, maker, caches, args.eval, args.seed)}
+        return {"eval": evaluate(model, maker, caches, args.eval, args.seed, tuple(args.agents))}
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
     log: list[dict[str, Any]] = []
