@@ -71,10 +71,13 @@ class Scene:
     side: str = ""  # for side scenes: a SIDE_ANSWERS key
     deferred: bool = False  # Claude Code: the stock tool is behind ToolSearch in this request
     recorded_follow_up: bool = False  # the request already holds the call and its result
+    weight: float = 1.0  # how often training draws it (relative)
 
 
 SCENES: tuple[Scene, ...] = (
-    Scene("claude-code", "tests/agent_requests/claude-code-toolsearch/001.json", "call", deferred=True),
+    # the one turn whose tool is not the stock tool itself: drawn more often (the model otherwise
+    # calls the deferred tool by name, which the tool grammar does not allow there)
+    Scene("claude-code", "tests/agent_requests/claude-code-toolsearch/001.json", "call", deferred=True, weight=5.0),
     Scene("claude-code", "tests/agent_requests/claude-code-toolsearch/002.json", "call"),
     Scene("claude-code", "tests/agent_requests/claude-code-toolsearch/003.json", "answer", recorded_follow_up=True),
     Scene("codex", "benchmarks/agents/scenes/codex-001.json", "call"),

@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.eval_only:
         return {"eval": evaluate(model, maker, caches, args.eval, args.seed, tuple(args.agents))}
     rng = np.random.default_rng(args.seed)
+    weights = np.array([s.weight for s in SCENES]) / sum(s.weight for s in SCENES)
     t0 = time.perf_counter()
     log: list[dict[str, Any]] = []
     acc: dict[str, list[float]] = {}
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"stopping at step {step}: --max-seconds", flush=True)
                 break
             opt.learning_rate = lr_at(args, step)
-            scene = SCENES[int(rng.integers(0, len(SCENES)))]
+            scene = SCENES[int(rng.choice(len(SCENES), p=weights))]
             enc: Encoded = maker.encode(maker.example(scene, rng))
             split = enc.split
             prefix = enc.ids[:split]

@@ -24,7 +24,7 @@ mkdir -p $RUN/src && rm -f $RUN/done
 cp -r mlx_relay tools tests benchmarks $RUN/src/
 cd $RUN/src && export PYTHONPATH="$RUN/src:/tmp/site"
 setsid nohup bash -c "python3 tools/train_agent_scenes.py --init ${INIT:-mlx_relay/models/relay-tiny-agent} \
-  --out $RUN/out --steps ${STEPS:-800} --lr ${LR:-5e-4} --max-seconds ${SECONDS_:-420} --eval ${EVAL:-6} \
+  --out $RUN/out --seed ${SEED:-0} --steps ${STEPS:-800} --lr ${LR:-5e-4} --max-seconds ${SECONDS_:-420} --eval ${EVAL:-6} \
   --curriculum-every ${EVERY:-2} --curriculum-rows ${ROWS:-8} --curriculum-length ${LENGTH:-4096} \
   --workers ${WORKERS:-6} --refresh ${REFRESH:-25} --log-every 10 --metrics $RUN/out/metrics.json \
   > $RUN/train.log 2>&1; echo train rc \$? >> $RUN/train.log; touch $RUN/done" > /dev/null 2>&1 &
