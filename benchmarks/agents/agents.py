@@ -86,6 +86,8 @@ def claude_code(sb: Sandbox) -> Run:
 
 
 # -- Codex: a model provider in config.toml with wire_api = "responses", MCP in config.toml, `codex exec`
+# (default_tools_approval_mode: with approval_policy "never", Codex 0.171 refuses every MCP call
+# whose tools are not approved in config: "MCP tool call requires approval, but approval policy is never")
 # (stream_idle_timeout_ms: Codex gives up on a stream after 5 minutes without an event, SSE comments
 # not counted, and a long prompt's prefill on a CPU takes longer; it then retries from scratch)
 
@@ -108,6 +110,7 @@ stream_idle_timeout_ms = 1800000
 [mcp_servers.{MCP_SERVER}]
 command = {json.dumps(sb.mcp_command[0])}
 args = [{args}]
+default_tools_approval_mode = "approve"
 
 [analytics]
 enabled = false
