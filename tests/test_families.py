@@ -6,7 +6,8 @@ Gemma 3 loaded by mlx-lm (`mlx_relay/testing/family_fixtures.py`), served by the
 Greedy exactness on float32: every request's tokens equal the library's plain decoding of the same
 prompt, whether it ran alone, in a batch that rows join and leave at different steps, restored from
 a system-prompt snapshot or from the previous turn's snapshot (Gemma 3's prompts and replies run
-past its sliding window). A model of neither kind of family is refused at load, saying why.
+past its sliding window). Image rows on the Gemma 3 VLM equal mlx-vlm's own generate on the same chat
+and image. A model of neither kind of family is refused at load, saying why.
 """
 
 from __future__ import annotations
@@ -194,3 +195,90 @@ async def test_a_new_server_restores_the_familys_snapshots_from_disk(family: Fam
     assert cold.cached_tokens == 0 and warm.cached_tokens > 0
     assert warm.token_ids == cold.token_ids
     assert disk["loads"] == 1 and disk["rejected"]["layout"] == 0
+
+
+def _gemma3_image_prompts(path: Path) -> tuple[list[str], list[Any], list[tuple[list[int], Any]]]:
+    """Three image chats rendered and expanded by the front end (no MLX): A; B, A's text and image
+    with another question after it; C, another image. Their texts, the images (H, W, 3) and our
+    (tokens, VisionInputs)."""
+    import numpy as np
+
+    from mlx_relay.actors.normalizer import load_tokenizer
+    from mlx_relay.media.hashing import pixels_hash
+    from mlx_relay.media.items import DecodedImage
+    from mlx_relay.media.served import load_media_processor
+
+    processor = load_media_processor(path)
+    assert processor is not None
+    tokenizer = load_tokenizer(path)
+    rng = np.random.default_rng(3)
+    first, other = (rng.integers(0, 256, shape, dtype=np.uint8) for shape in ((40, 56, 3), (32, 32, 3)))
+    system = {"role": "system", "content": "Look closely, then answer in one short line."}
+    chats = [([system, {"role": "user", "content": [{"type": "text", "text": "Here:"}, {"type": "image"},
+                                                    {"type": "text", "text": q}]}], image)
+             for q, image in (("What is it?", first), ("Which colour is most of it?", first),
+                              ("What is it?", other))]
+    texts, out = [], []
+    for messages, image in chats:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = list(tokenizer.encode(text, add_special_tokens=False))
+        processor.check_placeholders(prompt, ["image"])
+        texts.append(text)
+        out.append(processor.process([DecodedImage(image, pixels_hash("image", image))], ["image"], prompt))
+    return texts, [image for _, image in chats], out
+
+
+def test_gemma3_image_rows_equal_mlx_vlms_generate(gpu: Callable) -> None:
+    """Images on the Gemma 3 VLM, greedy, float32: the front end's ids and pixels through the KV lane
+    give the tokens mlx-vlm's own generate gives from its processor's output on the same chat and
+    image. The lane's prefill runs 3 tokens a chunk, so chunks end inside the image's tokens; A is
+    snapshotted inside its image and at its end; B (A's text and image, another question) restores
+    from the snapshot inside the image and prefills the rest of it from its embeddings, batched
+    with C (another image) from scratch."""
+    path = family_fixture_path("gemma3")
+    texts, images, prompts = _gemma3_image_prompts(path)
+    (a_tokens, a_vision), (b_tokens, b_vision), (c_tokens, c_vision) = prompts
+    (start, end), = a_vision.spans
+    inside = start + 2
+    assert a_tokens[:end] == b_tokens[:end] and a_vision.content_hashes == b_vision.content_hashes
+
+    def run() -> tuple[Any, ...]:
+        import mlx.core as mx
+        import mlx_vlm
+        import numpy as np
+        from mlx_vlm.generate.ar import generate_step
+
+        loaded = load_model(path)
+        assert loaded.info.has_vision
+        d = Driver(loaded, prefill_step_size=3)
+        sp = SamplingParams(max_tokens=MAX_TOKENS)
+        a = d.add(Generate("a", a_tokens, sp, vision=a_vision, prefix=PrefixPlan(snapshot_at=[inside, end])))
+        d.run()
+        snaps = {s.length: s for s in d.snapshots[a]}
+        b = d.add(Generate("b", b_tokens, sp, vision=b_vision,
+                           prefix=PrefixPlan(snaps[inside].handle, snaps[inside].length)))
+        c = d.add(Generate("c", c_tokens, sp, vision=c_vision, prefix=PrefixPlan()))
+        d.run()
+        d.engine.close()
+        model, processor = mlx_vlm.load(str(path))
+        eos = set(loaded.info.eos_token_ids)
+        ref, ref_ids = [], []
+        for text, image in zip(texts, images, strict=True):
+            inputs = processor(text=[text], images=[np.ascontiguousarray(image.transpose(2, 0, 1))])
+            ref_ids.append(inputs["input_ids"][0].tolist())
+            tokens: list[int] = []
+            for token, _ in generate_step(inputs["input_ids"], model, inputs["pixel_values"], inputs["attention_mask"],
+                                          max_tokens=MAX_TOKENS, temperature=0.0):
+                tokens.append(int(token))
+                if tokens[-1] in eos:
+                    break
+            ref.append(tokens)
+        mx.clear_cache()
+        return d, (a, b, c), sorted(snaps), ref, ref_ids
+
+    d, sids, snapshot_lengths, ref, ref_ids = gpu(run)
+    assert ref_ids == [a_tokens, b_tokens, c_tokens]  # the front end's expansion is the processor's
+    assert [d.tokens[s] for s in sids] == ref
+    assert snapshot_lengths == [inside, end]
+    assert [d.finished[s].cached_tokens for s in sids] == [0, inside, 0]
+    assert len(set(map(tuple, ref))) == 3  # the image and the question each change the reply

@@ -6,11 +6,16 @@ into the prompt in the same JSON convention: `chat/tool_prompt.py`).
 On each: a required tool call, its round trip (the call and its result rendered back through the
 family's template), a named tool call streamed in spec-shaped deltas ending with its terminal
 event, JSON-schema output, concurrent requests equal to each alone (continuous batching), a second
-turn restored from the prefix cache with the same tokens as without it, and the metrics.
+turn restored from the prefix cache with the same tokens as without it, and the metrics. Images on
+Gemma 3 (its numpy processor, `media/gemma3.py`; the KV lane prefilling the model's own embeddings),
+streamed to their terminal event and restored from the prefix cache when repeated; a 400 saying
+why for images on a model without a served vision tower, and for video on Gemma 3.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +23,9 @@ from typing import Any
 
 import httpx
 import jsonschema
+import numpy as np
 import pytest
+from PIL import Image
 
 from mlx_relay.relay import default_config
 from mlx_relay.testing.family_fixtures import Family, family_fixture_path
@@ -58,7 +65,7 @@ def chat(live: LiveServer, **body: Any) -> dict[str, Any]:
 def test_capabilities_and_a_tool_round_trip(served: tuple[Family, LiveServer]) -> None:
     family, live = served
     (card,) = httpx.get(live.url + "/v1/models", timeout=10).json()["data"]
-    assert card["capabilities"] == {"vision": False, "tools": True, "reasoning": family == "qwen3"}
+    assert card["capabilities"] == {"vision": family == "gemma3", "tools": True, "reasoning": family == "qwen3"}
     first = chat(live, messages=USER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=200)
     choice = first["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
@@ -120,16 +127,81 @@ def test_batching_and_the_prefix_cache_give_each_requests_own_tokens(served: tup
     assert 'mlx_relay:request_success_total{finished_reason="length",model_name="tiny"}' in metrics
 
 
-def test_images_get_a_400_that_says_why(served: tuple[Family, LiveServer]) -> None:
+def png_data_url(seed: int, size: tuple[int, int] = (40, 30)) -> str:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_chat(seed: int, text: str) -> list[dict[str, Any]]:
+    system = {"role": "system", "content": "Look at the picture closely, then answer briefly. " * 30}  # > 256 tokens
+    return [system, {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_data_url(seed)}}, {"type": "text", "text": text}]}]
+
+
+def stream_chat(live: LiveServer, **body: Any) -> tuple[str, list[str], dict[str, Any]]:
+    """The streamed reply's text, its finish reasons and its usage; it must end with [DONE]."""
+    body = {"model": "tiny", "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **body}
+    text, finishes, lines, usage = "", [], [], {}
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read().decode()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            lines.append(line)
+            if line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for c in chunk["choices"]:
+                text += c["delta"].get("content") or ""
+                finishes += [c["finish_reason"]] if c["finish_reason"] else []
+    assert lines[-1] == "data: [DONE]"
+    return text, finishes, usage
+
+
+def test_images_serve_on_gemma3_and_get_a_400_that_says_why_elsewhere(served: tuple[Family, LiveServer]) -> None:
+    """Gemma 3: an image chat streams to its terminal event; asked again, the prompt up to the image
+    is restored from the prefix cache (the media snapshot, keyed by the image's content) and the
+    reply is the same; another image is not restored past the text before it. Video is refused.
+    Qwen3 (a text model): images get a 400 that says why."""
     family, live = served
-    image = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
-        {"type": "text", "text": "what is this?"}]}]
+    if family != "gemma3":
+        r = httpx.post(live.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "tiny", "messages": image_chat(1, "what is this?"), "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        assert "vision" in r.json()["error"]["message"]
+        return
+    first, finishes, usage = stream_chat(live, messages=image_chat(1, "What is this?"), max_tokens=8)
+    assert finishes == ["length"] and usage["completion_tokens"] == 8 and first
+    again = chat(live, messages=image_chat(1, "What is this?"), max_tokens=8)
+    assert again["choices"][0]["message"]["content"] == first
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 256  # past the image's tokens: everything up to the end of the image
+    other = chat(live, messages=image_chat(2, "What is this?"), max_tokens=8)
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < cached  # another image: not its snapshot
+    assert other["choices"][0]["message"]["content"] != first
+    video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+                                          {"type": "text", "text": "what happens?"}]}]
     r = httpx.post(live.url + "/v1/chat/completions", timeout=60,
-                   json={"model": "tiny", "messages": image, "max_tokens": 4})
+                   json={"model": "tiny", "messages": video, "max_tokens": 4})
     assert r.status_code == 400, r.text
-    message = r.json()["error"]["message"]
-    assert ("'gemma3'" in message and "not served" in message) if family == "gemma3" else "vision" in message
+    assert "video is not served" in r.json()["error"]["message"]
+
+
+def test_a_vlm_whose_media_no_processor_serves_is_named_in_its_400(tmp_path: Any) -> None:
+    """No MLX: a VLM type without a media processor of ours (`media/served.py`) answers text; its
+    images get a 400 naming the type and the types whose media are served."""
+    from mlx_relay.media.served import load_media_processor, unserved_vision
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
+    assert unserved_vision(tmp_path) is None  # an empty vision_config: no tower
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {"hidden_size": 8}}))
+    message = unserved_vision(tmp_path)
+    assert message is not None and "'llava'" in message and "gemma3" in message and "not served" in message
+    assert load_media_processor(tmp_path) is None
+    assert unserved_vision(family_fixture_path("gemma3")) is None
 
 
 def test_seeded_sampling_repeats_and_logprobs_match_the_tokens(served: tuple[Family, LiveServer]) -> None:

@@ -74,3 +74,84 @@ def test_what_cannot_be_preprocessed_is_refused_alike(pair: tuple[VisionProcesso
         ours.video_processor([tiny])
     with pytest.raises(ValueError, match="factor"):
         ref.video_processor(videos=[tiny])
+
+
+# --------------------------------------------------------------------------- Gemma 3
+
+
+@pytest.fixture(scope="module")
+def gemma3_pair() -> tuple[Any, Any]:
+    from mlx_relay.media.served import load_media_processor
+    from mlx_relay.testing.family_fixtures import family_fixture_path
+
+    model = family_fixture_path("gemma3")
+    return load_media_processor(model), vlm_processor(model)
+
+
+@pytest.mark.parametrize("shape", [(32, 32), (48, 64), (17, 300), (300, 17), (1000, 700), (5, 5)])
+def test_gemma3_image_pixels_are_mlx_vlms(gemma3_pair: tuple[Any, Any], shape: tuple[int, int]) -> None:
+    """Resized to the processor's one size (PIL, its resample filter), rescaled and normalized in
+    float32: bit for bit what mlx-vlm's Gemma 3 processor (transformers' PIL backend) gives."""
+    from mlx_relay.media.gemma3 import Gemma3Processor
+
+    ours, ref = gemma3_pair
+    assert isinstance(ours, Gemma3Processor)
+    hwc = np.random.default_rng(sum(shape)).integers(0, 256, (*shape, 3), dtype=np.uint8)
+    mine = ours.image(hwc)
+    theirs = np.asarray(ref.image_processor(images=[np.ascontiguousarray(hwc.transpose(2, 0, 1))])["pixel_values"][0])
+    assert mine.dtype == np.float32 and theirs.dtype == np.float32
+    assert mine.shape == theirs.shape == (3, ours.image.height, ours.image.width)
+    assert np.array_equal(mine, theirs)
+
+
+GEMMA_CHATS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
+    [{"role": "system", "content": "Be brief."},
+     {"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "image"},
+                                  {"type": "text", "text": "and  say\n\nwhy."}]}],
+    [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "image"}]},
+     {"role": "assistant", "content": "ok"},
+     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " \n two \n"}, {"type": "image"}]}],
+]
+
+
+@pytest.mark.parametrize("chat", range(len(GEMMA_CHATS)))
+def test_gemma3_image_tokens_expand_as_mlx_vlms_processor(gemma3_pair: tuple[Any, Any], chat: int) -> None:
+    """Each `<start_of_image>` of the rendered prompt becomes "\\n\\n" + <start_of_image> + the image's
+    soft tokens + <end_of_image> + "\\n\\n", tokenized with the text either side, on token ids: the
+    ids equal the processor's on the text, and each span covers one image's soft tokens."""
+    from mlx_relay.media.gemma3 import expand_images
+    from mlx_relay.media.hashing import pixels_hash
+    from mlx_relay.media.items import DecodedImage
+
+    ours, ref = gemma3_pair
+    normalizer = load_tokenizer(Path(ours.tokenizer.name_or_path))
+    text = normalizer.apply_chat_template(GEMMA_CHATS[chat], add_generation_prompt=True, tokenize=False)
+    prompt = list(normalizer.encode(text, add_special_tokens=False))
+    n = text.count("<start_of_image>")
+    rng = np.random.default_rng(chat)
+    pictures = [rng.integers(0, 256, (20 + i, 40, 3), dtype=np.uint8) for i in range(n)]
+    ours.check_placeholders(prompt, ["image"] * n)
+    decoded = [DecodedImage(p, pixels_hash("image", p)) for p in pictures]
+    tokens, vision = ours.process(decoded, [f"image {i}" for i in range(n)], prompt)
+    theirs = ref(text=[text], images=[np.ascontiguousarray(p.transpose(2, 0, 1)) for p in pictures])
+    assert tokens == np.asarray(theirs["input_ids"])[0].tolist()
+    assert np.array_equal(vision.pixel_values.to_numpy(), np.asarray(theirs["pixel_values"]))
+    assert vision.layout == "images" and vision.image_grid_thw is None
+    soft = ref.image_token_id
+    assert [tokens[a:b] for a, b in vision.spans] == [[soft] * ours.image_seq_length] * n
+    assert sum(b - a for a, b in vision.spans) == tokens.count(soft)
+    assert expand_images(prompt, ours.vocab, ours.image_seq_length) == tokens
+
+
+def test_gemma3_refuses_video_and_stray_image_tokens(gemma3_pair: tuple[Any, Any]) -> None:
+    from mlx_relay.media.errors import MediaKindNotServed, MediaPromptMismatch
+
+    ours, _ref = gemma3_pair
+    vocab = ours.vocab
+    with pytest.raises(MediaKindNotServed, match="video"):
+        ours.check_placeholders([1, vocab.start_of_image, 2], ["video"])
+    with pytest.raises(MediaPromptMismatch):
+        ours.check_placeholders([1, vocab.start_of_image, vocab.image_token, 2], ["image"])
+    with pytest.raises(MediaPromptMismatch):
+        ours.check_placeholders([1, vocab.start_of_image, 2], ["image", "image"])

@@ -45,6 +45,12 @@ class TooManyMedia(MediaError):
     code = "too_many_media"
 
 
+class MediaKindNotServed(MediaError):
+    """The model's processor does not take this kind of media (e.g. video on an images-only VLM)."""
+
+    code = "media_kind_not_served"
+
+
 class MediaPromptMismatch(MediaError):
     """The prompt's image/video placeholders do not match the request's media items."""
 

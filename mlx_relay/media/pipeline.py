@@ -1,5 +1,6 @@
-"""One request's media, end to end, for the MediaRouter: fetch all items, then decode, preprocess
-and expand the prompt in a worker thread.
+"""One request's media, end to end, for the MediaRouter: fetch all items, then decode them and run
+the model family's processor (`processor.MediaProcessor`: preprocess, expand the prompt) in a
+worker thread.
 
 `fetch_all` runs on the event loop (items are fetched concurrently; data URLs and local files in
 worker threads, http(s) with httpx); `prepare_vision` is synchronous and runs in a worker thread.
@@ -10,17 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import anyio
-import numpy as np
 
 from mlx_relay.chat.types import ImageUrlPart, MediaPart
 from mlx_relay.config import MediaConfig
 from mlx_relay.media.decode import decode_image, decode_video
 from mlx_relay.media.errors import MediaError
-from mlx_relay.media.expand import MediaSlot, expand_prompt
 from mlx_relay.media.fetch import fetch_media
-from mlx_relay.media.items import DecodedImage, DecodedVideo, FetchedMedia, MediaKind
-from mlx_relay.media.preprocess import VisionProcessor
-from mlx_relay.media.tensors import MediaTensor, VisionInputs
+from mlx_relay.media.items import DecodedMedia, FetchedMedia, MediaKind
+from mlx_relay.media.processor import MediaProcessor
+from mlx_relay.media.tensors import VisionInputs
 
 __all__ = ["fetch_all", "media_kinds", "prepare_vision"]
 
@@ -55,40 +54,14 @@ async def fetch_all(parts: Sequence[MediaPart], config: MediaConfig) -> list[Fet
     return [r for r in results if r is not None]
 
 
-def prepare_vision(processor: VisionProcessor, config: MediaConfig, items: Sequence[FetchedMedia],
+def prepare_vision(processor: MediaProcessor, config: MediaConfig, items: Sequence[FetchedMedia],
                    prompt_tokens: Sequence[int]) -> tuple[list[int], VisionInputs]:
-    """Decode `items`, run the checkpoint's processors and expand `prompt_tokens` (worker thread)."""
+    """Decode `items`, then run the model family's processor: preprocess, expand `prompt_tokens`
+    (worker thread)."""
     min_frames, max_frames = processor.video_frame_bounds
-    decoded: list[DecodedImage | DecodedVideo] = [
+    decoded: list[DecodedMedia] = [
         decode_image(item, config) if item.kind == "image"
         else decode_video(item, config, min_frames=min_frames, max_frames=max_frames)
         for item in items
     ]
-    images = [(d, it.label) for d, it in zip(decoded, items, strict=True) if isinstance(d, DecodedImage)]
-    videos = [(d, it.label) for d, it in zip(decoded, items, strict=True) if isinstance(d, DecodedVideo)]
-    pixel_values = image_grid = video_values = video_grid = None
-    image_slots: list[MediaSlot] = []
-    video_slots: list[MediaSlot] = []
-    if images:
-        pixel_values, image_grid, image_slots = processor.preprocess_images(
-            [d for d, _ in images], [label for _, label in images])
-    if videos:
-        video_values, video_grid, video_slots = processor.preprocess_videos(
-            [d for d, _ in videos], [label for _, label in videos])
-    image_iter, video_iter = iter(image_slots), iter(video_slots)
-    slots = [next(image_iter) if item.kind == "image" else next(video_iter) for item in items]
-    spans: list[tuple[int, int]] = []
-    tokens = expand_prompt(prompt_tokens, slots, processor.vocab, spans)
-    vision = VisionInputs(
-        pixel_values=_tensor(pixel_values),
-        image_grid_thw=_tensor(image_grid),
-        pixel_values_videos=_tensor(video_values),
-        video_grid_thw=_tensor(video_grid),
-        content_hashes=tuple(d.content_hash for d in decoded),
-        spans=tuple(spans),
-    )
-    return tokens, vision
-
-
-def _tensor(array: np.ndarray | None) -> MediaTensor | None:
-    return None if array is None else MediaTensor.from_numpy(array)
+    return processor.process(decoded, [item.label for item in items], prompt_tokens)

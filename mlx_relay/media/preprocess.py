@@ -1,4 +1,5 @@
-"""The checkpoint's image/video processors, run off the GPU thread (MediaRouter, worker thread; no MLX).
+"""The Qwen-VL family's media processor (`VisionProcessor`, a `processor.MediaProcessor`), run off the
+GPU thread (MediaRouter, worker thread; no MLX).
 
 The tokenizer is transformers' own (`AutoTokenizer`, as the Normalizer's); the image and video
 processors are Qwen-VL's in numpy and PIL (`qwen_vl.py`): transformers' need torch, and mlx-vlm's
@@ -8,7 +9,6 @@ when its engine runs in a process of its own (tests/test_layering.py).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,16 +17,18 @@ from typing import Any
 import numpy as np
 
 from mlx_relay.media.errors import MediaDecodeError
-from mlx_relay.media.expand import MediaSlot, PromptVocab, video_group_timestamps
-from mlx_relay.media.items import DecodedImage, DecodedVideo
+from mlx_relay.media.expand import MediaSlot, PromptVocab, check_placeholders, expand_prompt, video_group_timestamps
+from mlx_relay.media.items import DecodedImage, DecodedMedia, DecodedVideo, MediaKind
 from mlx_relay.media.qwen_vl import ImageProcessor, VideoProcessor, load_processors
+from mlx_relay.media.tensors import MediaTensor, VisionInputs
 
 __all__ = ["VisionProcessor", "load_vision_processor"]
 
 
 @dataclass(frozen=True)
 class VisionProcessor:
-    """The parts of a checkpoint's processor the MediaRouter uses."""
+    """The Qwen-VL family's media processor (a `processor.MediaProcessor`): the parts of a
+    checkpoint's processor the MediaRouter uses."""
 
     image_processor: ImageProcessor
     video_processor: VideoProcessor
@@ -38,6 +40,37 @@ class VisionProcessor:
         """The checkpoint's (min_frames, max_frames) for a video."""
         vp = self.video_processor
         return int(vp.min_frames or 1), vp.max_frames
+
+    def check_placeholders(self, tokens: Sequence[int], kinds: Sequence[MediaKind]) -> None:
+        check_placeholders(tokens, kinds, self.vocab)
+
+    def process(self, decoded: Sequence[DecodedMedia], labels: Sequence[str], prompt_tokens: Sequence[int]
+                ) -> tuple[list[int], VisionInputs]:
+        """Run the checkpoint's processors and expand `prompt_tokens` (worker thread)."""
+        images = [(d, label) for d, label in zip(decoded, labels, strict=True) if isinstance(d, DecodedImage)]
+        videos = [(d, label) for d, label in zip(decoded, labels, strict=True) if isinstance(d, DecodedVideo)]
+        pixel_values = image_grid = video_values = video_grid = None
+        image_slots: list[MediaSlot] = []
+        video_slots: list[MediaSlot] = []
+        if images:
+            pixel_values, image_grid, image_slots = self.preprocess_images(
+                [d for d, _ in images], [label for _, label in images])
+        if videos:
+            video_values, video_grid, video_slots = self.preprocess_videos(
+                [d for d, _ in videos], [label for _, label in videos])
+        image_iter, video_iter = iter(image_slots), iter(video_slots)
+        slots = [next(image_iter) if isinstance(d, DecodedImage) else next(video_iter) for d in decoded]
+        spans: list[tuple[int, int]] = []
+        tokens = expand_prompt(prompt_tokens, slots, self.vocab, spans)
+        vision = VisionInputs(
+            pixel_values=_tensor(pixel_values),
+            image_grid_thw=_tensor(image_grid),
+            pixel_values_videos=_tensor(video_values),
+            video_grid_thw=_tensor(video_grid),
+            content_hashes=tuple(d.content_hash for d in decoded),
+            spans=tuple(spans),
+        )
+        return tokens, vision
 
     def preprocess_images(self, images: Sequence[DecodedImage], labels: Sequence[str]
                           ) -> tuple[np.ndarray, np.ndarray, list[MediaSlot]]:
@@ -82,10 +115,8 @@ class VisionProcessor:
         return np.concatenate(pixels, axis=0), np.concatenate(grids, axis=0), slots
 
 
-def checkpoint_has_vision(model_path: Path) -> bool:
-    """Whether the checkpoint declares a vision tower (text-only checkpoints have no processor)."""
-    config = json.loads((model_path / "config.json").read_text())
-    return bool(config.get("vision_config"))
+def _tensor(array: np.ndarray | None) -> MediaTensor | None:
+    return None if array is None else MediaTensor.from_numpy(array)
 
 
 def load_vision_processor(model_path: Path) -> VisionProcessor:

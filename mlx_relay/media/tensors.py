@@ -6,6 +6,8 @@ executor rebuilds arrays on its own thread (`MediaTensor.to_numpy`, then MLX the
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 import numpy as np
 
@@ -31,9 +33,15 @@ class MediaTensor(msgspec.Struct, frozen=True):
 class VisionInputs(msgspec.Struct, frozen=True):
     """Preprocessed pixels of one request, as the checkpoint's processor produced them.
 
-    `pixel_values` is (num_patches, C*T*P*P) and `image_grid_thw` (num_images, 3), the same for
-    videos; a kind the request does not carry is None. `content_hashes` has one entry per media
-    item in message order (images and videos interleaved as they appear).
+    `layout` says how the pixels are laid out, and so how the engine turns them into prompt
+    embeddings (`engine/memory/features.py`):
+    - "patches" (Qwen-VL): `pixel_values` is (num_patches, C*T*P*P) and `image_grid_thw`
+      (num_images, 3), the same for videos; the engine encodes each item by its grid and keeps
+      its features by content hash;
+    - "images" (Gemma 3): `pixel_values` is (num_images, C, H, W), every image of the
+      processor's one size, no grid; the model's own embedding path encodes them.
+    A kind the request does not carry is None. `content_hashes` has one entry per media item in
+    message order (images and videos interleaved as they appear).
     """
 
     pixel_values: MediaTensor | None
@@ -42,3 +50,4 @@ class VisionInputs(msgspec.Struct, frozen=True):
     video_grid_thw: MediaTensor | None
     content_hashes: tuple[str, ...]
     spans: tuple[tuple[int, int], ...] = ()  # each item's [start, end) in the expanded prompt
+    layout: Literal["patches", "images"] = "patches"

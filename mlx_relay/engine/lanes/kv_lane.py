@@ -8,7 +8,11 @@ only keys and values:
   arrival order within the step's prefill budget; a row restored from a prefix-cache snapshot
   starts from its keys and values (views, grown by copy on append) and prefills only the rest; a
   chunk stops at each of the row's snapshot lengths, where the snapshot is the keys and values up
-  to there (an attention cache at length S is exactly the prompt's state at S);
+  to there (an attention cache at length S is exactly the prompt's state at S); an image row
+  (Gemma 3) prefills from its prompt embeddings (`RowSpec.embeds`: the model's own embedding path,
+  computed for the whole prompt when the row joins, `memory/features.py`), so a chunk or a
+  snapshot may end inside an image (the library's forward is causal over image tokens too) and
+  a row restored there prefills the rest of the image from the same embeddings;
 - decode: the rows a prefill finishes join one batch of the library's left-padded `BatchKVCache`s
   (`merge` then `extend`), every decoding row one token per step through one forward; a row
   leaves with `filter`, its turn snapshot is `extract`. Each row's logits processors (grammar,
@@ -19,7 +23,7 @@ A row's first token comes out of the decode step after its prefill (as the plain
 ends at end-of-sequence or max_tokens (reported in `LaneStep`) but stays in the batch until the
 engine removes it, so its turn snapshot can still be taken. tests/test_families.py pins that
 greedy tokens equal the library's plain decoding, alone, in ragged batches and restored from the
-prefix cache (float32).
+prefix cache (float32), and image rows mlx-vlm's own generate.
 """
 
 from __future__ import annotations
