@@ -6,8 +6,9 @@
 
 A text request can decode with MTP when the checkpoint has an MTP head and the server did not
 turn it off, the request allows it, and nothing about it needs what a verify round cannot replay
-per drafted position: logits processors (logprobs, penalties, grammars, thinking budgets) or a
-sparse SpecPrefill state. Whether it *should* is measured (`mtp_policy` "auto"): a round of
+per drafted position: logits processors (logprobs, penalties, thinking budgets) or a sparse
+SpecPrefill state (sampling and an output grammar run inside the round:
+`engine/lanes/mtp_grammar.py`). Whether it *should* is measured (`mtp_policy` "auto"): a round of
 block k yields 1 + a(k-1) tokens at acceptance a and costs r plain steps (r measured at warm-up,
 a lone row each way), so MTP is planned only while (1 + a(k-1)) / r > 1: never where even k
 accepted tokens cannot pay for a round, and, once enough drafts were counted, only at an
@@ -79,8 +80,8 @@ class TextMTPExecutor(Actor):
             return TextPlan(why="this server decodes without MTP")
         if not msg.sampling.mtp:
             return TextPlan(why="the request opted out")
-        if msg.sampling.needs_processors:
-            return TextPlan(why="logits processors run in the plain lane")
+        if msg.sampling.needs_plain_lane:
+            return TextPlan(why="logprobs, penalties and thinking budgets run in the plain lane")
         if msg.sparse:
             return TextPlan(why="a sparse SpecPrefill prefill")
         k = self.config.mtp_block_size

@@ -38,11 +38,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     thinking_budget: int | None = None  # at most this many thinking tokens (then the block is closed)
 
     @property
-    def needs_processors(self) -> bool:
-        """Anything beyond plain sampling: such rows decode in the plain lane."""
+    def needs_plain_lane(self) -> bool:
+        """Logits processors the MTP round does not replay per drafted position (logprobs, penalties,
+        a thinking budget): such rows decode in the plain lane. Sampling and an output grammar
+        run inside the round."""
         return (self.logprobs >= 0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty not in (None, 1.0) or self.grammar is not None
-                or self.thinking_budget is not None)
+                or self.repetition_penalty not in (None, 1.0) or self.thinking_budget is not None)
 
 
 class Generate(msgspec.Struct, frozen=True):

@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol
 import mlx.core as mx
 
 from mlx_relay.engine.memory.snapshots import Snapshot
+from mlx_relay.engine.step.processors import GrammarMask
 from mlx_relay.engine.step.sampling import RowSampler
 
 #: How a lane ended a row's sequence: end-of-sequence ("stop") or its last allowed token ("length").
@@ -40,6 +41,7 @@ class RowSpec:
     max_tokens: int
     processors: list[Any] = field(default_factory=list)  # logits processors, the sampler last
     sampler: RowSampler | None = None  # the MTP lane samples itself (its rows have no processors)
+    grammar: GrammarMask | None = None  # ... and applies an output grammar inside its round
     restore: Snapshot | None = None
     snapshot_at: Sequence[int] = ()
     embeds: mx.array | None = None  # [1, L, D]: vision rows (features merged in)

@@ -1,6 +1,7 @@
 """The MTP lane's eager cohort: rows that decode together in mlx-vlm's batch caches, one round
-per engine step (GPU thread only; used by `mtp_lane.MTPLane` for sampling rows, for every row
-under the exact verifier, and for every row when the compiled round is off or unsupported).
+per engine step (GPU thread only; used by `mtp_lane.MTPLane` for sampling rows and rows with an
+output grammar, for every row under the exact verifier, and for every row when the compiled round
+is off or unsupported).
 
 A round:
 
@@ -8,7 +9,9 @@ A round:
    forward); for block size k > 2 the head drafts k - 2 more, autoregressively;
 2. verify: one target forward over ``[bonus, d_1 .. d_{k-1}]`` per row (`mtp_verify`: the exact
    or the batched verifier) inside a speculative cache transaction. Greedy rows take the argmax,
-   sampling rows the speculative-sampling walk (`mtp_sampling.sampling_walk`);
+   sampling rows the speculative-sampling walk (`mtp_sampling.sampling_walk`); a row with an
+   output grammar walks the grammar's masked logits (`mtp_grammar.py`: the matcher walked through
+   the drafts and rolled back, then fed the round's emitted tokens);
 3. commit: mlx-vlm's public ``commit_speculative_round`` keeps exactly ``accepted + 1`` positions
    per row (ragged: KV rows are right-trimmed, recurrent states are picked per row);
 4. the head re-reads the accepted positions with the target's verified hidden states (one
@@ -31,6 +34,7 @@ import mlx.core as mx
 from mlx_vlm.speculative.cache_state import abort_speculative_round, commit_speculative_round
 
 from mlx_relay.engine.lanes.lane import MTPCounts
+from mlx_relay.engine.lanes.mtp_grammar import feed, greedy_walk
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_rows import MTPRow, RoundResult
 from mlx_relay.engine.lanes.mtp_sampling import merge_logq, propose, sampling_walk
@@ -131,22 +135,34 @@ class EagerCohort:
         try:
             targets = self.head.argmax(vh).astype(mx.int32)  # [B, k]
             sampled = [i for i, r in enumerate(rows) if r.sampler is not None]
-            walk = sampling_walk(self.head, rows, vh, draft_block, logqs, sampled, k) if sampled else None
+            # a sampling row's grammar masks its walk at every position: the drafts are read first
+            d_pre: list[list[int]] | None = None
+            if any(rows[i].grammar is not None for i in sampled):
+                d_pre = draft_block.tolist()
+            walk = sampling_walk(self.head, rows, vh, draft_block, logqs, sampled, k, d_pre) if sampled else None
             mx.eval(targets, draft_block, walk)
             t_host: list[list[int]] = targets.tolist()
             d_host: list[list[int]] = draft_block.tolist()
-            # per row, whether each draft is accepted: equal to the target's argmax (greedy rows)
-            # or the speculative-sampling draw (sampling rows, whose emitted tokens are the walk's)
+            # per row, whether each draft is accepted: equal to the target's argmax (greedy rows; a
+            # grammar row's masked argmax, `mtp_grammar.greedy_walk`) or the speculative-sampling
+            # draw (sampling rows, whose emitted tokens are the walk's)
             ok = [[d == t for d, t in zip(d_host[i], t_host[i], strict=False)] for i in range(B)]
             if walk is not None:
                 w_acc, w_tok = walk[0].tolist(), walk[1].tolist()
                 for j, i in enumerate(sampled):
                     t_host[i], ok[i] = w_tok[j], w_acc[j]
+            for i, row in enumerate(rows):
+                if row.grammar is not None and row.sampler is None:
+                    a, token = greedy_walk(row.grammar, self.head, vh[i:i + 1], d_host[i], t_host[i])
+                    ok[i] = [j < a for j in range(k - 1)]
+                    t_host[i][a] = token
             accepted = [next((a for a, good in enumerate(flags) if not good), k - 1) for flags in ok]
             replay = [self._cut(rows[i], [*d_host[i][:accepted[i]], t_host[i][accepted[i]]]) for i in range(B)]
             # drafts emitted (a cut replay ends on an accepted draft), and positions committed
             took = [min(a, len(r)) for a, r in zip(accepted, replay, strict=True)]
             accepted = [len(r) - 1 for r in replay]
+            for row, emitted in zip(rows, replay, strict=True):
+                feed(row.grammar, emitted)
             commit_speculative_round(self.lm, self._cache, txn, accepted, k)
         except BaseException:
             abort_speculative_round(txn)

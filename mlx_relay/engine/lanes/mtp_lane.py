@@ -13,8 +13,9 @@ first draft. The pieces, one module each:
   speculative-sampling walk for sampling rows);
 - `mtp_compiled.CompiledCohort`: with `compiled=True` and the batched verifier, greedy rows
   whose whole round is one compiled call (`mtp_step.MTPStep` over `mtp_state.MTPState`).
-  Sampling rows, every row under the exact verifier, and every row of a model `MTPStep` does not
-  support keep the eager cohort (counted in `MTPCounts.fallback_rounds`).
+  Sampling rows, rows with an output grammar (masked inside the eager round: `mtp_grammar`),
+  every row under the exact verifier, and every row of a model `MTPStep` does not support keep
+  the eager cohort (counted in `MTPCounts.fallback_rounds`).
 
 Each cohort runs one round per step; rows join after their prefill and leave by filtering their
 cohort's state, so a cohort never stops for newcomers.
@@ -92,8 +93,8 @@ class MTPLane:
         `spec.snapshot_at`. Every row of the lane verifies `block_size` tokens per round."""
         if spec.block_size != self.k:
             raise ValueError(f"this MTP lane verifies blocks of {self.k}, not {spec.block_size}")
-        self._prefill.add(MTPRow(rid=spec.rid, prompt=spec.prompt, max_tokens=spec.max_tokens, sampler=spec.sampler),
-                          spec.restore, spec.snapshot_at)
+        self._prefill.add(MTPRow(rid=spec.rid, prompt=spec.prompt, max_tokens=spec.max_tokens, sampler=spec.sampler,
+                                 grammar=spec.grammar), spec.restore, spec.snapshot_at)
 
     def cached_tokens(self, rid: int) -> int:
         row = next((r for r in self._all_rows() if r.rid == rid), None)
@@ -139,8 +140,9 @@ class MTPLane:
         return out
 
     def _join(self, row: MTPRow, first: mx.array, draft: mx.array, logq: mx.array | None, seed_h: mx.array) -> None:
-        """A prefilled row joins its cohort: the compiled one when it is greedy and there is one."""
-        if self._compiled is not None and row.sampler is None:
+        """A prefilled row joins its cohort: the compiled one when it is greedy without a grammar and
+        there is one (the compiled round takes no per-row mask: a grammar row runs the eager round)."""
+        if self._compiled is not None and row.sampler is None and row.grammar is None:
             self._compiled.join(row, first, draft, seed_h)
         else:
             self._eager.join(row, first, draft, logq, seed_h)

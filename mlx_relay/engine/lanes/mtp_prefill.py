@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_relay.engine.lanes.mtp_grammar import feed
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_rows import MTPRow
 from mlx_relay.engine.lanes.mtp_sampling import first_token, propose
@@ -89,7 +90,7 @@ class MTPPrefill:
         hidden = out.hidden_states[-1]  # [1, T, H]
         final = pre.finished
         if final:
-            first = first_token(self.head, hidden[:, -1:, :], row.sampler)
+            first = first_token(self.head, hidden[:, -1:, :], row.sampler, row.grammar)
             nxt = mx.concatenate([chunk[:, 1:], first[None, :].astype(mx.int32)], axis=1)
         else:
             nxt = mx.array([row.prompt[start + 1:end + 1]], dtype=mx.int32)
@@ -119,6 +120,7 @@ class MTPPrefill:
         draft, logq = propose(self.head, seed_h, [row])
         mx.eval(first, draft, [c.state for c in pre.cache], [c.state for c in row.dcache])
         token = int(first.item())
+        feed(row.grammar, [token])
         row.emitted = 1
         on_done(row, first.astype(mx.int32), draft, logq, seed_h)
         return token

@@ -15,6 +15,7 @@ import mlx.core as mx
 from mlx_relay.engine.lanes.lane import MTPCounts
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.memory.snapshots import Snapshot
+from mlx_relay.engine.step.processors import GrammarMask
 from mlx_relay.engine.step.sampling import RowSampler
 
 
@@ -24,6 +25,7 @@ class MTPRow:
     prompt: list[int]
     max_tokens: int
     sampler: RowSampler | None = None  # None: greedy
+    grammar: GrammarMask | None = None  # the output grammar, applied inside the round (`mtp_grammar.py`)
     emitted: int = 0
     drafted: int = 0
     accepted: int = 0

@@ -4,7 +4,8 @@ and the speculative-sampling walk that decides a sampling row's verified tokens.
 Greedy rows take argmaxes. A sampling row draws its drafts from its processed distribution q
 (kept for the walk) and, per verified block, accepts draft d with probability min(1, p(d)/q(d)),
 else draws from norm(max(p - q, 0)); each row with its own PRNG key sequence (`RowSampler`), so
-the order of the draws below is part of what a seed means.
+the order of the draws below is part of what a seed means. A row with an output grammar draws and
+walks on the grammar's masked distributions (`mtp_grammar.py`); its drafts stay the head's.
 """
 
 from __future__ import annotations
@@ -13,16 +14,25 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from mlx_relay.engine.lanes.mtp_grammar import draft_masks
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_rows import MTPRow
+from mlx_relay.engine.step.processors import GrammarMask
 from mlx_relay.engine.step.sampling import RowSampler, processed_logprobs
 
 
-def first_token(head: MTPHead, last: mx.array, sampler: RowSampler | None) -> mx.array:
-    """A prefilled row's first token [1] from the target's last hidden state [1, 1, H]."""
-    if sampler is None:
+def first_token(head: MTPHead, last: mx.array, sampler: RowSampler | None,
+                grammar: GrammarMask | None = None) -> mx.array:
+    """A prefilled row's first token [1] from the target's last hidden state [1, 1, H] (masked by
+    the row's grammar, which has consumed nothing yet)."""
+    if sampler is None and grammar is None:
         return head.argmax(last).reshape(1)
-    logp = processed_logprobs(sampler.params, head.logits(last))
+    logits = head.logits(last)
+    if grammar is not None:
+        logits = grammar.masked(logits)
+    if sampler is None:
+        return mx.argmax(logits, axis=-1).reshape(1)
+    logp = processed_logprobs(sampler.params, logits)
     return mx.random.categorical(logp, key=sampler.next_key()).reshape(1)
 
 
@@ -55,10 +65,12 @@ def merge_logq(a: mx.array | None, b: mx.array | None, na: int, nb: int) -> mx.a
 
 
 def sampling_walk(head: MTPHead, rows: Sequence[MTPRow], vh: mx.array, drafts: mx.array,
-                  logqs: list[mx.array | None], sampled: list[int], k: int) -> tuple[mx.array, mx.array]:
+                  logqs: list[mx.array | None], sampled: list[int], k: int,
+                  drafts_host: list[list[int]] | None = None) -> tuple[mx.array, mx.array]:
     """Speculative sampling for the sampling rows: per row, flags [k-1] (draft j accepted)
     and tokens [k] (token j is what to emit at j if the walk stops there: the residual draw
-    for j < k-1, the bonus draw from p at k-1)."""
+    for j < k-1, the bonus draw from p at k-1). A row with a grammar walks its masked
+    distributions (`mtp_grammar.draft_masks`, from the drafts read back: `drafts_host`)."""
     idx = mx.array(sampled, dtype=mx.int32)
     logits = head.logits(vh[idx])  # [n, k, V]
     logq = mx.concatenate([q[idx] for q in logqs], axis=1)  # type: ignore[index]  # [n, k-1, V]
@@ -66,7 +78,12 @@ def sampling_walk(head: MTPHead, rows: Sequence[MTPRow], vh: mx.array, drafts: m
     for n, i in enumerate(sampled):
         sampler = rows[i].sampler
         assert sampler is not None
-        logp = processed_logprobs(sampler.params, logits[n])  # [k, V]
+        row_logits = logits[n]
+        if (grammar := rows[i].grammar) is not None:
+            assert drafts_host is not None
+            masks = draft_masks(grammar, drafts_host[i], row_logits.shape[-1])
+            row_logits = mx.where(masks, row_logits, mx.array(-mx.inf, dtype=row_logits.dtype))
+        logp = processed_logprobs(sampler.params, row_logits)  # [k, V]
         d = drafts[i]  # [k-1]
         p_d = mx.take_along_axis(logp[:-1], d[:, None], axis=1)[:, 0]
         q_d = mx.take_along_axis(logq[n], d[:, None], axis=1)[:, 0]

@@ -285,12 +285,15 @@ class EngineCore:
         spec = RowSpec(rid=row.rid, prompt=list(req.prompt_tokens), max_tokens=req.sampling.max_tokens,
                        restore=restore, snapshot_at=snapshot_at)
         encoded = None
+        chain = self.chains.build(req.sampling)
+        row.recorder, row.grammar = chain.recorder, chain.grammar
         if row.lane == "mtp":
-            assert req.mtp_block is not None
-            spec.sampler, spec.block_size = self.chains.sampler(req.sampling), req.mtp_block
+            # the MTP lane samples and applies the grammar inside its round; its rows have no
+            # other processor (the TextMTPExecutor plans the others into the plain lane)
+            assert req.mtp_block is not None and chain.recorder is None
+            spec.sampler, spec.grammar, spec.block_size = chain.sampler, chain.grammar, req.mtp_block
         else:
-            chain = self.chains.build(req.sampling)
-            spec.processors, row.recorder, row.grammar = chain.processors, chain.recorder, chain.grammar
+            spec.processors = chain.processors
         if req.vision is not None:
             kwargs, hashes = self.features.prompt_kwargs(self._model, spec.prompt, req.vision)
             if hashes:

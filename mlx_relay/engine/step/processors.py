@@ -8,8 +8,10 @@ call of a row sees the prompt's last token, every later call the token sampled j
 A row's chain is built by `BatchEngine._processors` in this order: the logprob recorder (it sees
 the model's raw distribution), penalties, the thinking budget, the grammar mask (it starts after
 the thinking block when the prompt opened one), and last the `RowSampler` when the row samples.
-Rows with any of these decode in the plain lane, never in the MTP lane (whose verification would
-have to replay them for every drafted position).
+Rows with logprobs, penalties or a thinking budget decode in the plain lane, never in the MTP
+lane (whose verification would have to replay them for every drafted position); a row with only a
+grammar (and a sampler) may take the MTP lane, which applies the grammar inside its round itself
+(`lanes/mtp_grammar.py`).
 
 A processor never raises into the batch (that would fail every row of the step): a grammar
 that reaches an error state records it and forces end-of-sequence, and the engine ends that row
@@ -19,7 +21,7 @@ with the error.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -105,9 +107,22 @@ def _only(token: int, logits: mx.array) -> mx.array:
     return mx.where(vocab == token, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
+class GrammarMark(NamedTuple):
+    """A `GrammarMask`'s state to return to (`GrammarMask.mark`, `GrammarMask.restore`)."""
+
+    active: bool
+    consumed: int
+    error: str | None
+
+
 class GrammarMask(RowProcessor):
     """llguidance: only tokens the grammar allows next. With `activate_after` (the thinking
-    block's end token) the grammar starts after the model closes its thinking."""
+    block's end token) the grammar starts after the model closes its thinking.
+
+    As a processor (the plain lanes) each call consumes the token sampled before it and masks
+    the next. The MTP lane drives it directly (`mtp_grammar.py`): `feed` an emitted or drafted
+    token, `allows` / `masked` / `allowed` for the state after the tokens fed, and `mark` /
+    `restore` to roll back the drafts it tried."""
 
     def __init__(self, matcher: Any, eos: int, n_vocab: int, activate_after: int | None = None) -> None:
         import llguidance.numpy
@@ -119,6 +134,8 @@ class GrammarMask(RowProcessor):
         self.activate_after = activate_after
         self.error: str | None = None
         self._first = True
+        self._consumed = 0  # tokens the matcher consumed (what `restore` rolls back)
+        self._filled: bool | None = None  # the bitmask holds this state's mask (False: EOS only); None: not yet
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
         self._mask_bits: np.ndarray | None = None  # the bitmask `_last_mask` was made from
         self._mask_vocab = 0
@@ -126,28 +143,84 @@ class GrammarMask(RowProcessor):
 
     def process_last_token(self, last_token: int, logits: mx.array) -> mx.array:
         first, self._first = self._first, False
-        consume = not first  # the token sampled before this call (none on a row's first call)
+        if not first:  # the token sampled before this call (none on a row's first call)
+            self.feed(last_token)
+        return self.masked(logits)
+
+    def feed(self, token: int) -> None:
+        """The row goes on with `token` (the thinking block's end only activates the grammar)."""
         if not self.active:
-            if consume and last_token == self.activate_after:
-                self.active, consume = True, False  # the block's end is not the grammar's
-            else:
-                return logits
+            if token == self.activate_after:
+                self.active, self._filled = True, None  # the block's end is not the grammar's
+            return
+        self._filled = None
         try:  # llguidance is native code: a panic (a BaseException) is this row's error, not the batch's
-            if consume and self.error is None and not self.matcher.is_stopped():
-                if not self.matcher.consume_token(last_token):
-                    self.error = self.matcher.get_error() or f"token {last_token} is not allowed by the grammar"
-            if self.error is not None or self.matcher.is_stopped():
-                return _only(self.eos, logits)
-            self._fill(self.matcher, self._bitmask, 0)
-            if self.matcher.is_error():
-                self.error = self.matcher.get_error() or "the grammar failed"
+            if self.error is None and not self.matcher.is_stopped():
+                if self.matcher.consume_token(token):
+                    self._consumed += 1
+                else:
+                    self.error = self.matcher.get_error() or f"token {token} is not allowed by the grammar"
         except BaseException as exc:
             if not is_failure(exc):
                 raise
             self.error = f"the grammar engine failed ({type(exc).__name__})"
-        if self.error is not None:
-            return _only(self.eos, logits)
-        return mx.where(self._mask(logits.shape[-1]), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def mark(self) -> GrammarMark:
+        return GrammarMark(self.active, self._consumed, self.error)
+
+    def restore(self, mark: GrammarMark) -> None:
+        """Back to `mark`: the tokens fed since are rolled back (tried drafts)."""
+        n = self._consumed - mark.consumed
+        self.active, self.error, self._filled = mark.active, mark.error, None
+        if n > 0:
+            try:
+                if not self.matcher.rollback(n):
+                    self.error = self.matcher.get_error() or "the grammar could not roll back"
+            except BaseException as exc:
+                if not is_failure(exc):
+                    raise
+                self.error = f"the grammar engine failed ({type(exc).__name__})"
+        self._consumed = mark.consumed
+
+    def _fill_now(self) -> bool:
+        """This state's bitmask, filled once: True when it holds the mask, False when only EOS may follow
+        (the grammar is done or failed)."""
+        if self._filled is None:
+            try:
+                if self.error is None and not self.matcher.is_stopped():
+                    self._fill(self.matcher, self._bitmask, 0)
+                    if self.matcher.is_error():
+                        self.error = self.matcher.get_error() or "the grammar failed"
+            except BaseException as exc:
+                if not is_failure(exc):
+                    raise
+                self.error = f"the grammar engine failed ({type(exc).__name__})"
+            self._filled = self.error is None and not self.matcher.is_stopped()
+        return self._filled
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar lets `token` come next (what `masked` keeps)."""
+        if not self.active:
+            return True
+        if not self._fill_now():
+            return token == self.eos
+        word = token >> 5
+        return 0 <= word < self._bitmask.shape[1] and bool((int(self._bitmask[0, word]) >> (token & 31)) & 1)
+
+    def allowed(self, vocab: int) -> mx.array | None:
+        """The tokens that may come next as a boolean mask over `vocab`; None: every token."""
+        if not self.active:
+            return None
+        if not self._fill_now():
+            return mx.arange(vocab) == self.eos
+        return self._mask(vocab)
+
+    def masked(self, logits: mx.array) -> mx.array:
+        """`logits` with every token the grammar does not allow next at -inf."""
+        allowed = self.allowed(logits.shape[-1])
+        if allowed is None:
+            return logits
+        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     def _mask(self, vocab: int) -> mx.array:
         """The bitmask as an MLX boolean mask over `vocab`; the last one again while the bitmask is
