@@ -17,11 +17,13 @@ within about F times its latency alone, and the prompts still get (F - 1) / F of
   `decode_s`, capped at one step's credit or `min_chunk` tokens' cost, whichever is more (so
   the prefill comes as small chunks spread over the steps, never as a saved-up burst);
   the prefill a step runs is charged at its measured cost (so a chunk that cost more than
-  estimated is paid back by the steps after it).
+  estimated is paid back by the steps after it; a debt of one chunk's worth at most).
 A step runs as many prefill tokens as its credit buys (at most the budget), none when that is
 fewer than `min_chunk` (the credit carries to the next step): prefill runs every step when
 chunks are cheap, every Nth step when they are not. When no row decodes, the prompts get the
-whole budget every step, as before. Until both costs are measured, a step runs `min_chunk`.
+whole budget every step, as before. Until the decode step is measured, a step holds prefill back
+(and so measures it; again after `REMEASURE` steps in a row that prefilled, as the decoding rows
+change); until the prefill is, a step runs `min_chunk` tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 #: GPU probe (benchmarks/gpu/device_short_behind_long.sh) measures one against the prefill's TTFT
 DEFAULT_FACTOR = {"cpu": 3.0}
 SMOOTHING = 0.25  # the weight of the newest measurement in the cost averages
+REMEASURE = 32  # steps in a row that prefill beside decoding rows before one measures the decode alone
 
 
 @dataclass
@@ -43,6 +46,7 @@ class DecodePriority:
     token_s: float | None = None
     credit_s: float = 0.0
     held: int = 0  # steps whose prefill was held back (rows decoding, prompts waiting)
+    since_decode: int = 0  # steps since the last that only decoded
 
     def __post_init__(self) -> None:
         if self.factor <= 1:
@@ -52,11 +56,14 @@ class DecodePriority:
         """The prefill tokens of a step in which rows decode and prompts wait, out of `budget`
         (what the token budget leaves); 0 holds the prefill back this step."""
         floor = min(self.min_chunk, budget)
-        if self.decode_s is None or self.token_s is None or self.token_s <= 0:
-            return floor  # measure first
+        if self.decode_s is None or self.since_decode >= REMEASURE:
+            self.held += 1
+            return 0  # measure a decode step
+        if self.token_s is None or self.token_s <= 0:
+            return floor  # measure the prefill
         earned = (self.factor - 1) * self.decode_s
         self.credit_s = min(self.credit_s + earned, max(earned, self.min_chunk * self.token_s))
-        tokens = min(budget, int(self.credit_s / self.token_s))
+        tokens = min(budget, int(self.credit_s / self.token_s + 1e-6))
         if tokens < floor:
             self.held += 1
             return 0
@@ -67,13 +74,19 @@ class DecodePriority:
         if prefill_tokens <= 0:
             if decode_tokens > 0:
                 self.decode_s = _average(self.decode_s, seconds)
+                self.since_decode = 0
             return
+        self.since_decode += 1
         prefill_s = max(0.0, seconds - ((self.decode_s or 0.0) if decode_tokens > 0 else 0.0))
-        self.token_s = _average(self.token_s, prefill_s / prefill_tokens)
-        if decode_tokens > 0:
-            self.credit_s -= prefill_s
-        else:
+        if prefill_tokens >= self.min_chunk:  # a few tokens' cost is mostly the call's own
+            self.token_s = _average(self.token_s, prefill_s / prefill_tokens)
+        if decode_tokens <= 0:
             self.credit_s = 0.0  # nothing decoded: no debt, no saved credit
+        elif self.decode_s is not None and self.token_s is not None:
+            # the debt of one step at most a chunk's worth (a one-off slow step, a compile, does
+            # not hold the prompts back for long)
+            cap = max((self.factor - 1) * self.decode_s, self.min_chunk * self.token_s)
+            self.credit_s = max(self.credit_s - prefill_s, -cap)
 
 
 def _average(old: float | None, new: float) -> float:
