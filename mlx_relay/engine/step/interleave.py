@@ -17,7 +17,7 @@ within about F times its latency alone, and the prompts still get (F - 1) / F of
   `decode_s`, capped at one step's credit or `min_chunk` tokens' cost, whichever is more (so
   the prefill comes as small chunks spread over the steps, never as a saved-up burst);
   the prefill a step runs is charged at its measured cost (so a chunk that cost more than
-  estimated is paid back by the steps after it; a debt of one chunk's worth at most).
+  estimated is paid back by the steps after it; a debt of `DEBT_CHUNKS` chunks' worth at most).
 A step runs as many prefill tokens as its credit buys (at most the budget), none when that is
 fewer than `min_chunk` (the credit carries to the next step): prefill runs every step when
 chunks are cheap, every Nth step when they are not. When no row decodes, the prompts get the
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 #: GPU probe (benchmarks/gpu/device_short_behind_long.sh) measures one against the prefill's TTFT
 DEFAULT_FACTOR = {"cpu": 3.0}
 SMOOTHING = 0.25  # the weight of the newest measurement in the cost averages
+DEBT_CHUNKS = 4  # the most debt the prefill may run up, in chunks' worth of credit
 REMEASURE = 32  # steps in a row that prefill beside decoding rows before one measures the decode alone
 
 
@@ -78,15 +79,18 @@ class DecodePriority:
             return
         self.since_decode += 1
         prefill_s = max(0.0, seconds - ((self.decode_s or 0.0) if decode_tokens > 0 else 0.0))
-        if prefill_tokens >= self.min_chunk:  # a few tokens' cost is mostly the call's own
-            self.token_s = _average(self.token_s, prefill_s / prefill_tokens)
         if decode_tokens <= 0:
             self.credit_s = 0.0  # nothing decoded: no debt, no saved credit
-        elif self.decode_s is not None and self.token_s is not None:
-            # the debt of one step at most a chunk's worth (a one-off slow step, a compile, does
-            # not hold the prompts back for long)
+            return
+        # the cost of a token in the chunks run beside decoding rows (a prompt alone runs larger
+        # ones, cheaper per token); a chunk of a few tokens costs mostly the call's own
+        if prefill_tokens >= self.min_chunk:
+            self.token_s = _average(self.token_s, prefill_s / prefill_tokens)
+        if self.decode_s is not None and self.token_s is not None:
+            # the debt at most a few chunks' worth (a one-off slow step, a compile, does not hold
+            # the prompts back for long)
             cap = max((self.factor - 1) * self.decode_s, self.min_chunk * self.token_s)
-            self.credit_s = max(self.credit_s - prefill_s, -cap)
+            self.credit_s = max(self.credit_s - prefill_s, -DEBT_CHUNKS * cap)
 
 
 def _average(old: float | None, new: float) -> float:
