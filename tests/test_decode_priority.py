@@ -61,8 +61,10 @@ def test_prompts_alone_and_off() -> None:
     assert p.allowance(256) == 0  # nothing measured yet: a decode step alone first
     p.observe(0.010, 2, 0)
     assert p.allowance(256) == 16  # then a small chunk
-    p.observe(0.5, 0, 256)  # no row decoded: no debt, the cost per token measured
-    assert p.credit_s == 0.0 and p.token_s == pytest.approx(0.5 / 256)
+    p.observe(0.5, 0, 256)  # no row decoded: no debt; a prompt alone runs larger (cheaper) chunks
+    assert p.credit_s == 0.0 and p.token_s is None
+    p.observe(0.010 + 0.032, 2, 16)  # beside a decoding row: the token cost
+    assert p.token_s == pytest.approx(0.002) and p.credit_s == pytest.approx(-0.032)
     assert decode_priority(None, "cpu", 16) is not None
     assert decode_priority(None, "cuda", 16) is None  # off on a GPU until measured there
     assert decode_priority(0, "cpu", 16) is None
