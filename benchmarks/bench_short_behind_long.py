@@ -5,7 +5,7 @@
 (its `--decode-stall-factor`; "default" leaves the flag out, 0 turns decode priority off). Then,
 in one run:
 
-(a) short alone:   a streamed ~22-token chat request (greedy, 8 tokens at most), `--repeats`
+(a) short alone:   a streamed ~22-token chat request (greedy, at most `--short-tokens`, 8), `--repeats`
                    times: its time to first token (TTFT) and inter-token latency (ITL: first to
                    last token over the tokens between, from the usage count, so an MTP round's two
                    tokens in one delta count as two);
@@ -77,9 +77,10 @@ def load() -> str:
     return " ".join(os.getloadavg().__repr__().strip("()").split(", "))
 
 
-def short_request(url: str, text: str) -> dict[str, Any]:
+def short_request(url: str, text: str, max_tokens: int = 8) -> dict[str, Any]:
     """One streamed short chat request: TTFT, ITL, tokens (client-side times)."""
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0, "stream": True,
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True,
             "stream_options": {"include_usage": True}}
     tic = time.perf_counter()
     stamps: list[float] = []
@@ -145,7 +146,8 @@ def run_budget(budget: int | None, factor: str, args: argparse.Namespace, seed: 
     raw: dict[str, Any] = {"budget": label}
     try:
         short_request(server.url, SHORT_TEXTS[0])  # warm the path
-        alone = [short_request(server.url, SHORT_TEXTS[i % len(SHORT_TEXTS)]) for i in range(args.repeats)]
+        alone = [short_request(server.url, SHORT_TEXTS[i % len(SHORT_TEXTS)], args.short_tokens)
+                 for i in range(args.repeats)]
         raw["short_alone"] = alone
         base = {"itl": statistics.median([s["itl_s"] for s in alone if s["itl_s"] == s["itl_s"]] or [float("nan")])}
         threads, long_alone = long_requests(server.url, args.longs, args.long_tokens, seed)
@@ -157,7 +159,7 @@ def run_budget(budget: int | None, factor: str, args: argparse.Namespace, seed: 
         beside: list[dict[str, Any]] = []
         i = 0
         while any(t.is_alive() for t in threads) and len(beside) < args.max_beside:
-            s = short_request(server.url, SHORT_TEXTS[i % len(SHORT_TEXTS)])
+            s = short_request(server.url, SHORT_TEXTS[i % len(SHORT_TEXTS)], args.short_tokens)
             s["longs_done_after"] = len(long_with)  # long prompts already done when it ended
             beside.append(s)
             i += 1
@@ -182,6 +184,7 @@ def main() -> None:
     p.add_argument("--stall-factor", nargs="+", default=["default"],
                    help="--decode-stall-factor values ('default'; 0: decode priority off)")
     p.add_argument("--long-tokens", type=int, default=18000)
+    p.add_argument("--short-tokens", type=int, default=8, help="the short request's max_tokens")
     p.add_argument("--longs", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--lead", type=float, default=2.0, help="seconds between the long prompts and the first short one")
