@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-stall-factor", type=float, default=None,
                        help="while streams decode, prefill beside them takes at most (factor - 1) times their "
                             "decode steps' time, measured by the engine, so their inter-token latency stays "
-                            "within about this factor of alone; prompts alone get the whole budget (default: 3 "
+                            "within about this factor of alone; prompts alone get the whole budget (default: 2.5 "
                             "on CPU, off on a GPU; 0: off)")
     serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
     serve.add_argument("--default-max-tokens", type=int, default=4096,

@@ -65,6 +65,8 @@ def test_prompts_alone_and_off() -> None:
     assert p.credit_s == 0.0 and p.token_s is None
     p.observe(0.010 + 0.032, 2, 16)  # beside a decoding row: the token cost
     assert p.token_s == pytest.approx(0.002) and p.credit_s == pytest.approx(-0.032)
+    p.observe(0.3, 0, 256)  # a prompt alone again: the debt stays (no credit saved either)
+    assert p.credit_s == pytest.approx(-0.032)
     assert decode_priority(None, "cpu", 16) is not None
     assert decode_priority(None, "cuda", 16) is None  # off on a GPU until measured there
     assert decode_priority(0, "cpu", 16) is None

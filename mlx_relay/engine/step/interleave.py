@@ -30,10 +30,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: the stall factor's default per backend (EngineConfig.decode_stall_factor None): the issue's CPU
-#: target (a stream's ITL within 3x of alone while long prompts prefill); on a GPU off until the
-#: GPU probe (benchmarks/gpu/device_short_behind_long.sh) measures one against the prefill's TTFT
-DEFAULT_FACTOR = {"cpu": 3.0}
+#: the stall factor's default per backend (EngineConfig.decode_stall_factor None): on CPU below the
+#: issue's target (a stream's ITL within 3x of alone while long prompts prefill), as the server's
+#: own work between steps shares the cores (3 measured 3.6x for a 64-token stream,
+#: benchmarks/results/short-behind-long-cpu-2026-11-26b/); on a GPU off until the GPU probe
+#: (benchmarks/gpu/device_short_behind_long.sh) measures one against the long prompt's TTFT
+DEFAULT_FACTOR = {"cpu": 2.5}
 SMOOTHING = 0.25  # the weight of the newest measurement in the cost averages
 DEBT_CHUNKS = 4  # the most debt the prefill may run up, in chunks' worth of credit
 REMEASURE = 32  # steps in a row that prefill beside decoding rows before one measures the decode alone
@@ -80,7 +82,7 @@ class DecodePriority:
         self.since_decode += 1
         prefill_s = max(0.0, seconds - ((self.decode_s or 0.0) if decode_tokens > 0 else 0.0))
         if decode_tokens <= 0:
-            self.credit_s = 0.0  # nothing decoded: no debt, no saved credit
+            self.credit_s = min(self.credit_s, 0.0)  # nothing decoded: no saved credit (a debt stays)
             return
         # the cost of a token in the chunks run beside decoding rows (a prompt alone runs larger
         # ones, cheaper per token); a chunk of a few tokens costs mostly the call's own
