@@ -56,8 +56,7 @@ def test_shares_are_max_min_fair() -> None:
 def test_short_request_passes_long_prefills(gpu: Callable, fp32_model: Path, long_mtp: bool,
                                             short_mtp: bool) -> None:
     def run() -> tuple[Any, ...]:
-        d = Driver(load_model(fp32_model), max_num_batched_tokens=BUDGET, prefill_step_size=64,
-                   decode_stall_factor=0)  # the budget alone (decode priority: test_decode_priority.py)
+        d = Driver(load_model(fp32_model), max_num_batched_tokens=BUDGET, prefill_step_size=64)
         longs = [d.add(Generate(f"long{i}", p, SamplingParams(max_tokens=4, mtp=long_mtp),
                                 prefix=PrefixPlan(snapshot_at=[100 + 57 * i])))
                  for i, p in enumerate(LONG)]
