@@ -63,7 +63,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # costs), so a decoding stream's inter-token latency stays within about this factor of its
     # latency alone and the prompts still get (factor - 1) / factor of the time; prompts alone get
     # the whole budget every step. None: 2.5 on the CPU backend (where a step that prefills costs
-    # ~30x a decode step), off on a GPU until the GPU probe says otherwise; 0: off
+    # ~30x a decode step), off on a GPU until the GPU probe says otherwise; 0: off. Always off in a
+    # pipeline (each rank would time its own steps, and every rank must take the same ones)
     decode_stall_factor: float | None = None
     # the plain lane's decode step as one compiled function (`engine/lanes/decode_step.py`); off: the
     # same function run eagerly (for debugging: same tokens, slower)

@@ -105,8 +105,10 @@ class EngineCore:
         # the step's token budget: decoding rows first, prefill chunks in what is left
         self.token_budget = step_budget(config.max_num_batched_tokens, config.prefill_step_size, info.backend,
                                         config.max_num_seqs * max(1, config.mtp_block_size))
-        # while rows decode, prefill within a share of the time (`interleave.py`; None: off)
-        self.priority = decode_priority(config.decode_stall_factor, info.backend, MIN_PREFILL_TOKENS)
+        # while rows decode, prefill within a share of the time (`interleave.py`; None: off). Off
+        # in a pipeline: every rank must take the same steps, and each would time its own
+        self.priority = (decode_priority(config.decode_stall_factor, info.backend, MIN_PREFILL_TOKENS)
+                         if stage is None else None)
         self.lanes = build_lanes(loaded, config, prefix_cache=prefix_cache, token_budget=self.token_budget,
                                  stage=stage)
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
