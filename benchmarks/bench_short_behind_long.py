@@ -1,9 +1,11 @@
 """A short request beside long prefills (issue 30, point 6), measured on a server process.
 
 `mlx-relay serve` on the embedded model (relay-tiny-agent, 32K context) is started once per
-`--budget` (its `--max-num-batched-tokens`; "default" leaves the flag out). Then, in one run:
+`--budget` (its `--max-num-batched-tokens`; "default" leaves the flag out) and `--stall-factor`
+(its `--decode-stall-factor`; "default" leaves the flag out, 0 turns decode priority off). Then,
+in one run:
 
-(a) short alone:   a streamed ~22-token chat request (greedy, 8 tokens at most), `--repeats`
+(a) short alone:   a streamed ~22-token chat request (greedy, at most `--short-tokens`, 8), `--repeats`
                    times: its time to first token (TTFT) and inter-token latency (ITL: first to
                    last token over the tokens between, from the usage count, so an MTP round's two
                    tokens in one delta count as two);
@@ -17,7 +19,8 @@ The issue's targets on this CPU: in (c) the short request's TTFT within 3 s and 
 3x its ITL in (a); the long prompts' TTFT in (c) not much worse than in (b). At a6ef0d4 (before
 the step budget) the issue measured 30.6 s to the first token and 157 s for 8 tokens.
 
-    python benchmarks/bench_short_behind_long.py [--budget default 2048] [--long-tokens 18000]
+    python benchmarks/bench_short_behind_long.py [--budget default 2048] [--stall-factor default 0]
+        [--long-tokens 18000]
         [--longs 2] [--repeats 5] [--out DIR]
 
 Writes results.json and results.md under --out (with the commit, the machine and `uptime`'s load
@@ -50,10 +53,11 @@ SHORT_TEXTS = ["Count from one to ten in words, please.", "List three colours an
 
 
 class Server:
-    def __init__(self, budget: int | None) -> None:
+    def __init__(self, budget: int | None, factor: str = "default") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         flags = [] if budget is None else ["--max-num-batched-tokens", str(budget)]
+        flags += [] if factor == "default" else ["--decode-stall-factor", factor]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_relay.cli", "serve", "--port", str(self.port), "--served-model-name",
              "tiny", *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -73,9 +77,10 @@ def load() -> str:
     return " ".join(os.getloadavg().__repr__().strip("()").split(", "))
 
 
-def short_request(url: str, text: str) -> dict[str, Any]:
+def short_request(url: str, text: str, max_tokens: int = 8) -> dict[str, Any]:
     """One streamed short chat request: TTFT, ITL, tokens (client-side times)."""
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0, "stream": True,
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True,
             "stream_options": {"include_usage": True}}
     tic = time.perf_counter()
     stamps: list[float] = []
@@ -134,13 +139,15 @@ def summary(name: str, budget: str, shorts: list[dict[str, Any]], longs: list[fl
     return row
 
 
-def run_budget(budget: int | None, args: argparse.Namespace, seed: int) -> tuple[list[dict[str, Any]], dict]:
-    label = "default" if budget is None else str(budget)
-    server = Server(budget)
+def run_budget(budget: int | None, factor: str, args: argparse.Namespace, seed: int
+               ) -> tuple[list[dict[str, Any]], dict]:
+    label = ("default" if budget is None else str(budget)) + ("" if factor == "default" else f", stall {factor}")
+    server = Server(budget, factor)
     raw: dict[str, Any] = {"budget": label}
     try:
         short_request(server.url, SHORT_TEXTS[0])  # warm the path
-        alone = [short_request(server.url, SHORT_TEXTS[i % len(SHORT_TEXTS)]) for i in range(args.repeats)]
+        alone = [short_request(server.url, SHORT_TEXTS[i % len(SHORT_TEXTS)], args.short_tokens)
+                 for i in range(args.repeats)]
         raw["short_alone"] = alone
         base = {"itl": statistics.median([s["itl_s"] for s in alone if s["itl_s"] == s["itl_s"]] or [float("nan")])}
         threads, long_alone = long_requests(server.url, args.longs, args.long_tokens, seed)
@@ -152,7 +159,7 @@ def run_budget(budget: int | None, args: argparse.Namespace, seed: int) -> tuple
         beside: list[dict[str, Any]] = []
         i = 0
         while any(t.is_alive() for t in threads) and len(beside) < args.max_beside:
-            s = short_request(server.url, SHORT_TEXTS[i % len(SHORT_TEXTS)])
+            s = short_request(server.url, SHORT_TEXTS[i % len(SHORT_TEXTS)], args.short_tokens)
             s["longs_done_after"] = len(long_with)  # long prompts already done when it ended
             beside.append(s)
             i += 1
@@ -174,7 +181,10 @@ def run_budget(budget: int | None, args: argparse.Namespace, seed: int) -> tuple
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", nargs="+", default=["default"], help="--max-num-batched-tokens values ('default')")
+    p.add_argument("--stall-factor", nargs="+", default=["default"],
+                   help="--decode-stall-factor values ('default'; 0: decode priority off)")
     p.add_argument("--long-tokens", type=int, default=18000)
+    p.add_argument("--short-tokens", type=int, default=8, help="the short request's max_tokens")
     p.add_argument("--longs", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--lead", type=float, default=2.0, help="seconds between the long prompts and the first short one")
@@ -185,8 +195,9 @@ def main() -> None:
     env = msgspec.to_builtins(environment())  # the commit that runs, before anything changes it
     rows: list[dict[str, Any]] = []
     raws = []
-    for j, b in enumerate(args.budget):
-        r, raw = run_budget(None if b == "default" else int(b), args, seed=100 * j)
+    runs = [(b, f) for b in args.budget for f in args.stall_factor]
+    for j, (b, f) in enumerate(runs):
+        r, raw = run_budget(None if b == "default" else int(b), f, args, seed=100 * j)
         rows += r
         raws.append(raw)
         print(rows_markdown(r), flush=True)

@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "shared equally by the prompts prefilling, so a running stream waits on at most "
                             "this much of others' prefill and a short prompt passes long ones (default: "
                             "256 on CPU; on a GPU no limit beyond --prefill-step-size)")
+    serve.add_argument("--decode-stall-factor", type=float, default=None,
+                       help="while streams decode, prefill beside them takes at most (factor - 1) times their "
+                            "decode steps' time, measured by the engine, so their inter-token latency stays "
+                            "within about this factor of alone; prompts alone get the whole budget (default: 2.5 "
+                            "on CPU, off on a GPU; 0: off)")
     serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
     serve.add_argument("--default-max-tokens", type=int, default=4096,
                        help="max_tokens when a request gives none (default 4096)")
@@ -296,6 +301,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefill_batch_size=args.prefill_batch_size,
         prefill_step_size=args.prefill_step_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_stall_factor=args.decode_stall_factor,
         warmup=not args.no_warmup,
         compile_decode=not args.no_compile,
         compile_mtp=not args.no_compile_mtp,

@@ -58,6 +58,14 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # on a GPU no limit beyond prefill_step_size (the decoding rows' tokens on top), until the
     # GPU probe (benchmarks/gpu/device_short_behind_long.sh) says which budget to default to
     max_num_batched_tokens: int | None = None
+    # decode priority (`engine/step/interleave.py`): while rows decode, the prefill run beside them
+    # takes at most (factor - 1) times the time their decode steps take (the engine's own measured
+    # costs), so a decoding stream's inter-token latency stays within about this factor of its
+    # latency alone and the prompts still get (factor - 1) / factor of the time; prompts alone get
+    # the whole budget every step. None: 2.5 on the CPU backend (where a step that prefills costs
+    # ~30x a decode step), off on a GPU until the GPU probe says otherwise; 0: off. Always off in a
+    # pipeline (each rank would time its own steps, and every rank must take the same ones)
+    decode_stall_factor: float | None = None
     # the plain lane's decode step as one compiled function (`engine/lanes/decode_step.py`); off: the
     # same function run eagerly (for debugging: same tokens, slower)
     compile_decode: bool = True
@@ -120,6 +128,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("EngineConfig.max_num_batched_tokens must be at least 1")
+        if self.decode_stall_factor is not None and self.decode_stall_factor != 0 and self.decode_stall_factor <= 1:
+            raise ValueError("EngineConfig.decode_stall_factor must be more than 1 (or 0: off)")
         if not 0.0 <= self.prefix_cache_preload <= 1.0:
             raise ValueError("EngineConfig.prefix_cache_preload must be in [0, 1]")
         if self.pipeline.enabled and self.prefix_cache_dir is not None:

@@ -10,7 +10,9 @@
 #   bash benchmarks/gpu/device_short_behind_long.sh start     # builds the model if needed, starts
 #   bash benchmarks/gpu/device_short_behind_long.sh wait 560  # repeat until it prints "probe done"
 # Results: $OUT/short_behind_long.tgz (one probe JSON per budget, the servers' logs, progress.txt).
-# Knobs: BUDGETS (default "default 256 512 1024 2048"), STREAMS (8), LONG_TOKENS (30000),
+# Knobs: BUDGETS (default "default 256 512 1024 2048"), FACTORS (each budget once per
+# `--decode-stall-factor` value: default "default", off on a GPU; e.g. "default 2 3"; files are
+# named budget-factor when FACTORS is given), STREAMS (8), LONG_TOKENS (30000),
 # WINDOW (seconds of streams measured alone, 30), OURS_FLAGS (e.g. --no-mtp).
 # LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR VOCAB=1026: a dry run off the device, e.g. on the embedded
 # model: LOCAL=1 MODEL=mlx_relay/models/relay-tiny-agent RUN=/tmp/sbl OUT=/tmp/sbl-out VOCAB=1000
@@ -39,8 +41,11 @@ cat > $RUN/run.sh <<'INNER'
 set -uo pipefail
 O=$RUN/out; t0=$(date +%s)
 say() { echo "$(( $(date +%s) - t0 ))s $*" | tee -a $RUN/progress.txt; }
-for budget in $BUDGETS; do
+for run in $(for b in $BUDGETS; do for f in ${FACTORS:-default}; do echo "$b/$f"; done; done); do
+  budget=${run%/*}; factor=${run#*/}
   flags=""; [ "$budget" != default ] && flags="--max-num-batched-tokens $budget"
+  [ "$factor" != default ] && flags="$flags --decode-stall-factor $factor"
+  [ -n "${FACTORS:-}" ] && budget="$budget-$factor"
   python3 -m mlx_relay.cli serve "$MODEL" --port 8000 --served-model-name qwen35-moe --max-num-seqs 16 \
     $flags ${OURS_FLAGS:-} > $O/ours-$budget.log 2>&1 &
   pid=$!
@@ -65,5 +70,5 @@ rm -f $RUN/done $RUN/progress.txt
 cd $RUN/src
 setsid nohup env RUN="$RUN" MODEL="$MODEL" PYTHONPATH="$RUN/src:/tmp/site" BUDGETS="${BUDGETS:-default 256 512 1024 2048}" \
   STREAMS="${STREAMS:-8}" LONG_TOKENS="${LONG_TOKENS:-30000}" VOCAB="${VOCAB:-240000}" WINDOW="${WINDOW:-30}" \
-  OURS_FLAGS="${OURS_FLAGS:-}" bash $RUN/run.sh > $RUN/run.log 2>&1 &
+  OURS_FLAGS="${OURS_FLAGS:-}" FACTORS="${FACTORS:-}" bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "probe started (pid $!)"

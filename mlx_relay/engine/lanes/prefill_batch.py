@@ -128,8 +128,11 @@ class PrefillBatch:
     # -- the step ---------------------------------------------------------------------------
     def step(self, budget: int | None = None) -> PrefillStep:
         """Admit waiting rows, then run one chunk for every row in the batch, of at most
-        `budget` tokens (padding included; None or more than `token_budget`: `token_budget`)."""
+        `budget` tokens (padding included; None or more than `token_budget`: `token_budget`;
+        0: none this step, the engine holds prefill back while rows decode)."""
         out = PrefillStep()
+        if budget is not None and budget <= 0:
+            return out
         self._admit()
         if not self.rows:
             return out

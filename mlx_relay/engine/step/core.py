@@ -22,6 +22,7 @@ empty. Its host applies the protocol's commands (`apply`) between steps.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +56,12 @@ from mlx_relay.engine.protocol import (
 )
 from mlx_relay.engine.scoring.stage import ScoringStage
 from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
+from mlx_relay.engine.step.interleave import decode_priority
 from mlx_relay.engine.step.logits import LogitsChains
 from mlx_relay.engine.step.output import OutputStage, RowCounts, RowEnd
 from mlx_relay.engine.step.rows import LaneName, Row
 from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
-from mlx_relay.engine.step.token_budget import prefill_budget, split_by_rows, step_budget
+from mlx_relay.engine.step.token_budget import MIN_PREFILL_TOKENS, prefill_budget, split_by_rows, step_budget
 from mlx_relay.engine.step.warmup import warm_up
 from mlx_relay.errors import GenerationFailed
 from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, WarmupReport
@@ -103,6 +105,10 @@ class EngineCore:
         # the step's token budget: decoding rows first, prefill chunks in what is left
         self.token_budget = step_budget(config.max_num_batched_tokens, config.prefill_step_size, info.backend,
                                         config.max_num_seqs * max(1, config.mtp_block_size))
+        # while rows decode, prefill within a share of the time (`interleave.py`; None: off). Off
+        # in a pipeline: every rank must take the same steps, and each would time its own
+        self.priority = (decode_priority(config.decode_stall_factor, info.backend, MIN_PREFILL_TOKENS)
+                         if stage is None else None)
         self.lanes = build_lanes(loaded, config, prefix_cache=prefix_cache, token_budget=self.token_budget,
                                  stage=stage)
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
@@ -127,6 +133,7 @@ class EngineCore:
         self.prefill_chunks = 0  # steps whose prefill ran
         self.prefill_rows = 0  # rows over those chunks
         self.prefill_tokens = 0  # prompt tokens the lanes' prefill ran, padding included (all steps)
+        self.last_prefill_budget = (0, 0)  # the last step's decoding tokens and the prefill it allowed
 
     @property
     def draft(self) -> DraftInfo | None:
@@ -202,7 +209,11 @@ class EngineCore:
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> StepOutput:
         plan = self.scheduler.schedule()
+        tic = time.perf_counter()
         executed = self._execute(plan)
+        if self.priority is not None:
+            self.priority.observe(time.perf_counter() - tic, self.last_prefill_budget[0],
+                                  sum(s.prefill_tokens for s in executed.steps))
         updated = self._update(executed)
         out = StepOutput(events=self.output.take(), snapshots=updated.snapshots, scored=executed.scored,
                          features=executed.features, mtp=updated.mtp)
@@ -243,11 +254,15 @@ class EngineCore:
         return executed
 
     def _prefill_shares(self) -> dict[LaneName, int]:
-        """Each lane's prefill tokens this step: the budget less every lane's decoding tokens,
-        split over the lanes by the rows each has prefilling (`token_budget.py`)."""
+        """Each lane's prefill tokens this step: the budget less every lane's decoding tokens
+        (`token_budget.py`), within the decode-priority allowance while rows decode
+        (`interleave.py`), split over the lanes by the rows each has prefilling."""
         lanes = [(name, lane) for name, lane in self.lanes.items() if lane.has_work]
         decode = sum(lane.decode_tokens for _, lane in lanes)
         budget = prefill_budget(self.token_budget, decode)
+        if self.priority is not None and decode and any(lane.prefilling for _, lane in lanes):
+            budget = self.priority.allowance(budget)
+        self.last_prefill_budget = (decode, budget)
         split = split_by_rows([lane.prefilling for _, lane in lanes], budget)
         return {name: share for (name, _), share in zip(lanes, split, strict=True)}
 

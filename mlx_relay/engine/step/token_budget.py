@@ -45,9 +45,11 @@ def fair_shares(needs: Sequence[int], budget: int, granule: int = 1) -> list[int
     """Max-min fair split of `budget` tokens over rows that need `needs` tokens each: rows needing
     less than an equal share get all they need, the rest split what is left equally (the
     remainder to the earliest rows), each cut to a multiple of `granule` (`granular`). Every
-    row with a need gets at least 1 token."""
+    row with a need gets at least 1 token, unless `budget` is 0 (the step holds prefill back)."""
     shares = [0] * len(needs)
     left = max(budget, 0)
+    if left == 0:
+        return shares
     open_rows = sorted((i for i, n in enumerate(needs) if n > 0), key=lambda i: needs[i])
     while open_rows:
         equal = left // len(open_rows)
@@ -67,9 +69,9 @@ def fair_shares(needs: Sequence[int], budget: int, granule: int = 1) -> list[int
 def split_by_rows(rows: Sequence[int], budget: int) -> list[int]:
     """`budget` split over consumers (lanes) in proportion to the rows each has prefilling, so
     every prefilling row gets about the same share whichever lane it is in; a consumer with rows
-    gets at least 1 token."""
+    gets at least 1 token (none when `budget` is 0: the step holds prefill back)."""
     total = sum(rows)
-    if total == 0:
+    if total == 0 or budget <= 0:
         return [0] * len(rows)
     return [max(1, budget * n // total) if n else 0 for n in rows]
 
