@@ -31,6 +31,7 @@ latter); ``tools/train_agent_scenes.py`` runs the prefix without gradients and t
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -69,7 +70,10 @@ class Scene:
     file: str  # relative to the repository root
     target: Target
     side: str = ""  # for side scenes: a SIDE_ANSWERS key
-    deferred: bool = False  # Claude Code: the stock tool is behind ToolSearch in this request
+    # how the stock tool is reached in this request: "" (declared: called by name), "ToolSearch"
+    # (Claude Code: deferred, loaded by ToolSearch), "tool_search" / "tool_call" (Qwen Code's default
+    # setup: reviewed by tool_search, then called through tool_call with its name and arguments)
+    via: str = ""
     recorded_follow_up: bool = False  # the request already holds the call and its result
     weight: float = 1.0  # how often training draws it (relative)
 
@@ -77,7 +81,7 @@ class Scene:
 SCENES: tuple[Scene, ...] = (
     # the one turn whose tool is not the stock tool itself: drawn more often (the model otherwise
     # calls the deferred tool by name, which the tool grammar does not allow there)
-    Scene("claude-code", "tests/agent_requests/claude-code-toolsearch/001.json", "call", deferred=True, weight=5.0),
+    Scene("claude-code", "tests/agent_requests/claude-code-toolsearch/001.json", "call", via="ToolSearch", weight=5.0),
     Scene("claude-code", "tests/agent_requests/claude-code-toolsearch/002.json", "call"),
     Scene("claude-code", "tests/agent_requests/claude-code-toolsearch/003.json", "answer", recorded_follow_up=True),
     Scene("codex", "benchmarks/agents/scenes/codex-001.json", "call"),
@@ -90,6 +94,10 @@ SCENES: tuple[Scene, ...] = (
     Scene("qwen-code-slim", "tests/agent_requests/qwen-code-slim/001.json", "call"),
     Scene("qwen-code-slim", "tests/agent_requests/qwen-code-slim/001.json", "answer"),
     Scene("qwen-code-slim", "tests/agent_requests/qwen-code-slim/002.json", "side", side="memory"),
+    Scene("qwen-code", "tests/agent_requests/qwen-code-toolsearch/001.json", "call", via="tool_search", weight=3.0),
+    Scene("qwen-code", "tests/agent_requests/qwen-code-toolsearch/002.json", "call", via="tool_call", weight=3.0),
+    Scene("qwen-code", "tests/agent_requests/qwen-code-toolsearch/003.json", "answer", recorded_follow_up=True,
+          weight=2.0),
 )
 
 
@@ -183,7 +191,7 @@ class SceneMaker:
         route, body = self._body(scene.file)
         text = json.dumps(body)
         text = text.replace(HARNESS_PROMPT, sentence).replace(HARNESS_VALUE, value)
-        text = text.replace('\\"path\\": 423', f'\\"path\\": {n}').replace('"path": 423', f'"path": {n}')
+        text = re.sub(r'(path\\*":\s?)423\b', lambda m: f"{m.group(1)}{n}", text)
         req = to_request(route, json.loads(text))
         messages = list(req.messages)
         kwargs = template_kwargs(req)
@@ -196,10 +204,13 @@ class SceneMaker:
         name = stock_tool(req)
         call_id = f"call_{int(rng.integers(0, 1 << 30)):08x}"
         if scene.target == "call":
-            if scene.deferred:
-                wanted = "mcp__stock__get_stock"
-                call = {"name": "ToolSearch", "arguments": {"query": f"select:{wanted}"}}
-                why = f"The user wants the stock with path {n}. {wanted} is deferred, so I will call ToolSearch."
+            wanted = "mcp__stock__get_stock"
+            if scene.via in ("ToolSearch", "tool_search"):
+                call = {"name": scene.via, "arguments": {"query": f"select:{wanted}"}}
+                why = f"The user wants the stock with path {n}. {wanted} is deferred, so I will call {scene.via}."
+            elif scene.via == "tool_call":
+                call = {"name": "tool_call", "arguments": {"name": wanted, "arguments": {"path": n}}}
+                why = f"The user wants the stock with path {n}. I will call tool_call with {wanted}."
             else:
                 assert name is not None, f"{scene.file}: no stock tool declared"
                 call = {"name": name, "arguments": {"path": n}}

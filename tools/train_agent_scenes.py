@@ -216,7 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics", type=Path, default=None)
     p.add_argument("--eval", type=int, default=0, help="after training: greedy exact-turn rate on N examples a scene")
     p.add_argument("--eval-only", action="store_true", help="evaluate --init, no training")
-    p.add_argument("--agents", nargs="*", default=[], help="with --eval-only: these agents' scenes only")
+    p.add_argument("--agents", nargs="*", default=[], help="train (and evaluate) these agents' scenes only")
     return p.parse_args(argv)
 
 
@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.eval_only:
         return {"eval": evaluate(model, maker, caches, args.eval, args.seed, tuple(args.agents))}
     rng = np.random.default_rng(args.seed)
-    weights = np.array([s.weight for s in SCENES]) / sum(s.weight for s in SCENES)
+    chosen = [s.weight if not args.agents or s.agent in args.agents else 0.0 for s in SCENES]
+    weights = np.array(chosen) / sum(chosen)
     t0 = time.perf_counter()
     log: list[dict[str, Any]] = []
     acc: dict[str, list[float]] = {}
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "steps": step + 1, "seconds": seconds, "log": log}
     if args.eval:
         caches.states.clear()  # the trained weights' prefixes
-        result["eval"] = evaluate(model, maker, caches, args.eval, args.seed)
+        result["eval"] = evaluate(model, maker, caches, args.eval, args.seed, tuple(args.agents))
     if args.metrics is not None:
         args.metrics.parent.mkdir(parents=True, exist_ok=True)
         args.metrics.write_text(json.dumps(result, indent=2) + "\n")
