@@ -81,8 +81,13 @@ def response_problem(api: str, status: int, content_type: str, body: Json, text:
     return None
 
 
+# tools that call another tool named in their arguments (Qwen Code's bridge to its deferred tools)
+BRIDGES = frozenset({"tool_call"})
+
+
 def tool_calls_in(api: str, text: str, streamed: bool) -> list[str]:
-    """The names of the tools the model called in one answer."""
+    """The names of the tools the model called in one answer (a bridge call also as
+    `tool_call:<the tool it calls>`)."""
     names: list[str] = []
     objs: list[Json] = []
     if streamed:
@@ -97,12 +102,20 @@ def tool_calls_in(api: str, text: str, streamed: bool) -> list[str]:
             objs.append(json.loads(text))
         except ValueError:
             return names
+    bridged: dict[int, list[str]] = {}  # chat: a bridge call's arguments, by call index (streamed in pieces)
     for obj in objs:
         if api == "chat":
             for choice in obj.get("choices") or []:
                 part = choice.get("delta") or choice.get("message") or {}
-                calls = part.get("tool_calls") or []
-                names += [c["function"]["name"] for c in calls if c.get("function", {}).get("name")]
+                for k, c in enumerate(part.get("tool_calls") or []):
+                    fn = c.get("function") or {}
+                    at = c.get("index", k)
+                    if fn.get("name"):
+                        names.append(fn["name"])
+                        if fn["name"] in BRIDGES:
+                            bridged[at] = []
+                    if at in bridged and fn.get("arguments"):
+                        bridged[at].append(fn["arguments"])
         elif api == "messages":
             block = obj.get("content_block") or {}
             names += [block["name"]] if block.get("type") == "tool_use" else []
@@ -113,6 +126,13 @@ def tool_calls_in(api: str, text: str, streamed: bool) -> list[str]:
             names += [item["name"]] if item.get("type") == "function_call" else []
             items = obj.get("output") or []
             names += [i["name"] for i in items if isinstance(i, dict) and i.get("type") == "function_call"]
+    for pieces in bridged.values():  # Qwen Code's tool_call(name, arguments): the tool it calls
+        try:
+            inner = json.loads("".join(pieces)).get("name")
+        except (ValueError, AttributeError):
+            inner = None
+        if isinstance(inner, str):
+            names.append(f"tool_call:{inner}")
     return names
 
 
