@@ -159,6 +159,11 @@ class ModelLoadError(Exception):
     """The model could not be found or loaded (a start-up failure, not a request's)."""
 
 
+class UnsupportedModel(ModelLoadError):
+    """The model is of no family the engine's steps serve, or not of its family's shape (raised by
+    `engine/models/`; here so that it crosses the engine process's wire as itself)."""
+
+
 class PipelineSetupError(ModelLoadError):
     """The pipeline's process group or its split of the model does not fit (`--pipeline`)."""
 

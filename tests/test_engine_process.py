@@ -250,6 +250,7 @@ def test_the_engines_peak_memory_count_starts_over(which: str, request: pytest.F
     errors.ModelNotFound("no such model", model="gpt-x", param="model"),
     errors.GenerationFailed("the batched decode step failed"),
     errors.ModelLoadError("cannot load"),
+    errors.UnsupportedModel("qwen3_next: layer 0 keeps a recurrent state"),
 ])
 def test_errors_cross_the_wire_as_their_class_and_fields(exc: Exception) -> None:
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(error_to_wire(exc)), type=WireError)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from mlx_relay.errors import ModelLoadError
+from mlx_relay.errors import UnsupportedModel
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -34,10 +34,6 @@ __all__ = ["FAMILY_PACKAGES", "ModelFamily", "UnsupportedModel", "family_for", "
 FAMILY_PACKAGES: Final[tuple[str, ...]] = ("mlx_relay.engine.models.qwen3_5",)
 
 KV = list[tuple["mx.array", "mx.array"]]
-
-
-class UnsupportedModel(ModelLoadError):
-    """The model is of no family the engine's steps serve, or not of its family's shape."""
 
 
 class ModelFamily(Protocol):
