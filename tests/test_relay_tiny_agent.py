@@ -7,10 +7,10 @@ serve` and ``Relay.start()`` serve, under its own name) is shared by every test 
 are held-out examples of the model's curriculum (``tools/agent_curriculum.py``, split 1: never
 trained on), written out by hand: the model knows those shapes only (a ``verb_object`` tool with
 typed parameters, "Please <verb> the <object> with ...", a ``{"status": "ok", "value": ...}``
-result; "Reply with a JSON object with the keys ..."). The agent clients' own prompts are far
-outside its training (it babbles on them; ``tests/test_agent_sequences.py`` replays those on a
-random-weight model; all of them pass on this one too, measured once, but would add minutes to
-the suite for what the random-weight run already checks). So the last
+result; "Reply with a JSON object with the keys ..."). Inside the agent clients' own prompts
+(7-32K tokens) it knows one task, the stock lookup of ``make agents`` (``tools/agent_scenes.py``);
+prefilling those prompts would add minutes to this suite (``tests/test_agent_sequences.py`` replays
+their shapes on a random-weight model, ``make agents`` runs the agents themselves). So the last
 test here sends OpenCode's request shape (its headers, some of its tools, its message layout) and
 the streamed Anthropic round trip Claude Code's, around a curriculum-shaped tool and question:
 the model's unforced call comes back through the streams those clients parse.
