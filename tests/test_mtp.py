@@ -126,9 +126,11 @@ def test_mtp_row_cancelled_mid_flight(gpu: Callable, bigram_model: Path) -> None
     assert tokens == want
 
 
-def _exact_two_token_distribution(path: Path, prompt: list[int],
-                                  params: SamplingParams) -> dict[tuple[int, int], float]:
-    """p(t1) p(t2 | t1) after the request's own temperature/top-k processing, by the raw model."""
+def _exact_two_token_distribution(path: Path, prompt: list[int], params: SamplingParams,
+                                  mask: Callable[[list[int], Any], Any] | None = None
+                                  ) -> dict[tuple[int, int], float]:
+    """p(t1) p(t2 | t1) after the request's own temperature/top-k processing, by the raw model;
+    with `mask(tokens, logits)`, the logits after `tokens` go through it first (a grammar's mask)."""
     import mlx.core as mx
     import mlx_vlm
 
@@ -139,6 +141,8 @@ def _exact_two_token_distribution(path: Path, prompt: list[int],
 
     def dist(tokens: list[int]) -> dict[int, float]:
         logits = lm(mx.array([tokens])).logits[:, -1, :]
+        if mask is not None:
+            logits = mask(tokens, logits)
         p = mx.exp(processed_logprobs(params, logits))[0]
         return {i: float(v) for i, v in enumerate(p.tolist()) if v > 1e-9}
 

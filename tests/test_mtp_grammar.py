@@ -32,6 +32,7 @@ from mlx_relay.messages.gpu import Finished, Generate, SamplingParams
 from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer
+from tests.test_mtp import _chi2_critical, _exact_two_token_distribution
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
           "required": ["path"]}
@@ -122,32 +123,19 @@ def test_a_forced_call_through_mtp_is_a_valid_call(gpu: Callable, choice: str) -
 def _exact_masked_two_tokens(path: Path, prompt: list[int], grammar: str,
                              params: SamplingParams) -> dict[tuple[int, int], float]:
     """p'(t1) p'(t2 | t1): the model's logits masked by the grammar, then the request's processing."""
-    import mlx.core as mx
-    import mlx_vlm
-
     from mlx_relay.engine.step.processors import GrammarMask
-    from mlx_relay.engine.step.sampling import processed_logprobs
 
-    model, _ = mlx_vlm.load(str(path))
-    lm = model.language_model
     tok = AutoTokenizer.from_pretrained(str(path))
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     llg = llguidance.hf.from_tokenizer(tok, eos_token=eos)
-    vocab = lm(mx.array([prompt])).logits.shape[-1]
 
-    def dist(tokens: list[int]) -> dict[int, float]:
-        mask = GrammarMask(llguidance.LLMatcher(llg, grammar), eos, vocab)
+    def mask(tokens: list[int], logits: Any) -> Any:
+        grammar_mask = GrammarMask(llguidance.LLMatcher(llg, grammar), eos, logits.shape[-1])
         for t in tokens[len(prompt):]:
-            mask.feed(t)
-        logits = mask.masked(lm(mx.array([tokens])).logits[:, -1, :])
-        p = mx.exp(processed_logprobs(params, logits))[0]
-        return {i: float(v) for i, v in enumerate(p.tolist()) if v > 1e-9}
+            grammar_mask.feed(t)
+        return grammar_mask.masked(logits)
 
-    out: dict[tuple[int, int], float] = {}
-    for t1, p1 in dist(prompt).items():
-        for t2, p2 in dist([*prompt, t1]).items():
-            out[(t1, t2)] = p1 * p2
-    return out
+    return _exact_two_token_distribution(path, prompt, params, mask)
 
 
 def test_mtp_sampling_with_a_grammar_keeps_the_masked_distribution(gpu: Callable) -> None:
@@ -179,10 +167,8 @@ def test_mtp_sampling_with_a_grammar_keeps_the_masked_distribution(gpu: Callable
     counts = Counter(tuple(t) for t in tokens.values())
     assert all(len(t) == 2 for t in counts)
     assert set(counts) <= set(exact), set(counts) - set(exact)  # nothing the masked target cannot produce
-    a = 2.0 / (9.0 * (len(exact) - 1))
-    critical = (len(exact) - 1) * (1.0 - a + 3.09 * math.sqrt(a)) ** 3
     g = 2.0 * sum(c * math.log(c / (n * exact[cell])) for cell, c in counts.items())
-    assert g < critical, (g, counts.most_common(5))
+    assert g < _chi2_critical(len(exact) - 1), (g, counts.most_common(5))
 
 
 def test_an_agent_request_with_tools_keeps_mtp_over_http(server: LiveServer) -> None:
