@@ -43,6 +43,13 @@ from mlx_relay.chat.normalize import normalize_messages, to_template_messages
 from mlx_relay.chat.prompt_render import PromptRenderer
 from mlx_relay.chat.types import ChatMessage, FunctionCall, ToolCall
 from mlx_relay.http.body import decode_body
+from mlx_relay.http.formats.anthropic.request import to_chat_request as anthropic_request
+from mlx_relay.http.formats.anthropic.types import MessagesRequest
+from mlx_relay.http.formats.openai_chat.request import to_chat_request as chat_request
+from mlx_relay.http.formats.openai_chat.types import ChatCompletionRequest
+from mlx_relay.http.formats.responses.request import items_to_messages, parse_items, translate
+from mlx_relay.http.formats.responses.tools import parse_tools
+from mlx_relay.http.formats.responses.types import ResponsesRequest
 from mlx_relay.messages.prompt import Render
 from mlx_relay.service import ChatRequest
 
@@ -112,22 +119,12 @@ def to_request(route: str, body: dict[str, Any]) -> ChatRequest:
     """The server's own conversion of a wire body into the neutral request."""
     raw = json.dumps(body).encode()
     if "/responses" in route:
-        from mlx_relay.http.formats.responses.request import items_to_messages, parse_items, translate
-        from mlx_relay.http.formats.responses.tools import parse_tools
-        from mlx_relay.http.formats.responses.types import ResponsesRequest
-
         rbody = decode_body(raw, ResponsesRequest, 10_000)
         tools, names = parse_tools(rbody.tools)
         req, _ = translate(rbody, "m", items_to_messages(parse_items(rbody.input), names), tools, names)
         return req
     if "/messages" in route:
-        from mlx_relay.http.formats.anthropic.request import to_chat_request
-        from mlx_relay.http.formats.anthropic.types import MessagesRequest
-
-        return to_chat_request(decode_body(raw, MessagesRequest, 10_000))
-    from mlx_relay.http.formats.openai_chat.request import to_chat_request as chat_request
-    from mlx_relay.http.formats.openai_chat.types import ChatCompletionRequest
-
+        return anthropic_request(decode_body(raw, MessagesRequest, 10_000))
     return chat_request(decode_body(raw, ChatCompletionRequest, 10_000))
 
 

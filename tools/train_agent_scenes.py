@@ -246,10 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     opt.init(model.trainable_parameters())
     caches = PrefixCaches(model, args.chunk, args.refresh)
 
-    def scene_fn(m: TargetWithMTP, cache: list[Any], suffix: mx.array, mask: mx.array, start: int) -> mx.array:
-        return scene_loss(m, cache, suffix, mask, start)
-
-    scene_grad = nn.value_and_grad(model, scene_fn)
+    scene_grad = nn.value_and_grad(model, scene_loss)
 
     def curriculum_fn(m: TargetWithMTP, tokens: mx.array, kinds: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
         losses = masked_losses(m.vlm, m.mtp, tokens, kinds)
