@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -39,9 +38,9 @@ import httpx
 import msgspec
 
 from mlx_relay.bench.machine import environment, process_rss_mb
+from mlx_relay.bench.serve_process import ServeProcess
 from mlx_relay.bench.tables import rows_markdown
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
-from mlx_relay.testing.live_server import free_port
 
 SMALL = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 1, "stream": True, "temperature": 0}
 
@@ -57,30 +56,16 @@ def long_context_copy(dest: Path, context: int) -> Path:
     return dest
 
 
-class Server:
-    def __init__(self, model: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_relay.cli", "serve", str(model), "--port", str(self.port),
-             "--served-model-name", "tiny", "--max-num-seqs", "4", "--render-timeout", "120"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("mlx-relay ready"):
-            raise RuntimeError(f"server did not start: {line}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+def serve(model: Path) -> ServeProcess:
+    return ServeProcess(str(model), "--served-model-name", "tiny", "--max-num-seqs", "4", "--render-timeout", "120")
 
 
-def settled_rss(server: Server) -> float:
+def settled_rss(server: ServeProcess) -> float:
     """The server's RSS with MLX's buffer cache emptied (a cache flush): what the small requests
     that run beside the large prompts leave in MLX's cache is not the large prompts' memory."""
     httpx.post(server.url + "/v1/cache/flush", timeout=30)
     time.sleep(0.5)
-    return process_rss_mb(server.proc.pid)
+    return process_rss_mb(server.pid)
 
 
 def ttft(url: str) -> float:
@@ -149,7 +134,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     memory: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        server = Server(long_context_copy(Path(tmp) / "long", 1 << 20))
+        server = serve(long_context_copy(Path(tmp) / "long", 1 << 20))
         try:
             measure(server.url, 3)  # warm
             alone = measure(server.url, args.repeats)
@@ -172,15 +157,15 @@ def main() -> int:
             memory["after_large_mb"] = memory[f"after_round_{args.rounds}_mb"]
             memory["large_statuses"] = statuses  # type: ignore[assignment]
             # one large prompt at a time, no flush: the server's RSS 1 s after each has ended
-            memory["single_before_mb"] = process_rss_mb(server.proc.pid)
+            memory["single_before_mb"] = process_rss_mb(server.pid)
             for i in range(3):
                 threads, _ = big_prompts(server.url, text, Path(tmp), routes=("/v1/chat/completions",))
                 threads[0].join()
                 time.sleep(1.0)
-                memory[f"single_{i + 1}_after_mb"] = process_rss_mb(server.proc.pid)
+                memory[f"single_{i + 1}_after_mb"] = process_rss_mb(server.pid)
         finally:
             server.stop()
-        server = Server(fixture_path(FixtureSpec(variant="fp32", seed=0)))
+        server = serve(fixture_path(FixtureSpec(variant="fp32", seed=0)))
         try:
             measure(server.url, 3)
             alone = measure(server.url, args.repeats)

@@ -34,8 +34,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -45,31 +43,17 @@ import httpx
 import msgspec
 
 from mlx_relay.bench.machine import environment
+from mlx_relay.bench.serve_process import ServeProcess
 from mlx_relay.bench.tables import rows_markdown
-from mlx_relay.testing.live_server import free_port
 
 SHORT_TEXTS = ["Count from one to ten in words, please.", "List three colours and three animals, please.",
                "Name the days of the week in order, please.", "Say hello and then spell your name, please."]
 
 
-class Server:
-    def __init__(self, budget: int | None, factor: str = "default") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        flags = [] if budget is None else ["--max-num-batched-tokens", str(budget)]
-        flags += [] if factor == "default" else ["--decode-stall-factor", factor]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_relay.cli", "serve", "--port", str(self.port), "--served-model-name",
-             "tiny", *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("mlx-relay ready"):
-            raise RuntimeError(f"server did not start: {line}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+def serve(budget: int | None, factor: str = "default") -> ServeProcess:
+    flags = [] if budget is None else ["--max-num-batched-tokens", str(budget)]
+    flags += [] if factor == "default" else ["--decode-stall-factor", factor]
+    return ServeProcess("--served-model-name", "tiny", *flags)
 
 
 def load() -> str:
@@ -142,7 +126,7 @@ def summary(name: str, budget: str, shorts: list[dict[str, Any]], longs: list[fl
 def run_budget(budget: int | None, factor: str, args: argparse.Namespace, seed: int
                ) -> tuple[list[dict[str, Any]], dict]:
     label = ("default" if budget is None else str(budget)) + ("" if factor == "default" else f", stall {factor}")
-    server = Server(budget, factor)
+    server = serve(budget, factor)
     raw: dict[str, Any] = {"budget": label}
     try:
         short_request(server.url, SHORT_TEXTS[0])  # warm the path

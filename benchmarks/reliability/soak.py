@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -32,9 +30,9 @@ import httpx
 import msgspec
 
 from mlx_relay.bench.machine import environment, process_rss_mb
+from mlx_relay.bench.serve_process import ServeProcess
 from mlx_relay.bench.tables import rows_markdown
 from mlx_relay.default_model import DEFAULT_MODEL_NAME
-from mlx_relay.testing.live_server import free_port
 
 MODEL = DEFAULT_MODEL_NAME  # the name the embedded model is served under
 TOOLS = [
@@ -248,25 +246,12 @@ def summarize(results: list[Outcome]) -> dict[str, Any]:
     }
 
 
-def start_server(model: str | None) -> tuple[subprocess.Popen[str], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlx_relay.cli", "serve", *([model] if model else []), "--port", str(port),
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("mlx-relay ready"):
-        raise RuntimeError(f"the server did not start: {line!r}")
-    return proc, f"http://127.0.0.1:{port}"
-
-
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     env = environment()  # the checkout the server runs, taken before it starts
     proc = None
     if args.target is None:
-        proc, url = start_server(args.model)
-        pid = proc.pid
+        proc = ServeProcess(*([args.model] if args.model else []), "--log-level", "warning")
+        url, pid = proc.url, proc.pid
     else:
         url, pid = args.target, args.pid
     try:
@@ -290,8 +275,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         await sampler
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+            proc.stop()
     summary = summarize(results)
     return {"summary": summary, "seconds": round(seconds, 1), "concurrency": args.concurrency,
             "rss_mb": {"after_warmup": after_warmup, "max": max(v for _, v in curve), "at_end": at_end,
