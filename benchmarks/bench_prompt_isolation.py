@@ -38,9 +38,9 @@ import httpx
 import msgspec
 
 from mlx_relay.bench.machine import environment, process_rss_mb
-from mlx_relay.bench.serve_process import ServeProcess
 from mlx_relay.bench.tables import rows_markdown
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
+from mlx_relay.testing.serve_process import ServeProcess
 
 SMALL = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 1, "stream": True, "temperature": 0}
 

@@ -43,8 +43,8 @@ import httpx
 import msgspec
 
 from mlx_relay.bench.machine import environment
-from mlx_relay.bench.serve_process import ServeProcess
 from mlx_relay.bench.tables import rows_markdown
+from mlx_relay.testing.serve_process import ServeProcess
 
 SHORT_TEXTS = ["Count from one to ten in words, please.", "List three colours and three animals, please.",
                "Name the days of the week in order, please.", "Say hello and then spell your name, please."]

@@ -30,9 +30,9 @@ import httpx
 import msgspec
 
 from mlx_relay.bench.machine import environment, process_rss_mb
-from mlx_relay.bench.serve_process import ServeProcess
 from mlx_relay.bench.tables import rows_markdown
 from mlx_relay.default_model import DEFAULT_MODEL_NAME
+from mlx_relay.testing.serve_process import ServeProcess
 
 MODEL = DEFAULT_MODEL_NAME  # the name the embedded model is served under
 TOOLS = [
