@@ -59,10 +59,11 @@ class DecodeStep:
               kv: list[tuple[mx.array, mx.array]], conv: list[mx.array], ssm: list[mx.array]
               ) -> tuple[mx.array, list[tuple[mx.array, mx.array]], list[mx.array], list[mx.array]]:
         B = tokens.shape[0]
-        positions = mx.broadcast_to((idx - left_padding + deltas)[None, :, None], (3, B, 1))
+        offsets = idx - left_padding + deltas
+        positions = mx.broadcast_to(offsets[None, :, None], (3, B, 1))
         columns = mx.arange(kv[0][0].shape[2])
         valid = ((columns[None, :] >= left_padding[:, None]) & (columns[None, :] <= idx))[:, None, None, :]
-        at = Positions.at_column(idx, positions, valid)
+        at = Positions.at_column(idx, positions, valid, offsets)
         h, kv, conv, ssm = self.family.forward_block(self.lm, tokens[:, None], at, kv, conv, ssm, keep_states=False,
                                                      stage=self.stage)
         return self.family.logits(self.lm, h)[:, -1, :], kv, conv, ssm

@@ -52,9 +52,9 @@ def _prefix_mask(columns: mx.array, cap: int) -> mx.array:
     return (mx.arange(cap)[None, None, :] <= columns[:, :, None])[:, None]
 
 
-def _at(columns: mx.array, rotary: mx.array, cap: int) -> Positions:
+def _at(columns: mx.array, rotary: mx.array, cap: int, offsets: mx.array | None = None) -> Positions:
     """Positions `columns` [B, T] of each row, written there, each query seeing its row's prefix."""
-    return Positions.per_row(columns, rotary, _prefix_mask(columns, cap))
+    return Positions.per_row(columns, rotary, _prefix_mask(columns, cap), offsets)
 
 
 class MTPStep:
@@ -108,7 +108,7 @@ class MTPStep:
         and the state after each position (the commit picks one)."""
         B, T = block.shape
         columns = lengths[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
-        at = _at(columns, mx.broadcast_to(columns[None], (3, B, T)), kv[0][0].shape[2])
+        at = _at(columns, mx.broadcast_to(columns[None], (3, B, T)), kv[0][0].shape[2], offsets=lengths)
         return self.family.forward_block(self.lm, block, at, kv, conv, ssm, keep_states=True, stage=self.stage)
 
     def _round(self, bonus: mx.array, draft: mx.array, seed: mx.array, lengths: mx.array, head_lengths: mx.array,

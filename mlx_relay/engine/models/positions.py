@@ -21,15 +21,19 @@ class Positions:
     mask: mx.array  # the attention mask over the buffers' columns
     column: mx.array | None  # a scalar: every row writes its one position there
     where: mx.array | None  # [B, 1, T, 1]: row i's position t is written at column where[i, 0, t, 0]
+    # [B]: where the T positions are text positions (one value for every M-RoPE section, row i's
+    # at offsets[i] + t), as in the decode step and the MTP verify: the attention may rotate with
+    # MLX's fused rope (`mx.fast.rope` with a per-row offset) instead of the library's M-RoPE ops
+    offsets: mx.array | None = None
 
     @staticmethod
-    def at_column(column: mx.array, rotary: mx.array, mask: mx.array) -> Positions:
-        return Positions(rotary, mask, column, None)
+    def at_column(column: mx.array, rotary: mx.array, mask: mx.array, offsets: mx.array | None = None) -> Positions:
+        return Positions(rotary, mask, column, None, offsets)
 
     @staticmethod
-    def per_row(columns: mx.array, rotary: mx.array, mask: mx.array) -> Positions:
+    def per_row(columns: mx.array, rotary: mx.array, mask: mx.array, offsets: mx.array | None = None) -> Positions:
         """`columns` [B, T]."""
-        return Positions(rotary, mask, None, columns[:, None, :, None])
+        return Positions(rotary, mask, None, columns[:, None, :, None], offsets)
 
     def write(self, buf: mx.array, new: mx.array) -> mx.array:
         """`buf` [B, heads, cap, D] with `new` [B, heads, T, D] written at these positions."""

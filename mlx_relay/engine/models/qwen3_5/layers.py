@@ -6,18 +6,22 @@ The layers are the library's modules and weights (mlx-vlm's qwen3_5 language mod
 norms, rotary embedding, the MLP or mixture of experts, the head); only the caches are ours: keys
 and values written into fixed buffers where `Positions` says and read under its mask, the
 GatedDeltaNet conv window and recurrent state in and out as arrays. The arithmetic is the
-library's own decode (`tests/test_decode_step.py` and `tests/test_mtp_step.py` pin the greedy
-tokens, float32).
+library's own decode (`tests/test_decode_step.py`, `tests/test_mtp_step.py` and
+`tests/test_moe_decode.py` pin the greedy tokens, float32). Where the library runs a chain of small
+operations the loop calls one launch instead (issue 32: the step is launch-bound on a GPU): a
+GatedDeltaNet layer between its projections and a mixture of experts' router and combine through
+`engine/kernels/` (CUDA kernels, the library's ops elsewhere), text positions rotated with MLX's
+fused rope, and the expert matmuls' row indices made once per step (`ExpertRows`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_vlm.models.qwen3_5.gated_delta import gated_delta_update, gated_delta_update_with_states
 
+from mlx_relay.engine.kernels.gated_delta import gated_delta_mixer
+from mlx_relay.engine.kernels.moe import combine, route_topk
 from mlx_relay.engine.models import KV, UnsupportedModel
 from mlx_relay.engine.models.positions import Positions
 
@@ -34,55 +38,42 @@ def decoder_layers(lm: Any) -> list[Any]:
     return list(layers)
 
 
-def normalize_qk(q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
-    # as the library's GatedDeltaNet: L2 normalisation as an RMS norm with epsilon over the width
-    inv_scale = k.shape[-1] ** -0.5
-    eps = 1e-6 / k.shape[-1]
-    return (inv_scale**2) * mx.fast.rms_norm(q, None, eps), inv_scale * mx.fast.rms_norm(k, None, eps)
-
-
-def _conv(la: Any, conv_in: mx.array, T: int) -> mx.array:
-    """The causal depthwise conv's T outputs over [B, K-1+T, C]; low precision weights accumulate
-    in float32 per position, as the library's one-token decode does."""
-    weight = la.conv1d.weight  # [C, K, 1]
-    if weight.dtype not in (mx.bfloat16, mx.float16):
-        return la.conv1d(conv_in)
-    K = weight.shape[1]
-    w = weight[:, :, 0].T.astype(mx.float32)
-    if T == 1:  # the input is the one window
-        return mx.sum(conv_in.astype(mx.float32) * w[None], axis=1).astype(conv_in.dtype)[:, None, :]
-    outs = [mx.sum(conv_in[:, j:j + K, :].astype(mx.float32) * w[None], axis=1) for j in range(T)]
-    return mx.stack(outs, axis=1).astype(conv_in.dtype)
-
-
 def gated_delta_net(la: Any, x: mx.array, conv_state: mx.array, ssm: mx.array, *, keep_states: bool
                     ) -> tuple[mx.array, mx.array, mx.array]:
     """Output [B, T, H] and, per `models.ModelFamily.forward_block`: the conv window and recurrent
     state after the block, or (`keep_states`) the conv input [B, K-1+T, C] and the state after
-    each position [B, T, Hv, Dv, Dk]."""
-    B, T, _ = x.shape
-    mixed = la.in_proj_qkv(x)
-    z = la.in_proj_z(x).reshape(B, T, -1, la.head_v_dim)
-    b, a = la.in_proj_b(x), la.in_proj_a(x)
-    conv_in = mx.concatenate([conv_state, mixed], axis=1)
-    conv = nn.silu(_conv(la, conv_in, T))
-    q, k, v = (t.reshape(B, T, h, d) for t, h, d in zip(
-        mx.split(conv, [la.key_dim, 2 * la.key_dim], -1),
-        (la.num_k_heads, la.num_k_heads, la.num_v_heads),
-        (la.head_k_dim, la.head_k_dim, la.head_v_dim), strict=True))
-    q, k = normalize_qk(q, k)
-    if keep_states:
-        out, _final, ssm = gated_delta_update_with_states(q, k, v, a, b, la.A_log, la.dt_bias, state=ssm,
-                                                          state_steps=T)
-    else:
-        out, ssm = gated_delta_update(q, k, v, a, b, la.A_log, la.dt_bias, state=ssm)
-        conv_in = conv_in[:, T:, :]  # the window after the block
-    out = la.norm(out, z)
-    return la.out_proj(out.reshape(B, T, -1)), conv_in, ssm
+    each position [B, T, Hv, Dv, Dk]. Between the projections: `kernels.gated_delta`."""
+    out, conv_state, ssm = gated_delta_mixer(la, la.in_proj_qkv(x), la.in_proj_z(x), la.in_proj_b(x),
+                                             la.in_proj_a(x), conv_state, ssm, keep_states=keep_states)
+    return la.out_proj(out), conv_state, ssm
 
 
-def attention(sa: Any, x: mx.array, keys_buf: mx.array, values_buf: mx.array, at: Positions
-              ) -> tuple[mx.array, mx.array, mx.array]:
+def rope_periods(lm: Any) -> mx.array | None:
+    """The periods (1 / the library's inverse frequencies) that make `mx.fast.rope` rotate text
+    positions exactly as the library's M-RoPE does (every section at one position; the float32
+    tests pin it), or None where the rotary embedding is not of that kind."""
+    sa = next((layer.self_attn for layer in lm.model.layers if not layer.is_linear), None)
+    rotary = getattr(sa, "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if inv_freq is None or not isinstance(getattr(rotary, "dim", None), int) \
+            or getattr(rotary, "attention_scaling", 1.0) != 1.0:
+        return None
+    return 1.0 / inv_freq
+
+
+def _rotate(sa: Any, queries: mx.array, keys: mx.array, at: Positions, periods: mx.array | None
+            ) -> tuple[mx.array, mx.array]:
+    """Queries and keys [B, heads, T, D] rotated to their positions: MLX's fused rope (one kernel
+    each) where `at` holds text positions, the library's M-RoPE otherwise."""
+    if at.offsets is None or periods is None:
+        return sa.rotary_emb.apply_rotary(queries, keys, at.rotary, unsqueeze_dim=1)
+    dims = sa.rotary_emb.dim
+    return tuple(mx.fast.rope(t, dims, traditional=False, base=None, scale=1.0, offset=at.offsets, freqs=periods)
+                 for t in (queries, keys))  # type: ignore[return-value]
+
+
+def attention(sa: Any, x: mx.array, keys_buf: mx.array, values_buf: mx.array, at: Positions,
+              periods: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """Gated attention of T queries per row; their keys and values written where `at` says."""
     B, T, _ = x.shape
     queries, gate = mx.split(sa.q_proj(x).reshape(B, T, sa.num_attention_heads, -1), 2, axis=-1)
@@ -90,7 +81,7 @@ def attention(sa: Any, x: mx.array, keys_buf: mx.array, values_buf: mx.array, at
     queries = sa.q_norm(queries).transpose(0, 2, 1, 3)
     keys = sa.k_norm(sa.k_proj(x).reshape(B, T, sa.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
     values = sa.v_proj(x).reshape(B, T, sa.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-    queries, keys = sa.rotary_emb.apply_rotary(queries, keys, at.rotary, unsqueeze_dim=1)
+    queries, keys = _rotate(sa, queries, keys, at, periods)
     keys_buf = at.write(keys_buf, keys)
     values_buf = at.write(values_buf, values)
     out = mx.fast.scaled_dot_product_attention(queries, keys_buf, values_buf, scale=sa.scale, mask=at.mask)
@@ -98,17 +89,65 @@ def attention(sa: Any, x: mx.array, keys_buf: mx.array, values_buf: mx.array, at
     return sa.o_proj(out * mx.sigmoid(gate)), keys_buf, values_buf
 
 
-def _residual(layer: Any, h: mx.array, r: mx.array) -> mx.array:
+class ExpertRows(NamedTuple):
+    """For a step's one position per row: which input row each expert matmul reads, made once per
+    step and shared by every layer (left to itself, `mx.gather_qmm` makes these with an `arange`
+    per call: three launches per layer)."""
+
+    inputs: mx.array  # [B, 1, 1]: the gate and up projections read row b
+    routed: mx.array  # [B, 1, k]: the down projection reads row b's j-th expert output
+
+
+def expert_rows(lm: Any, tokens: mx.array) -> ExpertRows | None:
+    """`ExpertRows` for a decode step (T = 1) of a mixture-of-experts model, else None."""
+    mlp = lm.model.layers[0].mlp
+    B, T = tokens.shape
+    if T != 1 or not hasattr(mlp, "switch_mlp"):
+        return None
+    k = mlp.top_k
+    return ExpertRows(mx.arange(B, dtype=mx.uint32).reshape(B, 1, 1),
+                      mx.arange(B * k, dtype=mx.uint32).reshape(B, 1, k))
+
+
+def _switch_linear(m: Any, x: mx.array, inds: mx.array, rows: mx.array) -> mx.array:
+    """mlx-vlm's `SwitchLinear` / `QuantizedSwitchLinear` (unsorted, no bias) with the rows given."""
+    if "scales" in m:
+        return mx.gather_qmm(x, m["weight"], m["scales"], m.get("biases"), lhs_indices=rows, rhs_indices=inds,
+                             transpose=True, group_size=m.group_size, bits=m.bits, mode=m.mode)
+    return mx.gather_mm(x, m["weight"].swapaxes(-1, -2), lhs_indices=rows, rhs_indices=inds)
+
+
+def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None) -> mx.array:
+    """mlx-vlm's `SwitchGLU` over the routed experts: its own call, or for a decode step's few rows
+    (its unsorted path) the same matmuls with `rows` given."""
+    if rows is None or inds.size >= 64 or any("bias" in m for m in (switch.gate_proj, switch.up_proj,
+                                                                      switch.down_proj)):
+        return switch(x, inds)
+    x = mx.expand_dims(x, (-2, -3))
+    up = _switch_linear(switch.up_proj, x, inds, rows.inputs)
+    gate = _switch_linear(switch.gate_proj, x, inds, rows.inputs)
+    return _switch_linear(switch.down_proj, switch.activation(up, gate), inds, rows.routed).squeeze(-2)
+
+
+def _residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None = None) -> mx.array:
     """The residual stream after a layer whose mixer returned `r`: the mixer's output, then the MLP's."""
     h = h + r
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    x = layer.post_attention_layernorm(h)
+    mlp = layer.mlp
+    if not hasattr(mlp, "switch_mlp"):  # a dense MLP
+        return h + mlp(x)
+    # mlx-vlm's Qwen3_5MoeSparseMoeBlock, its router and combine through `kernels.moe`
+    inds, scores = route_topk(mlp.gate(x), mlp.top_k, mlp.norm_topk_prob)
+    return combine(h, _experts(mlp.switch_mlp, x, inds, rows), scores, mlp.shared_expert_gate(x),
+                   mlp.shared_expert(x))
 
 
-def attention_layer(layer: Any, h: mx.array, keys_buf: mx.array, values_buf: mx.array, at: Positions
+def attention_layer(layer: Any, h: mx.array, keys_buf: mx.array, values_buf: mx.array, at: Positions,
+                    periods: mx.array | None = None, rows: ExpertRows | None = None
                     ) -> tuple[mx.array, mx.array, mx.array]:
     """One full-attention decoder layer (the target's, or the MTP head's): the residual stream after it."""
-    r, keys_buf, values_buf = attention(layer.self_attn, layer.input_layernorm(h), keys_buf, values_buf, at)
-    return _residual(layer, h, r), keys_buf, values_buf
+    r, keys_buf, values_buf = attention(layer.self_attn, layer.input_layernorm(h), keys_buf, values_buf, at, periods)
+    return _residual(layer, h, r, rows), keys_buf, values_buf
 
 
 def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[mx.array], ssm: list[mx.array],
@@ -119,6 +158,8 @@ def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[m
         h = stage.receive(h)
     new_kv, new_conv, new_ssm = [], [], []
     kv_in, gdn_in = iter(kv), iter(zip(conv, ssm, strict=True))
+    periods = rope_periods(lm) if at.offsets is not None else None
+    rows = expert_rows(lm, tokens)
     for layer in lm.model.layers:
         if layer.is_linear:
             conv_state, ssm_state = next(gdn_in)
@@ -126,10 +167,10 @@ def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[m
                                                        ssm_state, keep_states=keep_states)
             new_conv.append(conv_state)
             new_ssm.append(ssm_state)
-            h = _residual(layer, h, r)
+            h = _residual(layer, h, r, rows)
         else:
             keys_buf, values_buf = next(kv_in)
-            h, keys_buf, values_buf = attention_layer(layer, h, keys_buf, values_buf, at)
+            h, keys_buf, values_buf = attention_layer(layer, h, keys_buf, values_buf, at, periods, rows)
             new_kv.append((keys_buf, values_buf))
     if stage is not None:  # every rank: the last stage's hidden states, every position
         h = stage.share(h if stage.last else stage.send(h))
