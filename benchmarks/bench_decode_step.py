@@ -23,7 +23,14 @@ a compiled function's fused elementwise chain is one). On a GPU each launching p
 about one kernel launch, and the step is launch-bound (`../shared` GPU notes: ~2,345 kernels per
 token for the library's step), so this counts what the compiled step saves, on any machine.
 On the CPU backend MLX's fast primitives (rms_norm, rope, attention) expand into the ops they are
-made of, so counts there exceed what a GPU launches; compare variants, not machines.
+made of, and our CUDA kernels (`mlx_relay/engine/kernels/`) run as their plain-MLX fallbacks, so
+counts there exceed what a GPU launches; compare variants, not machines.
+
+`--by-layer` (with `--count-ops`): the launching primitives of each part of the compiled step
+alone, traced the way the step runs it: a GatedDeltaNet mixer (input norm, projections, the mixer,
+output projection, residual), an attention mixer (the same around attention), the MLP or mixture
+of experts with its norm and residual, and the embedding + final norm + head + argmax; with the
+layer counts, the per-token total they add up to.
 """
 
 from __future__ import annotations
@@ -166,6 +173,67 @@ def count_ops(lm: Any, rows: list[tuple[list[Any], mx.array]], prompt_len: int) 
     return out
 
 
+def layer_ops(lm: Any, batch: int) -> dict[str, Any]:
+    """Launching primitives per part of the compiled step (`--by-layer`)."""
+    from mlx_relay.engine.models.positions import Positions
+    from mlx_relay.engine.models.qwen3_5 import layers as qwen
+
+    def count(fn: Any, *args: Any) -> dict[str, Any]:
+        outs = mx.compile(fn)(*args)
+        with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+            mx.export_to_dot(f.name, *outs)
+            labels = re.findall(r'label ="([^"]+)", shape=rectangle', Path(f.name).read_text())
+        ops = collections.Counter(label for label in labels if label not in VIEWS)
+        mx.eval(outs)
+        return {"launching": sum(ops.values()), "by_primitive": dict(ops.most_common())}
+
+    layers = lm.model.layers
+    lin = next(layer for layer in layers if layer.is_linear)
+    att = next(layer for layer in layers if not layer.is_linear)
+    la, sa = lin.linear_attn, att.self_attn
+    dtype = lm.model.embed_tokens.weight.dtype if lm.model.embed_tokens.weight.dtype != mx.uint32 else mx.bfloat16
+    h = (mx.random.normal((batch, 1, lm.args.hidden_size)) * 0.1).astype(dtype)
+    conv = mx.zeros((batch, la.conv1d.weight.shape[1] - 1, la.conv1d.weight.shape[0]), dtype=dtype)
+    ssm = mx.zeros((batch, la.num_v_heads, la.head_v_dim, la.head_k_dim), dtype=mx.float32)
+    cap = 256
+    keys = mx.zeros((batch, sa.num_key_value_heads, cap, sa.head_dim), dtype=dtype)
+    values = mx.zeros_like(keys)
+    idx = mx.array(10, dtype=mx.int32)
+    tok = mx.zeros((batch, 1), dtype=mx.int32)
+    periods = qwen.rope_periods(lm)
+    offsets = mx.full((batch,), 10, dtype=mx.int32)
+    mx.eval(h, conv, ssm, keys, values, idx, tok, offsets, periods)
+
+    def gdn(h: mx.array, conv: mx.array, ssm: mx.array) -> list[mx.array]:
+        r, c, s = qwen.gated_delta_net(la, lin.input_layernorm(h), conv, ssm, keep_states=False)
+        return [h + r, c, s]
+
+    def attention(h: mx.array, keys: mx.array, values: mx.array, idx: mx.array, offsets: mx.array) -> list[mx.array]:
+        pos = mx.broadcast_to(offsets[None, :, None], (3, batch, 1))
+        valid = (mx.arange(cap)[None, :] <= idx)[:, None, None, :]
+        at = Positions.at_column(idx, pos, valid, offsets)
+        r, k, v = qwen.attention(sa, att.input_layernorm(h), keys, values, at, periods)
+        return [h + r, k, v]
+
+    rows = qwen.expert_rows(lm, tok)  # made once per step, outside the layers
+    mx.eval(rows)
+
+    def mlp(h: mx.array, *rows_in: mx.array) -> list[mx.array]:
+        return [qwen._residual(lin, h, mx.zeros_like(h), qwen.ExpertRows(*rows_in) if rows_in else None)]
+
+    def head(tok: mx.array, h: mx.array) -> list[mx.array]:
+        return [lm.model.embed_tokens(tok), mx.argmax(qwen.logits(lm, lm.model.norm(h))[:, -1, :], axis=-1)]
+
+    parts = {"gated_delta_mixer": count(gdn, h, conv, ssm),
+             "attention_mixer": count(attention, h, keys, values, idx, offsets),
+             "mlp": count(mlp, h, *(rows or ())), "embed_norm_head": count(head, tok, h)}
+    n_lin = sum(1 for layer in layers if layer.is_linear)
+    n_att = len(layers) - n_lin
+    total = (n_lin * parts["gated_delta_mixer"]["launching"] + n_att * parts["attention_mixer"]["launching"]
+             + len(layers) * parts["mlp"]["launching"] + parts["embed_norm_head"]["launching"])
+    return {"parts": parts, "layers": {"gated_delta": n_lin, "attention": n_att}, "total_per_token": total}
+
+
 def run_pass(variant: Any, steps: int, rows: int) -> tuple[float, float, list[list[int]]]:
     """(ms per step, host ms per step, tokens per row) over `steps` pipelined steps."""
     state, tokens = variant.start()
@@ -195,6 +263,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
     parser.add_argument("--count-ops", action="store_true", help="count one step's operations instead of timing")
+    parser.add_argument("--by-layer", action="store_true", help="with --count-ops: launches per part of the step")
     args = parser.parse_args()
     model = Path(args.model) if args.model else fixture_path(FixtureSpec("bf16", 0))
     loaded = load_model(model)
@@ -213,6 +282,12 @@ def main() -> None:
                                              for n, c in counted.items()), flush=True)
             for n, c in counted.items():
                 print(f"  {n}: " + ", ".join(f"{k} {v}" for k, v in list(c["by_primitive"].items())[:14]))
+            if args.by_layer:
+                parts = layer_ops(lm, b)
+                counted["by_layer"] = parts
+                print(f"  by layer ({parts['layers']}): total {parts['total_per_token']} per token")
+                for n, c in parts["parts"].items():
+                    print(f"    {n}: {c['launching']}: " + ", ".join(f"{k} {v}" for k, v in c["by_primitive"].items()))
             continue
         variants = {"library": Library(lm, rows, args.prompt_tokens), "eager": Ours(lm, rows, False),
                     "compiled": Ours(lm, rows, True)}
@@ -233,12 +308,14 @@ def main() -> None:
         library_ms = statistics.median(x for x, _ in samples["library"])
         for name, s in samples.items():
             ms = statistics.median(x for x, _ in s)
-            summary[name] = {"ms_per_step": ms, "host_ms_per_step": statistics.median(h for _, h in s),
+            summary[name] = {"ms_per_step": ms, "ms_min": min(x for x, _ in s), "ms_max": max(x for x, _ in s),
+                             "ms_passes": [x for x, _ in s], "host_ms_per_step": statistics.median(h for _, h in s),
                              "tok_s_per_row": 1e3 / ms, "first_call_s": first_call[name],
                              "same_tokens_as_library": tokens[name] == tokens["library"],
                              "vs_library": library_ms / ms}
         results["batches"][str(b)] = summary
-        print(f"batch {b}: " + "; ".join(f"{n} {v['ms_per_step']:.2f} ms (host {v['host_ms_per_step']:.2f}, "
+        print(f"batch {b}: " + "; ".join(f"{n} {v['ms_per_step']:.2f} ms [{v['ms_min']:.2f}-{v['ms_max']:.2f}] "
+                                         f"(host {v['host_ms_per_step']:.2f}, "
                                          f"{v['vs_library']:.2f}x, same {v['same_tokens_as_library']}, "
                                          f"first {v['first_call_s']:.1f}s)" for n, v in summary.items()), flush=True)
     if args.out:

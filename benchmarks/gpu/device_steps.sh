@@ -4,6 +4,8 @@
 #   JOBS="overhead disk snapio agree" bash benchmarks/gpu/device_steps.sh start  # builds the model if needed
 #   bash benchmarks/gpu/device_steps.sh wait 560   # copies what is done to $OUT/steps
 # Jobs (JOBS, default "probe step mtp"; results in $OUT/steps/):
+#   kernels  kernel_check.py (issue 32.1): each CUDA kernel of mlx_relay/engine/kernels against its fallback
+#   count    bench_decode_step.py --count-ops --by-layer (issue 32.1): launches per step and per layer part
 #   probe    memory_release_probe.py: does freed MLX memory go back to the device (CUDA backend)
 #   step     bench_decode_step.py: mlx-vlm's own decode step vs ours (eager, compiled), per token
 #   mtp      bench_mtp.py: an MTP round (compiled and eager) against a plain step; raw mlx-vlm with and
@@ -56,6 +58,12 @@ agree)
     fi
     rm -rf "$AGREE_DIR"
   done ;;
+kernels)
+  python3 benchmarks/gpu/kernel_check.py --out $O/kernel_check.json > $O/kernel_check.txt 2>&1
+  say "kernel check (rc $?): $(tail -n 1 $O/kernel_check.txt)" ;;
+count)
+  python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,4}" --prompt-tokens 64 --count-ops --by-layer \
+    --out $O/step_ops.json > $O/step_ops.txt 2>&1; say "count done (rc $?): $(grep -h '^batch' $O/step_ops.txt | head -2)" ;;
 probe)
   python3 benchmarks/gpu/memory_release_probe.py --gb 40 > $O/memory_release.txt 2>&1; say "memory probe done" ;;
 step)

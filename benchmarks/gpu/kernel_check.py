@@ -1,0 +1,150 @@
+"""The GPU test of our CUDA kernels (issue 32.1): each kernel of `mlx_relay/engine/kernels/` against
+its plain-MLX fallback (the library's arithmetic, which the float32 CPU tests pin greedy-exact), on
+random inputs at Qwen3.5-35B-A3B's shape, bf16 as the model runs. Exits non-zero on a mismatch.
+
+    python benchmarks/gpu/kernel_check.py [--out check.json]
+
+- GatedDeltaNet mixer (`gated_delta.cuda_mixer` vs `fallback_mixer`): one token (the decode step)
+  and a block of 3 keeping every position's state (the MTP verify round), batch 1 and 4; the conv
+  window must match exactly (it is a copy), the output and the recurrent state within bf16
+  rounding (relative to the largest value).
+- MoE router (`moe.cuda_route_topk` vs `fallback_route_topk`): the same k largest probabilities
+  per row (compared sorted: the kernel orders experts by probability, argpartition in no set
+  order; equal probabilities may name other experts), each weight the renormalized probability of
+  the expert it names.
+- MoE combine (`moe.cuda_combine` vs `fallback_combine`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_relay.engine.kernels.backend import cuda_kernels_available
+from mlx_relay.engine.kernels.gated_delta import cuda_mixer, fallback_mixer
+from mlx_relay.engine.kernels.moe import cuda_combine, cuda_route_topk, fallback_combine, fallback_route_topk
+
+TOLERANCE = 2e-2  # relative to the reference's largest magnitude: a few bf16 roundings (eps 2^-7)
+
+SHAPE = {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 1, "num_attention_heads": 16,
+         "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+         "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+         "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6, "vocab_size": 1024,
+         "max_position_embeddings": 262144,
+         "full_attention_interval": 4, "norm_topk_prob": True,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                             "mrope_section": [11, 11, 10], "mrope_interleaved": True}}
+
+
+def rel(a: mx.array, ref: mx.array) -> float:
+    a, ref = a.astype(mx.float32), ref.astype(mx.float32)
+    return float(mx.abs(a - ref).max() / mx.maximum(mx.abs(ref).max(), 1e-6))
+
+
+def gated_delta_net() -> Any:
+    from mlx_vlm.models.qwen3_5_moe.config import TextConfig
+    from mlx_vlm.models.qwen3_5_moe.language import Qwen3_5MoeGatedDeltaNet
+
+    la = Qwen3_5MoeGatedDeltaNet(TextConfig.from_dict(SHAPE))
+    la.update({"conv1d": {"weight": (mx.random.normal(la.conv1d.weight.shape) * 0.3).astype(mx.bfloat16)},
+               "A_log": mx.random.normal((la.num_v_heads,)) * 0.5,
+               "dt_bias": (mx.random.normal((la.num_v_heads,)) * 0.5).astype(mx.bfloat16),
+               "norm": {"weight": (1 + 0.1 * mx.random.normal((la.head_v_dim,))).astype(mx.bfloat16)}})
+    mx.eval(la.parameters())
+    return la
+
+
+def check_mixer(la: Any, B: int, T: int, keep: bool) -> dict[str, Any]:
+    C = 2 * la.key_dim + la.value_dim
+    K = la.conv1d.weight.shape[1]
+    bf = mx.bfloat16
+    qkv = mx.random.normal((B, T, C)).astype(bf)
+    z = mx.random.normal((B, T, la.value_dim)).astype(bf)
+    b = mx.random.normal((B, T, la.num_v_heads)).astype(bf)
+    a = mx.random.normal((B, T, la.num_v_heads)).astype(bf)
+    conv = mx.random.normal((B, K - 1, C)).astype(bf)
+    ssm = mx.random.normal((B, la.num_v_heads, la.head_v_dim, la.head_k_dim)) * 0.05
+    mx.eval(qkv, z, b, a, conv, ssm)
+    ours = cuda_mixer(la, qkv, z, b, a, conv, ssm, keep_states=keep)
+    ref = fallback_mixer(la, qkv, z, b, a, conv, ssm, keep_states=keep)
+    mx.eval(ours, ref)
+    shapes_ok = all(o.shape == r.shape and o.dtype == r.dtype for o, r in zip(ours, ref, strict=True))
+    result = {"B": B, "T": T, "keep_states": keep, "shapes_match": shapes_ok,
+              "y_rel": rel(ours[0], ref[0]) if shapes_ok else None,
+              "conv_exact": bool(mx.array_equal(ours[1], ref[1])) if shapes_ok else False,
+              "ssm_rel": rel(ours[2], ref[2]) if shapes_ok else None}
+    result["ok"] = bool(shapes_ok and result["conv_exact"] and result["y_rel"] <= TOLERANCE
+                        and result["ssm_rel"] <= TOLERANCE)
+    return result
+
+
+def check_route(B: int, E: int = 256, k: int = 8) -> dict[str, Any]:
+    logits = (mx.random.normal((B, 1, E)) * 2).astype(mx.bfloat16)
+    inds, scores = cuda_route_topk(logits, k, True)
+    ref_inds, ref_scores = fallback_route_topk(logits, k, True)
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    named = mx.take_along_axis(probs, inds.astype(mx.int32), axis=-1)
+    named = named / named.sum(axis=-1, keepdims=True)
+    mx.eval(inds, scores, ref_inds, ref_scores, named)
+    result = {"B": B, "E": E, "k": k,
+              "sorted_scores_rel": rel(mx.sort(scores, axis=-1), mx.sort(ref_scores, axis=-1)),
+              "scores_are_named_experts_rel": rel(scores, named),
+              "distinct_experts": bool(all(len(set(r)) == k for r in inds.reshape(-1, k).tolist())),
+              "same_expert_sets": [sorted(x) for x in inds.reshape(-1, k).tolist()]
+              == [sorted(x) for x in ref_inds.reshape(-1, k).tolist()]}
+    result["ok"] = bool(result["distinct_experts"] and result["sorted_scores_rel"] <= TOLERANCE
+                        and result["scores_are_named_experts_rel"] <= TOLERANCE)
+    return result
+
+
+def check_combine(B: int, D: int = 2048, k: int = 8) -> dict[str, Any]:
+    bf = mx.bfloat16
+    h = mx.random.normal((B, 1, D)).astype(bf)
+    y = mx.random.normal((B, 1, k, D)).astype(bf)
+    scores = mx.softmax(mx.random.normal((B, 1, k)), axis=-1).astype(bf)
+    gate = mx.random.normal((B, 1, 1)).astype(bf)
+    shared = mx.random.normal((B, 1, D)).astype(bf)
+    ours, ref = cuda_combine(h, y, scores, gate, shared), fallback_combine(h, y, scores, gate, shared)
+    result = {"B": B, "rel": rel(ours, ref), "shape_match": ours.shape == ref.shape and ours.dtype == ref.dtype}
+    result["ok"] = bool(result["shape_match"] and result["rel"] <= TOLERANCE)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if not cuda_kernels_available():
+        sys.exit("kernel_check: no CUDA GPU here (the kernels run only there; the CPU tests pin the fallbacks)")
+    mx.random.seed(0)
+    la = gated_delta_net()
+    checks: dict[str, list[dict[str, Any]]] = {"gated_delta_mixer": [], "route_topk": [], "combine": []}
+    def record(name: str, check: Any, *args: Any) -> None:
+        try:
+            c = check(*args)
+        except Exception as exc:  # a kernel that does not compile or run fails the check, the others still run
+            c = {"args": repr(args[1:] if name == "gated_delta_mixer" else args), "error": repr(exc)[:2000],
+                 "ok": False}
+        checks[name].append(c)
+        print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in c.items() if k != "same_expert_sets"), flush=True)
+
+    for B in (1, 4):
+        for T, keep in ((1, False), (3, True), (2, False)):
+            record("gated_delta_mixer", check_mixer, la, B, T, keep)
+        record("route_topk", check_route, B)
+        record("combine", check_combine, B)
+    ok = all(c["ok"] for group in checks.values() for c in group)
+    print("kernel check: " + ("PASS" if ok else "FAIL"))
+    if args.out:
+        args.out.write_text(json.dumps({"tolerance": TOLERANCE, "checks": checks, "pass": ok}, indent=2))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
