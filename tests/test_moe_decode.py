@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.test_decode_step import _positions, _prefill
+
 CONFIG = {
     "model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -48,22 +50,6 @@ def lm(gpu: Callable) -> Any:
         return model
 
     return gpu(build)
-
-
-def _positions(a: int, b: int) -> Any:
-    import mlx.core as mx
-
-    return mx.broadcast_to(mx.arange(a, b, dtype=mx.int32)[None, None, :], (3, 1, b - a))
-
-
-def _prefill(lm: Any, prompt: list[int]) -> tuple[list[Any], Any]:
-    import mlx.core as mx
-
-    cache = lm.make_cache()
-    out = lm(mx.array([prompt]), cache=cache, position_ids=_positions(0, len(prompt)))
-    first = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
-    mx.eval(first, [c.state for c in cache])
-    return cache, first
 
 
 def _library(lm: Any, prompt: list[int], n: int) -> tuple[list[int], list[Any]]:
