@@ -154,12 +154,47 @@ def step_ops(variant: Any) -> collections.Counter[str]:
     else:
         outs = [a for c in state for a in (c.state if isinstance(c.state, (list, tuple)) else [c.state])
                 if isinstance(a, mx.array)]
+    return graph_ops([nxt, *outs])
+
+
+def graph_ops(outs: list[Any]) -> collections.Counter[str]:
+    """Every primitive of the graph behind `outs` (MLX's own export), then evaluated."""
     with tempfile.NamedTemporaryFile(suffix=".dot") as f:
-        mx.export_to_dot(f.name, nxt, *outs)
-        dot = Path(f.name).read_text()
-    labels = re.findall(r'label ="([^"]+)", shape=rectangle', dot)
-    mx.eval(nxt, *outs)
+        mx.export_to_dot(f.name, *outs)
+        labels = re.findall(r'label ="([^"]+)", shape=rectangle', Path(f.name).read_text())
+    mx.eval(outs)
     return collections.Counter(labels)
+
+
+def launching(ops: collections.Counter[str]) -> dict[str, Any]:
+    kept = collections.Counter({k: n for k, n in ops.items() if k not in VIEWS})
+    return {"launching": sum(kept.values()), "primitives": sum(ops.values()), "by_primitive": dict(kept.most_common())}
+
+
+def mtp_round_ops(model: Path, lm: Any, prompt: list[int], block: int) -> dict[str, Any]:
+    """Launching primitives of one compiled MTP round at `block` (batch 1), as `MTPLane` runs it:
+    the head's drafts, the target's verify over the block, the cut, the commit, the next draft."""
+    from mlx_relay.engine.lanes.mtp_head import MTPHead
+    from mlx_relay.engine.lanes.mtp_state import MTPState
+    from mlx_relay.engine.lanes.mtp_step import MTPStep
+
+    head = MTPHead.load(model, lm, exact=False)
+    cache = lm.make_cache()
+    out = lm(mx.array([prompt]), cache=cache, return_hidden=True)
+    first = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
+    head_cache = head.make_cache()
+    pairs = mx.concatenate([mx.array([prompt[1:]], dtype=mx.int32), first[None]], axis=1)
+    h = head.forward(pairs, out.hidden_states[-1], head_cache, mx.arange(len(prompt))[None])
+    layout = tuple(bool(layer.is_linear) for layer in lm.model.layers)
+    state = MTPState.from_row(cache, head_cache, layout, first, head.argmax(h[:, -1:, :]).reshape(1),
+                              h[:, -1:, :], len(prompt))
+    state.pad_to_bucket()
+    mx.eval(state.arrays())
+    step = MTPStep(lm, head, block_size=block, eos_token_ids=[])
+    r = step(state, [1 << 20])
+    outs = [r.targets, r.accepted, r.committed, state.bonus, state.draft, state.seed,
+            *(a for pair in state.kv + state.head_kv for a in pair), *state.conv, *state.ssm]
+    return launching(graph_ops(outs))
 
 
 def count_ops(lm: Any, rows: list[tuple[list[Any], mx.array]], prompt_len: int) -> dict[str, Any]:
@@ -179,13 +214,7 @@ def layer_ops(lm: Any, batch: int) -> dict[str, Any]:
     from mlx_relay.engine.models.qwen3_5 import layers as qwen
 
     def count(fn: Any, *args: Any) -> dict[str, Any]:
-        outs = mx.compile(fn)(*args)
-        with tempfile.NamedTemporaryFile(suffix=".dot") as f:
-            mx.export_to_dot(f.name, *outs)
-            labels = re.findall(r'label ="([^"]+)", shape=rectangle', Path(f.name).read_text())
-        ops = collections.Counter(label for label in labels if label not in VIEWS)
-        mx.eval(outs)
-        return {"launching": sum(ops.values()), "by_primitive": dict(ops.most_common())}
+        return launching(graph_ops(mx.compile(fn)(*args)))
 
     layers = lm.model.layers
     lin = next(layer for layer in layers if layer.is_linear)
@@ -200,7 +229,7 @@ def layer_ops(lm: Any, batch: int) -> dict[str, Any]:
     values = mx.zeros_like(keys)
     idx = mx.array(10, dtype=mx.int32)
     tok = mx.zeros((batch, 1), dtype=mx.int32)
-    periods = qwen.rope_periods(lm)
+    periods = qwen.rope_periods(lm.model.layers)
     offsets = mx.full((batch,), 10, dtype=mx.int32)
     mx.eval(h, conv, ssm, keys, values, idx, tok, offsets, periods)
 
@@ -215,7 +244,7 @@ def layer_ops(lm: Any, batch: int) -> dict[str, Any]:
         r, k, v = qwen.attention(sa, att.input_layernorm(h), keys, values, at, periods)
         return [h + r, k, v]
 
-    rows = qwen.expert_rows(lm, tok)  # made once per step, outside the layers
+    rows = qwen.expert_rows(lm.model.layers, tok)  # made once per step, outside the layers
     mx.eval(rows)
 
     def mlp(h: mx.array, *rows_in: mx.array) -> list[mx.array]:
@@ -264,6 +293,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--count-ops", action="store_true", help="count one step's operations instead of timing")
     parser.add_argument("--by-layer", action="store_true", help="with --count-ops: launches per part of the step")
+    parser.add_argument("--mtp-block", type=int, default=0,
+                        help="with --count-ops: also one compiled MTP round at this block (batch 1; needs a head)")
     args = parser.parse_args()
     model = Path(args.model) if args.model else fixture_path(FixtureSpec("bf16", 0))
     loaded = load_model(model)
@@ -282,6 +313,13 @@ def main() -> None:
                                              for n, c in counted.items()), flush=True)
             for n, c in counted.items():
                 print(f"  {n}: " + ", ".join(f"{k} {v}" for k, v in list(c["by_primitive"].items())[:14]))
+            if args.mtp_block and b == 1:
+                prompt = [rng.randrange(100, vocab - 1) for _ in range(args.prompt_tokens)]
+                counted["mtp_round"] = mtp_round_ops(model, lm, prompt, args.mtp_block)
+                step = counted["compiled"]["launching"]
+                print(f"  MTP round, block {args.mtp_block}: {counted['mtp_round']['launching']} launching "
+                      f"({counted['mtp_round']['launching'] / step:.2f}x the compiled step): "
+                      + ", ".join(f"{k} {v}" for k, v in list(counted["mtp_round"]["by_primitive"].items())[:14]))
             if args.by_layer:
                 parts = layer_ops(lm, b)
                 counted["by_layer"] = parts

@@ -100,7 +100,7 @@ class MTPStep:
               columns: mx.array, positions: mx.array) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
         """The head over pairs (hidden [B, T, H], tokens [B, T]) written at `columns` [B, T]."""
         return self.family.mtp_head(self.lm, self.drafter, tokens, hidden, head_kv,
-                                    _at(columns, positions, head_kv[0][0].shape[2]))
+                                    _at(columns, positions, head_kv[0][0].shape[2], offsets=positions[:, 0]))
 
     def _target(self, block: mx.array, lengths: mx.array, kv: list[tuple[mx.array, mx.array]],
                 conv: list[mx.array], ssm: list[mx.array]) -> tuple[mx.array, list[Any], list[Any], list[Any]]:

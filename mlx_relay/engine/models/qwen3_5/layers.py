@@ -48,11 +48,12 @@ def gated_delta_net(la: Any, x: mx.array, conv_state: mx.array, ssm: mx.array, *
     return la.out_proj(out), conv_state, ssm
 
 
-def rope_periods(lm: Any) -> mx.array | None:
+def rope_periods(layers: list[Any]) -> mx.array | None:
     """The periods (1 / the library's inverse frequencies) that make `mx.fast.rope` rotate text
-    positions exactly as the library's M-RoPE does (every section at one position; the float32
-    tests pin it), or None where the rotary embedding is not of that kind."""
-    sa = next((layer.self_attn for layer in lm.model.layers if not layer.is_linear), None)
+    positions exactly as the first attention layer of `layers` does with the library's M-RoPE
+    (every section at one position; the float32 tests pin it), or None where the rotary embedding
+    is not of that kind."""
+    sa = next((getattr(layer, "self_attn", None) for layer in layers if not getattr(layer, "is_linear", False)), None)
     rotary = getattr(sa, "rotary_emb", None)
     inv_freq = getattr(rotary, "inv_freq", None)
     if inv_freq is None or not isinstance(getattr(rotary, "dim", None), int) \
@@ -90,23 +91,26 @@ def attention(sa: Any, x: mx.array, keys_buf: mx.array, values_buf: mx.array, at
 
 
 class ExpertRows(NamedTuple):
-    """For a step's one position per row: which input row each expert matmul reads, made once per
-    step and shared by every layer (left to itself, `mx.gather_qmm` makes these with an `arange`
-    per call: three launches per layer)."""
+    """For a forward's few rows (the decode step's one position per row, the MTP verify's block):
+    which input row each expert matmul reads, made once per forward and shared by every layer
+    (left to itself, `mx.gather_qmm` makes these with an `arange` per call: three launches per
+    layer)."""
 
-    inputs: mx.array  # [B, 1, 1]: the gate and up projections read row b
-    routed: mx.array  # [B, 1, k]: the down projection reads row b's j-th expert output
+    inputs: mx.array  # [B, T, 1]: the gate and up projections of position (b, t) read input row b*T + t
+    routed: mx.array  # [B, T, k]: the down projection reads that position's j-th expert output
 
 
-def expert_rows(lm: Any, tokens: mx.array) -> ExpertRows | None:
-    """`ExpertRows` for a decode step (T = 1) of a mixture-of-experts model, else None."""
-    mlp = lm.model.layers[0].mlp
+def expert_rows(layers: list[Any], tokens: mx.array) -> ExpertRows | None:
+    """`ExpertRows` for a forward over `tokens` [B, T] through `layers` (a mixture of experts'
+    decoder layers) whose routed positions are few enough for the library's unsorted path
+    (B * T * k < 64), else None."""
+    mlp = layers[0].mlp
     B, T = tokens.shape
-    if T != 1 or not hasattr(mlp, "switch_mlp"):
+    if not hasattr(mlp, "switch_mlp") or B * T * mlp.top_k >= 64:
         return None
     k = mlp.top_k
-    return ExpertRows(mx.arange(B, dtype=mx.uint32).reshape(B, 1, 1),
-                      mx.arange(B * k, dtype=mx.uint32).reshape(B, 1, k))
+    return ExpertRows(mx.arange(B * T, dtype=mx.uint32).reshape(B, T, 1),
+                      mx.arange(B * T * k, dtype=mx.uint32).reshape(B, T, k))
 
 
 def _switch_linear(m: Any, x: mx.array, inds: mx.array, rows: mx.array) -> mx.array:
@@ -118,10 +122,9 @@ def _switch_linear(m: Any, x: mx.array, inds: mx.array, rows: mx.array) -> mx.ar
 
 
 def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None) -> mx.array:
-    """mlx-vlm's `SwitchGLU` over the routed experts: its own call, or for a decode step's few rows
-    (its unsorted path) the same matmuls with `rows` given."""
-    if rows is None or inds.size >= 64 or any("bias" in m for m in (switch.gate_proj, switch.up_proj,
-                                                                      switch.down_proj)):
+    """mlx-vlm's `SwitchGLU` over the routed experts: its own call, or for few routed positions (its
+    unsorted path) the same matmuls, one row per position, with `rows` given."""
+    if rows is None or any("bias" in m for m in (switch.gate_proj, switch.up_proj, switch.down_proj)):
         return switch(x, inds)
     x = mx.expand_dims(x, (-2, -3))
     up = _switch_linear(switch.up_proj, x, inds, rows.inputs)
@@ -158,8 +161,8 @@ def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[m
         h = stage.receive(h)
     new_kv, new_conv, new_ssm = [], [], []
     kv_in, gdn_in = iter(kv), iter(zip(conv, ssm, strict=True))
-    periods = rope_periods(lm) if at.offsets is not None else None
-    rows = expert_rows(lm, tokens)
+    periods = rope_periods(lm.model.layers) if at.offsets is not None else None
+    rows = expert_rows(lm.model.layers, tokens)
     for layer in lm.model.layers:
         if layer.is_linear:
             conv_state, ssm_state = next(gdn_in)

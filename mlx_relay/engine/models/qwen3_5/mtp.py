@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_relay.engine.models import KV, UnsupportedModel
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.qwen3_5 import TEXT_ONLY_FAMILIES
-from mlx_relay.engine.models.qwen3_5.layers import attention_layer
+from mlx_relay.engine.models.qwen3_5.layers import attention_layer, expert_rows, rope_periods
 from mlx_relay.errors import ModelLoadError
 
 
@@ -59,7 +59,9 @@ def mtp_head(lm: Any, drafter: Any, tokens: mx.array, hidden: mx.array, head_kv:
     """The head over pairs (tokens [B, T], hidden [B, T, H]), its keys and values written where `at` says."""
     h = mtp_input(lm, drafter, tokens, hidden)
     out_kv = []
+    periods = rope_periods(drafter.layers) if at.offsets is not None else None
+    rows = expert_rows(drafter.layers, tokens)
     for layer, (keys_buf, values_buf) in zip(drafter.layers, head_kv, strict=True):
-        h, keys_buf, values_buf = attention_layer(layer, h, keys_buf, values_buf, at)
+        h, keys_buf, values_buf = attention_layer(layer, h, keys_buf, values_buf, at, periods, rows)
         out_kv.append((keys_buf, values_buf))
     return drafter.norm(h), out_kv
