@@ -3,6 +3,7 @@
 # (a device call lasts 10 minutes at most) and collected:
 #   JOBS="overhead disk snapio agree" bash benchmarks/gpu/device_steps.sh start  # builds the model if needed
 #   bash benchmarks/gpu/device_steps.sh wait 560   # copies what is done to $OUT/steps
+#   bash benchmarks/gpu/device_steps.sh ptx        # then: MLX's kernel cache for the next machine
 # Jobs (JOBS, default "probe step mtp"; results in $OUT/steps/):
 #   kernels  kernel_check.py (issue 32.1): each CUDA kernel of mlx_relay/engine/kernels against its fallback
 #   count    bench_decode_step.py --count-ops --by-layer (issue 32.1): launches per step and per layer part
@@ -26,6 +27,13 @@
 # LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR: a dry run off the device (with agree: TOK=tokenizer dir,
 #   BUILD_FLAGS=--tiny, AGREE_DIR=DIR).
 RUN=${RUN:-/root/steps}
+if [ "${1:-start}" = ptx ]; then
+  # the machine's MLX kernel cache (/tmp/mlx: NVRTC output) as $OUT/ptx-cache.tar.xz.NN (15 MB parts), in
+  # a call of its own (a call brings back at most 8 files): put them in .device-kit/ptx/ and
+  # device_env.sh unpacks them on the next machine, whose first traces then skip minutes of builds
+  [ -d /tmp/mlx ] && tar cJf - -C /tmp mlx | split -b 15m -d - "$OUT/ptx-cache.tar.xz."
+  ls "$OUT"; exit 0
+fi
 if [ "${1:-start}" = wait ]; then
   for _ in $(seq 1 "${2:-560}"); do [ -f $RUN/done ] && break; sleep 1; done
   mkdir -p "$OUT/steps" && cp -r $RUN/out/. "$OUT/steps/" 2>/dev/null || true
