@@ -179,16 +179,7 @@ def mtp_round_ops(model: Path, lm: Any, prompt: list[int], block: int) -> dict[s
     from mlx_relay.engine.lanes.mtp_step import MTPStep
 
     head = MTPHead.load(model, lm, exact=False)
-    cache = lm.make_cache()
-    out = lm(mx.array([prompt]), cache=cache, return_hidden=True)
-    first = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
-    head_cache = head.make_cache()
-    pairs = mx.concatenate([mx.array([prompt[1:]], dtype=mx.int32), first[None]], axis=1)
-    h = head.forward(pairs, out.hidden_states[-1], head_cache, mx.arange(len(prompt))[None])
-    layout = tuple(bool(layer.is_linear) for layer in lm.model.layers)
-    state = MTPState.from_row(cache, head_cache, layout, first, head.argmax(h[:, -1:, :]).reshape(1),
-                              h[:, -1:, :], len(prompt))
-    state.pad_to_bucket()
+    state, _ = MTPState.prefilled(lm, head, prompt)
     mx.eval(state.arrays())
     step = MTPStep(lm, head, block_size=block, eos_token_ids=[])
     r = step(state, [1 << 20])

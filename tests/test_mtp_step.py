@@ -84,21 +84,9 @@ def random_reference(gpu: Callable, random_head: tuple[Any, Any]) -> list[list[i
 
 def _row(lm: Any, head: Any, prompt: list[int]) -> tuple[Any, int]:
     """A prefilled row as the lane hands it over: its state and first token."""
-    import mlx.core as mx
-
     from mlx_relay.engine.lanes.mtp_state import MTPState
 
-    cache = lm.make_cache()
-    out = lm(mx.array([prompt]), cache=cache, return_hidden=True)
-    first = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
-    dcache = head.make_cache()
-    pairs = mx.concatenate([mx.array([prompt[1:]], dtype=mx.int32), first[None]], axis=1)
-    h = head.forward(pairs, out.hidden_states[-1], dcache, mx.arange(len(prompt))[None])
-    seed = h[:, -1:, :]
-    draft = head.argmax(seed).reshape(1)
-    layout = tuple(bool(layer.is_linear) for layer in lm.model.layers)
-    state = MTPState.from_row(cache, dcache, layout, first, draft, seed, len(prompt))
-    state.pad_to_bucket()
+    state, first = MTPState.prefilled(lm, head, prompt)
     return state, int(first.item())
 
 

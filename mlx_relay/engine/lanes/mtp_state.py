@@ -116,6 +116,22 @@ class MTPState:
         return cls(kv, conv, ssm, head_kv, bonus.reshape(1).astype(mx.int32), draft.reshape(1).astype(mx.int32),
                    seed, [length], [head_length], [dpos], layout)
 
+    @classmethod
+    def prefilled(cls, lm: Any, head: Any, prompt: list[int]) -> tuple[MTPState, mx.array]:
+        """One row prefilled from scratch by the library's forward (the target, then the head over
+        the prompt's pairs), padded to its bucket, and its first token: a row as the lane hands it
+        over, for the tests and the benchmarks that drive `MTPStep` alone."""
+        cache = lm.make_cache()
+        out = lm(mx.array([prompt]), cache=cache, return_hidden=True)
+        first = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
+        head_cache = head.make_cache()
+        pairs = mx.concatenate([mx.array([prompt[1:]], dtype=mx.int32), first[None]], axis=1)
+        seed = head.forward(pairs, out.hidden_states[-1], head_cache, mx.arange(len(prompt))[None])[:, -1:, :]
+        layout = tuple(bool(layer.is_linear) for layer in lm.model.layers)
+        state = cls.from_row(cache, head_cache, layout, first, head.argmax(seed).reshape(1), seed, len(prompt))
+        state.pad_to_bucket()
+        return state, first
+
     def _map_rows(self, fn: Any) -> None:
         """Apply `fn` to every per-row array (batch axis first)."""
         self.kv = [(fn(k), fn(v)) for k, v in self.kv]
