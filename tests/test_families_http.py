@@ -83,23 +83,16 @@ def test_a_named_call_streams_and_ends_with_its_terminal_event(served: tuple[Fam
     _family, live = served
     body = {"model": "tiny", "messages": USER, "tools": TOOLS, "max_tokens": 200, "temperature": 0, "stream": True,
             "tool_choice": {"type": "function", "function": {"name": "list_dir"}}}
-    arguments, names, finishes, lines = "", [], [], []
-    with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            lines.append(line)
-            if line == "data: [DONE]":
-                continue
-            for c in json.loads(line[6:])["choices"]:
-                assert "<tool_call>" not in (c["delta"].get("content") or "")
-                for tc in c["delta"].get("tool_calls") or []:
-                    names += [tc["function"]["name"]] if tc["function"].get("name") else []
-                    arguments += tc["function"].get("arguments", "")
-                if c["finish_reason"]:
-                    finishes.append(c["finish_reason"])
-    assert lines[-1] == "data: [DONE]" and finishes == ["tool_calls"] and names == ["list_dir"]
+    arguments, names, finishes = "", [], []
+    for chunk in stream_chunks(live, body):
+        for c in chunk["choices"]:
+            assert "<tool_call>" not in (c["delta"].get("content") or "")
+            for tc in c["delta"].get("tool_calls") or []:
+                names += [tc["function"]["name"]] if tc["function"].get("name") else []
+                arguments += tc["function"].get("arguments", "")
+            if c["finish_reason"]:
+                finishes.append(c["finish_reason"])
+    assert finishes == ["tool_calls"] and names == ["list_dir"]
     assert isinstance(json.loads(arguments)["path"], str)
 
 
@@ -140,24 +133,29 @@ def image_chat(seed: int, text: str) -> list[dict[str, Any]]:
         {"type": "image_url", "image_url": {"url": png_data_url(seed)}}, {"type": "text", "text": text}]}]
 
 
-def stream_chat(live: LiveServer, **body: Any) -> tuple[str, list[str], dict[str, Any]]:
-    """The streamed reply's text, its finish reasons and its usage; it must end with [DONE]."""
-    body = {"model": "tiny", "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **body}
-    text, finishes, lines, usage = "", [], [], {}
+def stream_chunks(live: LiveServer, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chunks of a streamed chat completion (status 200); the stream must end with [DONE]."""
+    chunks, lines = [], []
     with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read().decode()
         for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            lines.append(line)
-            if line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for c in chunk["choices"]:
-                text += c["delta"].get("content") or ""
-                finishes += [c["finish_reason"]] if c["finish_reason"] else []
+            if line.startswith("data: "):
+                lines.append(line)
+                if line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
     assert lines[-1] == "data: [DONE]"
+    return chunks
+
+
+def stream_chat(live: LiveServer, **body: Any) -> tuple[str, list[str], dict[str, Any]]:
+    """The streamed reply's text, its finish reasons and its usage; it must end with [DONE]."""
+    body = {"model": "tiny", "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **body}
+    text, finishes, usage = "", [], {}
+    for chunk in stream_chunks(live, body):
+        usage = chunk.get("usage") or usage
+        for c in chunk["choices"]:
+            text += c["delta"].get("content") or ""
+            finishes += [c["finish_reason"]] if c["finish_reason"] else []
     return text, finishes, usage
 
 
