@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from build_random_model import TEXT_35B_A3B  # beside this script (benchmarks/gpu/)
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.kernels.gated_delta import cuda_mixer, fallback_mixer
@@ -31,15 +32,8 @@ from mlx_relay.engine.kernels.moe import cuda_combine, cuda_route_topk, fallback
 
 TOLERANCE = 2e-2  # relative to the reference's largest magnitude: a few bf16 roundings (eps 2^-7)
 
-SHAPE = {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 1, "num_attention_heads": 16,
-         "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-         "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-         "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6, "vocab_size": 1024,
-         "max_position_embeddings": 262144,
-         "full_attention_interval": 4, "norm_topk_prob": True,
-         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
-                             "mrope_section": [11, 11, 10], "mrope_interleaved": True}}
+# one layer of the model the GPU runs use (`build_random_model.py`'s public config figures)
+SHAPE = {**TEXT_35B_A3B, "num_hidden_layers": 1, "vocab_size": 1024}
 
 
 def rel(a: mx.array, ref: mx.array) -> float:

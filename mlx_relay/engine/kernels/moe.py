@@ -15,6 +15,8 @@ differently in bf16, never pick other experts.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
@@ -101,9 +103,7 @@ def route_topk(logits: mx.array, k: int, normalize: bool) -> tuple[mx.array, mx.
 
 def cuda_route_topk(logits: mx.array, k: int, normalize: bool) -> tuple[mx.array, mx.array]:
     lead, E = logits.shape[:-1], logits.shape[-1]
-    rows = 1
-    for n in lead:
-        rows *= n
+    rows = math.prod(lead)
     threads = max(32, -(-E // 32) * 32)
     kernel = mx.fast.cuda_kernel(name="relay_moe_route_topk", input_names=["logits"],
                                  output_names=["inds", "scores"], source=_ROUTE_SOURCE, header=_ROUTE_HEADER)
