@@ -44,7 +44,7 @@ from mlx_relay.bench.tables import rows_markdown
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.step.core import EngineCore
-from mlx_relay.messages.gpu import Finished, Generate, SamplingParams, TokenDelta
+from mlx_relay.messages.gpu import Finished, Generate, SamplingParams, Speculate, TokenDelta
 
 TEXT = (Path(__file__).resolve().parent.parent / "mlx_relay" / "engine" / "lanes" / "mtp_lane.py").read_text()
 
@@ -63,7 +63,7 @@ def run_ours(loaded: Any, batch: list[list[int]], max_tokens: int, mtp: bool, bl
     engine = EngineCore(loaded, config, prefix_cache=True)
     for i, p in enumerate(batch):
         engine.add(i, Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens, mtp=mtp),
-                               mtp_block=block if mtp else None))
+                               speculate=Speculate(block) if mtp else None))
     started: set[int] = set()
     ids: list[list[int]] = [[] for _ in batch]
     tokens = 0

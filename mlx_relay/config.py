@@ -98,6 +98,14 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # machine and model (a round's cost in plain steps, measured at warm-up, against the tokens a
     # round yields at the acceptance seen so far); "always" wherever it can run
     mtp_policy: Literal["auto", "always"] = "auto"
+    # where a request's drafts come from when it does not say (`speculation.method`): "auto" is the
+    # head where it pays (`mtp_policy`) and drafts copied from the request's context wherever they
+    # are expected to beat it (per request and round, by what each earned: `engine/speculation/`);
+    # "mtp" the head only; "context" context drafts only; "none" no speculation
+    speculation: Literal["auto", "mtp", "context", "none"] = "auto"
+    # at most this many context drafts verified per round (a round then verifies 1 + this many
+    # tokens); 0: no context drafts at all
+    max_draft_tokens: int = 4
     # prefix cache: exact snapshots of prompt state at system-prompt ends and finished turns
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None  # byte budget; None: a share of the device's memory
@@ -132,9 +140,15 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError("EngineConfig.decode_stall_factor must be more than 1 (or 0: off)")
         if not 0.0 <= self.prefix_cache_preload <= 1.0:
             raise ValueError("EngineConfig.prefix_cache_preload must be in [0, 1]")
+        if not 0 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"EngineConfig.max_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}]")
         if self.pipeline.enabled and self.prefix_cache_dir is not None:
             # each rank holds its own layers' state: a file per snapshot would be a file per rank
             raise ValueError("the prefix cache's disk tier (prefix_cache_dir) does not run with pipeline")
+
+
+#: the most context drafts a round may verify (a round's width is traced once per batch size)
+MAX_DRAFT_TOKENS = 16
 
 
 class SpecPrefillConfig(msgspec.Struct, frozen=True):

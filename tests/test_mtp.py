@@ -178,7 +178,8 @@ def test_mtp_speculative_sampling_keeps_the_target_distribution(gpu: Callable, v
         plan = [(i // 16, Generate(f"s{i}", prompt, SamplingParams(temperature=temperature, top_k=4, max_tokens=2,
                                                                   seed=i)))
                 for i in range(n)]
-        tokens, _finished, stats = run_engine(loaded, plan, max_num_seqs=16, mtp_max_batch=16, mtp_block_size=2)
+        tokens, _finished, stats = run_engine(loaded, plan, max_num_seqs=16, mtp_max_batch=16, mtp_block_size=2,
+                                              speculation="mtp")  # the head's drafts only (context: test_context_drafts)
         return tokens, stats, _exact_two_token_distribution(path, prompt, params)
 
     tokens, stats, exact = gpu(run)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mlx_relay.actors.text_mtp_executor import EXPLORE_EVERY, MIN_DRAFTS, TextMTPExecutor
 from mlx_relay.config import EngineConfig
-from mlx_relay.messages.gpu import ModelInfo, SamplingParams
+from mlx_relay.messages.gpu import ModelInfo, SamplingParams, Speculate
 from mlx_relay.messages.text_mtp import MTPOutcome, PlanText
 from mlx_relay.relay import Relay
 
@@ -24,7 +24,8 @@ def _executor(policy: str = "auto", block: int = 2) -> TextMTPExecutor:
 
 
 def _plans(ex: TextMTPExecutor, n: int) -> list[bool]:
-    return [ex.plan(PlanText(f"r{i}", SamplingParams())).mtp is not None for i in range(n)]
+    """Whether the head's drafts were planned, for `n` requests."""
+    return [(p := ex.plan(PlanText(f"r{i}", SamplingParams())).speculate) is not None and p.head for i in range(n)]
 
 
 def test_mtp_is_declined_where_even_a_whole_accepted_block_cannot_pay_for_a_round() -> None:
@@ -50,6 +51,26 @@ def test_the_measured_acceptance_decides_and_mtp_is_still_sampled_while_it_does_
     assert plans.count(True) == 2  # one in EXPLORE_EVERY keeps measuring
     ex.count(MTPOutcome(drafted=10 * MIN_DRAFTS, accepted=9 * MIN_DRAFTS))  # acceptance now ~0.83
     assert _plans(ex, 4) == [True] * 4
+
+
+def test_each_method_plans_its_sources_and_context_drafts_outlive_a_head_that_does_not_pay() -> None:
+    ex = _executor()
+
+    def plan(**kw: object) -> Speculate | None:
+        return ex.plan(PlanText("r", SamplingParams(**kw))).speculate  # type: ignore[arg-type]
+
+    assert plan() == Speculate(2, head=True, context=4)  # auto: both; the lane picks per round
+    assert plan(speculation="mtp") == Speculate(2, head=True, context=0)
+    assert plan(speculation="context") == Speculate(2, head=False, context=4)
+    assert plan(speculation="none") is None and plan(speculation="draft") is None
+    assert plan(max_draft_tokens=2) == Speculate(2, head=True, context=2)
+    assert plan(max_draft_tokens=99) == Speculate(2, head=True, context=4)  # the server's cap
+    assert plan(mtp=False) == Speculate(2, head=False, context=4)  # the old opt-out: the head's only
+    assert plan(grammar="start: /a/") == Speculate(2, head=True, context=0)  # a grammar walks the head's
+    assert plan(logprobs=0) is None
+    ex.round_cost = 2.4  # the head cannot pay: context drafts alone
+    assert plan() == Speculate(2, head=False, context=4)
+    assert plan(speculation="mtp") is None
 
 
 async def test_the_relay_measures_a_rounds_cost_at_warm_up_and_plans_by_it(fp32_model: Path) -> None:

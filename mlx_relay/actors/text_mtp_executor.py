@@ -1,6 +1,7 @@
-"""TextMTPExecutor: the text path's policy for MTP speculative decoding.
+"""TextMTPExecutor: the text path's policy for speculative decoding in the MTP lane.
 
-    ChatService --PlanText--> TextMTPExecutor --> TextPlan (MTP at block k, or plain)
+    ChatService --PlanText--> TextMTPExecutor --> TextPlan (the lane, with the head's drafts and/or
+                                                 drafts copied from the context; or plain)
     GPUExecutor --MTPOutcome--> TextMTPExecutor: drafts proposed and accepted, per request
     Relay --MTPCalibration--> TextMTPExecutor: an MTP round's cost in plain steps (warm-up)
 
@@ -13,7 +14,14 @@ block k yields 1 + a(k-1) tokens at acceptance a and costs r plain steps (r meas
 a lone row each way), so MTP is planned only while (1 + a(k-1)) / r > 1: never where even k
 accepted tokens cannot pay for a round, and, once enough drafts were counted, only at an
 acceptance that pays, with one request in `EXPLORE_EVERY` still sent to MTP so the acceptance
-keeps being measured. "always" plans it wherever it can run. The GPUExecutor executes the plan
+keeps being measured. "always" plans it wherever it can run.
+
+Drafts copied from the request's context (`engine/speculation/context_drafts.py`) cost no model
+call, so they are planned for every request whose method allows them (`speculation`: the
+request's, else the server's) and the lane decides round by round whether a row's proposal is
+worth verifying, from what that request's drafts earned (`engine/speculation/earnings.py`). A
+request whose head does not pay still decodes in the lane with context drafts only; where those
+miss, its rounds verify one token, a plain step. The GPUExecutor executes the plan
 (its MTP lane, `engine/lanes/mtp_lane.py`); its scheduler admits the row to that lane only while the
 lane has room (`mtp_max_batch`). Requests with images or video take the vision path and never ask.
 """
@@ -21,12 +29,11 @@ lane has room (`mtp_max_batch`). Requests with images or video take the vision p
 from __future__ import annotations
 
 from mlx_relay.config import EngineConfig
-from mlx_relay.messages.gpu import ModelInfo
+from mlx_relay.messages.gpu import ModelInfo, Speculate
 from mlx_relay.messages.text_mtp import (
     GetMTPStats,
     MTPCalibration,
     MTPOutcome,
-    MTPPlan,
     MTPStats,
     PlanText,
     TextPlan,
@@ -47,13 +54,14 @@ class TextMTPExecutor(Actor):
         self.round_cost: float | None = None
         self._planned = self._declined = self._requests = self._unpaid = 0
         self._rounds = self._drafted = self._accepted = 0
+        self._context_planned = self._context_drafted = self._context_accepted = 0
 
     async def receive(self, msg: PlanText | MTPOutcome | MTPCalibration | GetMTPStats,
                       stream: ReplyStream | None) -> object:
         match msg:
             case PlanText():
                 plan = self.plan(msg)
-                if plan.mtp is None:
+                if plan.speculate is None or not plan.speculate.head:
                     self._declined += 1
                 else:
                     self._planned += 1
@@ -66,7 +74,8 @@ class TextMTPExecutor(Actor):
                 return None
             case GetMTPStats():
                 return MTPStats(self.enabled, self.config.mtp_block_size, self._planned, self._declined,
-                                self._requests, self._rounds, self._drafted, self._accepted, self.round_cost)
+                                self._requests, self._rounds, self._drafted, self._accepted, self.round_cost,
+                                self._context_planned, self._context_drafted, self._context_accepted)
         raise TypeError(type(msg).__name__)
 
     def count(self, outcome: MTPOutcome) -> None:
@@ -74,25 +83,48 @@ class TextMTPExecutor(Actor):
         self._rounds += outcome.rounds
         self._drafted += outcome.drafted
         self._accepted += outcome.accepted
+        self._context_drafted += outcome.context_drafted
+        self._context_accepted += outcome.context_accepted
 
     def plan(self, msg: PlanText) -> TextPlan:
+        """The request's speculation: the head's drafts where they pay (`_head_pays`), context drafts
+        where the request and the server allow them; the lane picks between them round by round."""
         if not self.enabled:
-            return TextPlan(why="this server decodes without MTP")
-        if not msg.sampling.mtp:
-            return TextPlan(why="the request opted out")
-        if msg.sampling.needs_plain_lane:
+            return TextPlan(why="this server has no MTP lane (no MTP head, or MTP turned off)")
+        sampling = msg.sampling
+        method = sampling.speculation or self.config.speculation
+        if method == "none":
+            return TextPlan(why="speculation is off for the request")
+        if method == "draft":
+            return TextPlan(why="no draft model is loaded")
+        if sampling.needs_plain_lane:
             return TextPlan(why="logprobs, penalties and thinking budgets run in the plain lane")
         if msg.sparse:
             return TextPlan(why="a sparse SpecPrefill prefill")
+        context = 0
+        if method in ("auto", "context") and sampling.grammar is None:
+            cap = sampling.max_draft_tokens
+            context = self.config.max_draft_tokens if cap is None else min(cap, self.config.max_draft_tokens)
+        head, why = (False, "the request asked for context drafts only") if method == "context" else self._head_pays()
+        if not sampling.mtp:
+            head, why = False, "the request opted out of MTP"
+        if not head and context == 0:
+            return TextPlan(why=why)
+        if context:
+            self._context_planned += 1
+        return TextPlan(Speculate(self.config.mtp_block_size, head=head, context=context), why=why)
+
+    def _head_pays(self) -> tuple[bool, str]:
+        """Whether the head's drafts are planned (`mtp_policy`), and why not."""
         k = self.config.mtp_block_size
         if self.config.mtp_policy == "auto" and self.round_cost is not None:
             r = self.round_cost
             if k / r <= 1.0:
-                return TextPlan(why=f"a round costs {r:.2f} plain steps here: {k} tokens per round cannot pay")
+                return False, f"a round costs {r:.2f} plain steps here: {k} tokens per round cannot pay"
             if self._drafted >= MIN_DRAFTS:
                 a = self._accepted / self._drafted
                 if (1 + a * (k - 1)) / r <= 1.0:
                     self._unpaid += 1
                     if self._unpaid % EXPLORE_EVERY:
-                        return TextPlan(why=f"at acceptance {a:.2f} a round of {r:.2f} plain steps does not pay")
-        return TextPlan(MTPPlan(k))
+                        return False, f"at acceptance {a:.2f} a round of {r:.2f} plain steps does not pay"
+        return True, ""

@@ -15,6 +15,9 @@ from mlx_relay.messages.prefix_cache import PrefixPlan
 from mlx_relay.messages.specprefill import ScorePlan, SparsePrefill, SpecPrefillReport
 
 FinishReason = Literal["stop", "length"]
+#: Where a request's speculative drafts may come from: "auto" (what earns), "mtp" (the checkpoint's
+#: head), "context" (copied from the prompt and the output so far), "draft" (a draft model), "none".
+SpeculationMethod = Literal["auto", "mtp", "context", "draft", "none"]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -28,6 +31,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     mtp: bool = True  # the request allows MTP speculative decoding (the TextMTPExecutor decides)
+    speculation: SpeculationMethod | None = None  # None: the server's default (`EngineConfig.speculation`)
+    max_draft_tokens: int | None = None  # context drafts per round at most (None: the server's; capped by it)
     logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k most likely
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -46,11 +51,21 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                 or self.repetition_penalty not in (None, 1.0) or self.thinking_budget is not None)
 
 
+class Speculate(msgspec.Struct, frozen=True):
+    """How the MTP lane drafts for a row (TextMTPExecutor's plan): `block_size` tokens per round of
+    the head's (the lane's block), whether the head drafts at all, and at most `context` drafts
+    copied from the row's context per round (0: none)."""
+
+    block_size: int
+    head: bool = True
+    context: int = 0
+
+
 class Generate(msgspec.Struct, frozen=True):
     """Stream request: generate from a tokenized prompt. Replies: TokenDelta..., Finished.
 
     The plans come from the policy actors: `prefix` (PrefixCacheStore: restore, snapshot points),
-    `mtp_block` (TextMTPExecutor: decode with MTP at this block size; None: plainly), `reuse`
+    `speculate` (TextMTPExecutor: decode in the MTP lane, drafting so; None: plainly), `reuse`
     (VisionExecutor: image features to reuse), `score` (SpecPrefillScorer: score and select on
     the GPU) or `sparse` (a selection already made), `specprefill` (a report decided without
     scoring, echoed in Finished)."""
@@ -60,7 +75,7 @@ class Generate(msgspec.Struct, frozen=True):
     sampling: SamplingParams = SamplingParams()
     vision: VisionInputs | None = None  # images / video, preprocessed off the GPU (vision path)
     prefix: PrefixPlan | None = None  # None: the prefix cache is off for this request
-    mtp_block: int | None = None
+    speculate: Speculate | None = None
     score: ScorePlan | None = None
     sparse: SparsePrefill | None = None
     specprefill: SpecPrefillReport | None = None
@@ -82,9 +97,12 @@ class Finished(msgspec.Struct, frozen=True):
     # time from arrival at the GPU thread to the first token, and to the end (seconds)
     ttft_s: float = 0.0
     total_s: float = 0.0
-    # MTP speculative decoding on this request: draft tokens proposed and accepted (0 / 0: off)
+    # speculative decoding on this request: the MTP head's drafts verified and accepted (0 / 0:
+    # off), and drafts copied from its context
     mtp_drafted: int = 0
     mtp_accepted: int = 0
+    context_drafted: int = 0
+    context_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache (not prefilled)
     specprefill: SpecPrefillReport | None = None  # when SpecPrefill ran or was due for the request
     stop_sequence: str | None = None  # the request's stop string that ended it ("stop"), if one did

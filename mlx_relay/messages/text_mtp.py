@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from mlx_relay.messages.gpu import SamplingParams
+from mlx_relay.messages.gpu import SamplingParams, Speculate
 
 
 class PlanText(msgspec.Struct, frozen=True):
@@ -16,24 +16,23 @@ class PlanText(msgspec.Struct, frozen=True):
     sparse: bool = False  # SpecPrefill prefills it sparsely (its state is not the prompt's: no MTP)
 
 
-class MTPPlan(msgspec.Struct, frozen=True):
-    """Decode with MTP: `block_size` tokens per verify round (1 bonus + block - 1 drafts). The
-    engine's scheduler still admits the row to the MTP lane only while the lane has room."""
-
-    block_size: int
-
-
 class TextPlan(msgspec.Struct, frozen=True):
-    mtp: MTPPlan | None = None  # None: plain decoding
-    why: str = ""  # why not MTP (for the logs and stats)
+    """Decode in the MTP lane, drafting as `speculate` says (the engine's scheduler still admits
+    the row there only while the lane has room); None: plainly, for the reason `why`."""
+
+    speculate: Speculate | None = None
+    why: str = ""  # why not the head (or not speculation at all), for the logs and stats
 
 
 class MTPOutcome(msgspec.Struct, frozen=True):
-    """Tell (GPUExecutor -> TextMTPExecutor): one MTP request's drafts, at its end."""
+    """Tell (GPUExecutor -> TextMTPExecutor): one MTP-lane request's verified drafts, at its end:
+    the head's, and those copied from its context."""
 
     drafted: int
     accepted: int
     rounds: int = 0
+    context_drafted: int = 0
+    context_accepted: int = 0
 
 
 class MTPCalibration(msgspec.Struct, frozen=True):
@@ -57,6 +56,9 @@ class MTPStats(msgspec.Struct, frozen=True):
     drafted: int
     accepted: int
     round_cost: float | None = None  # an MTP round in plain steps, measured at warm-up
+    context_planned: int = 0  # requests planned with context drafts
+    context_drafted: int = 0
+    context_accepted: int = 0
 
     @property
     def acceptance(self) -> float:

@@ -46,11 +46,11 @@ class Driver:
 
     def planned(self, req: Generate) -> Generate:
         """The request with the TextMTPExecutor's plan (text requests without one)."""
-        if req.vision is not None or req.mtp_block is not None:
+        if req.vision is not None or req.speculate is not None:
             return req
         plan = self.policy.plan(PlanText(req.request_id, req.sampling,
                                          sparse=req.sparse is not None or req.score is not None))
-        return msgspec.structs.replace(req, mtp_block=plan.mtp.block_size) if plan.mtp is not None else req
+        return msgspec.structs.replace(req, speculate=plan.speculate) if plan.speculate is not None else req
 
     def add(self, req: Generate) -> int:
         req = self.planned(req)

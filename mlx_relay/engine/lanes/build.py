@@ -57,5 +57,5 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool
         head = MTPHead.load(Path(info.model_path), lm, exact=exact)
         lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size, prefill_step_size=config.prefill_step_size,
                                eos_token_ids=info.eos_token_ids, exact_verify=exact, compiled=config.compile_mtp,
-                               stage=stage)
+                               stage=stage, max_context=config.max_draft_tokens)
     return lanes

@@ -49,6 +49,8 @@ class RowSpec:
     rope_delta: int = 0  # decode position = index + rope_delta
     prompt_kwargs: dict[str, Any] | None = None  # the library lane's insert arguments (vision rows)
     block_size: int = 2  # MTP rows: tokens per verify round
+    use_head: bool = True  # MTP rows: the head drafts (else only context drafts, where they match)
+    context_drafts: int = 0  # MTP rows: at most this many drafts copied from the context per round (0: none)
 
 
 @dataclass
@@ -66,12 +68,18 @@ class MTPCounts:
     drafted: int = 0
     accepted: int = 0
     fallback_rounds: int = 0  # rounds run eagerly while the compiled round is on
+    context_drafted: int = 0  # drafts copied from the rows' contexts, verified
+    context_accepted: int = 0
+    wide_rounds: int = 0  # rounds run at the context drafts' width
 
     def add(self, other: MTPCounts) -> None:
         self.rounds += other.rounds
         self.drafted += other.drafted
         self.accepted += other.accepted
         self.fallback_rounds += other.fallback_rounds
+        self.context_drafted += other.context_drafted
+        self.context_accepted += other.context_accepted
+        self.wide_rounds += other.wide_rounds
 
 
 @dataclass

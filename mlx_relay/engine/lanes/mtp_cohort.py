@@ -37,19 +37,21 @@ from mlx_relay.engine.lanes.lane import MTPCounts
 from mlx_relay.engine.lanes.mtp_grammar import feed, greedy_walk
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_rows import MTPRow, RoundResult
-from mlx_relay.engine.lanes.mtp_sampling import merge_logq, propose, sampling_walk
+from mlx_relay.engine.lanes.mtp_sampling import merge_logq, point_logq, propose, sampling_walk
 from mlx_relay.engine.lanes.mtp_verify import Verifier
+from mlx_relay.engine.lanes.round_drafts import RoundDrafts
 from mlx_relay.engine.memory.batch_caches import as_batch_caches
 from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
 
 
 class EagerCohort:
     def __init__(self, lm: Any, head: MTPHead, verify: Verifier, *, block_size: int, eos: frozenset[int],
-                 fallback: bool) -> None:
+                 fallback: bool, max_context: int = 0) -> None:
         self.lm = lm
         self.head = head
         self._verify = verify
         self.k = block_size
+        self._plans = RoundDrafts(block_size, max_context)
         self.eos = eos
         self._fallback = fallback  # the compiled round is on: every round here is counted as a fallback
         self.rows: list[MTPRow] = []  # in batch order
@@ -120,6 +122,8 @@ class EagerCohort:
         B, k = len(rows), self.k
         assert self._cache is not None and self._dcache is not None and self._bonus is not None
         assert self._drafts is not None and self._seed_hidden is not None and self._dpos is not None
+        plan = self._plans.plan(rows)
+        W, host = plan.width, plan.host
         # 1. draft k - 2 more tokens (entries appended here are trimmed after verification)
         drafts, logqs = [self._drafts], [self._draft_logq]
         h, tok = self._seed_hidden, self._drafts
@@ -129,17 +133,23 @@ class EagerCohort:
             drafts.append(tok)
             logqs.append(logq)
         draft_block = mx.concatenate(drafts, axis=1)  # [B, k-1]
+        # drafts each row may accept: its context proposal's, or the head's (up to the width)
+        usable = [len(host[i]) if host is not None and host[i] else (min(k, W) - 1 if rows[i].use_head else 0)
+                  for i in range(B)]
+        if host is not None:
+            # rows with a context proposal verify it instead (zero-padded to the round's width)
+            draft_block, logqs = self._with_context(draft_block, logqs, host, usable, W)
         # 2. verify
         verify_in = mx.concatenate([self._bonus[:, None], draft_block], axis=1)
         vh, txn = self._verify(verify_in, self._cache)
         try:
-            targets = self.head.argmax(vh).astype(mx.int32)  # [B, k]
+            targets = self.head.argmax(vh).astype(mx.int32)  # [B, W]
             sampled = [i for i, r in enumerate(rows) if r.sampler is not None]
             # a sampling row's grammar masks its walk at every position: the drafts are read first
             d_pre: list[list[int]] | None = None
             if any(rows[i].grammar is not None for i in sampled):
                 d_pre = draft_block.tolist()
-            walk = sampling_walk(self.head, rows, vh, draft_block, logqs, sampled, k, d_pre) if sampled else None
+            walk = sampling_walk(self.head, rows, vh, draft_block, logqs, sampled, W, d_pre) if sampled else None
             mx.eval(targets, draft_block, walk)
             t_host: list[list[int]] = targets.tolist()
             d_host: list[list[int]] = draft_block.tolist()
@@ -152,18 +162,21 @@ class EagerCohort:
                 for j, i in enumerate(sampled):
                     t_host[i], ok[i] = w_tok[j], w_acc[j]
             for i, row in enumerate(rows):
+                n = usable[i]
                 if row.grammar is not None and row.sampler is None:
-                    a, token = greedy_walk(row.grammar, self.head, vh[i:i + 1], d_host[i], t_host[i])
-                    ok[i] = [j < a for j in range(k - 1)]
+                    a, token = greedy_walk(row.grammar, self.head, vh[i:i + 1, :n + 1], d_host[i][:n],
+                                           t_host[i][:n + 1])
+                    ok[i] = [j < a for j in range(W - 1)]
                     t_host[i][a] = token
-            accepted = [next((a for a, good in enumerate(flags) if not good), k - 1) for flags in ok]
+                ok[i] = [good and j < n for j, good in enumerate(ok[i])]  # padding is never accepted
+            accepted = [next((a for a, good in enumerate(flags) if not good), W - 1) for flags in ok]
             replay = [self._cut(rows[i], [*d_host[i][:accepted[i]], t_host[i][accepted[i]]]) for i in range(B)]
             # drafts emitted (a cut replay ends on an accepted draft), and positions committed
             took = [min(a, len(r)) for a, r in zip(accepted, replay, strict=True)]
             accepted = [len(r) - 1 for r in replay]
             for row, emitted in zip(rows, replay, strict=True):
                 feed(row.grammar, emitted)
-            commit_speculative_round(self.lm, self._cache, txn, accepted, k)
+            commit_speculative_round(self.lm, self._cache, txn, accepted, W)
         except BaseException:
             abort_speculative_round(txn)
             raise
@@ -191,15 +204,35 @@ class EagerCohort:
         self._seed_hidden = seed_h
         mx.async_eval(self._drafts, self._seed_hidden, [c.state for c in (*self._cache, *self._dcache)])
         # 4. emitted tokens (the engine finishes rows on EOS / max_tokens / stop strings)
-        result = RoundResult(tokens={}, counts=MTPCounts(rounds=1, fallback_rounds=int(self._fallback)))
+        result = RoundResult(tokens={}, counts=MTPCounts(rounds=1, fallback_rounds=int(self._fallback),
+                                                         wide_rounds=int(W > k)))
         for i, row in enumerate(rows):
-            row.drafted += k - 1
-            row.accepted += took[i]
-            result.counts.drafted += k - 1
-            result.counts.accepted += took[i]
             result.tokens[row.rid] = replay[i]
             row.emitted += len(replay[i])
+        self._plans.settle(rows, plan, result.tokens, took, result.counts)
         return result
+
+    def _with_context(self, head_block: mx.array, logqs: list[mx.array | None], host: list[list[int]],
+                      usable: list[int], W: int) -> tuple[mx.array, list[mx.array | None]]:
+        """The round's drafts [B, W-1]: a row's context proposal where it has one, else the head's
+        (zero-padded or cut to the width); and their log q as one [B, W-1, V]: a copied draft is
+        a point mass, and past a row's `usable` drafts q = 0 everywhere (a walk stopped there by
+        force draws from p itself, not from a residual of a draft it never proposed)."""
+        B, k = head_block.shape[0], self.k
+        mine = mx.array([bool(t) for t in host])[:, None]
+        ctx = mx.array([t + [0] * (W - 1 - len(t)) for t in host], dtype=mx.int32)
+        head = head_block[:, :W - 1] if W <= k else mx.concatenate(
+            [head_block, mx.zeros((B, W - k), mx.int32)], axis=1)
+        block = mx.where(mine, ctx, head)
+        if all(q is None for q in logqs):
+            return block, logqs
+        vocab = next(q for q in logqs if q is not None).shape[-1]  # type: ignore[union-attr]
+        hq = mx.concatenate([q if q is not None else mx.zeros((B, 1, vocab)) for q in logqs], axis=1)
+        hq = hq[:, :W - 1] if W <= k else mx.concatenate(
+            [hq, mx.full((B, W - k, vocab), -mx.inf)], axis=1)
+        q = mx.where(mine[:, :, None], point_logq(ctx, [len(t) for t in host], vocab), hq)
+        real = mx.arange(W - 1)[None, :] < mx.array(usable, dtype=mx.int32)[:, None]
+        return block, [mx.where(real[:, :, None], q, mx.array(-mx.inf))]
 
     def _cut(self, row: MTPRow, replay: list[int]) -> list[int]:
         """A round's tokens for `row`, ending at its first EOS or at its max_tokens: the tokens

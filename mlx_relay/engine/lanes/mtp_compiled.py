@@ -19,14 +19,16 @@ from mlx_relay.engine.lanes.lane import MTPCounts
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_rows import MTPRow, RoundResult
 from mlx_relay.engine.lanes.mtp_state import MTPState
-from mlx_relay.engine.lanes.mtp_step import MTPStep
+from mlx_relay.engine.lanes.mtp_step import HostDrafts, MTPStep
+from mlx_relay.engine.lanes.round_drafts import RoundDrafts
 from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
 
 
 class CompiledCohort:
-    def __init__(self, step: MTPStep, *, block_size: int) -> None:
+    def __init__(self, step: MTPStep, *, block_size: int, max_context: int = 0) -> None:
         self._step = step
         self.k = block_size
+        self._drafts = RoundDrafts(block_size, max_context)
         self.rows: list[MTPRow] = []  # in batch order
         self._state: MTPState | None = None
 
@@ -75,9 +77,10 @@ class CompiledCohort:
         """One compiled round; one host synchronisation (the counts)."""
         rows, state, step = self.rows, self._state, self._step
         assert state is not None
-        k = self.k
+        plan = self._drafts.plan(rows)
+        host = plan.host
         room = [max(r.max_tokens - r.emitted, 1) for r in rows]
-        out = step(state, room)
+        out = step(state, room, None if host is None else HostDrafts(plan.width, host, plan.heads))
         # the counts first, then the rest of the round (commit, the head's next draft) in a second
         # batch that runs while the host emits this round's tokens
         mx.async_eval(out.targets, out.accepted, out.committed)
@@ -86,16 +89,14 @@ class CompiledCohort:
         accepted: list[int] = out.accepted.tolist()
         committed: list[int] = out.committed.tolist()
         step.advance(state, committed)
-        result = RoundResult(tokens={}, counts=MTPCounts(rounds=1))
+        result = RoundResult(tokens={}, counts=MTPCounts(rounds=1, wide_rounds=int(plan.width > self.k)))
+        took = []
         for i, row in enumerate(rows):
             m = committed[i]
-            took = min(accepted[i], m + 1)
-            row.drafted += k - 1
-            row.accepted += took
-            result.counts.drafted += k - 1
-            result.counts.accepted += took
+            took.append(min(accepted[i], m + 1))
             result.tokens[row.rid] = targets[i][:m + 1]
             row.emitted += m + 1
+        self._drafts.settle(rows, plan, result.tokens, took, result.counts)
         return result
 
     def warm(self, lm: Any, head: MTPHead, max_rows: int) -> int:
@@ -116,6 +117,11 @@ class CompiledCohort:
                     state.extend(row)
             assert state is not None
             state.pad_to_bucket()
-            out_round = self._step(state, [1] * size)
-            mx.eval(out_round.targets, out_round.committed, state.arrays())
+            variants: list[HostDrafts | None] = [None]
+            if self._drafts.max_context:  # the widths context drafts run at: the head's block, and wide
+                variants += [HostDrafts(self.k, [[]] * size, [False] * size),
+                             HostDrafts(self._drafts.wide, [[0]] * size, [True] * size)]
+            for drafts in variants:
+                out_round = self._step(state, [1] * size, drafts)
+                mx.eval(out_round.targets, out_round.committed, state.arrays())
         return len(sizes)

@@ -47,7 +47,7 @@ class MTPLane:
 
     def __init__(self, lm: Any, head: MTPHead, *, block_size: int, prefill_step_size: int,
                  eos_token_ids: Sequence[int], exact_verify: bool = True, compiled: bool = True,
-                 stage: Stage | None = None) -> None:
+                 stage: Stage | None = None, max_context: int = 0) -> None:
         if block_size < 2:
             raise ValueError("MTP block size must be at least 2")
         if stage is not None and exact_verify:
@@ -57,19 +57,21 @@ class MTPLane:
         self.head = head
         self.k = block_size
         self.eos = frozenset(eos_token_ids)
+        self.max_context = max_context  # context drafts per round at most (0: the head's only)
         # the prefill's and the batched verify's forward: the model, or this pipeline stage of it
         # (which answers every rank the whole model's hidden states)
         run: Any = lm if stage is None else StageForward(lm, stage)
         self._prefill = MTPPrefill(lm, run, head, prefill_step_size)
         verify = ExactVerifier(lm) if exact_verify else BatchedVerifier(run)
-        self._eager = EagerCohort(lm, head, verify, block_size=block_size, eos=self.eos, fallback=compiled)
+        self._eager = EagerCohort(lm, head, verify, block_size=block_size, eos=self.eos, fallback=compiled,
+                                  max_context=max_context)
         # the compiled greedy cohort; the compiled round verifies the block with one batched
         # forward, so an exact (batch-invariant) verifier keeps the eager round
         self._compiled: CompiledCohort | None = None
         if compiled and not exact_verify:
             try:
                 step = MTPStep(lm, head, block_size=block_size, eos_token_ids=list(eos_token_ids), stage=stage)
-                self._compiled = CompiledCohort(step, block_size=block_size)
+                self._compiled = CompiledCohort(step, block_size=block_size, max_context=max_context)
             except UnsupportedModel:
                 self._compiled = None
 
@@ -93,17 +95,22 @@ class MTPLane:
         `spec.snapshot_at`. Every row of the lane verifies `block_size` tokens per round."""
         if spec.block_size != self.k:
             raise ValueError(f"this MTP lane verifies blocks of {self.k}, not {spec.block_size}")
+        # a grammar row verifies the head's drafts only (its matcher walks them)
+        context = 0 if spec.grammar is not None else min(spec.context_drafts, self.max_context)
         self._prefill.add(MTPRow(rid=spec.rid, prompt=spec.prompt, max_tokens=spec.max_tokens, sampler=spec.sampler,
-                                 grammar=spec.grammar), spec.restore, spec.snapshot_at)
+                                 grammar=spec.grammar, use_head=spec.use_head, max_context=context),
+                          spec.restore, spec.snapshot_at)
 
     def cached_tokens(self, rid: int) -> int:
         row = next((r for r in self._all_rows() if r.rid == rid), None)
         return row.cached_tokens if row is not None else 0
 
-    def drafts(self, rid: int) -> tuple[int, int]:
-        """(drafted, accepted) of a row so far."""
+    def drafts(self, rid: int) -> dict[str, tuple[int, int]]:
+        """Per source, (drafted, accepted) of a row so far (verified drafts)."""
         row = next((r for r in self._all_rows() if r.rid == rid), None)
-        return (row.drafted, row.accepted) if row is not None else (0, 0)
+        if row is None:
+            return {}
+        return {s: (t.drafted, t.accepted) for s, t in row.earnings.tallies.items()}
 
     @property
     def decode_tokens(self) -> int:
@@ -142,6 +149,7 @@ class MTPLane:
     def _join(self, row: MTPRow, first: mx.array, draft: mx.array, logq: mx.array | None, seed_h: mx.array) -> None:
         """A prefilled row joins its cohort: the compiled one when it is greedy without a grammar and
         there is one (the compiled round takes no per-row mask: a grammar row runs the eager round)."""
+        row.start_context(int(first.item()))
         if self._compiled is not None and row.sampler is None and row.grammar is None:
             self._compiled.join(row, first, draft, seed_h)
         else:

@@ -15,6 +15,8 @@ import mlx.core as mx
 from mlx_relay.engine.lanes.lane import MTPCounts
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.memory.snapshots import Snapshot
+from mlx_relay.engine.speculation.context_drafts import ContextDrafts
+from mlx_relay.engine.speculation.earnings import Earnings
 from mlx_relay.engine.step.processors import GrammarMask
 from mlx_relay.engine.step.sampling import RowSampler
 
@@ -27,8 +29,10 @@ class MTPRow:
     sampler: RowSampler | None = None  # None: greedy
     grammar: GrammarMask | None = None  # the output grammar, applied inside the round (`mtp_grammar.py`)
     emitted: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    use_head: bool = True  # the head's drafts (False: the row verifies only context drafts)
+    max_context: int = 0  # context drafts per round at most (0: none)
+    context: ContextDrafts | None = None  # the row's prompt and output, indexed once it joins a cohort
+    earnings: Earnings = field(default_factory=Earnings)
     # prefill (rows not yet in the cohort): the target's own prefill, restorable from a snapshot
     pre: RowPrefill | None = None
     dcache: list[Any] = field(default_factory=list)
@@ -38,6 +42,21 @@ class MTPRow:
     @property
     def cached_tokens(self) -> int:
         return self.pre.cached_tokens if self.pre is not None else 0
+
+
+    @property
+    def drafted(self) -> int:
+        """Drafts verified so far, every source."""
+        return sum(t.drafted for t in self.earnings.tallies.values())
+
+    @property
+    def accepted(self) -> int:
+        return sum(t.accepted for t in self.earnings.tallies.values())
+
+    def start_context(self, first: int) -> None:
+        """Index the row's prompt and first token, if it takes context drafts."""
+        if self.max_context > 0:
+            self.context = ContextDrafts([*self.prompt, first])
 
 
 @dataclass

@@ -5,7 +5,9 @@ Greedy rows take argmaxes. A sampling row draws its drafts from its processed di
 (kept for the walk) and, per verified block, accepts draft d with probability min(1, p(d)/q(d)),
 else draws from norm(max(p - q, 0)); each row with its own PRNG key sequence (`RowSampler`), so
 the order of the draws below is part of what a seed means. A row with an output grammar draws and
-walks on the grammar's masked distributions (`mtp_grammar.py`); its drafts stay the head's.
+walks on the grammar's masked distributions (`mtp_grammar.py`); its drafts stay the head's. A draft
+copied from the row's context is a point mass (`point_logq`): accepted with probability p(d), and a
+rejection draws from p with d taken out, which is the same walk.
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ def propose(head: MTPHead, hidden: mx.array, rows: Sequence[MTPRow]) -> tuple[mx
             toks.append(mx.random.categorical(logq, key=r.sampler.next_key()).astype(mx.int32))
             logqs.append(logq)
     return mx.stack(toks), mx.stack(logqs)
+
+
+def point_logq(tokens: mx.array, counts: list[int], vocab: int) -> mx.array:
+    """log q [B, W, vocab] of drafts copied from the context: a point mass on `tokens[i, j]` for
+    j < counts[i] (accepted with probability p(d); a rejection draws from p without d), and
+    q = 0 everywhere past them (padding: a walk stopping there draws from p itself)."""
+    W = tokens.shape[1]
+    real = mx.arange(W)[None, :] < mx.array(counts, dtype=mx.int32)[:, None]  # [B, W]
+    hit = mx.arange(vocab)[None, None, :] == tokens[:, :, None]
+    return mx.where(hit & real[:, :, None], mx.array(0.0), mx.array(-mx.inf))
 
 
 def merge_logq(a: mx.array | None, b: mx.array | None, na: int, nb: int) -> mx.array | None:

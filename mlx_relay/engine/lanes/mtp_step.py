@@ -47,6 +47,28 @@ class RoundOut:
     committed: mx.array  # [B] m: the row emits targets[:, :m + 1] and commits m + 1 positions
 
 
+@dataclass
+class HostDrafts:
+    """Drafts made on the host (copied from each row's context) for one round of `width` tokens:
+    `tokens[i]` for real row i (empty: the row verifies the head's drafts, if `heads[i]`, else
+    none), at most `width - 1` each."""
+
+    width: int
+    tokens: list[list[int]]
+    heads: list[bool]
+
+    def arrays(self, batch_size: int, k: int) -> tuple[mx.array, mx.array, mx.array]:
+        """[B, width - 1] drafts (zero-padded), [B] whether a row's are the host's, [B] how many
+        drafts each row may accept (idle rows: 0)."""
+        w, pad = self.width - 1, batch_size - len(self.tokens)
+        rows = [t[:w] + [0] * (w - len(t[:w])) for t in self.tokens] + [[0] * w] * pad
+        mine = [bool(t) for t in self.tokens] + [False] * pad
+        usable = [len(t[:w]) if t else (min(k, self.width) - 1 if h else 0)
+                  for t, h in zip(self.tokens, self.heads, strict=True)] + [0] * pad
+        return (mx.array(rows, dtype=mx.int32).reshape(batch_size, w), mx.array(mine),
+                mx.array(usable, dtype=mx.int32))
+
+
 def _prefix_mask(columns: mx.array, cap: int) -> mx.array:
     """[B, 1, T, cap]: query t of row i sees columns 0 .. columns[i, t]."""
     return (mx.arange(cap)[None, None, :] <= columns[:, :, None])[:, None]
@@ -74,14 +96,19 @@ class MTPStep:
         self._eos = tuple(sorted(set(eos_token_ids)))  # constants of the trace (no array: building costs no memory)
         self._fn = mx.compile(self._round) if compiled else self._round
 
-    def __call__(self, state: MTPState, room: list[int]) -> RoundOut:
-        """One round; `room[i]` >= 1: tokens row i may still emit (its max_tokens left)."""
-        state.ensure_room(self.k)
+    def __call__(self, state: MTPState, room: list[int], drafts: HostDrafts | None = None) -> RoundOut:
+        """One round; `room[i]` >= 1: tokens row i may still emit (its max_tokens left). With
+        `drafts`, the round verifies `drafts.width` tokens per row: a row with host drafts (copied
+        from its context) verifies those instead of the head's, the others the head's."""
+        width = self.k if drafts is None else drafts.width
+        state.ensure_room(width)
         lengths, head_lengths, dpos = state.index_arrays()
-        room_arr = mx.array(room + [1] * (state.batch_size - len(room)), dtype=mx.int32)
+        pad = state.batch_size - len(room)
+        room_arr = mx.array(room + [1] * pad, dtype=mx.int32)
+        host = () if drafts is None else drafts.arrays(state.batch_size, self.k)
         (targets, accepted, committed, state.bonus, state.draft, state.seed, state.kv, state.conv, state.ssm,
          state.head_kv) = self._fn(state.bonus, state.draft, state.seed, lengths, head_lengths, dpos, room_arr,
-                                   state.kv, state.conv, state.ssm, state.head_kv)
+                                   state.kv, state.conv, state.ssm, state.head_kv, *host)
         return RoundOut(targets, accepted, committed)
 
     @staticmethod
@@ -113,7 +140,8 @@ class MTPStep:
 
     def _round(self, bonus: mx.array, draft: mx.array, seed: mx.array, lengths: mx.array, head_lengths: mx.array,
                dpos: mx.array, room: mx.array, kv: list[tuple[mx.array, mx.array]], conv: list[mx.array],
-               ssm: list[mx.array], head_kv: list[tuple[mx.array, mx.array]]) -> tuple[Any, ...]:
+               ssm: list[mx.array], head_kv: list[tuple[mx.array, mx.array]], host: mx.array | None = None,
+               mine: mx.array | None = None, usable: mx.array | None = None) -> tuple[Any, ...]:
         k = self.k
         # 1. draft k - 2 more tokens
         drafts, h, tok = [draft], seed, draft
@@ -122,17 +150,30 @@ class MTPStep:
             h, head_kv = self._head(tok[:, None], h, head_kv, col, (dpos + j)[:, None])
             tok = mx.argmax(self._logits(h[:, -1, :]), axis=-1).astype(mx.int32)
             drafts.append(tok)
-        block = mx.stack([bonus, *drafts], axis=1)  # [B, k]
+        head_block = mx.stack(drafts, axis=1)  # [B, k-1]
+        if host is None:
+            block = mx.concatenate([bonus[:, None], head_block], axis=1)  # [B, k]
+        else:
+            # the host's drafts [B, W-1] where `mine`, else the head's (zero-padded or cut to W-1);
+            # row i accepts at most usable[i] of them
+            W = host.shape[1] + 1
+            if W > k:
+                head_block = mx.concatenate([head_block, mx.zeros((head_block.shape[0], W - k), mx.int32)], axis=1)
+            else:
+                head_block = head_block[:, :W - 1]
+            block = mx.concatenate([bonus[:, None], mx.where(mine[:, None], host, head_block)], axis=1)  # [B, W]
         # 2. verify
         vh, kv, conv_ins, states = self._target(block, lengths, kv, conv, ssm)
         targets = mx.argmax(self._logits(vh), axis=-1).astype(mx.int32)  # [B, k]
         # 3. accept and cut
         ok = (block[:, 1:] == targets[:, :-1]).astype(mx.int32)
         accepted = mx.sum(mx.cumprod(ok, axis=1), axis=1)  # [B]
+        if usable is not None:
+            accepted = mx.minimum(accepted, usable)
         is_eos = mx.zeros(targets.shape, dtype=mx.bool_)
         for eos in self._eos:
             is_eos = is_eos | (targets == eos)
-        first_eos = mx.where(mx.any(is_eos, axis=1), mx.argmax(is_eos, axis=1), k).astype(mx.int32)
+        first_eos = mx.where(mx.any(is_eos, axis=1), mx.argmax(is_eos, axis=1), block.shape[1]).astype(mx.int32)
         m = mx.minimum(mx.minimum(accepted, room - 1), first_eos).astype(mx.int32)
         # commit: the GatedDeltaNet states after position m
         window = conv[0].shape[1] if conv else 0

@@ -305,8 +305,10 @@ class EngineCore:
         if row.lane == "mtp":
             # the MTP lane samples and applies the grammar inside its round; its rows have no
             # other processor (the TextMTPExecutor plans the others into the plain lane)
-            assert req.mtp_block is not None and chain.recorder is None
-            spec.sampler, spec.grammar, spec.block_size = chain.sampler, chain.grammar, req.mtp_block
+            assert req.speculate is not None and chain.recorder is None
+            spec.sampler, spec.grammar = chain.sampler, chain.grammar
+            spec.block_size, spec.use_head = req.speculate.block_size, req.speculate.head
+            spec.context_drafts = req.speculate.context
         else:
             spec.processors = chain.processors
         if req.vision is not None:
@@ -348,8 +350,12 @@ class EngineCore:
         lane = self.lanes[row.lane]
         counts = RowCounts(cached_tokens=lane.cached_tokens(row.rid))
         if isinstance(lane, MTPLane):
-            counts.mtp_drafted, counts.mtp_accepted = lane.drafts(row.rid)
-            updated.mtp.append(MTPOutcome(counts.mtp_drafted, counts.mtp_accepted))
+            drafts = lane.drafts(row.rid)
+            counts.mtp_drafted, counts.mtp_accepted = drafts.get("mtp", (0, 0))
+            counts.context_drafted, counts.context_accepted = drafts.get("context", (0, 0))
+            updated.mtp.append(MTPOutcome(counts.mtp_drafted, counts.mtp_accepted,
+                                          context_drafted=counts.context_drafted,
+                                          context_accepted=counts.context_accepted))
         if ending.whole_step and (turn := self._turn_snapshot(row, lane)) is not None:
             updated.snapshots.append(turn)
         lane.remove(row.rid)

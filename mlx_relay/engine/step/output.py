@@ -39,6 +39,8 @@ class RowCounts:
     cached_tokens: int = 0
     mtp_drafted: int = 0
     mtp_accepted: int = 0
+    context_drafted: int = 0
+    context_accepted: int = 0
 
 
 class OutputStage:
@@ -101,6 +103,8 @@ class OutputStage:
             total_s=now - row.arrived,
             mtp_drafted=counts.mtp_drafted,
             mtp_accepted=counts.mtp_accepted,
+            context_drafted=counts.context_drafted,
+            context_accepted=counts.context_accepted,
             cached_tokens=counts.cached_tokens,
             specprefill=row.specprefill,
             stop_sequence=row.stops.matched if reason == "stop" else None,

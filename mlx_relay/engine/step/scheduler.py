@@ -3,7 +3,8 @@
 Rows wait in arrival order. Each step, rows whose SpecPrefill scoring is due move to the scoring
 stage (they hold no decode slot while the draft reads them), then waiting rows join while fewer
 than `max_num_seqs` run, each in one lane for its whole life:
-- `mtp`: the TextMTPExecutor planned MTP for it at the lane's block size, and fewer than
+- `mtp`: the TextMTPExecutor planned speculation for it (the head's drafts, its context's, or both)
+  at the lane's block size, and fewer than
   `mtp_max_batch` rows are running (a round costs more than a plain step, more so as the batch
   grows: MTP pays only for (nearly) lone rows);
 - `plain`: our own prefill (restorable, snapshottable: the prefix cache is on, or the row is a
@@ -67,8 +68,8 @@ class Scheduler:
         return plan
 
     def _lane_for(self, row: Row) -> LaneName:
-        block = row.req.mtp_block
-        if block is not None and block == self.mtp_block and len(self.running) < self.mtp_max_batch:
+        plan = row.req.speculate
+        if plan is not None and plan.block_size == self.mtp_block and len(self.running) < self.mtp_max_batch:
             return "mtp"
         if self.own_prefill or row.sparse is not None:
             return "plain"

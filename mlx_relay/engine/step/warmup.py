@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
 from mlx_relay.engine.lanes.plain_lane import PlainLane
-from mlx_relay.messages.gpu import Generate, SamplingParams, TokenDelta, WarmupReport
+from mlx_relay.messages.gpu import Generate, SamplingParams, Speculate, TokenDelta, WarmupReport
 
 if TYPE_CHECKING:
     from mlx_relay.engine.step.core import EngineCore
@@ -35,10 +35,12 @@ def warm_up(core: EngineCore) -> WarmupReport:
     prompt = list(range(1, min(64, core.vocab_size - 1)))
     greedy = SamplingParams(max_tokens=8)
     sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=0, max_tokens=8)
-    mtp_block = core.scheduler.mtp_block
+    block = core.scheduler.mtp_block
+    context = core.config.max_draft_tokens
+    speculate = Speculate(block, context=context) if block is not None else None
     for wave, batch in enumerate(([greedy], [greedy, sampled])):
         for j, params in enumerate(batch):
-            core.add(-(2 * wave + j + 1), Generate(f"warmup-{wave}-{j}", prompt, params, mtp_block=mtp_block))
+            core.add(-(2 * wave + j + 1), Generate(f"warmup-{wave}-{j}", prompt, params, speculate=speculate))
         while core.has_work:
             core.step()
     if isinstance(plain := core.lanes["plain"], PlainLane):  # the KV lane traces nothing ahead
@@ -59,8 +61,9 @@ def mtp_round_cost(core: EngineCore, prompt: list[int], tokens: int = 32) -> flo
     timed from its first token on (kernels already compiled). None if a row ended too soon
     to tell."""
     per_unit = []
-    for mtp_block in (core.scheduler.mtp_block, None):
-        core.add(-99, Generate("calibrate", prompt, SamplingParams(max_tokens=tokens), mtp_block=mtp_block))
+    block = core.scheduler.mtp_block
+    for speculate in (Speculate(block) if block is not None else None, None):
+        core.add(-99, Generate("calibrate", prompt, SamplingParams(max_tokens=tokens), speculate=speculate))
         started, units, rounds0, tic = False, 0, 0, 0.0
         while core.has_work:
             out = core.step()
@@ -69,7 +72,7 @@ def mtp_round_cost(core: EngineCore, prompt: list[int], tokens: int = 32) -> flo
             elif any(isinstance(ev, TokenDelta) for _, ev in out.events):
                 started, rounds0, tic = True, core.mtp_totals.rounds, time.perf_counter()
         elapsed = time.perf_counter() - tic
-        if mtp_block is not None:
+        if speculate is not None:
             units = core.mtp_totals.rounds - rounds0
         if units < 4:
             return None

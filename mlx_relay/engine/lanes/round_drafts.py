@@ -1,0 +1,92 @@
+"""A cohort round's drafts from the rows' contexts, chosen by what they earn (GPU thread, no MLX;
+used by both MTP cohorts, `mtp_cohort.EagerCohort` and `mtp_compiled.CompiledCohort`).
+
+Before a round, `RoundDrafts.plan` asks each row that takes context drafts for a proposal
+(`speculation.context_drafts`), and picks the round's width: the head's block `k` (each row
+verifies the head's drafts) or `1 + max_context` (rows whose proposal is expected to beat the
+head's verify it instead), whichever yields more expected tokens per second over all rows at the
+widths' measured round times (`speculation.earnings`). After the round, `settle` credits each
+source with what was accepted: verified for the source the row used, shadowed for a context
+proposal it did not, and feeds the emitted tokens to the row's context.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mlx_relay.engine.lanes.decode_state import batch_bucket
+from mlx_relay.engine.lanes.lane import MTPCounts
+from mlx_relay.engine.lanes.mtp_rows import MTPRow
+from mlx_relay.engine.speculation.earnings import RoundCosts, agreed
+
+
+@dataclass
+class RoundPlan:
+    width: int
+    proposals: list[list[int]]  # per row: its context proposal (maybe empty)
+    use_context: list[bool]  # per row: the round verifies its proposal (else the head's drafts)
+    started: float = field(default_factory=time.perf_counter)
+
+    heads: list[bool] = field(default_factory=list)  # per row: it takes the head's drafts
+
+    @property
+    def host(self) -> list[list[int]] | None:
+        """Per row the drafts the host gives the round (empty: the head's, or none for a row that
+        does not take them); None: the head's for every row."""
+        if not any(self.use_context) and all(self.heads):
+            return None
+        return [p if use else [] for p, use in zip(self.proposals, self.use_context, strict=True)]
+
+
+class RoundDrafts:
+    def __init__(self, block_size: int, max_context: int) -> None:
+        self.k = block_size
+        self.max_context = max_context  # the lane's longest context proposal (0: none)
+        self.costs = RoundCosts()
+
+    @property
+    def wide(self) -> int:
+        return 1 + self.max_context
+
+    def plan(self, rows: Sequence[MTPRow]) -> RoundPlan:
+        k = self.k
+        proposals = [r.context.propose(r.max_context) if r.context is not None else [] for r in rows]
+        heads = [r.use_head for r in rows]
+        if self.max_context <= 0 or not any(proposals):
+            return RoundPlan(k, proposals, [False] * len(rows), heads=heads)
+        head = [1.0 + (r.earnings.expected("mtp", k - 1) if r.use_head else 0.0) for r in rows]
+        use = []
+        for r, p, h in zip(rows, proposals, head, strict=True):
+            use.append(bool(p) and 1.0 + r.earnings.expected("context", len(p)) > h)
+        if not any(use):
+            return RoundPlan(k, proposals, use, heads=heads)
+        wide = sum(1.0 + r.earnings.expected("context", len(p)) if u else h
+                   for r, p, u, h in zip(rows, proposals, use, head, strict=True))
+        width = self.costs.best_width(batch_bucket(len(rows)), {k: sum(head), self.wide: wide})
+        return RoundPlan(width, proposals, use if width == self.wide else [False] * len(rows), heads=heads)
+
+    def settle(self, rows: Sequence[MTPRow], plan: RoundPlan, emitted: dict[int, list[int]], took: list[int],
+               counts: MTPCounts) -> None:
+        """After the round: `emitted[rid]` its tokens, `took[i]` the drafts row i had accepted."""
+        self.costs.record(batch_bucket(len(rows)), plan.width, time.perf_counter() - plan.started)
+        for i, row in enumerate(rows):
+            tokens = emitted.get(row.rid, [])
+            proposal = plan.proposals[i]
+            if plan.use_context[i]:
+                row.earnings.record("context", len(proposal), took[i], verified=True)
+                counts.context_drafted += len(proposal)
+                counts.context_accepted += took[i]
+            else:
+                if row.use_head:
+                    row.earnings.record("mtp", self.k - 1, took[i], verified=True)
+                    counts.drafted += self.k - 1
+                    counts.accepted += took[i]
+                if proposal and tokens:
+                    # unverified, the proposal is scored against what the row emitted (a proposal
+                    # longer than the round's tokens: only as far as they go)
+                    row.earnings.record("context", min(len(proposal), len(tokens)), agreed(proposal, tokens),
+                                        verified=False)
+            if row.context is not None:
+                row.context.extend(tokens)

@@ -1,0 +1,113 @@
+"""What each draft source earns, per request and per round width (no MLX; the MTP lane's cohorts
+ask it on the GPU thread before each round).
+
+A row keeps, per source (`"mtp"`: the checkpoint's head; `"context"`: `context_drafts`), a
+decayed count of drafts that were right and of proposals that ended in a miss, so its
+acceptance follows what the request is writing now. Context proposals cost nothing to make, so
+a round that does not verify them still scores them against what the row emitted (the *shadow*
+count): a source that was switched off for a request keeps being measured and comes back when it
+would pay. The head's proposal is only counted when it is verified.
+
+`Earnings.expected(source, n)` is the tokens a proposal of `n` drafts adds under a geometric
+model (each draft right with the row's acceptance, given the ones before it). A cohort times its
+rounds per width (`RoundCosts`) and runs the width that yields the most expected tokens per
+second over all its rows (`best_width`); a width not timed yet is tried once, and every
+`PROBE_EVERY` rounds the one not chosen is timed again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Source = Literal["mtp", "context"]
+SOURCES: tuple[Source, ...] = ("mtp", "context")
+
+DECAY = 0.9  # each proposal's weight against the ones before it (about the last 10 count)
+PRIOR = 0.5  # acceptance before a source was measured on the request
+PRIOR_WEIGHT = 1.0  # ... worth this many proposals
+PROBE_EVERY = 64  # rounds between re-timing a width the cohort is not running
+COST_DECAY = 0.8  # a width's round time: exponentially weighted over its recent rounds
+
+
+@dataclass
+class SourceTally:
+    """One source on one request: what it drafted and what was accepted, verified or shadowed."""
+
+    drafted: int = 0  # verified drafts
+    accepted: int = 0
+    shadow_drafted: int = 0  # proposals scored against the emitted tokens without a verify
+    shadow_accepted: int = 0
+    hits: float = 0.0  # decayed: drafts right
+    misses: float = 0.0  # decayed: proposals that ended in a wrong draft
+
+    def record(self, proposed: int, accepted: int, *, verified: bool) -> None:
+        if proposed <= 0:
+            return
+        accepted = min(accepted, proposed)
+        if verified:
+            self.drafted += proposed
+            self.accepted += accepted
+        else:
+            self.shadow_drafted += proposed
+            self.shadow_accepted += accepted
+        self.hits = self.hits * DECAY + accepted
+        self.misses = self.misses * DECAY + (1.0 if accepted < proposed else 0.0)
+
+    @property
+    def acceptance(self) -> float:
+        """Probability that a draft is right, given the ones before it were."""
+        return (self.hits + PRIOR * PRIOR_WEIGHT) / (self.hits + self.misses + PRIOR_WEIGHT)
+
+
+@dataclass
+class Earnings:
+    tallies: dict[Source, SourceTally] = field(default_factory=lambda: {s: SourceTally() for s in SOURCES})
+
+    def expected(self, source: Source, n: int) -> float:
+        """Tokens `n` drafts of `source` add to a round, expected."""
+        a = self.tallies[source].acceptance
+        return sum(a ** j for j in range(1, n + 1))
+
+    def record(self, source: Source, proposed: int, accepted: int, *, verified: bool) -> None:
+        self.tallies[source].record(proposed, accepted, verified=verified)
+
+
+def agreed(proposal: Sequence[int], emitted: Sequence[int]) -> int:
+    """Leading drafts of `proposal` equal to what the row emitted after the round's first token."""
+    n = 0
+    for d, t in zip(proposal, emitted, strict=False):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class RoundCosts:
+    """Seconds per round at each width, for one cohort (exponentially weighted)."""
+
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch bucket, width) -> s
+    rounds: int = 0
+    last_run: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def record(self, bucket: int, width: int, seconds: float) -> None:
+        key = (bucket, width)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
+        self.rounds += 1
+        self.last_run[key] = self.rounds
+
+    def best_width(self, bucket: int, tokens: dict[int, float]) -> int:
+        """The width (of `tokens`: width -> expected tokens of all rows at it) with the most
+        tokens per second; an untimed width first, and one stale by `PROBE_EVERY` rounds."""
+        widths = sorted(tokens)
+        for w in widths:
+            if (bucket, w) not in self.seconds:
+                return w
+        best = max(widths, key=lambda w: tokens[w] / self.seconds[(bucket, w)])
+        for w in widths:
+            if w != best and tokens[w] > 0 and self.rounds - self.last_run.get((bucket, w), 0) >= PROBE_EVERY:
+                return w
+        return best

@@ -1,0 +1,137 @@
+"""Drafts copied from the context (issue 33): the index, the earnings, and the MTP lane verifying
+them, on the real float32 fixtures.
+
+Exactness: with context drafts on, greedy output equals plain decoding by the raw mlx-vlm loop,
+compiled and eager rounds, both verifiers, alone and in ragged batches, for rows whose drafts are
+mostly right (the `bigram` fixture copies what followed a token before) and mostly wrong (`fp32`).
+Sampling: a copied draft is a point mass, and the speculative-sampling walk keeps the target's
+distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from mlx_relay.engine.models.loader import load_model
+from mlx_relay.engine.speculation.context_drafts import ContextDrafts
+from mlx_relay.engine.speculation.earnings import PROBE_EVERY, Earnings, RoundCosts, agreed
+from mlx_relay.messages.gpu import Generate, SamplingParams
+from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
+from mlx_relay.testing.reference import greedy_reference
+from tests.test_mtp import _chi2_critical, _exact_two_token_distribution, run_engine
+
+BASE = list(range(5, 25))
+
+
+def test_context_drafts_follow_the_longest_most_recent_match() -> None:
+    ctx = ContextDrafts([1, 2, 3, 4, 9, 2, 3, 7, 8, 3], max_ngram=3)
+    assert ctx.propose(2) == [7, 8]  # "3" last followed by 7, 8 (most recent occurrence)
+    ctx.extend([4])  # "3 4" occurred once: followed by 9
+    assert ctx.propose(3) == [9, 2, 3]
+    ctx.extend([9, 2, 3])  # "9 2 3" -> 7 beats "3" -> 4 (both exist; the longer wins)
+    assert ctx.propose(1) == [7]
+    assert ContextDrafts([5, 6, 7]).propose(4) == []  # nothing repeats
+    assert ContextDrafts([]).propose(4) == [] and ctx.propose(0) == []
+
+
+def test_earnings_follow_what_the_request_writes() -> None:
+    e = Earnings()
+    before = e.expected("context", 4)
+    for _ in range(10):
+        e.record("context", 4, 0, verified=False)  # shadowed misses
+    assert e.expected("context", 4) < 0.1 < before
+    for _ in range(10):
+        e.record("context", 4, 4, verified=True)
+    assert e.expected("context", 4) > 2.5
+    t = e.tallies["context"]
+    assert (t.drafted, t.accepted, t.shadow_drafted, t.shadow_accepted) == (40, 40, 40, 0)
+    assert agreed([1, 2, 3], [1, 2, 9, 9]) == 2 and agreed([1], []) == 0
+
+
+def test_round_costs_pick_tokens_per_second_and_probe() -> None:
+    costs = RoundCosts()
+    assert costs.best_width(1, {2: 1.5, 5: 3.0}) == 2  # untimed: tried first
+    costs.record(1, 2, 1.0)
+    assert costs.best_width(1, {2: 1.5, 5: 3.0}) == 5
+    costs.record(1, 5, 1.5)
+    assert costs.best_width(1, {2: 1.5, 5: 3.0}) == 5  # 2.0 tokens/s against 1.5
+    assert costs.best_width(1, {2: 1.5, 5: 1.6}) == 2
+    for _ in range(PROBE_EVERY):
+        costs.record(1, 2, 1.0)
+    assert costs.best_width(1, {2: 1.5, 5: 1.6}) == 5  # stale: timed again
+
+
+def _copy_prompt(path: Any, tokens: int) -> list[int]:
+    """A prompt that holds the model's own greedy continuation of BASE, then BASE again: what the
+    model writes next was written before (an agent re-emitting a file)."""
+    first = greedy_reference(path, [BASE], tokens)[0]
+    return BASE + first + BASE
+
+
+@pytest.mark.parametrize(("variant", "compiled", "verify", "method"), [
+    ("bigram", True, "batched", "context"), ("bigram", False, "batched", "context"),
+    ("bigram", False, "exact", "auto"), ("bigram", True, "batched", "auto"),
+    ("fp32", True, "batched", "context"), ("fp32", False, "batched", "auto"),
+])
+def test_context_drafts_keep_greedy_output(gpu: Callable, variant: str, compiled: bool, verify: str,
+                                           method: str) -> None:
+    path = fixture_path(FixtureSpec(variant=variant, seed=0))
+    max_tokens = [40, 12, 33, 25]
+
+    def run() -> tuple[Any, ...]:
+        copy = _copy_prompt(path, 30)
+        prompts = [copy, BASE, copy[5:], BASE * 2]
+        loaded = load_model(path)
+        plan = [(at, Generate(f"r{i}", p, SamplingParams(max_tokens=m)))
+                for i, (at, p, m) in enumerate(zip((0, 0, 2, 4), prompts, max_tokens, strict=True))]
+        got = run_engine(loaded, plan, mtp_max_batch=4, compile_mtp=compiled, mtp_verify=verify,
+                         speculation=method, max_draft_tokens=4, mtp_policy="always")
+        return got, greedy_reference(path, prompts, max(max_tokens))
+
+    (tokens, finished, stats), ref = gpu(run)
+    for sid, want in enumerate(ref):
+        assert tokens[sid] == want[:max_tokens[sid]], sid
+    drafted = sum(f.context_drafted for f in finished.values())
+    accepted = sum(f.context_accepted for f in finished.values())
+    assert 0 <= accepted <= drafted
+    if variant == "bigram":
+        # the copy rows verify copied drafts and most are right: fewer rounds than tokens
+        assert finished[0].context_accepted >= 20, finished[0]
+        assert stats.mtp_rounds < sum(max_tokens)
+    if method == "context":
+        assert all(f.mtp_drafted == 0 for f in finished.values())  # the head's drafts are not used
+
+
+def test_context_drafts_keep_the_sampling_distribution(gpu: Callable) -> None:
+    """Sampling rows whose second token is decided by a copied draft's walk (a point mass q:
+    accept with p(d), else draw from p without d): the joint distribution of the first two tokens
+    over many seeds fits the exact one (G-test at p = 0.001)."""
+    path = fixture_path(FixtureSpec(variant="bigram", seed=0))
+    n = 200
+    temperature = 1.5
+
+    def run() -> tuple[Any, ...]:
+        prompt = _copy_prompt(path, 30)
+        loaded = load_model(path)
+        plan = [(i // 16, Generate(f"s{i}", prompt, SamplingParams(temperature=temperature, top_k=4, max_tokens=2,
+                                                                  seed=i)))
+                for i in range(n)]
+        tokens, finished, _stats = run_engine(loaded, plan, max_num_seqs=16, mtp_max_batch=16,
+                                              speculation="context", max_draft_tokens=2)
+        params = SamplingParams(temperature=temperature, top_k=4, max_tokens=2)
+        return tokens, finished, _exact_two_token_distribution(path, prompt, params)
+
+    tokens, finished, exact = gpu(run)
+    drafted = sum(f.context_drafted for f in finished.values())
+    accepted = sum(f.context_accepted for f in finished.values())
+    assert drafted > n // 2 and 0 < accepted < drafted  # both branches of the walk ran
+    counts = Counter(tuple(t) for t in tokens.values())
+    assert all(len(t) == 2 for t in counts)
+    assert set(counts) <= set(exact), set(counts) - set(exact)
+    g = 2.0 * sum(c * math.log(c / (n * exact[cell])) for cell, c in counts.items())
+    assert g < _chi2_critical(len(exact) - 1), (g, counts.most_common(5))
