@@ -136,7 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     media.add_argument("--max-media-bytes", type=int, default=20 * 1024 * 1024, help="per image/video (20 MiB)")
     media.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="decompression-bomb guard")
     media.add_argument("--max-video-frames", type=int, default=32)
-    spec = serve.add_argument_group("MTP speculative decoding (text requests, checkpoints with an mtp.* head)")
+    spec = serve.add_argument_group("speculative decoding (text requests): the checkpoint's MTP head, drafts copied "
+                                    "from the context")
+    spec.add_argument("--speculation", choices=("auto", "mtp", "context", "none"), default="auto",
+                      help="where drafts come from for a request that does not say (its `speculation.method`): "
+                           "auto (the head where it pays, context drafts where they are expected to beat it, "
+                           "per request and round), mtp, context, none (default auto)")
+    spec.add_argument("--max-draft-tokens", type=int, default=8,
+                      help="context drafts verified per round at most; 0: no context drafts (default 8)")
+    spec.add_argument("--context-policy", choices=("auto", "always"), default="auto",
+                      help="auto: a row's context proposal is verified where it is expected to yield more tokens "
+                           "per second (its acceptance so far, the measured round times); always: whenever it has one")
     spec.add_argument("--no-mtp", action="store_true", help="decode every request without MTP")
     spec.add_argument("--mtp-block-size", type=int, default=2,
                       help="tokens per verify round: the bonus token and BLOCK-1 drafts (default 2)")
@@ -315,6 +325,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         mtp_max_batch=args.mtp_max_batch,
         mtp_verify=args.mtp_verify,
         mtp_policy=args.mtp_policy,
+        speculation=args.speculation,
+        max_draft_tokens=args.max_draft_tokens,
+        context_policy=args.context_policy,
         prefix_cache=not args.no_prefix_cache,
         prefix_cache_bytes=_gib(args.prefix_cache_gb),
         prefix_min_snapshot_tokens=args.prefix_min_snapshot_tokens,

@@ -105,7 +105,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     speculation: Literal["auto", "mtp", "context", "none"] = "auto"
     # at most this many context drafts verified per round (a round then verifies 1 + this many
     # tokens); 0: no context drafts at all
-    max_draft_tokens: int = 4
+    max_draft_tokens: int = 8
+    # whether a row's context proposal is verified: "auto" where it is expected to yield more tokens
+    # per second than the round without it (the row's acceptance so far, the widths' measured round
+    # times); "always" whenever the row has one (no timing: the same rounds on every run)
+    context_policy: Literal["auto", "always"] = "auto"
     # prefix cache: exact snapshots of prompt state at system-prompt ends and finished turns
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None  # byte budget; None: a share of the device's memory

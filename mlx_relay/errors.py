@@ -27,6 +27,13 @@ class InvalidRequest(RelayError):
     type = "invalid_request_error"
 
 
+class DraftModelUnavailable(InvalidRequest):
+    """The request asked for a draft model's drafts (`speculation.method: "draft"`), and this
+    server has no draft model loaded (`--draft-model` is not available yet)."""
+
+    code = "draft_model_unavailable"
+
+
 class UnprocessableRequest(RelayError):
     """The body is JSON but does not fit the schema (wrong types, out-of-range values)."""
 

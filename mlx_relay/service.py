@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import anyio
 import msgspec
@@ -39,9 +39,10 @@ from mlx_relay.chat.grammar import OutputConstraint
 from mlx_relay.chat.output import ContentDelta, InvalidReason, ReplyDone, ReplyEvent, ReplyStarted
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import ChatMessage, ResponseFormat, ToolChoice, ToolDef
-from mlx_relay.errors import InvalidRequest, MaxTokensExceedContext, PromptTooLong
+from mlx_relay.config import MAX_DRAFT_TOKENS
+from mlx_relay.errors import DraftModelUnavailable, InvalidRequest, MaxTokensExceedContext, PromptTooLong
 from mlx_relay.messages.admission import Acquire, Granted
-from mlx_relay.messages.gpu import Finished, Generate, ModelInfo, SamplingParams, TokenDelta
+from mlx_relay.messages.gpu import Finished, Generate, ModelInfo, SamplingParams, SpeculationMethod, TokenDelta
 from mlx_relay.messages.prefix_cache import Lookup, PrefixPlan, Release
 from mlx_relay.messages.prompt import Prompt, Render
 from mlx_relay.messages.specprefill import PlanSpecPrefill, SpecPrefillDecision, SpecPrefillReport
@@ -72,6 +73,11 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     response_format: ResponseFormat | None = None
     template_kwargs: dict[str, Any] = {}
     mtp: bool = True  # MTP speculative decoding where the text path has it
+    # where speculative drafts may come from (`SpeculationMethod`: "auto", "mtp", "context",
+    # "draft", "none"; None: the server's `--speculation`) and at most how many context drafts
+    # per round (0..MAX_DRAFT_TOKENS; None: the server's, which also caps it)
+    speculation: str | None = None
+    max_draft_tokens: int | None = None
     # thinking: None leaves the chat template's default; a budget caps the thinking tokens
     # (the engine then closes the thinking block itself)
     enable_thinking: bool | None = None
@@ -200,6 +206,8 @@ class ChatService:
             max_tokens=max_tokens,
             stop=req.stop,
             mtp=req.mtp,
+            speculation=req.speculation,  # type: ignore[arg-type]  # checked by validate_request
+            max_draft_tokens=req.max_draft_tokens,
             logprobs=req.top_logprobs if req.logprobs else -1,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
@@ -337,7 +345,7 @@ class ChatService:
         decision = await self._specprefill(rid, req, len(tokens), plan)
         text: TextPlan = await self.actors.text.ask(PlanText(rid, params, sparse=decision.score is not None
                                                              or decision.sparse is not None))
-        return Generate(rid, tokens, params, None, plan, text.mtp.block_size if text.mtp else None, decision.score,
+        return Generate(rid, tokens, params, None, plan, text.speculate, decision.score,
                         decision.sparse, decision.report)
 
     async def _specprefill(self, rid: str, req: ChatRequest, n: int, plan: PrefixPlan | None) -> SpecPrefillDecision:
@@ -389,6 +397,7 @@ def forced_tools(req: ChatRequest) -> bool:
     return req.tool_choice not in ("auto", "none")
 
 
+SPECULATION_METHODS: tuple[str, ...] = get_args(SpeculationMethod)
 _SEED_LIMIT = 2**63  # seeds are 63-bit (numpy's and MLX's generators take them)
 MAX_ANCHOR_NGRAM = 64  # a request's SpecPrefill anchor n-gram (longer runs are whole sentences)
 
@@ -409,10 +418,17 @@ def validate_request(req: ChatRequest) -> None:
         (req.specprefill_anchor_ngram is None or 0 <= req.specprefill_anchor_ngram <= MAX_ANCHOR_NGRAM,
          "specprefill_anchor_ngram", f"specprefill_anchor_ngram must be between 0 (off) and {MAX_ANCHOR_NGRAM}"),
         (not req.logprobs or 0 <= req.top_logprobs <= 20, "top_logprobs", "top_logprobs must be between 0 and 20"),
+        (req.speculation is None or req.speculation in SPECULATION_METHODS, "speculation.method",
+         f"speculation.method must be one of {', '.join(SPECULATION_METHODS)}"),
+        (req.max_draft_tokens is None or 0 <= req.max_draft_tokens <= MAX_DRAFT_TOKENS, "speculation.max_draft_tokens",
+         f"speculation.max_draft_tokens must be an integer from 0 to {MAX_DRAFT_TOKENS}"),
     ]
     for ok, param, message in checks:
         if not ok:
             raise InvalidRequest(message, param=param)
+    if req.speculation == "draft":
+        raise DraftModelUnavailable('speculation.method "draft" needs a draft model, and this server has none loaded '
+                                    "(--draft-model is not available yet)", param="speculation.method")
 
 
 def validate_sampling(p: SamplingParams) -> None:
@@ -460,5 +476,6 @@ async def _parsed(started: ReplyStarted, events: EngineEvents, parser: ReplyPars
             tally.completion_tokens, tally.finish_reason = ev.completion_tokens, reason
             yield ReplyDone(reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, reasoning,
                             mtp_drafted=ev.mtp_drafted, mtp_accepted=ev.mtp_accepted,
+                            context_drafted=ev.context_drafted, context_accepted=ev.context_accepted,
                             stop_sequence=ev.stop_sequence, specprefill=ev.specprefill)
             return

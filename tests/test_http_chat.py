@@ -143,7 +143,11 @@ def test_stream_and_non_stream_agree(server: LiveServer) -> None:
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
         usage_chunks = [c for c in chunks if c.get("usage")]
         assert len(usage_chunks) == 1 and usage_chunks[0]["choices"] == []
-        assert usage_chunks[0]["usage"] == full["usage"]
+        # the drafts per source are the engine's choice, round by round (by what each source earned
+        # and what a round costs): the tokens are what must agree
+        streamed, whole = ({k: v for k, v in u.items() if k != "speculation"}
+                           for u in (usage_chunks[0]["usage"], full["usage"]))
+        assert streamed == whole
 
 
 def test_mtp_usage_extension_and_opt_out(server: LiveServer) -> None:

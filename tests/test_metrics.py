@@ -15,6 +15,7 @@ from mlx_relay.chat.output import INVALID_REASONS
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import FunctionDef, ToolDef
 from mlx_relay.messages.admission import REJECT_REASONS, AdmissionStats
+from mlx_relay.messages.text_mtp import MTPStats
 from mlx_relay.metrics import ServerMetrics, StatsSnapshot
 from mlx_relay.testing.live_server import LiveServer
 from tests.test_vision_path import image_message, png_data_url
@@ -30,8 +31,8 @@ VLLM_NAMES = {"num_requests_running": "gauge", "num_requests_waiting": "gauge",
               "spec_decode_num_draft_tokens": "counter", "spec_decode_num_accepted_tokens": "counter"}
 OURS = {"admission_rejections": "counter", "server_state": "gauge", "gpu_memory_bytes": "gauge",
         "gpu_memory_peak_bytes": "gauge", "prefix_cache_snapshot_bytes": "gauge", "prefix_cache_snapshots": "gauge",
-        "mtp_requests": "counter", "vision_cache_queries": "counter", "vision_cache_hits": "counter",
-        "vision_cache_bytes": "gauge", "tool_calls_invalid": "counter"}
+        "mtp_requests": "counter", "context_draft_requests": "counter", "vision_cache_queries": "counter",
+        "vision_cache_hits": "counter", "vision_cache_bytes": "gauge", "tool_calls_invalid": "counter"}
 
 
 def scrape(url: str, **headers: str) -> tuple[dict[str, str], Samples]:
@@ -104,8 +105,14 @@ def test_scrape_names_labels_and_counters_that_move(server: LiveServer) -> None:
     assert moved("request_success_total", finished_reason="length") + moved(
         "request_success_total", finished_reason="stop") == n
     mtp = [u["mtp"] for u in usages if "mtp" in u]
-    assert mtp and moved("spec_decode_num_draft_tokens_total") == sum(m["draft_tokens"] for m in mtp)
-    assert moved("spec_decode_num_accepted_tokens_total") == sum(m["accepted_tokens"] for m in mtp)
+    assert mtp and moved("spec_decode_num_draft_tokens_total", source="mtp") == sum(m["draft_tokens"] for m in mtp)
+    assert moved("spec_decode_num_accepted_tokens_total", source="mtp") == sum(m["accepted_tokens"] for m in mtp)
+    for source in ("mtp", "context"):  # the drafts per source, as the usages report them
+        counts = [u["speculation"][source] for u in usages if source in u.get("speculation", {})]
+        assert moved("spec_decode_num_draft_tokens_total", source=source) == sum(c["drafted"] for c in counts)
+        assert moved("spec_decode_num_accepted_tokens_total", source=source) == sum(c["accepted"] for c in counts)
+    context = sum("context" in u.get("speculation", {}) for u in usages)
+    assert context <= moved("context_draft_requests_total") <= 3  # planned with context drafts: text requests only
     assert moved("vision_cache_hits_total") >= 1 and moved("vision_cache_queries_total") >= 2
     assert value(after, "num_requests_running") == 0 and value(after, "num_requests_waiting") == 0
     assert value(after, "server_state", state="ready") == 1 and value(after, "server_state", state="loading") == 0
@@ -158,3 +165,20 @@ def test_each_server_has_its_own_registry() -> None:
     assert value(samples(a), "prompt_tokens_total") == 7 and value(samples(b), "prompt_tokens_total") == 0
     assert value(samples(a), "num_requests_waiting") == 2
     assert not any(f.name.startswith("mlx_relay:") for f in REGISTRY.collect())
+
+
+def test_draft_counters_by_source() -> None:
+    """The TextMTPExecutor's counters: drafts verified and accepted by source (the head's, the
+    context's), and the requests planned with context drafts."""
+    mtp = MTPStats(True, 2, planned=5, declined=1, requests=5, rounds=9, drafted=9, accepted=4, context_planned=3,
+                   context_drafted=12, context_accepted=7)
+    stats = StatsSnapshot("ready", AdmissionStats("ready", "", 1, 0, 8, 32, 0, dict.fromkeys(REJECT_REASONS, 0)),
+                          mtp=mtp)
+    after = {(s.name, frozenset(s.labels.items())): s.value
+             for f in text_string_to_metric_families(ServerMetrics("tiny").render(stats).decode()) for s in f.samples}
+    assert value(after, "spec_decode_num_draft_tokens_total", source="mtp") == 9
+    assert value(after, "spec_decode_num_accepted_tokens_total", source="mtp") == 4
+    assert value(after, "spec_decode_num_draft_tokens_total", source="context") == 12
+    assert value(after, "spec_decode_num_accepted_tokens_total", source="context") == 7
+    assert value(after, "context_draft_requests_total") == 3
+    assert value(after, "mtp_requests_total", decision="mtp") == 5

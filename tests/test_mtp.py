@@ -100,12 +100,16 @@ def test_mtp_rows_alongside_plain_rows_and_routing(gpu: Callable, bigram_model: 
 
 
 def test_mtp_off_for_the_whole_engine(gpu: Callable, bigram_model: Path) -> None:
+    """MTP off: the head never drafts (the lane may still verify context drafts); with context
+    drafts off too, no row speculates at all."""
     def run() -> Any:
         loaded = load_model(bigram_model)
-        return run_engine(loaded, [(0, Generate("a", PROMPTS[0], SamplingParams(max_tokens=8)))], mtp=False)
+        req = [(0, Generate("a", PROMPTS[0], SamplingParams(max_tokens=8)))]
+        return run_engine(loaded, req, mtp=False), run_engine(loaded, req, mtp=False, max_draft_tokens=0)
 
-    _tokens, finished, stats = gpu(run)
-    assert finished[0].mtp_drafted == 0 and stats.mtp_rounds == 0
+    (_tokens, finished, _stats), (_tokens0, finished0, stats0) = gpu(run)
+    assert finished[0].mtp_drafted == 0
+    assert finished0[0].mtp_drafted == 0 and finished0[0].context_drafted == 0 and stats0.mtp_rounds == 0
 
 
 def test_mtp_row_cancelled_mid_flight(gpu: Callable, bigram_model: Path) -> None:
@@ -178,8 +182,9 @@ def test_mtp_speculative_sampling_keeps_the_target_distribution(gpu: Callable, v
         plan = [(i // 16, Generate(f"s{i}", prompt, SamplingParams(temperature=temperature, top_k=4, max_tokens=2,
                                                                   seed=i)))
                 for i in range(n)]
+        # the head's drafts only (context drafts: tests/test_context_drafts.py)
         tokens, _finished, stats = run_engine(loaded, plan, max_num_seqs=16, mtp_max_batch=16, mtp_block_size=2,
-                                              speculation="mtp")  # the head's drafts only (context: test_context_drafts)
+                                              speculation="mtp")
         return tokens, stats, _exact_two_token_distribution(path, prompt, params)
 
     tokens, stats, exact = gpu(run)

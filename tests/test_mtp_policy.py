@@ -59,17 +59,20 @@ def test_each_method_plans_its_sources_and_context_drafts_outlive_a_head_that_do
     def plan(**kw: object) -> Speculate | None:
         return ex.plan(PlanText("r", SamplingParams(**kw))).speculate  # type: ignore[arg-type]
 
-    assert plan() == Speculate(2, head=True, context=4)  # auto: both; the lane picks per round
+    assert plan() == Speculate(2, head=True, context=8)  # auto: both; the lane picks per round
     assert plan(speculation="mtp") == Speculate(2, head=True, context=0)
-    assert plan(speculation="context") == Speculate(2, head=False, context=4)
+    assert plan(speculation="context") == Speculate(2, head=False, context=8)
     assert plan(speculation="none") is None and plan(speculation="draft") is None
     assert plan(max_draft_tokens=2) == Speculate(2, head=True, context=2)
-    assert plan(max_draft_tokens=99) == Speculate(2, head=True, context=4)  # the server's cap
-    assert plan(mtp=False) == Speculate(2, head=False, context=4)  # the old opt-out: the head's only
+    assert plan(max_draft_tokens=99) == Speculate(2, head=True, context=8)  # the server's cap
+    assert plan(mtp=False) == Speculate(2, head=False, context=8)  # the old opt-out: the head's only
     assert plan(grammar="start: /a/") == Speculate(2, head=True, context=0)  # a grammar walks the head's
     assert plan(logprobs=0) is None
+    # a seeded sampling row's draws must not depend on timed widths: the head's drafts only
+    assert plan(temperature=0.7, seed=3) == Speculate(2, head=True, context=0)
+    assert plan(temperature=0.7) == Speculate(2, head=True, context=8)
     ex.round_cost = 2.4  # the head cannot pay: context drafts alone
-    assert plan() == Speculate(2, head=False, context=4)
+    assert plan() == Speculate(2, head=False, context=8)
     assert plan(speculation="mtp") is None
 
 

@@ -170,7 +170,7 @@ def test_two_ranks_reply_as_the_unsharded_server(
     sampled = {"temperature": 0.8, "seed": 3}
     assert _chat(url, messages, 24, **sampled) == _chat(reference.url, messages, 24, **sampled)
     drafted = [line for line in httpx.get(url + "/metrics").text.splitlines()
-               if line.startswith("mlx_relay:spec_decode_num_draft_tokens_total")]
+               if line.startswith("mlx_relay:spec_decode_num_draft_tokens_total") and 'source="mtp"' in line]
     assert drafted and float(drafted[0].split()[-1]) > 0  # MTP ran over the two ranks
     # two at once on the plain lane (MTP off for them): they decode together in one batch
     pairs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}] for p in prompts]

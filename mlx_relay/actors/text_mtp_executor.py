@@ -29,6 +29,7 @@ lane has room (`mtp_max_batch`). Requests with images or video take the vision p
 from __future__ import annotations
 
 from mlx_relay.config import EngineConfig
+from mlx_relay.engine.models import served_by_family
 from mlx_relay.messages.gpu import ModelInfo, Speculate
 from mlx_relay.messages.text_mtp import (
     GetMTPStats,
@@ -50,7 +51,12 @@ class TextMTPExecutor(Actor):
 
     def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
         self.config = config
-        self.enabled = config.mtp and info.has_mtp and config.mtp_max_batch > 0
+        # the engine's MTP lane: with the checkpoint's head, and/or verifying context drafts
+        self.has_head = config.mtp and info.has_mtp and config.mtp_max_batch > 0
+        # (a model of no family of ours runs its library's forward in one lane: no MTP lane)
+        self.has_context = (config.max_draft_tokens > 0 and config.mtp_max_batch > 0 and not config.pipeline.enabled
+                            and served_by_family(info.model_type))
+        self.enabled = self.has_head or self.has_context
         self.round_cost: float | None = None
         self._planned = self._declined = self._requests = self._unpaid = 0
         self._rounds = self._drafted = self._accepted = 0
@@ -102,10 +108,18 @@ class TextMTPExecutor(Actor):
         if msg.sparse:
             return TextPlan(why="a sparse SpecPrefill prefill")
         context = 0
-        if method in ("auto", "context") and sampling.grammar is None:
+        # a seeded sampling request's draws must not depend on the widths the lane picks round by
+        # round (timed, and shared with the other rows): it verifies the head's drafts only
+        seeded = sampling.seed is not None and sampling.temperature > 0
+        if method in ("auto", "context") and sampling.grammar is None and self.has_context and not seeded:
             cap = sampling.max_draft_tokens
             context = self.config.max_draft_tokens if cap is None else min(cap, self.config.max_draft_tokens)
-        head, why = (False, "the request asked for context drafts only") if method == "context" else self._head_pays()
+        if method == "context":
+            head, why = False, "the request asked for context drafts only"
+        elif not self.has_head:
+            head, why = False, "the checkpoint has no MTP head (or MTP is off)"
+        else:
+            head, why = self._head_pays()
         if not sampling.mtp:
             head, why = False, "the request opted out of MTP"
         if not head and context == 0:

@@ -97,8 +97,11 @@ class ReplyDone(msgspec.Struct, frozen=True):
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    # speculative decoding: drafts verified and accepted, the MTP head's and those copied from the context
     mtp_drafted: int = 0
     mtp_accepted: int = 0
+    context_drafted: int = 0
+    context_accepted: int = 0
     stop_sequence: str | None = None  # the stop string that ended the reply, if one did
     specprefill: SpecPrefillReport | None = None  # when SpecPrefill ran or was due
 

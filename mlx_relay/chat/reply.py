@@ -3,9 +3,9 @@
 `ChatService.reply` parses the engine's text into reply events (`mlx_relay.chat.output`); every
 front end folds those events into its own shape. `ReplyCollector` is the front-end-neutral fold:
 the visible content, the reasoning, the tool calls (each with its arguments as a JSON object
-string), the finish and the usage (cached prompt tokens and MTP's counts included). It sees the
-same events the HTTP routes see, so `Relay.chat` answers what a client of the server would get,
-never the model's raw text with its `<think>` and tool-call markup.
+string), the finish and the usage (cached prompt tokens and the speculative drafts' counts
+included). It sees the same events the HTTP routes see, so `Relay.chat` answers what a client of
+the server would get, never the model's raw text with its `<think>` and tool-call markup.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class ToolCall(msgspec.Struct, frozen=True):
 
 class ReplyUsage(msgspec.Struct, frozen=True):
     """What the reply cost: prompt tokens (of which `cached_tokens` came from the prefix cache),
-    generated tokens (of which `reasoning_tokens` were thinking), and MTP's drafted/accepted."""
+    generated tokens (of which `reasoning_tokens` were thinking), and the speculative drafts
+    verified/accepted by source: the MTP head's, and those copied from the context."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -49,6 +50,8 @@ class ReplyUsage(msgspec.Struct, frozen=True):
     reasoning_tokens: int = 0
     mtp_drafted: int = 0
     mtp_accepted: int = 0
+    context_drafted: int = 0
+    context_accepted: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -90,6 +93,14 @@ class ChatReply(msgspec.Struct, frozen=True, kw_only=True):
     def mtp_accepted(self) -> int:
         return self.usage.mtp_accepted
 
+    @property
+    def context_drafted(self) -> int:
+        return self.usage.context_drafted
+
+    @property
+    def context_accepted(self) -> int:
+        return self.usage.context_accepted
+
 
 class ReplyCollector:
     """Folds one reply's events (`feed`) into a `ChatReply` (`reply`, once `ReplyDone` came)."""
@@ -117,7 +128,7 @@ class ReplyCollector:
         if done is None:
             raise RuntimeError("the reply has not finished")
         usage = ReplyUsage(done.prompt_tokens, done.completion_tokens, done.cached_tokens, done.reasoning_tokens,
-                           done.mtp_drafted, done.mtp_accepted)
+                           done.mtp_drafted, done.mtp_accepted, done.context_drafted, done.context_accepted)
         return ChatReply(content="".join(self._content), reasoning="".join(self._reasoning),
                          tool_calls=list(self._calls), finish_reason=done.finish_reason, usage=usage,
                          stop_sequence=done.stop_sequence, specprefill=done.specprefill,

@@ -85,6 +85,12 @@ _ERRORS: dict[Shape, dict[int, str]] = {
 }
 
 
+# one server-sent event of a streamed answer, as SSE clients (and schemathesis) read the stream:
+# `data` is the JSON of the format's chunk or event (`[DONE]` ends OpenAI's streams)
+SSE_EVENT: dict[str, Any] = {"type": "object", "required": ["data"], "properties": {
+    "event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def _spec_path(route: Route) -> str:
     """Starlette's `{model:path}` converter spelled as OpenAPI's `{model}`."""
     return route.path.replace(":path}", "}")
@@ -115,7 +121,7 @@ def build_openapi(title: str, version: str, with_auth: bool) -> dict[str, Any]:
         if op.text:
             ok = {"text/plain": {"schema": {"type": "string"}}}
         if op.streams:
-            ok["text/event-stream"] = {"schema": {"type": "string"}}
+            ok["text/event-stream"] = {"schema": SSE_EVENT}
         responses: dict[str, Any] = {"200": {"description": "OK", "content": ok}}
         for status, text in _ERRORS[op.shape].items():
             if method == "GET" and status in (408, 413, 422):

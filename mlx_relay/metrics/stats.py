@@ -8,8 +8,9 @@ restarting) is None and its families are left out of that scrape; everything els
     GPUExecutor       gpu_memory_bytes{kind}, gpu_memory_peak_bytes, prefix_cache_snapshot_bytes{tier},
                       prefix_cache_snapshots{tier}
     PrefixCacheStore  prefix_cache_budget_bytes, prefix_cache_evictions_total
-    TextMTPExecutor   spec_decode_num_draft_tokens_total, spec_decode_num_accepted_tokens_total,
-                      mtp_requests_total{decision}
+    TextMTPExecutor   spec_decode_num_draft_tokens_total{source}, spec_decode_num_accepted_tokens_total{source}
+                      (source: mtp, the head's drafts; context, drafts copied from the request's context),
+                      mtp_requests_total{decision}, context_draft_requests_total
     SpecPrefillScorer specprefill_runs_total, specprefill_fallbacks_total, specprefill_tokens_scored_total,
                       specprefill_tokens_kept_total, specprefill_chunks_anchored_total,
                       specprefill_anchors_rescued_total, specprefill_anchors_dropped_total
@@ -120,10 +121,15 @@ class StatsCollector(Collector):
                           tier="memory")
 
     def _mtp(self, m: MTPStats) -> Iterator[Metric]:
-        yield self._counter("spec_decode_num_draft_tokens", "MTP draft tokens proposed (finished requests)",
-                            m.drafted)
-        yield self._counter("spec_decode_num_accepted_tokens", "MTP draft tokens accepted (finished requests)",
-                            m.accepted)
+        sources = "by source: mtp (the MTP head's) or context (copied from the request's context)"
+        yield self._by(CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified "
+                                           f"(finished requests), {sources}", labels=["model_name", "source"]),
+                       {"mtp": m.drafted, "context": m.context_drafted})
+        yield self._by(CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted "
+                                           f"(finished requests), {sources}", labels=["model_name", "source"]),
+                       {"mtp": m.accepted, "context": m.context_accepted})
+        yield self._counter("context_draft_requests", "Text requests planned with drafts copied from their context",
+                            m.context_planned)
         yield self._by(CounterMetricFamily(PREFIX + "mtp_requests", "Text requests by decode path: mtp (planned "
                                            "with MTP) or plain", labels=["model_name", "decision"]),
                        {"mtp": m.planned, "plain": m.declined})

@@ -4,7 +4,9 @@ A model of no family of ours (served through its library's forward, `models/libr
 KV lane alone. Otherwise always the plain lane; the library lane (mlx-vlm's `BatchGenerator`)
 when the prefix cache is off and the engine runs the whole model (a pipeline stage runs none: the
 generator runs the whole
-model); the MTP lane when the checkpoint has an MTP head and the config asks for it (its
+model); the MTP lane when the checkpoint has an MTP head and the config asks for it, or when
+context drafts are on (`max_draft_tokens`; not on a pipeline stage, whose ranks must all choose
+alike): then a checkpoint without a head gets the lane too, verifying context drafts only (its
 verifier: mlx-vlm's exact one where asked, or on Metal with `mtp_verify="auto"`; the batched
 forward otherwise, and always on a pipeline stage).
 """
@@ -49,13 +51,17 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool
         lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
                                        prefill_batch_size=config.prefill_batch_size,
                                        prefill_step_size=min(config.prefill_step_size, token_budget))
-    if config.mtp and info.has_mtp and config.mtp_max_batch > 0:
+    has_head = config.mtp and info.has_mtp
+    # context drafts need every rank of a pipeline to make the same choices: not in a pipeline
+    context = config.max_draft_tokens if stage is None else 0
+    if (has_head or context > 0) and config.mtp_max_batch > 0:
         # a pipeline stage verifies with the batched forward: mlx-vlm's exact verifier runs the
         # whole model in one call
         exact = stage is None and (config.mtp_verify == "exact"
                                    or (config.mtp_verify == "auto" and info.backend == "metal"))
-        head = MTPHead.load(Path(info.model_path), lm, exact=exact)
+        # no head in the checkpoint (or MTP turned off): the lane verifies context drafts only
+        head = MTPHead.load(Path(info.model_path), lm, exact=exact) if has_head else MTPHead(None, lm, exact=exact)
         lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size, prefill_step_size=config.prefill_step_size,
                                eos_token_ids=info.eos_token_ids, exact_verify=exact, compiled=config.compile_mtp,
-                               stage=stage, max_context=config.max_draft_tokens)
+                               stage=stage, max_context=context, always_context=config.context_policy == "always")
     return lanes

@@ -46,12 +46,13 @@ from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
 
 class EagerCohort:
     def __init__(self, lm: Any, head: MTPHead, verify: Verifier, *, block_size: int, eos: frozenset[int],
-                 fallback: bool, max_context: int = 0) -> None:
+                 fallback: bool, max_context: int = 0,
+                 always_context: bool = False) -> None:
         self.lm = lm
         self.head = head
         self._verify = verify
         self.k = block_size
-        self._plans = RoundDrafts(block_size, max_context)
+        self._plans = RoundDrafts(block_size, max_context, min_width=2, always=always_context)
         self.eos = eos
         self._fallback = fallback  # the compiled round is on: every round here is counted as a fallback
         self.rows: list[MTPRow] = []  # in batch order
@@ -127,12 +128,12 @@ class EagerCohort:
         # 1. draft k - 2 more tokens (entries appended here are trimmed after verification)
         drafts, logqs = [self._drafts], [self._draft_logq]
         h, tok = self._seed_hidden, self._drafts
-        for j in range(k - 2):
+        for j in range(k - 2 if self.head.drafts else 0):
             h = self.head.forward(tok, h, self._dcache, (self._dpos + j)[:, None])
             tok, logq = propose(self.head, h, rows)
             drafts.append(tok)
             logqs.append(logq)
-        draft_block = mx.concatenate(drafts, axis=1)  # [B, k-1]
+        draft_block = mx.concatenate(drafts, axis=1) if self.head.drafts else mx.zeros((B, k - 1), mx.int32)  # [B, k-1]
         # drafts each row may accept: its context proposal's, or the head's (up to the width)
         usable = [len(host[i]) if host is not None and host[i] else (min(k, W) - 1 if rows[i].use_head else 0)
                   for i in range(B)]
@@ -181,23 +182,8 @@ class EagerCohort:
             abort_speculative_round(txn)
             raise
         # 3. head: drop this round's draft entries, re-read the accepted pairs with verified hiddens
-        if k > 2:
-            for c in self._dcache:
-                c.trim(k - 2)
-        a_max = max(accepted)
-        width = a_max + 1
-        tokens = mx.array([r + [0] * (width - len(r)) for r in replay], dtype=mx.int32)
-        right = [a_max - a for a in accepted]
-        positions = self._dpos[:, None] + mx.arange(width, dtype=mx.int32)[None, :]
-        if any(right):
-            for c in self._dcache:
-                c.prepare(right_padding=right)
-        hh = self.head.forward(tokens, vh[:, :width, :], self._dcache, positions)
-        if any(right):
-            for c in self._dcache:
-                c.finalize()
         last = mx.array(accepted, dtype=mx.int32)
-        seed_h = mx.take_along_axis(hh, last[:, None, None], axis=1)  # [B, 1, H]
+        seed_h = self._reread(replay, accepted, vh, last) if self.head.drafts else self._seed_hidden
         self._dpos = self._dpos + last + 1
         self._bonus = mx.array([r[-1] for r in replay], dtype=mx.int32)
         self._drafts, self._draft_logq = propose(self.head, seed_h, rows)
@@ -212,6 +198,27 @@ class EagerCohort:
         self._plans.settle(rows, plan, result.tokens, took, result.counts)
         return result
 
+    def _reread(self, replay: list[list[int]], accepted: list[int], vh: mx.array, last: mx.array) -> mx.array:
+        """The head drops the round's draft entries and re-reads each row's committed pairs with
+        the verified hidden states (right-padded); its output at each row's last one [B, 1, H]."""
+        assert self._dcache is not None and self._dpos is not None
+        if self.k > 2:
+            for c in self._dcache:
+                c.trim(self.k - 2)
+        a_max = max(accepted)
+        width = a_max + 1
+        tokens = mx.array([r + [0] * (width - len(r)) for r in replay], dtype=mx.int32)
+        right = [a_max - a for a in accepted]
+        positions = self._dpos[:, None] + mx.arange(width, dtype=mx.int32)[None, :]
+        if any(right):
+            for c in self._dcache:
+                c.prepare(right_padding=right)
+        hh = self.head.forward(tokens, vh[:, :width, :], self._dcache, positions)
+        if any(right):
+            for c in self._dcache:
+                c.finalize()
+        return mx.take_along_axis(hh, last[:, None, None], axis=1)
+
     def _with_context(self, head_block: mx.array, logqs: list[mx.array | None], host: list[list[int]],
                       usable: list[int], W: int) -> tuple[mx.array, list[mx.array | None]]:
         """The round's drafts [B, W-1]: a row's context proposal where it has one, else the head's
@@ -224,9 +231,10 @@ class EagerCohort:
         head = head_block[:, :W - 1] if W <= k else mx.concatenate(
             [head_block, mx.zeros((B, W - k), mx.int32)], axis=1)
         block = mx.where(mine, ctx, head)
-        if all(q is None for q in logqs):
-            return block, logqs
-        vocab = next(q for q in logqs if q is not None).shape[-1]  # type: ignore[union-attr]
+        if all(r.sampler is None for r in self.rows):
+            return block, logqs  # greedy rows need no q
+        assert self._seed_hidden is not None
+        vocab = self.head.logits(self._seed_hidden[:1]).shape[-1]  # a shape: nothing is computed
         hq = mx.concatenate([q if q is not None else mx.zeros((B, 1, vocab)) for q in logqs], axis=1)
         hq = hq[:, :W - 1] if W <= k else mx.concatenate(
             [hq, mx.full((B, W - k, vocab), -mx.inf)], axis=1)

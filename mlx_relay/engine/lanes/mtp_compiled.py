@@ -25,10 +25,11 @@ from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
 
 
 class CompiledCohort:
-    def __init__(self, step: MTPStep, *, block_size: int, max_context: int = 0) -> None:
+    def __init__(self, step: MTPStep, *, block_size: int, max_context: int = 0,
+                 always_context: bool = False) -> None:
         self._step = step
         self.k = block_size
-        self._drafts = RoundDrafts(block_size, max_context)
+        self._drafts = RoundDrafts(block_size, max_context, min_width=1, always=always_context)
         self.rows: list[MTPRow] = []  # in batch order
         self._state: MTPState | None = None
 
@@ -99,6 +100,21 @@ class CompiledCohort:
         self._drafts.settle(rows, plan, result.tokens, took, result.counts)
         return result
 
+    def _variants(self, size: int, drafter: bool) -> list[HostDrafts | None]:
+        """The rounds a cohort of `size` can run: with the head (its block; wide, with context
+        drafts) and, where rows can go without it, the head-free one (one token; wide)."""
+        wide = self._drafts.wide if self._drafts.max_context else None
+        out: list[HostDrafts | None] = []
+        if drafter:
+            out.append(None)
+            if wide is not None:
+                out.append(HostDrafts(wide, [[0]] * size, [True] * size))
+        if not drafter or wide is not None:
+            out.append(HostDrafts(1, [[]] * size, [False] * size))
+            if wide is not None:
+                out.append(HostDrafts(wide, [[0]] * size, [False] * size))
+        return out
+
     def warm(self, lm: Any, head: MTPHead, max_rows: int) -> int:
         """Trace the compiled round at every batch size the cohort can run at (idle rows from a
         one-token prefill), so no request meets a first-shape compile; returns how many sizes."""
@@ -108,7 +124,8 @@ class CompiledCohort:
             for _ in range(size):
                 cache, dcache = lm.make_cache(), head.make_cache()
                 out = lm(mx.array([[0]]), cache=cache, return_hidden=True, skip_logits=True)
-                seed = head.forward(mx.array([[0]]), out.hidden_states[-1], dcache, mx.array([[0]]))
+                hidden = out.hidden_states[-1]
+                seed = head.forward(mx.array([[0]]), hidden, dcache, mx.array([[0]])) if head.drafts else hidden
                 zero = mx.zeros((1,), dtype=mx.int32)
                 row = MTPState.from_row(cache, dcache, self._step.layout, zero, zero, seed, dpos=1)
                 if state is None:
@@ -117,11 +134,7 @@ class CompiledCohort:
                     state.extend(row)
             assert state is not None
             state.pad_to_bucket()
-            variants: list[HostDrafts | None] = [None]
-            if self._drafts.max_context:  # the widths context drafts run at: the head's block, and wide
-                variants += [HostDrafts(self.k, [[]] * size, [False] * size),
-                             HostDrafts(self._drafts.wide, [[0]] * size, [True] * size)]
-            for drafts in variants:
+            for drafts in self._variants(size, head.drafts):
                 out_round = self._step(state, [1] * size, drafts)
                 mx.eval(out_round.targets, out_round.committed, state.arrays())
         return len(sizes)

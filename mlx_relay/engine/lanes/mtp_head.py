@@ -36,9 +36,11 @@ def load_mtp_drafter(path: Path) -> Any:
 
 class MTPHead:
     """`exact`: the target's head through mlx-vlm's batch-invariant speculative calls (bit-identical
-    to one-token decode); otherwise its ordinary `lm_head` (one matmul for all rows/positions)."""
+    to one-token decode); otherwise its ordinary `lm_head` (one matmul for all rows/positions).
+    With no `drafter` (a checkpoint without an MTP head, whose lane verifies context drafts only)
+    it is the target's output head alone: `logits` and `argmax`, no cache, no forward."""
 
-    def __init__(self, drafter: Any, lm: Any, *, exact: bool = True) -> None:
+    def __init__(self, drafter: Any | None, lm: Any, *, exact: bool = True) -> None:
         self.drafter = drafter
         self.lm = lm
         self.exact = exact
@@ -48,12 +50,18 @@ class MTPHead:
     def load(cls, path: Path, lm: Any, *, exact: bool = True) -> MTPHead:
         return cls(load_mtp_drafter(path), lm, exact=exact)
 
+    @property
+    def drafts(self) -> bool:
+        """Whether there is a head that drafts (else only the target's output head)."""
+        return self.drafter is not None
+
     def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.drafter.layers]
+        return [KVCache() for _ in self.drafter.layers] if self.drafter is not None else []
 
     def forward(self, tokens: mx.array, hidden: mx.array, cache: list[Any], positions: mx.array) -> mx.array:
         """tokens [B, T] (tok_{t+1}), hidden [B, T, H] (the target's h_t), positions [B, T]."""
         d = self.drafter
+        assert d is not None, "no MTP head to run"
         h = self.family.mtp_input(self.lm, d, tokens, hidden)
         for layer, layer_cache in zip(d.layers, cache, strict=True):
             mask = create_attention_mask(h, layer_cache)

@@ -47,7 +47,7 @@ class MTPLane:
 
     def __init__(self, lm: Any, head: MTPHead, *, block_size: int, prefill_step_size: int,
                  eos_token_ids: Sequence[int], exact_verify: bool = True, compiled: bool = True,
-                 stage: Stage | None = None, max_context: int = 0) -> None:
+                 stage: Stage | None = None, max_context: int = 0, always_context: bool = False) -> None:
         if block_size < 2:
             raise ValueError("MTP block size must be at least 2")
         if stage is not None and exact_verify:
@@ -64,14 +64,15 @@ class MTPLane:
         self._prefill = MTPPrefill(lm, run, head, prefill_step_size)
         verify = ExactVerifier(lm) if exact_verify else BatchedVerifier(run)
         self._eager = EagerCohort(lm, head, verify, block_size=block_size, eos=self.eos, fallback=compiled,
-                                  max_context=max_context)
+                                  max_context=max_context, always_context=always_context)
         # the compiled greedy cohort; the compiled round verifies the block with one batched
         # forward, so an exact (batch-invariant) verifier keeps the eager round
         self._compiled: CompiledCohort | None = None
         if compiled and not exact_verify:
             try:
                 step = MTPStep(lm, head, block_size=block_size, eos_token_ids=list(eos_token_ids), stage=stage)
-                self._compiled = CompiledCohort(step, block_size=block_size, max_context=max_context)
+                self._compiled = CompiledCohort(step, block_size=block_size, max_context=max_context,
+                                                always_context=always_context)
             except UnsupportedModel:
                 self._compiled = None
 

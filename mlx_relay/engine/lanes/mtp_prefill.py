@@ -36,13 +36,25 @@ class MTPPrefill:
         self.prefill_step_size = prefill_step_size
         self.rows: list[MTPRow] = []
 
+    def _head_pairs(self, row: MTPRow, chunk: mx.array, nxt: mx.array, hidden: mx.array, start: int,
+                    end: int) -> mx.array:
+        """The head over the chunk's pairs (h_i, tok_{i+1}) for i in [start, end), after a restored
+        snapshot's pending pair (h_{start-1}, tok_start): its output hidden states."""
+        h_in, dstart = hidden, start
+        if row.carry_hidden is not None:
+            h_in = mx.concatenate([row.carry_hidden.astype(hidden.dtype), hidden], axis=1)
+            nxt = mx.concatenate([chunk[:, :1], nxt], axis=1)
+            dstart, row.carry_hidden = start - 1, None
+        dpos = mx.arange(dstart, end, dtype=mx.int32)[None, :]
+        return self.head.forward(nxt, h_in, row.dcache, dpos)
+
     def add(self, row: MTPRow, restore: Snapshot | None, snapshot_at: Sequence[int]) -> None:
         pre = RowPrefill(prompt=row.prompt, cache=self.lm.make_cache())
         row.dcache = self.head.make_cache()
         if restore is not None:
             pre.cache, pre.done = restore_caches(restore.target), restore.length
             pre.cached_tokens = restore.length
-            if restore.head is not None and restore.head_hidden is not None:
+            if self.head.drafts and restore.head is not None and restore.head_hidden is not None:
                 row.dcache, row.carry_hidden = restore_caches(restore.head), restore.head_hidden
         pre.snapshot_at = sorted(s for s in snapshot_at if pre.done < s < len(row.prompt))
         row.pre = pre
@@ -94,20 +106,12 @@ class MTPPrefill:
             nxt = mx.concatenate([chunk[:, 1:], first[None, :].astype(mx.int32)], axis=1)
         else:
             nxt = mx.array([row.prompt[start + 1:end + 1]], dtype=mx.int32)
-        # the head's pairs (h_i, tok_{i+1}) for i in [start, end), after a restored snapshot's
-        # pending pair (h_{start-1}, tok_start)
-        h_in, dstart = hidden, start
-        if row.carry_hidden is not None:
-            h_in = mx.concatenate([row.carry_hidden.astype(hidden.dtype), hidden], axis=1)
-            nxt = mx.concatenate([chunk[:, :1], nxt], axis=1)
-            dstart, row.carry_hidden = start - 1, None
-        dpos = mx.arange(dstart, end, dtype=mx.int32)[None, :]
-        h = self.head.forward(nxt, h_in, row.dcache, dpos)
+        h = self._head_pairs(row, chunk, nxt, hidden, start, end) if self.head.drafts else hidden
         if pre.wants_snapshot(end):
             target, tbytes = snapshot_caches(pre.cache, end)
             # the head's state too when it covers the whole prefix (not after a restored
             # snapshot without head state); h_{end-1} copied out of the chunk's buffer
-            whole = end > 1 and all(c.offset == end for c in row.dcache)
+            whole = self.head.drafts and end > 1 and all(c.offset == end for c in row.dcache)
             head, hbytes = snapshot_caches(row.dcache, end - 1) if whole else (None, 0)
             h_last = hidden[:, -1:, :] + 0 if whole else None
             row.snapshots.append(Snapshot(length=end, target=target, head=head, head_hidden=h_last,

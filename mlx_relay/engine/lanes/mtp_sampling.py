@@ -40,7 +40,10 @@ def first_token(head: MTPHead, last: mx.array, sampler: RowSampler | None,
 
 def propose(head: MTPHead, hidden: mx.array, rows: Sequence[MTPRow]) -> tuple[mx.array, mx.array | None]:
     """Next draft token per row from the head's output hidden [B, 1, H]: argmax for greedy
-    rows, a draw from the row's processed distribution q for sampling rows (q kept)."""
+    rows, a draw from the row's processed distribution q for sampling rows (q kept). With no
+    head that drafts: zeros, never verified (the rows' `usable` drafts are their context's)."""
+    if not head.drafts:
+        return mx.zeros((hidden.shape[0], 1), dtype=mx.int32), None
     if all(r.sampler is None for r in rows):
         return head.argmax(hidden).astype(mx.int32), None  # [B, 1]
     logits = head.logits(hidden)

@@ -12,7 +12,7 @@ different number of tokens per row:
   `[B, Hv, Dv, Dk]` after the row's last committed token (the round selects them among its k
   positions);
 - per head layer: keys and values `[B, H, hcap, D]` of the MTP head, columns
-  `[0, head_lengths[i])`, written the same way;
+  `[0, head_lengths[i])`, written the same way (none for a checkpoint without a head);
 - per row: `bonus` (the last emitted token, not yet in the target cache), `draft` (the head's
   proposal after it), `seed` (the head output that proposed it, `[B, 1, H]`), and on the host the
   row's `lengths`, `head_lengths` and head position `dpos`, which the host knows exactly from the
@@ -77,7 +77,7 @@ class MTPState:
 
     @property
     def head_cap(self) -> int:
-        return self.head_kv[0][0].shape[2]
+        return self.head_kv[0][0].shape[2] if self.head_kv else 0
 
     def arrays(self) -> list[Any]:
         return [self.kv, self.conv, self.ssm, self.head_kv, self.bonus, self.draft, self.seed]
@@ -153,7 +153,7 @@ class MTPState:
             cap = _cap_for(need)
             self.kv = [(_to_cap(a, cap), _to_cap(b, cap)) for a, b in self.kv]
         need = max(self.head_lengths) + k
-        if need > self.head_cap:
+        if self.head_kv and need > self.head_cap:
             cap = _cap_for(need)
             self.head_kv = [(_to_cap(a, cap), _to_cap(b, cap)) for a, b in self.head_kv]
 

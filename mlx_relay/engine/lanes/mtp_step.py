@@ -1,30 +1,35 @@
-"""One greedy MTP round of a model with an MTP head as a pure function, compiled (GPU thread only;
-used by `mtp_lane.MTPLane` for cohorts of greedy rows).
+"""One greedy speculative round as a pure function, compiled (GPU thread only; used by
+`mtp_lane.MTPLane` for cohorts of greedy rows): the MTP head's drafts, drafts copied from the rows'
+contexts (`HostDrafts`), or both.
 
-    out, state' = round(state, room)        # state: mtp_state.MTPState; room [B]: tokens each row may still emit
+    out, state' = round(state, room, drafts)   # state: mtp_state.MTPState; room [B]: tokens each row may still emit
 
-A round of block k, all inside one `mx.compile`d call over fixed-size state:
+A round of width W (the head's block k, or 1 + the context drafts), all inside one `mx.compile`d
+call over fixed-size state:
 1. draft: the head proposes `k - 2` more tokens after the state's `draft` (k > 2 only), writing
-   its KV at each row's next head columns;
-2. verify: the target over `[bonus, d_1 .. d_{k-1}]` per row in one forward: attention keys and
-   values written at columns `lengths[i] .. lengths[i] + k - 1` of the fixed buffers
+   its KV at each row's next head columns; a row with host drafts takes those instead;
+2. verify: the target over `[bonus, d_1 .. d_{W-1}]` per row in one forward: attention keys and
+   values written at columns `lengths[i] .. lengths[i] + W - 1` of the fixed buffers
    (`mx.put_along_axis`, per-row write index), each query seeing only its row's prefix and the
    block's earlier positions (a mask from the row's length), the GatedDeltaNet conv and
-   recurrence run over the k positions keeping the k per-position states
-   (`gated_delta_update_with_states`: k states, not a growing record);
-3. accept on device: `a` = leading drafts equal to the target's argmax, cut like the eager lane's
-   `_cut` (at the row's first EOS, and at `room`): `m = min(a, room - 1, first EOS)`; the row
-   emits `targets[:, :m + 1]` (an accepted draft equals the target's argmax there);
-   commit selects the conv window and recurrent state after position m (`mx.take_along_axis`);
-   the KV needs nothing but the row's new length `lengths + m + 1` (kept on the host);
-4. the head re-reads the k verified positions (pairs `(h_j, targets_j)`; the ones past m are
+   recurrence run over the W positions keeping the W per-position states;
+3. accept on device: `a` = leading drafts equal to the target's argmax (at most the row's
+   `usable` drafts: padding is never accepted), cut like the eager lane's `_cut` (at the row's
+   first EOS, and at `room`): `m = min(a, room - 1, first EOS)`; the row emits
+   `targets[:, :m + 1]` (an accepted draft equals the target's argmax there); commit selects the
+   conv window and recurrent state after position m (`mx.take_along_axis`); the KV needs nothing
+   but the row's new length `lengths + m + 1` (kept on the host);
+4. the head re-reads the W verified positions (pairs `(h_j, targets_j)`; the ones past m are
    overwritten by the next round) and proposes the next draft from position m.
-The host reads `targets`, `a` and `m` once per round (the synchronisation the lane needs anyway to
-emit tokens). Greedy rows only: sampling rows keep the eager path (`MTPLane`).
+A round where no row takes the head's drafts (a checkpoint without a head, or rows on context
+drafts only) is a second compiled function without steps 1 and 4: at width 1 it is a plain decode
+step in this layout. The host reads `targets`, `a` and `m` once per round (the synchronisation the
+lane needs anyway to emit tokens and to make the next round's context drafts). Greedy rows only:
+sampling rows keep the eager path (`MTPLane`).
 
 `tests/test_mtp_step.py` pins that it emits the greedy tokens of plain decoding (float32),
 compiled and eager, alone and in ragged batches, and that a row's handed-back state continues
-exactly.
+exactly; `tests/test_context_drafts.py` the same with context drafts, with and without a head.
 """
 
 from __future__ import annotations
@@ -65,8 +70,8 @@ class HostDrafts:
         mine = [bool(t) for t in self.tokens] + [False] * pad
         usable = [len(t[:w]) if t else (min(k, self.width) - 1 if h else 0)
                   for t, h in zip(self.tokens, self.heads, strict=True)] + [0] * pad
-        return (mx.array(rows, dtype=mx.int32).reshape(batch_size, w), mx.array(mine),
-                mx.array(usable, dtype=mx.int32))
+        drafts = mx.array(rows, dtype=mx.int32) if w > 0 else mx.zeros((batch_size, 0), dtype=mx.int32)
+        return drafts, mx.array(mine), mx.array(usable, dtype=mx.int32)
 
 
 def _prefix_mask(columns: mx.array, cap: int) -> mx.array:
@@ -80,14 +85,16 @@ def _at(columns: mx.array, rotary: mx.array, cap: int, offsets: mx.array | None 
 
 
 class MTPStep:
-    """`step(state, room) -> RoundOut`, updating `state`; compiled unless `compiled=False`.
-    `UnsupportedModel` for a model of no family `models` serves, or a head it cannot run."""
+    """`step(state, room, drafts) -> RoundOut`, updating `state`; compiled unless `compiled=False`.
+    `UnsupportedModel` for a model of no family `models` serves, or a head it cannot run. With a
+    head that does not draft (`MTPHead.drafts` false) every round is the head-free one."""
 
     def __init__(self, lm: Any, head: Any, *, block_size: int, eos_token_ids: list[int],
                  compiled: bool = True, stage: Stage | None = None) -> None:
         self.family = family_of(lm)
         drafter = head.drafter
-        self.family.check_mtp_head(drafter)
+        if drafter is not None:
+            self.family.check_mtp_head(drafter)
         if block_size < 2:
             raise ValueError("MTP block size must be at least 2")
         self.lm, self.drafter, self.k = lm, drafter, block_size
@@ -95,20 +102,26 @@ class MTPStep:
         self.layout = self.family.cache_layout(lm)
         self._eos = tuple(sorted(set(eos_token_ids)))  # constants of the trace (no array: building costs no memory)
         self._fn = mx.compile(self._round) if compiled else self._round
+        self._bare = mx.compile(self._bare_round) if compiled else self._bare_round
 
     def __call__(self, state: MTPState, room: list[int], drafts: HostDrafts | None = None) -> RoundOut:
         """One round; `room[i]` >= 1: tokens row i may still emit (its max_tokens left). With
         `drafts`, the round verifies `drafts.width` tokens per row: a row with host drafts (copied
-        from its context) verifies those instead of the head's, the others the head's."""
+        from its context) verifies those instead of the head's, the others the head's (or none:
+        then, if no row takes the head's, the head does not run)."""
         width = self.k if drafts is None else drafts.width
         state.ensure_room(width)
         lengths, head_lengths, dpos = state.index_arrays()
-        pad = state.batch_size - len(room)
-        room_arr = mx.array(room + [1] * pad, dtype=mx.int32)
-        host = () if drafts is None else drafts.arrays(state.batch_size, self.k)
+        room_arr = mx.array(room + [1] * (state.batch_size - len(room)), dtype=mx.int32)
+        if drafts is not None and (self.drafter is None or not any(drafts.heads)):
+            host, _mine, usable = drafts.arrays(state.batch_size, self.k)
+            targets, accepted, committed, state.bonus, state.kv, state.conv, state.ssm = self._bare(
+                state.bonus, lengths, room_arr, state.kv, state.conv, state.ssm, host, usable)
+            return RoundOut(targets, accepted, committed)
+        host_arrays = () if drafts is None else drafts.arrays(state.batch_size, self.k)
         (targets, accepted, committed, state.bonus, state.draft, state.seed, state.kv, state.conv, state.ssm,
          state.head_kv) = self._fn(state.bonus, state.draft, state.seed, lengths, head_lengths, dpos, room_arr,
-                                   state.kv, state.conv, state.ssm, state.head_kv, *host)
+                                   state.kv, state.conv, state.ssm, state.head_kv, *host_arrays)
         return RoundOut(targets, accepted, committed)
 
     @staticmethod
@@ -119,7 +132,7 @@ class MTPStep:
             state.head_lengths[i] += m + 1
             state.dpos[i] += m + 1
 
-    # -- the pure function ------------------------------------------------------------------------
+    # -- the pure functions -----------------------------------------------------------------------
     def _logits(self, h: mx.array) -> mx.array:
         return self.family.logits(self.lm, h)
 
@@ -137,6 +150,39 @@ class MTPStep:
         columns = lengths[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
         at = _at(columns, mx.broadcast_to(columns[None], (3, B, T)), kv[0][0].shape[2], offsets=lengths)
         return self.family.forward_block(self.lm, block, at, kv, conv, ssm, keep_states=True, stage=self.stage)
+
+    def _verify(self, block: mx.array, lengths: mx.array, room: mx.array, kv: list[tuple[mx.array, mx.array]],
+                conv: list[mx.array], ssm: list[mx.array], usable: mx.array | None) -> tuple[Any, ...]:
+        """Steps 2 and 3: the target over `block` [B, W], the accepted drafts, the cut, the commit."""
+        vh, kv, conv_ins, states = self._target(block, lengths, kv, conv, ssm)
+        targets = mx.argmax(self._logits(vh), axis=-1).astype(mx.int32)  # [B, W]
+        W = block.shape[1]
+        if W > 1:
+            ok = (block[:, 1:] == targets[:, :-1]).astype(mx.int32)
+            accepted = mx.sum(mx.cumprod(ok, axis=1), axis=1)  # [B]
+        else:
+            accepted = mx.zeros(targets.shape[:1], dtype=mx.int32)
+        if usable is not None:
+            accepted = mx.minimum(accepted, usable)
+        is_eos = mx.zeros(targets.shape, dtype=mx.bool_)
+        for eos in self._eos:
+            is_eos = is_eos | (targets == eos)
+        first_eos = mx.where(mx.any(is_eos, axis=1), mx.argmax(is_eos, axis=1), W).astype(mx.int32)
+        m = mx.minimum(mx.minimum(accepted, room - 1), first_eos).astype(mx.int32)
+        # commit: the GatedDeltaNet states after position m
+        window = conv[0].shape[1] if conv else 0
+        take_conv = (m + 1)[:, None] + mx.arange(window, dtype=mx.int32)[None, :]  # [B, K-1]
+        conv = [mx.take_along_axis(c, take_conv[:, :, None], axis=1) for c in conv_ins]
+        ssm = [mx.take_along_axis(s, m[:, None, None, None, None], axis=1)[:, 0] for s in states]
+        bonus = mx.take_along_axis(targets, m[:, None], axis=1)[:, 0]
+        return vh, targets, accepted, m, bonus, kv, conv, ssm
+
+    def _bare_round(self, bonus: mx.array, lengths: mx.array, room: mx.array, kv: list[tuple[mx.array, mx.array]],
+                    conv: list[mx.array], ssm: list[mx.array], host: mx.array, usable: mx.array) -> tuple[Any, ...]:
+        """A round without the head: `[bonus, host drafts]` verified (width 1: a plain step)."""
+        block = mx.concatenate([bonus[:, None], host], axis=1)
+        _vh, targets, accepted, m, bonus, kv, conv, ssm = self._verify(block, lengths, room, kv, conv, ssm, usable)
+        return targets, accepted, m, bonus, kv, conv, ssm
 
     def _round(self, bonus: mx.array, draft: mx.array, seed: mx.array, lengths: mx.array, head_lengths: mx.array,
                dpos: mx.array, room: mx.array, kv: list[tuple[mx.array, mx.array]], conv: list[mx.array],
@@ -156,30 +202,15 @@ class MTPStep:
         else:
             # the host's drafts [B, W-1] where `mine`, else the head's (zero-padded or cut to W-1);
             # row i accepts at most usable[i] of them
+            assert mine is not None
             W = host.shape[1] + 1
             if W > k:
                 head_block = mx.concatenate([head_block, mx.zeros((head_block.shape[0], W - k), mx.int32)], axis=1)
             else:
                 head_block = head_block[:, :W - 1]
             block = mx.concatenate([bonus[:, None], mx.where(mine[:, None], host, head_block)], axis=1)  # [B, W]
-        # 2. verify
-        vh, kv, conv_ins, states = self._target(block, lengths, kv, conv, ssm)
-        targets = mx.argmax(self._logits(vh), axis=-1).astype(mx.int32)  # [B, k]
-        # 3. accept and cut
-        ok = (block[:, 1:] == targets[:, :-1]).astype(mx.int32)
-        accepted = mx.sum(mx.cumprod(ok, axis=1), axis=1)  # [B]
-        if usable is not None:
-            accepted = mx.minimum(accepted, usable)
-        is_eos = mx.zeros(targets.shape, dtype=mx.bool_)
-        for eos in self._eos:
-            is_eos = is_eos | (targets == eos)
-        first_eos = mx.where(mx.any(is_eos, axis=1), mx.argmax(is_eos, axis=1), block.shape[1]).astype(mx.int32)
-        m = mx.minimum(mx.minimum(accepted, room - 1), first_eos).astype(mx.int32)
-        # commit: the GatedDeltaNet states after position m
-        window = conv[0].shape[1] if conv else 0
-        take_conv = (m + 1)[:, None] + mx.arange(window, dtype=mx.int32)[None, :]  # [B, K-1]
-        conv = [mx.take_along_axis(c, take_conv[:, :, None], axis=1) for c in conv_ins]
-        ssm = [mx.take_along_axis(s, m[:, None, None, None, None], axis=1)[:, 0] for s in states]
+        # 2-3. verify, accept, cut, commit
+        vh, targets, accepted, m, bonus, kv, conv, ssm = self._verify(block, lengths, room, kv, conv, ssm, usable)
         # 4. the head over the verified positions, the next draft from position m
         T = block.shape[1]
         columns = head_lengths[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
@@ -187,5 +218,4 @@ class MTPStep:
         hh, head_kv = self._head(targets, vh, head_kv, columns, positions)
         seed = mx.take_along_axis(hh, m[:, None, None], axis=1)  # [B, 1, H]
         draft = mx.argmax(self._logits(seed[:, 0, :]), axis=-1).astype(mx.int32)
-        bonus = mx.take_along_axis(targets, m[:, None], axis=1)[:, 0]
         return targets, accepted, m, bonus, draft, seed, kv, conv, ssm, head_kv

@@ -41,9 +41,11 @@ class RoundPlan:
 
 
 class RoundDrafts:
-    def __init__(self, block_size: int, max_context: int) -> None:
+    def __init__(self, block_size: int, max_context: int, min_width: int, always: bool = False) -> None:
         self.k = block_size
+        self.always = always  # verify every proposal (no expectation, no timing)
         self.max_context = max_context  # the lane's longest context proposal (0: none)
+        self.min_width = min_width  # a round's width when no row drafts (the compiled round: 1)
         self.costs = RoundCosts()
 
     @property
@@ -51,17 +53,23 @@ class RoundDrafts:
         return 1 + self.max_context
 
     def plan(self, rows: Sequence[MTPRow]) -> RoundPlan:
-        k = self.k
-        proposals = [r.context.propose(r.max_context) if r.context is not None else [] for r in rows]
         heads = [r.use_head for r in rows]
+        # the width without context drafts: the head's block, or one token (plus padding up to
+        # `min_width`) when no row takes the head's drafts
+        k = self.k if any(heads) else self.min_width
+        proposals = [r.context.propose(r.max_context) if r.context is not None else [] for r in rows]
         if self.max_context <= 0 or not any(proposals):
             return RoundPlan(k, proposals, [False] * len(rows), heads=heads)
         head = [1.0 + (r.earnings.expected("mtp", k - 1) if r.use_head else 0.0) for r in rows]
         use = []
         for r, p, h in zip(rows, proposals, head, strict=True):
-            use.append(bool(p) and 1.0 + r.earnings.expected("context", len(p)) > h)
+            use.append(bool(p) and (self.always or 1.0 + r.earnings.expected("context", len(p)) > h))
         if not any(use):
             return RoundPlan(k, proposals, use, heads=heads)
+        if self.wide <= k:
+            return RoundPlan(k, proposals, use, heads=heads)
+        if self.always:
+            return RoundPlan(self.wide, proposals, use, heads=heads)
         wide = sum(1.0 + r.earnings.expected("context", len(p)) if u else h
                    for r, p, u, h in zip(rows, proposals, use, head, strict=True))
         width = self.costs.best_width(batch_bucket(len(rows)), {k: sum(head), self.wide: wide})
@@ -80,8 +88,9 @@ class RoundDrafts:
                 counts.context_accepted += took[i]
             else:
                 if row.use_head:
-                    row.earnings.record("mtp", self.k - 1, took[i], verified=True)
-                    counts.drafted += self.k - 1
+                    n = min(self.k, plan.width) - 1
+                    row.earnings.record("mtp", n, took[i], verified=True)
+                    counts.drafted += n
                     counts.accepted += took[i]
                 if proposal and tokens:
                     # unverified, the proposal is scored against what the row emitted (a proposal

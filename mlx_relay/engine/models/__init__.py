@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from mlx_relay.engine.models.pipeline_stage import Stage
     from mlx_relay.engine.models.positions import Positions
 
-__all__ = ["FAMILY_PACKAGES", "ModelFamily", "UnsupportedModel", "family_for", "family_of"]
+__all__ = ["FAMILY_PACKAGES", "ModelFamily", "UnsupportedModel", "family_for", "family_of", "served_by_family"]
 
 #: The families' packages; each has `MODEL_TYPES` (its `__init__`) and `family.FAMILY`.
 FAMILY_PACKAGES: Final[tuple[str, ...]] = ("mlx_relay.engine.models.qwen3_5",)
@@ -86,6 +86,11 @@ class ModelFamily(Protocol):
                  ) -> tuple[mx.array, KV]:
         """The head's final-normed hidden states over pairs, its keys and values written where `at` says."""
         ...
+
+
+def served_by_family(model_type: str) -> bool:
+    """Whether a family of the engine's own serves `model_type` (imports no MLX)."""
+    return any(model_type in importlib.import_module(p).MODEL_TYPES for p in FAMILY_PACKAGES)
 
 
 def family_for(model_type: str) -> ModelFamily:

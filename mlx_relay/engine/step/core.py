@@ -192,7 +192,8 @@ class EngineCore:
         if isinstance(kv := self.lanes["plain"], KVLane):
             return kv.cache_layout()
         mtp = self.lanes.get("mtp")
-        return probe_layout(self._model.language_model, mtp.head if isinstance(mtp, MTPLane) else None)
+        head = mtp.head if isinstance(mtp, MTPLane) and mtp.head.drafts else None
+        return probe_layout(self._model.language_model, head)
 
     def close(self) -> StepOutput:
         """End every request (the engine is shutting down) and drop all device state."""
@@ -405,4 +406,6 @@ class EngineCore:
                            scoring=len(self.scoring), mtp_running=len(mtp) if mtp is not None else 0,
                            mtp_rounds=totals.rounds, mtp_drafted=totals.drafted, mtp_accepted=totals.accepted,
                            mtp_fallback_rounds=totals.fallback_rounds,
+                           context_drafted=totals.context_drafted, context_accepted=totals.context_accepted,
+                           wide_rounds=totals.wide_rounds,
                            prefill_chunks=self.prefill_chunks, prefill_rows=self.prefill_rows, **self.memory.stats())

@@ -17,7 +17,9 @@
 
 Errors answer in OpenAI's shape (`http/errors.py`) except Anthropic's (`anthropic/errors.py`).
 Responses adds its tools and namespaces (`tools.py`), its stream events (`events.py`) and the
-store behind `previous_response_id` (`store.py`). Chat and completions fold each choice with the
-in-process API's `chat.reply.ReplyCollector`; completions share chat's usage object and stream
-end. Nothing here holds state past a request but the Responses store, owned by its routes.
+store behind `previous_response_id` (`store.py`). The `speculation` body extension and the
+usage's drafts per source are written once for all four (`speculation.py`). Chat and
+completions fold each choice with the in-process API's `chat.reply.ReplyCollector`; completions
+share chat's usage object and stream end. Nothing here holds state past a request but the
+Responses store, owned by its routes.
 """

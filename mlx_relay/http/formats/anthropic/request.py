@@ -55,6 +55,7 @@ from mlx_relay.http.formats.anthropic.types import (
     ToolUseBlock,
     UrlSource,
 )
+from mlx_relay.http.formats.speculation import speculation_of
 from mlx_relay.service import ChatRequest
 
 _ERROR_PREFIX = "Error: "  # a tool_result with is_error: true reaches the model as this + its text
@@ -283,6 +284,7 @@ def to_chat_request(body: CountTokensRequest) -> ChatRequest:
             raise InvalidRequest("thinking may not be enabled when tool_choice forces tool use", param="thinking")
         fields["enable_thinking"] = False
     if isinstance(body, MessagesRequest):
+        speculation = speculation_of(body.speculation)
         fields.update(
             max_tokens=body.max_tokens,
             stop=tuple(body.stop_sequences or ()),
@@ -292,5 +294,7 @@ def to_chat_request(body: CountTokensRequest) -> ChatRequest:
             specprefill=body.specprefill,
             specprefill_keep=body.specprefill_keep,
             specprefill_anchor_ngram=body.specprefill_anchor_ngram,
+            speculation=speculation.method,
+            max_draft_tokens=speculation.max_draft_tokens,
         )
     return ChatRequest(messages=messages, tools=tools, **fields)  # type: ignore[arg-type]

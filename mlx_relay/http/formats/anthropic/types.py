@@ -17,6 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from mlx_relay.chat.output import ReplyDone
+from mlx_relay.http.formats.speculation import SpeculationField, SpeculationUsage, speculation_usage
 from mlx_relay.specprefill.report import SpecPrefillReport
 
 # -- request: content blocks ----------------------------------------------------------------------
@@ -176,6 +177,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True, omit_defaults=True):
     specprefill: bool | None = None  # mlx-relay extension (the SDK's extra_body), as in chat completions
     specprefill_keep: float | None = None
     specprefill_anchor_ngram: int | None = None
+    speculation: SpeculationField = None  # mlx-relay extension, as in chat completions
 
 
 # -- response -----------------------------------------------------------------------------------------
@@ -209,7 +211,9 @@ class Usage(msgspec.Struct):
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
-    # mlx-relay extension: present only when SpecPrefill ran or was due (UNSET: left out)
+    # mlx-relay extensions: the drafts per source, present only when a source drafted; SpecPrefill's
+    # report, present only when SpecPrefill ran or was due (UNSET: left out)
+    speculation: SpeculationUsage | msgspec.UnsetType = msgspec.UNSET
     specprefill: SpecPrefillReport | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -313,9 +317,11 @@ def stop_info(done: ReplyDone) -> StopInfo:
 
 
 def usage_of(done: ReplyDone) -> Usage:
+    speculation = speculation_usage([done])
     return Usage(
         input_tokens=done.prompt_tokens - done.cached_tokens,
         output_tokens=done.completion_tokens,
         cache_read_input_tokens=done.cached_tokens,
+        speculation=speculation if speculation is not None else msgspec.UNSET,
         specprefill=done.specprefill if done.specprefill is not None else msgspec.UNSET,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from mlx_relay.chat.types import NamedToolChoice, ResponseFormat, ToolChoice
 from mlx_relay.errors import InvalidRequest
 from mlx_relay.http.formats.openai_chat.types import ChatCompletionRequest, ResponseFormatWire
+from mlx_relay.http.formats.speculation import speculation_of
 from mlx_relay.service import ChatRequest
 
 
@@ -45,6 +46,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
         stop = (body.stop,)
     elif body.stop:
         stop = tuple(body.stop)
+    speculation = speculation_of(body.speculation)
     return ChatRequest(
         messages=body.messages,
         max_tokens=max_tokens,
@@ -67,6 +69,8 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         mtp=body.mtp is not False,
+        speculation=speculation.method,
+        max_draft_tokens=speculation.max_draft_tokens,
         specprefill=body.specprefill,
         specprefill_keep=body.specprefill_keep if body.specprefill_keep is not None else body.specprefill_keep_pct,
         specprefill_anchor_ngram=body.specprefill_anchor_ngram,

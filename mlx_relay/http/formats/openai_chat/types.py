@@ -10,6 +10,7 @@ import msgspec
 
 from mlx_relay.chat.output import ReplyDone, TokenLogprob
 from mlx_relay.chat.types import ChatMessage, ToolDef
+from mlx_relay.http.formats.speculation import SpeculationField, SpeculationUsage, speculation_usage
 from mlx_relay.specprefill.report import SpecPrefillReport
 
 
@@ -45,6 +46,8 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     thinking_budget: int | None = None  # extension: at most this many thinking tokens
     user: str | None = None
     mtp: bool | None = None  # mlx-relay extension: false turns MTP speculative decoding off for this request
+    # mlx-relay extension: {"method": ..., "max_draft_tokens": ...}, where the drafts come from (`speculation.py`)
+    speculation: SpeculationField = None
     # mlx-relay extension: SpecPrefill on / off for this request (None: the server's threshold) and
     # its keep fraction (`specprefill_keep_pct` is vllm-mlx's name for the same fraction), and the
     # anchor rule's n-gram length (0: no anchors; None: the server's)
@@ -97,28 +100,34 @@ class Usage(msgspec.Struct, omit_defaults=True):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     mtp: MTPUsage | None = None  # present when the request decoded with MTP
+    speculation: SpeculationUsage | None = None  # the drafts per source; present when a source drafted
     specprefill: SpecPrefillReport | None = None  # present when SpecPrefill ran or was due
     completion_tokens_details: CompletionTokensDetails | None = None  # present when the reply reasoned
 
 
 def usage_of(done: ReplyDone) -> Usage:
-    """One reply's usage (MTP's counts when it drafted, reasoning tokens when it reasoned)."""
+    """One reply's usage (MTP's counts and the drafts per source when it drafted, reasoning tokens
+    when it reasoned)."""
     mtp = None
     if done.mtp_drafted:
         mtp = MTPUsage(done.mtp_drafted, done.mtp_accepted, round(done.mtp_accepted / done.mtp_drafted, 4))
     return Usage(done.prompt_tokens, done.completion_tokens, done.prompt_tokens + done.completion_tokens,
-                 PromptTokensDetails(cached_tokens=done.cached_tokens), mtp, done.specprefill,
-                 CompletionTokensDetails(done.reasoning_tokens) if done.reasoning_tokens else None)
+                 PromptTokensDetails(cached_tokens=done.cached_tokens), mtp=mtp,
+                 speculation=speculation_usage([done]), specprefill=done.specprefill,
+                 completion_tokens_details=CompletionTokensDetails(done.reasoning_tokens) if done.reasoning_tokens
+                 else None)
 
 
 def total_usage(dones: list[ReplyDone]) -> Usage:
-    """One request's usage over its choices: the prompt once, the completions summed."""
+    """One request's usage over its choices: the prompt once, the completions and the drafts
+    per source summed (`mtp` stays the first choice's)."""
     usage = usage_of(dones[0])
     if len(dones) > 1:
         completion = sum(d.completion_tokens for d in dones)
         reasoning = sum(d.reasoning_tokens for d in dones)
         usage = msgspec.structs.replace(usage, completion_tokens=completion,
                                         total_tokens=usage.prompt_tokens + completion,
+                                        speculation=speculation_usage(dones),
                                         completion_tokens_details=CompletionTokensDetails(reasoning) if reasoning
                                         else None)
     return usage

@@ -12,6 +12,7 @@ from typing import Any
 
 from mlx_relay.errors import InvalidRequest
 from mlx_relay.http.formats.openai_completions.types import CompletionRequest
+from mlx_relay.http.formats.speculation import speculation_of
 from mlx_relay.http.replies import choice_requests
 from mlx_relay.service import ChatRequest
 
@@ -45,6 +46,7 @@ def to_requests(body: CompletionRequest) -> list[ChatRequest]:
     if body.echo and not all(isinstance(p, str) for p in prompts):
         raise InvalidRequest("echo needs text prompts", param="echo")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    speculation = speculation_of(body.speculation)
     out: list[ChatRequest] = []
     for prompt in prompts:
         req = ChatRequest(
@@ -52,7 +54,8 @@ def to_requests(body: CompletionRequest) -> list[ChatRequest]:
             top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=stop, logprobs=body.logprobs is not None,
             top_logprobs=body.logprobs or 0, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-            mtp=body.mtp is not False, specprefill=body.specprefill,
+            mtp=body.mtp is not False, speculation=speculation.method,
+            max_draft_tokens=speculation.max_draft_tokens, specprefill=body.specprefill,
             specprefill_keep=body.specprefill_keep if body.specprefill_keep is not None else body.specprefill_keep_pct,
             specprefill_anchor_ngram=body.specprefill_anchor_ngram)
         out.extend(choice_requests(req, body.n))

@@ -8,6 +8,7 @@ import msgspec
 
 from mlx_relay.chat.output import ReplyDone, TokenLogprob
 from mlx_relay.http.formats.openai_chat.types import StreamOptions, Usage, usage_of
+from mlx_relay.http.formats.speculation import SpeculationField, speculation_usage
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -32,6 +33,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     suffix: str | None = None
     user: str | None = None
     mtp: bool | None = None
+    speculation: SpeculationField = None  # as in chat completions
     specprefill: bool | None = None  # as in chat completions
     specprefill_keep: float | None = None
     specprefill_keep_pct: float | None = None
@@ -71,13 +73,13 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> CompletionLogpr
 
 
 def completion_usage(dones: dict[int, ReplyDone], n: int) -> Usage:
-    """Each prompt's tokens once (its first choice), every choice's completion."""
+    """Each prompt's tokens once (its first choice), every choice's completion and drafts."""
     first = [d for i, d in sorted(dones.items()) if i % n == 0] or list(dones.values())[:1]
     prompt = sum(d.prompt_tokens for d in first)
     completion = sum(d.completion_tokens for d in dones.values())
     usage = usage_of(first[0])
     cached = sum(d.cached_tokens for d in first)
     return msgspec.structs.replace(usage, prompt_tokens=prompt, completion_tokens=completion,
-                                   total_tokens=prompt + completion,
+                                   total_tokens=prompt + completion, speculation=speculation_usage(dones.values()),
                                    prompt_tokens_details=msgspec.structs.replace(usage.prompt_tokens_details,
                                                                                  cached_tokens=cached))

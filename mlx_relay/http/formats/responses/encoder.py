@@ -61,6 +61,7 @@ from mlx_relay.http.formats.responses.types import (
     ResponseUsage,
     new_id,
 )
+from mlx_relay.http.formats.speculation import speculation_usage
 
 
 class _OpenItem:
@@ -140,12 +141,14 @@ class ResponseAssembler:
         cut = done.finish_reason == "length"
         self._close(out, "incomplete" if cut else "completed")
         r = self.response
+        speculation = speculation_usage([done])
         r.usage = ResponseUsage(
             input_tokens=done.prompt_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=done.cached_tokens),
             output_tokens=done.completion_tokens,
             output_tokens_details=OutputTokensDetails(reasoning_tokens=done.reasoning_tokens),
             total_tokens=done.prompt_tokens + done.completion_tokens,
+            speculation=speculation if speculation is not None else msgspec.UNSET,
             specprefill=done.specprefill if done.specprefill is not None else msgspec.UNSET,
         )
         if cut:

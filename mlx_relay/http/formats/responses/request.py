@@ -50,6 +50,7 @@ from mlx_relay.http.formats.responses.types import (
     new_id,
     type_of,
 )
+from mlx_relay.http.formats.speculation import speculation_of
 from mlx_relay.service import ChatRequest
 
 _ITEM_TYPES: dict[str, type[InputItem]] = {
@@ -226,6 +227,7 @@ def translate(body: ResponsesRequest, model: str, conversation: list[ChatMessage
         raise InvalidRequest("input must not be empty", param="input")
     choice, choice_echo = parse_tool_choice(body.tool_choice, tools, names)
     system = [ChatMessage("system", body.instructions)] if body.instructions else []
+    speculation = speculation_of(body.speculation)
     req = ChatRequest(
         messages=system + conversation,
         max_tokens=body.max_output_tokens,
@@ -239,6 +241,8 @@ def translate(body: ResponsesRequest, model: str, conversation: list[ChatMessage
         specprefill=body.specprefill,
         specprefill_keep=body.specprefill_keep,
         specprefill_anchor_ngram=body.specprefill_anchor_ngram,
+        speculation=speculation.method,
+        max_draft_tokens=speculation.max_draft_tokens,
     )
     response = ResponseObject(
         id=new_id("resp"), created_at=int(time.time()), status="in_progress", model=model, output=[],

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from mlx_relay.errors import InvalidRequest
+from mlx_relay.http.formats.speculation import SpeculationField, SpeculationUsage
 from mlx_relay.specprefill.report import SpecPrefillReport
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -76,6 +77,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     specprefill: bool | None = None  # mlx-relay extension (the SDK's extra_body), as in chat completions
     specprefill_keep: float | None = None
     specprefill_anchor_ngram: int | None = None
+    speculation: SpeculationField = None  # mlx-relay extension, as in chat completions
 
 
 class FunctionTool(msgspec.Struct, kw_only=True):
@@ -212,7 +214,9 @@ class ResponseUsage(msgspec.Struct):
     output_tokens: int
     output_tokens_details: OutputTokensDetails
     total_tokens: int
-    # mlx-relay extension: present only when SpecPrefill ran or was due (UNSET: left out)
+    # mlx-relay extensions: the drafts per source, present only when a source drafted; SpecPrefill's
+    # report, present only when SpecPrefill ran or was due (UNSET: left out)
+    speculation: SpeculationUsage | msgspec.UnsetType = msgspec.UNSET
     specprefill: SpecPrefillReport | msgspec.UnsetType = msgspec.UNSET
 
 
