@@ -171,18 +171,21 @@ def launching(ops: collections.Counter[str]) -> dict[str, Any]:
     return {"launching": sum(kept.values()), "primitives": sum(ops.values()), "by_primitive": dict(kept.most_common())}
 
 
-def mtp_round_ops(model: Path, lm: Any, prompt: list[int], block: int) -> dict[str, Any]:
+def mtp_round_ops(model: Path, lm: Any, prompt: list[int], block: int, width: int = 0) -> dict[str, Any]:
     """Launching primitives of one compiled MTP round at `block` (batch 1), as `MTPLane` runs it:
-    the head's drafts, the target's verify over the block, the cut, the commit, the next draft."""
+    the head's drafts, the target's verify over the block, the cut, the commit, the next draft.
+    `width` > 0: the head-free round instead, verifying `width - 1` drafts copied from the context
+    (width 1: a row whose context has no proposal, the lane's plain step)."""
     from mlx_relay.engine.lanes.mtp_head import MTPHead
     from mlx_relay.engine.lanes.mtp_state import MTPState
-    from mlx_relay.engine.lanes.mtp_step import MTPStep
+    from mlx_relay.engine.lanes.mtp_step import HostDrafts, MTPStep
 
     head = MTPHead.load(model, lm, exact=False)
     state, _ = MTPState.prefilled(lm, head, prompt)
     mx.eval(state.arrays())
     step = MTPStep(lm, head, block_size=block, eos_token_ids=[])
-    r = step(state, [1 << 20])
+    drafts = HostDrafts(width, [prompt[:width - 1]], [False]) if width else None
+    r = step(state, [1 << 20], drafts)
     outs = [r.targets, r.accepted, r.committed, state.bonus, state.draft, state.seed,
             *(a for pair in state.kv + state.head_kv for a in pair), *state.conv, *state.ssm]
     return launching(graph_ops(outs))
@@ -286,6 +289,9 @@ def main() -> None:
     parser.add_argument("--by-layer", action="store_true", help="with --count-ops: launches per part of the step")
     parser.add_argument("--mtp-block", type=int, default=0,
                         help="with --count-ops: also one compiled MTP round at this block (batch 1; needs a head)")
+    parser.add_argument("--spec-widths", default="",
+                        help="with --count-ops: also the head-free round (context drafts) at these widths, e.g. 1,9 "
+                             "(batch 1; width 1 is a row without a proposal)")
     args = parser.parse_args()
     model = Path(args.model) if args.model else fixture_path(FixtureSpec("bf16", 0))
     loaded = load_model(model)
@@ -311,6 +317,12 @@ def main() -> None:
                 print(f"  MTP round, block {args.mtp_block}: {counted['mtp_round']['launching']} launching "
                       f"({counted['mtp_round']['launching'] / step:.2f}x the compiled step): "
                       + ", ".join(f"{k} {v}" for k, v in list(counted["mtp_round"]["by_primitive"].items())[:14]))
+            for width in (int(w) for w in args.spec_widths.split(",") if w) if b == 1 else ():
+                prompt = [rng.randrange(100, vocab - 1) for _ in range(args.prompt_tokens)]
+                key = f"context_round_w{width}"
+                counted[key] = mtp_round_ops(model, lm, prompt, max(2, args.mtp_block), width)
+                print(f"  head-free round, width {width}: {counted[key]['launching']} launching "
+                      f"({counted[key]['launching'] / counted['compiled']['launching']:.3f}x the compiled step)")
             if args.by_layer:
                 parts = layer_ops(lm, b)
                 counted["by_layer"] = parts

@@ -66,11 +66,11 @@ METHODS = ("none", "mtp", "context", "auto")
 
 
 def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, method: str, *, block: int,
-             max_draft: int) -> dict[str, Any]:
+             max_draft: int, context_policy: str = "auto") -> dict[str, Any]:
     """One pass of `batch` through an EngineCore planned by the TextMTPExecutor for `method`."""
     d = Driver(loaded, prefix_cache=True, max_num_seqs=len(batch), prefill_batch_size=min(8, len(batch)),
                prefill_step_size=2048, mtp_max_batch=len(batch), mtp_block_size=block, mtp_policy="always",
-               speculation=method, max_draft_tokens=max_draft)
+               speculation=method, max_draft_tokens=max_draft, context_policy=context_policy)
     engine: EngineCore = d.engine
     # as the server's warm-up does: every decode shape this batch runs at traced before timing
     if isinstance(plain := engine.lanes["plain"], PlainLane):
@@ -185,6 +185,8 @@ def main() -> None:
     ap.add_argument("--batch", default="1")
     ap.add_argument("--block", type=int, default=2)
     ap.add_argument("--max-draft", type=int, default=8)
+    ap.add_argument("--context-policy", choices=("auto", "always"), default="auto",
+                    help="the engine's --context-policy (always: every proposal verified, no timing)")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", default=",".join(METHODS))
@@ -211,7 +213,8 @@ def main() -> None:
         def run(v: str, rows_: list[list[int]], n: int) -> dict[str, Any]:
             if v == "raw":
                 return run_raw(loaded.model, loaded.processor, None, rows_, n, args.block, batch_only=True)
-            return run_ours(loaded, rows_, n, v, block=args.block, max_draft=args.max_draft)
+            return run_ours(loaded, rows_, n, v, block=args.block, max_draft=args.max_draft,
+                            context_policy=args.context_policy)
 
         for v in variants:  # unmeasured: compile this batch's shapes
             run(v, batch, 16)

@@ -147,3 +147,39 @@ def test_context_drafts_keep_the_sampling_distribution(gpu: Callable, head: bool
     assert set(counts) <= set(exact), set(counts) - set(exact)
     g = 2.0 * sum(c * math.log(c / (n * exact[cell])) for cell, c in counts.items())
     assert g < _chi2_critical(len(exact) - 1), (g, counts.most_common(5))
+
+
+def test_pipelined_one_token_rounds_end_at_a_stop_string_with_an_exact_turn_snapshot(gpu: Callable) -> None:
+    """Rows whose drafts miss run one-token rounds launched before the last is read. A row that ends
+    at a stop string has had one more token fed by the round in flight; its turn snapshot still
+    holds exactly prompt + reply (all but the last token), and the next turn restored from it
+    decodes as plain greedy decoding of the whole conversation."""
+    path = fixture_path(FixtureSpec(variant="fp32", seed=0))
+    prompt = list(range(5, 45))
+
+    def run() -> tuple[Any, ...]:
+        from mlx_relay.messages.prefix_cache import PrefixPlan
+        from mlx_relay.testing.engine_driver import Driver
+
+        loaded = load_model(path)
+        tok = loaded.processor.tokenizer
+        ref = greedy_reference(path, [prompt], 30)[0]
+        stop = tok.decode(ref[:20])[-3:]  # text that first ends inside the reply's 20th token or before
+        d = Driver(loaded, mtp=False, speculation="context", max_draft_tokens=4, mtp_max_batch=4)
+        a = d.add(Generate("a", prompt, SamplingParams(max_tokens=30, stop=(stop,)),
+                           prefix=PrefixPlan(snapshot_turn=True)))
+        d.run()
+        (turn,) = [s for s in d.snapshots[a] if s.kind == "turn"]
+        turn2 = prompt + turn.generated + [400, 401, 402]
+        e = d.add(Generate("e", turn2, SamplingParams(max_tokens=12), prefix=PrefixPlan(turn.handle, turn.length)))
+        d.run()
+        want = greedy_reference(path, [turn2], 12)[0]
+        stats = d.engine.stats()
+        d.engine.close()
+        return d.tokens[a], d.finished[a], turn, d.tokens[e], d.finished[e], want, ref, stats
+
+    tokens, done, turn, tokens2, done2, want, ref, stats = gpu(run)
+    assert done.reason == "stop" and tokens == ref[:len(tokens)] and len(tokens) < 30
+    assert turn.length == 40 + len(tokens) - 1 and turn.generated == tokens[:-1]
+    assert done2.cached_tokens == turn.length and tokens2 == want
+    assert stats.mtp_rounds > 0 and stats.mtp_running == 0

@@ -87,7 +87,7 @@ def test_mtp_with_a_grammar_equals_the_plain_lane_with_it(gpu: Callable, variant
 
     def run() -> tuple[Any, ...]:
         return (_run(path, reqs, mtp_block_size=block, mtp_verify=verify, mtp_policy="always"),
-                _run(path, reqs, mtp=False))
+                _run(path, reqs, mtp=False, max_draft_tokens=0))
 
     (tokens, finished, stats), (plain, plain_finished, plain_stats) = gpu(run)
     assert plain_stats.mtp_rounds == 0

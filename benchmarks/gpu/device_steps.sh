@@ -17,6 +17,9 @@
 #   disk     bench_prefix_cache.py --scenarios restart (issue 18.3): an 8K system prompt cold, as a
 #            memory hit, and as a disk hit after a restart; ours --no-mtp, and mlx_vlm.server with APC disk
 #   snapio   bench_snapshot_io.py --tokens 8192: a snapshot's copy, write, read and load
+#   spec     (issue 33.5) build the --mtp-agree model (AGREE, default 0.75: a bigram-cycle target) into
+#            AGREE_DIR, bench_speculation.py --scenario copy for each RATE:BATCH of COPY (default
+#            "0.7:1 0:1 0.7:16"; SPEC_TOKENS 160, MAX_DRAFT 8, REPEATS 3), delete it. Results: spec_copy_*
 #   agree    (issue 17.5) per rate of AGREE (default "0.6 0.75 0.8"): build a model whose MTP head agrees
 #            at that block-2 acceptance (build_random_model.py --mtp-agree, 38.6 GB) into AGREE_DIR
 #            (/root/agree-model), bench_mtp.py on it at batch 1 (BLOCK 2, MTP_TOKENS 128, REPEATS 2),
@@ -43,7 +46,7 @@ fi
 if [ "${LOCAL:-0}" = 1 ]; then set -euo pipefail; else source benchmarks/gpu/device_env.sh; fi
 mkdir -p $RUN/out $RUN/src && cp -r mlx_relay benchmarks $RUN/src/
 JOBS=${JOBS:-probe step mtp}
-if [ "$JOBS" != agree ] && [ ! -f "$MODEL/config.json" ]; then
+if [ "$JOBS" != agree ] && [ "$JOBS" != spec ] && [ ! -f "$MODEL/config.json" ]; then
   python3 benchmarks/gpu/build_random_model.py "$MODEL" --tokenizer /root/tok 2>&1 | tail -2
 fi
 cat > $RUN/run.sh <<'EOS'
@@ -66,6 +69,25 @@ agree)
     fi
     rm -rf "$AGREE_DIR"
   done ;;
+spec)
+  # issue 33.5: a model whose greedy continuation is a bigram cycle (the --mtp-agree build; its head
+  # agrees at AGREE), prompts that copy that continuation at each rate of COPY, bench_speculation.py
+  [ "$LOCAL" = 1 ] || rm -rf "$MODEL"
+  rm -rf "$AGREE_DIR"
+  if python3 benchmarks/gpu/build_random_model.py "$AGREE_DIR" --tokenizer "$TOK" --mtp-agree "${AGREE:-0.75}" \
+      $BUILD_FLAGS > $O/build_spec.txt 2>&1; then
+    say "built: $(grep -h 'mtp-agree check' $O/build_spec.txt)"
+    for case in ${COPY:-0.7:1 0:1 0.7:16}; do
+      r=${case%%:*}; b=${case##*:}
+      python3 benchmarks/bench_speculation.py "$AGREE_DIR" --scenario copy --copy-rate "$r" --batch "$b" \
+        --max-tokens "${SPEC_TOKENS:-160}" --repeats "${REPEATS:-3}" --max-draft "${MAX_DRAFT:-8}" \
+        --out $O/spec_copy_${r}_b$b.json > $O/spec_copy_${r}_b$b.txt 2>&1
+      say "spec copy $r b$b (rc $?): $(grep -h 'B=' $O/spec_copy_${r}_b$b.txt | tail -n 5 | tr '\n' ' ')"
+    done
+  else
+    say "build failed: $(tail -n 1 $O/build_spec.txt)"
+  fi
+  rm -rf "$AGREE_DIR" ;;
 kernels)
   python3 benchmarks/gpu/kernel_check.py --out $O/kernel_check.json > $O/kernel_check.txt 2>&1
   say "kernel check (rc $?): $(tail -n 1 $O/kernel_check.txt)" ;;
@@ -98,7 +120,8 @@ rm -f $RUN/done $RUN/progress.txt
 cd $RUN/src
 setsid nohup env RUN="$RUN" MODEL="${MODEL:-}" PYTHONPATH="$RUN/src:${PYTHONPATH:-}" BATCH="${BATCH:-}" BLOCK="${BLOCK:-}" \
   MTP_TOKENS="${MTP_TOKENS:-}" STEPS="${STEPS:-}" REPEATS="${REPEATS:-}" AGREE="${AGREE:-}" \
-  JOBS="$JOBS" LOCAL="${LOCAL:-0}" ROUNDS="${ROUNDS:-}" DISK_REPEATS="${DISK_REPEATS:-}" \
+  JOBS="$JOBS" LOCAL="${LOCAL:-0}" ROUNDS="${ROUNDS:-}" DISK_REPEATS="${DISK_REPEATS:-}" COPY="${COPY:-}" \
+  SPEC_TOKENS="${SPEC_TOKENS:-}" MAX_DRAFT="${MAX_DRAFT:-}" \
   AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
   bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "steps started (pid $!)"

@@ -6,10 +6,19 @@ batched verifier, the engine's default off Metal).
 decision, the cut at EOS / max_tokens and the commit run on device, with no speculative cache
 transaction; one host synchronisation per round (the counts). A row joins with its library
 caches copied once into the state, and leaves by filtering it.
+
+Rounds of one token (no row takes the head's drafts and no context proposal is worth verifying:
+rows whose drafts miss) are pipelined like the plain lane's steps: the next one is launched before
+the last one is read, since each row commits exactly its one token. The round in flight is read
+(drained) before anything changes the batch; a row that ended in the round read last has one
+token too many in the state, so its turn snapshot takes the GatedDeltaNet states from before the
+round in flight (`_InFlight.before`). Its context proposals are scored when its token is read.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -19,9 +28,18 @@ from mlx_relay.engine.lanes.lane import MTPCounts
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_rows import MTPRow, RoundResult
 from mlx_relay.engine.lanes.mtp_state import MTPState
-from mlx_relay.engine.lanes.mtp_step import HostDrafts, MTPStep
-from mlx_relay.engine.lanes.round_drafts import RoundDrafts
+from mlx_relay.engine.lanes.mtp_step import HostDrafts, MTPStep, RoundOut
+from mlx_relay.engine.lanes.round_drafts import RoundDrafts, RoundPlan
 from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
+
+
+@dataclass
+class _InFlight:
+    """A one-token round launched and not read yet."""
+
+    out: RoundOut
+    rows: list[MTPRow]
+    before: tuple[list[mx.array], list[mx.array]]  # the GatedDeltaNet states it started from (conv, ssm)
 
 
 class CompiledCohort:
@@ -32,10 +50,15 @@ class CompiledCohort:
         self._drafts = RoundDrafts(block_size, max_context, min_width=1, always=always_context)
         self.rows: list[MTPRow] = []  # in batch order
         self._state: MTPState | None = None
+        self._flight: _InFlight | None = None
+        self._carry: dict[int, list[int]] = {}  # tokens read by a drain, emitted by the next round
+        self._carry_counts = MTPCounts()
+        self._last_read = time.perf_counter()
 
     def join(self, row: MTPRow, first: mx.array, draft: mx.array, seed_h: mx.array) -> None:
         """A greedy row joins (its library caches copied once)."""
         assert row.pre is not None
+        self._drain()
         state = MTPState.from_row(row.pre.cache, row.dcache, self._step.layout, first, draft, seed_h,
                                   dpos=len(row.prompt))
         row.pre.cache, row.dcache = [], []
@@ -51,10 +74,17 @@ class CompiledCohort:
         j = next((j for j, r in enumerate(self.rows) if r.rid == rid), None)
         if j is None or self._state is None:
             return None
-        row = self.rows[j]
+        row, state = self.rows[j], self._state
         length = len(row.prompt) + row.emitted - 1
-        assert self._state.lengths[j] == length, (self._state.lengths[j], length)
-        entries, nbytes = snapshot_caches(self._state.row_caches(j), length)
+        if self._flight is not None:
+            # a round in flight has fed the row one more token: its GatedDeltaNet states from before
+            # it (the keys beyond `length` are not copied)
+            assert state.lengths[j] == length + 1, (state.lengths[j], length)
+            caches = state.row_caches(j, length, *self._flight.before)
+        else:
+            assert state.lengths[j] == length, (state.lengths[j], length)
+            caches = state.row_caches(j)
+        entries, nbytes = snapshot_caches(caches, length)
         return Snapshot(length=length, target=entries, nbytes=nbytes)
 
     def remove(self, rid: int) -> bool:
@@ -62,6 +92,8 @@ class CompiledCohort:
         keep = [i for i, row in enumerate(self.rows) if row.rid != rid]
         if len(keep) == len(self.rows):
             return False
+        self._drain()
+        self._carry.pop(rid, None)
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self._state = None
@@ -73,12 +105,76 @@ class CompiledCohort:
     def clear(self) -> None:
         self.rows = []
         self._state = None
+        self._flight = None
+        self._carry, self._carry_counts = {}, MTPCounts()
+
+    # -- one-token rounds, pipelined --------------------------------------------------------------
+    def _pipelines(self, plan: RoundPlan) -> bool:
+        """Whether this round is a one-token round that may be launched before the last is read:
+        nothing to verify, and every row may emit a token more than the one in flight."""
+        if plan.width != 1 or plan.host is None or any(plan.host):
+            return False
+        pending = 1 if self._flight is not None else 0
+        return all(r.max_tokens - r.emitted >= 1 + pending for r in self.rows)
+
+    def _launch(self) -> _InFlight:
+        state = self._state
+        assert state is not None
+        n = len(self.rows)
+        before = (state.conv, state.ssm)
+        out = self._step(state, [1] * n, HostDrafts(1, [[]] * n, [False] * n))
+        mx.async_eval(out.targets, state.arrays())
+        self._step.advance(state, [0] * n)  # each row commits its one token
+        return _InFlight(out, list(self.rows), before)
+
+    def _read(self, flight: _InFlight, tokens: dict[int, list[int]], counts: MTPCounts) -> None:
+        """A one-token round's tokens (its rows' contexts scored for them, as if proposed)."""
+        targets: list[list[int]] = flight.out.targets.tolist()
+        rows, n = flight.rows, len(flight.rows)
+        proposals = [r.context.propose(r.max_context) if r.context is not None else [] for r in rows]
+        plan = RoundPlan(1, proposals, [False] * n, started=self._last_read, heads=[False] * n)
+        emitted = {}
+        for i, row in enumerate(rows):
+            emitted[row.rid] = [targets[i][0]]
+            tokens.setdefault(row.rid, []).append(targets[i][0])
+            row.emitted += 1
+        counts.rounds += 1
+        self._drafts.settle(rows, plan, emitted, [0] * n, counts)
+        self._last_read = time.perf_counter()
+
+    def _drain(self) -> None:
+        """Read the round in flight (its tokens go out with the next round)."""
+        if self._flight is not None:
+            flight, self._flight = self._flight, None
+            self._read(flight, self._carry, self._carry_counts)
+
+    def _carried(self) -> RoundResult:
+        result = RoundResult(tokens=self._carry, counts=self._carry_counts)
+        self._carry, self._carry_counts = {}, MTPCounts()
+        return result
 
     def round(self) -> RoundResult:
-        """One compiled round; one host synchronisation (the counts)."""
+        """One compiled round; one host synchronisation (the counts). A one-token round is
+        launched before the one in flight is read (whose tokens it returns)."""
         rows, state, step = self.rows, self._state, self._step
         assert state is not None
         plan = self._drafts.plan(rows)
+        result = self._carried()
+        if self._pipelines(plan):
+            if self._flight is None:
+                self._last_read = time.perf_counter()  # the cadence starts here
+            flight, self._flight = self._flight, self._launch()
+            if flight is not None:
+                self._read(flight, result.tokens, result.counts)
+            return result
+        if self._flight is not None:
+            # the contexts have moved on since this plan: read what is in flight, plan next step
+            self._drain()
+            carried = self._carried()
+            for rid, toks in carried.tokens.items():
+                result.tokens.setdefault(rid, []).extend(toks)
+            result.counts.add(carried.counts)
+            return result
         host = plan.host
         room = [max(r.max_tokens - r.emitted, 1) for r in rows]
         out = step(state, room, None if host is None else HostDrafts(plan.width, host, plan.heads))
@@ -90,14 +186,18 @@ class CompiledCohort:
         accepted: list[int] = out.accepted.tolist()
         committed: list[int] = out.committed.tolist()
         step.advance(state, committed)
-        result = RoundResult(tokens={}, counts=MTPCounts(rounds=1, wide_rounds=int(plan.width > self.k)))
+        result.counts.rounds += 1
+        result.counts.wide_rounds += int(plan.width > self.k)
         took = []
+        emitted = {}
         for i, row in enumerate(rows):
             m = committed[i]
             took.append(min(accepted[i], m + 1))
-            result.tokens[row.rid] = targets[i][:m + 1]
+            emitted[row.rid] = targets[i][:m + 1]
+            result.tokens.setdefault(row.rid, []).extend(targets[i][:m + 1])
             row.emitted += m + 1
-        self._drafts.settle(rows, plan, result.tokens, took, result.counts)
+        self._drafts.settle(rows, plan, emitted, took, result.counts)
+        self._last_read = time.perf_counter()
         return result
 
     def _variants(self, size: int, drafter: bool) -> list[HostDrafts | None]:

@@ -189,6 +189,9 @@ class MTPState:
         self.dpos = [self.dpos[i] for i in keep]
         self.pad_to_bucket()
 
-    def row_caches(self, i: int) -> list[Any]:
-        """Row `i`'s target state as batch-1 library caches (copies), in layer order."""
-        return library_caches(self.layout, self.kv, self.conv, self.ssm, i, 0, self.lengths[i])
+    def row_caches(self, i: int, length: int | None = None, conv: list[mx.array] | None = None,
+                   ssm: list[mx.array] | None = None) -> list[Any]:
+        """Row `i`'s target state as batch-1 library caches (copies), in layer order: its keys up to
+        `length` (default: all it has) and the GatedDeltaNet states `conv`, `ssm` (default: its own)."""
+        return library_caches(self.layout, self.kv, self.conv if conv is None else conv,
+                              self.ssm if ssm is None else ssm, i, 0, self.lengths[i] if length is None else length)

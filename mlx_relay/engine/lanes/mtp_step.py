@@ -145,11 +145,12 @@ class MTPStep:
     def _target(self, block: mx.array, lengths: mx.array, kv: list[tuple[mx.array, mx.array]],
                 conv: list[mx.array], ssm: list[mx.array]) -> tuple[mx.array, list[Any], list[Any], list[Any]]:
         """The target over the block: its hidden states, and per GatedDeltaNet layer the conv input
-        and the state after each position (the commit picks one)."""
+        and the state after each position (the commit picks one); for a block of one token, the
+        conv window and the state after it (nothing to pick: a plain step's arithmetic)."""
         B, T = block.shape
         columns = lengths[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
         at = _at(columns, mx.broadcast_to(columns[None], (3, B, T)), kv[0][0].shape[2], offsets=lengths)
-        return self.family.forward_block(self.lm, block, at, kv, conv, ssm, keep_states=True, stage=self.stage)
+        return self.family.forward_block(self.lm, block, at, kv, conv, ssm, keep_states=T > 1, stage=self.stage)
 
     def _verify(self, block: mx.array, lengths: mx.array, room: mx.array, kv: list[tuple[mx.array, mx.array]],
                 conv: list[mx.array], ssm: list[mx.array], usable: mx.array | None) -> tuple[Any, ...]:
@@ -169,6 +170,8 @@ class MTPStep:
             is_eos = is_eos | (targets == eos)
         first_eos = mx.where(mx.any(is_eos, axis=1), mx.argmax(is_eos, axis=1), W).astype(mx.int32)
         m = mx.minimum(mx.minimum(accepted, room - 1), first_eos).astype(mx.int32)
+        if W == 1:  # one token: the states after it are the commit (m is 0)
+            return vh, targets, accepted, m, targets[:, 0], kv, conv_ins, states
         # commit: the GatedDeltaNet states after position m
         window = conv[0].shape[1] if conv else 0
         take_conv = (m + 1)[:, None] + mx.arange(window, dtype=mx.int32)[None, :]  # [B, K-1]
