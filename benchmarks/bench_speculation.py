@@ -34,6 +34,7 @@ Two kinds of rows (`--scenario`):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -211,10 +212,14 @@ def main() -> None:
         per: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
 
         def run(v: str, rows_: list[list[int]], n: int) -> dict[str, Any]:
-            if v == "raw":
-                return run_raw(loaded.model, loaded.processor, None, rows_, n, args.block, batch_only=True)
-            return run_ours(loaded, rows_, n, v, block=args.block, max_draft=args.max_draft,
-                            context_policy=args.context_policy)
+            try:
+                if v == "raw":
+                    return run_raw(loaded.model, loaded.processor, None, rows_, n, args.block, batch_only=True)
+                return run_ours(loaded, rows_, n, v, block=args.block, max_draft=args.max_draft,
+                                context_policy=args.context_policy)
+            finally:  # each pass's engine and its buffers gone before the next (36 GB of weights stay)
+                gc.collect()
+                mx.clear_cache()
 
         for v in variants:  # unmeasured: compile this batch's shapes
             run(v, batch, 16)

@@ -19,7 +19,9 @@
 #   snapio   bench_snapshot_io.py --tokens 8192: a snapshot's copy, write, read and load
 #   spec     (issue 33.5) build the --mtp-agree model (AGREE, default 0.75: a bigram-cycle target) into
 #            AGREE_DIR, bench_speculation.py --scenario copy for each RATE:BATCH of COPY (default
-#            "0.7:1 0:1 0.7:16"; SPEC_TOKENS 160, MAX_DRAFT 8, REPEATS 3), delete it. Results: spec_copy_*
+#            "0.7:1 0:1 0.7:16"; SPEC_TOKENS 160, MAX_DRAFT 8, REPEATS 3), delete it; first the launches of
+#            a plain step, an MTP round and the head-free round at widths 1 and MAX_DRAFT + 1 (spec_ops.*).
+#            Results: spec_copy_*
 #   agree    (issue 17.5) per rate of AGREE (default "0.6 0.75 0.8"): build a model whose MTP head agrees
 #            at that block-2 acceptance (build_random_model.py --mtp-agree, 38.6 GB) into AGREE_DIR
 #            (/root/agree-model), bench_mtp.py on it at batch 1 (BLOCK 2, MTP_TOKENS 128, REPEATS 2),
@@ -77,6 +79,9 @@ spec)
   if python3 benchmarks/gpu/build_random_model.py "$AGREE_DIR" --tokenizer "$TOK" --mtp-agree "${AGREE:-0.75}" \
       $BUILD_FLAGS > $O/build_spec.txt 2>&1; then
     say "built: $(grep -h 'mtp-agree check' $O/build_spec.txt)"
+    python3 benchmarks/bench_decode_step.py "$AGREE_DIR" --batch 1 --prompt-tokens 64 --count-ops --mtp-block 2 \
+      --spec-widths "1,$(( ${MAX_DRAFT:-8} + 1 ))" --out $O/spec_ops.json > $O/spec_ops.txt 2>&1
+    say "spec ops (rc $?): $(grep -h 'batch 1\|round' $O/spec_ops.txt | tr '\n' ' ')"
     for case in ${COPY:-0.7:1 0:1 0.7:16}; do
       r=${case%%:*}; b=${case##*:}
       python3 benchmarks/bench_speculation.py "$AGREE_DIR" --scenario copy --copy-rate "$r" --batch "$b" \
