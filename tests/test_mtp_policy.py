@@ -65,14 +65,16 @@ def test_each_method_plans_its_sources_and_context_drafts_outlive_a_head_that_do
     assert plan(speculation="none") is None and plan(speculation="draft") is None
     assert plan(max_draft_tokens=2) == Speculate(2, head=True, context=2)
     assert plan(max_draft_tokens=99) == Speculate(2, head=True, context=8)  # the server's cap
-    assert plan(mtp=False) == Speculate(2, head=False, context=8)  # the old opt-out: the head's only
+    assert plan(mtp=False) is None  # the old opt-out: no head, and under auto context drafts ride with it
+    assert plan(mtp=False, speculation="context") == Speculate(2, head=False, context=8)
     assert plan(grammar="start: /a/") == Speculate(2, head=True, context=0)  # a grammar walks the head's
     assert plan(logprobs=0) is None
     # a seeded sampling row's draws must not depend on timed widths: the head's drafts only
     assert plan(temperature=0.7, seed=3) == Speculate(2, head=True, context=0)
     assert plan(temperature=0.7) == Speculate(2, head=True, context=8)
-    ex.round_cost = 2.4  # the head cannot pay: context drafts alone
-    assert plan() == Speculate(2, head=False, context=8)
+    ex.round_cost = 2.4  # the head cannot pay: plainly under auto, context drafts alone where asked
+    assert plan() is None
+    assert plan(speculation="context") == Speculate(2, head=False, context=8)
     assert plan(speculation="mtp") is None
 
 

@@ -17,11 +17,12 @@ acceptance that pays, with one request in `EXPLORE_EVERY` still sent to MTP so t
 keeps being measured. "always" plans it wherever it can run.
 
 Drafts copied from the request's context (`engine/speculation/context_drafts.py`) cost no model
-call, so they are planned for every request whose method allows them (`speculation`: the
-request's, else the server's) and the lane decides round by round whether a row's proposal is
-worth verifying, from what that request's drafts earned (`engine/speculation/earnings.py`). A
-request whose head does not pay still decodes in the lane with context drafts only; where those
-miss, its rounds verify one token, a plain step. The GPUExecutor executes the plan
+call: under "auto" they are planned beside the head's for every request that takes the head, and
+the lane decides round by round whether a row's proposal is worth verifying instead, from what
+that request's drafts earned (`engine/speculation/earnings.py`); "context" (the request's
+`speculation.method`, or the server's `--speculation`) plans them alone, for checkpoints without
+a head too, where a row whose drafts miss decodes one-token rounds (slower than the plain lane:
+benchmarks/results/speculation-2026-11-27). The GPUExecutor executes the plan
 (its MTP lane, `engine/lanes/mtp_lane.py`); its scheduler admits the row to that lane only while the
 lane has room (`mtp_max_batch`). Requests with images or video take the vision path and never ask.
 """
@@ -122,6 +123,11 @@ class TextMTPExecutor(Actor):
             head, why = self._head_pays()
         if not sampling.mtp:
             head, why = False, "the request opted out of MTP"
+        if method == "auto" and not head:
+            # a row in the lane whose drafts miss decodes slower than in the plain lane (one-token
+            # rounds: benchmarks/results/speculation-2026-11-27), so under "auto" context drafts
+            # ride along with the head's; alone, only where the request or the server asks for them
+            context = 0
         if not head and context == 0:
             return TextPlan(why=why)
         if context:
