@@ -1,9 +1,13 @@
-"""The text path's MTP speculative decoding under continuous batching (GPU thread only).
+"""The text path's speculative decoding under continuous batching (GPU thread only): the MTP head's
+drafts and drafts copied from each row's context, verified by one round.
 
-Rows decode in cohorts, one *round* per engine step: the head drafts ``k - 1`` tokens per row, the
-target verifies ``[bonus, d_1 .. d_{k-1}]`` in one forward, each row keeps its accepted drafts
-plus one token of the target's, and the head re-reads the accepted positions for the next round's
-first draft. The pieces, one module each:
+Rows decode in cohorts, one *round* per engine step: the head drafts ``k - 1`` tokens per row, or
+a row verifies up to `max_context` tokens copied from its context instead (`round_drafts`: which
+rows, at which width), the target verifies ``[bonus, d_1 ..]`` in one forward, each row keeps its
+accepted drafts plus one token of the target's, and the head re-reads the accepted positions for
+the next round's first draft. A checkpoint without a head gets the lane too (an `MTPHead` without
+a drafter: the target's output head only), verifying context drafts alone. The pieces, one
+module each:
 
 - `mtp_prefill.MTPPrefill`: joining rows, each prefilled alone, chunk by chunk, within the lane's
   share of the step's prefill budget (snapshots taken and restored, the head's state too);
