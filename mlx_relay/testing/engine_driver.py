@@ -23,11 +23,12 @@ class Driver:
     """An EngineCore (prefix cache on unless told otherwise); `run` steps it until it drains.
     Keyword arguments are EngineConfig fields, plus `prefix_cache` and `draft_model`. Decode
     priority is off unless asked (`decode_stall_factor`): it schedules prefill by measured time,
-    so the steps a test counts would vary with the machine's load."""
+    so the steps a test counts would vary with the machine's load. Speculation is the head's alone
+    unless asked (`speculation`): under "auto" a round's source is chosen by measured time too."""
 
     def __init__(self, loaded: Any, *, prefix_cache: bool = True, draft_model: str | None = None, **kw: Any) -> None:
         fields = {"max_num_seqs": 8, "prefill_batch_size": 4, "prefill_step_size": 16, "seed": 0,
-                  "mtp_max_batch": 8, "decode_stall_factor": 0} | kw
+                  "mtp_max_batch": 8, "decode_stall_factor": 0, "speculation": "mtp"} | kw
         self.config = EngineConfig(model_path=loaded.info.model_path, **fields)
         self.engine = EngineCore(loaded, self.config, prefix_cache=prefix_cache, draft_model=draft_model)
         self.policy = TextMTPExecutor(self.config, loaded.info)
