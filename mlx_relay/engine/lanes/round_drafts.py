@@ -24,11 +24,12 @@ from mlx_relay.engine.speculation.earnings import RoundCosts, agreed
 
 @dataclass
 class RoundPlan:
+    """One round's drafts: its width and, per row, the context proposal and whether it is verified."""
+
     width: int
     proposals: list[list[int]]  # per row: its context proposal (maybe empty)
     use_context: list[bool]  # per row: the round verifies its proposal (else the head's drafts)
-    started: float = field(default_factory=time.perf_counter)
-
+    started: float = field(default_factory=time.perf_counter)  # the round's time runs from here
     heads: list[bool] = field(default_factory=list)  # per row: it takes the head's drafts
 
     @property
