@@ -39,6 +39,19 @@ def test_context_drafts_follow_the_longest_most_recent_match() -> None:
     assert ContextDrafts([]).propose(4) == [] and ctx.propose(0) == []
 
 
+def test_a_long_context_is_indexed_a_bounded_stretch_per_proposal() -> None:
+    """No proposal indexes more than `index_per_call` positions; once caught up, the proposals are
+    those of the whole index."""
+    tokens = [i % 97 for i in range(5000)] + [5, 6, 7]
+    ctx = ContextDrafts(tokens, index_per_call=1000)
+    for _ in range(5):
+        before = ctx.indexed
+        ctx.propose(3)
+        assert ctx.indexed - before <= 1000
+    whole = ContextDrafts(tokens, index_per_call=10_000)
+    assert ctx.propose(3) == whole.propose(3) == [8, 9, 10]
+
+
 def test_earnings_follow_what_the_request_writes() -> None:
     e = Earnings()
     before = e.expected("context", 4)
