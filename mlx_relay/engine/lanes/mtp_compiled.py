@@ -47,7 +47,7 @@ class CompiledCohort:
                  always_context: bool = False) -> None:
         self._step = step
         self.k = block_size
-        self._drafts = RoundDrafts(block_size, max_context, min_width=1, always=always_context)
+        self._plans = RoundDrafts(block_size, max_context, min_width=1, always=always_context)
         self.rows: list[MTPRow] = []  # in batch order
         self._state: MTPState | None = None
         self._flight: _InFlight | None = None
@@ -139,7 +139,7 @@ class CompiledCohort:
             tokens.setdefault(row.rid, []).append(targets[i][0])
             row.emitted += 1
         counts.rounds += 1
-        self._drafts.settle(rows, plan, emitted, [0] * n, counts)
+        self._plans.settle(rows, plan, emitted, [0] * n, counts)
         self._last_read = time.perf_counter()
 
     def _drain(self) -> None:
@@ -158,7 +158,7 @@ class CompiledCohort:
         launched before the one in flight is read (whose tokens it returns)."""
         rows, state, step = self.rows, self._state, self._step
         assert state is not None
-        plan = self._drafts.plan(rows)
+        plan = self._plans.plan(rows)
         result = self._carried()
         if self._pipelines(plan):
             if self._flight is None:
@@ -196,14 +196,14 @@ class CompiledCohort:
             emitted[row.rid] = targets[i][:m + 1]
             result.tokens.setdefault(row.rid, []).extend(targets[i][:m + 1])
             row.emitted += m + 1
-        self._drafts.settle(rows, plan, emitted, took, result.counts)
+        self._plans.settle(rows, plan, emitted, took, result.counts)
         self._last_read = time.perf_counter()
         return result
 
     def _variants(self, size: int, drafter: bool) -> list[HostDrafts | None]:
         """The rounds a cohort of `size` can run: with the head (its block; wide, with context
         drafts) and, where rows can go without it, the head-free one (one token; wide)."""
-        wide = self._drafts.wide if self._drafts.max_context else None
+        wide = self._plans.wide if self._plans.max_context else None
         out: list[HostDrafts | None] = []
         if drafter:
             out.append(None)
