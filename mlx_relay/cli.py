@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from mlx_relay.bench.cli import add_parser as add_bench_parser
 from mlx_relay.bench.cli import run_from_args as run_bench
@@ -25,8 +26,13 @@ from mlx_relay.cluster.cli import run_from_args as run_cluster
 from mlx_relay.cluster.cli import split_args
 from mlx_relay.config import PipelineConfig, ServerConfig, build_config
 from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
+from mlx_relay.http.served import one_model
 from mlx_relay.http.server import serve
 from mlx_relay.log_format import configure_logging
+from mlx_relay.pool.build import pool_config
+from mlx_relay.pool.config import PoolConfig
+from mlx_relay.pool.models_file import ModelsConfigError, parse_model_flag, read_models_file
+from mlx_relay.pool.pool import ModelPool
 from mlx_relay.relay import Relay
 
 
@@ -230,6 +236,26 @@ def build_parser() -> argparse.ArgumentParser:
                       help="text: 'LEVEL logger: message key=value ...'; json: one JSON object per line")
     logs.add_argument("--log-prompts", action="store_true",
                       help="put each request's prompt and reply text in its log line (off: counts and timings only)")
+    pool = serve.add_argument_group("several models (loaded on demand, unloaded under a memory budget)")
+    pool.add_argument("--model", dest="models", action="append", default=None, metavar="NAME=PATH",
+                      help="serve this model too, by this name (repeatable; the first is the one a request without "
+                           "a model gets); each is loaded when a request names it and served with the other flags")
+    pool.add_argument("--models-config", default=None, metavar="FILE",
+                      help="a TOML file of [models.NAME] tables: path, aliases, pinned, idle_ttl_s, max_num_seqs, "
+                           "max_model_len, mtp, speculation, max_draft_tokens, specprefill_draft_model, "
+                           "prefix_cache, prefix_cache_gb, tool_parser (docs/serving.md)")
+    pool.add_argument("--memory-budget-gb", type=float, default=None,
+                      help="the loaded models' weights and caches together: a model is loaded only where its "
+                           "reservation fits, idle unpinned models are unloaded (least recently used first) to make "
+                           "room (default: no budget)")
+    pool.add_argument("--load-wait-s", type=float, default=120.0,
+                      help="how long a request waits for its model to load before a 503 + Retry-After (default 120)")
+    pool.add_argument("--contention", choices=("wait", "fail"), default="wait",
+                      help="a model that does not fit beside the models in use: wait for one to become idle "
+                           "(within --load-wait-s) or answer 503 + Retry-After at once (default wait)")
+    pool.add_argument("--idle-ttl-s", type=float, default=None,
+                      help="unload a model after this many seconds without a request (default: never; a model's "
+                           "own idle_ttl_s wins)")
     add_bench_parser(sub)
     add_cluster_parser(sub)
     return parser
@@ -298,15 +324,36 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     default_name = None
     if model is None:
         model, default_name = str(default_model_path()), DEFAULT_MODEL_NAME
-    keys = list(args.api_key or [])
-    if env_key := os.environ.get("MLX_RELAY_API_KEY"):
-        keys.append(env_key)
     if os.path.isdir(model):
         # A local checkpoint needs nothing from the Hub; never let a library go looking there.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return build_config(
-        model,
-        served_model_name=args.served_model_name or default_name,
+    return build_config(model, served_model_name=args.served_model_name or default_name, **serve_overrides(args))
+
+
+def pool_from_args(args: argparse.Namespace) -> tuple[ServerConfig, PoolConfig]:
+    """`--model NAME=PATH` / `--models-config FILE`: the server's own config (its flags, for the
+    first model) and the pool's, each model served with the flags and then its own settings.
+    `ModelsConfigError` naming the file's line (or the flag) for what cannot be served."""
+    if args.model is not None:
+        raise ModelsConfigError("name every model with --model NAME=PATH (or in --models-config), not as MODEL too")
+    entries = [parse_model_flag(text) for text in args.models or []]
+    if args.models_config is not None:
+        entries += read_models_file(Path(args.models_config))
+    if any(os.path.isdir(named.entry.path) for named in entries):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    overrides = serve_overrides(args)
+    pool = pool_config(entries, overrides, budget=_gib(args.memory_budget_gb), default_idle_ttl_s=args.idle_ttl_s,
+                       load_wait_s=args.load_wait_s, contention=args.contention, drain_timeout_s=args.drain_timeout)
+    first = pool.models[0].config
+    return build_config(first.model, served_model_name=first.served_model_name, **overrides), pool
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The serve flags as `build_config` overrides, every model's the same."""
+    keys = list(args.api_key or [])
+    if env_key := os.environ.get("MLX_RELAY_API_KEY"):
+        keys.append(env_key)
+    return dict(
         max_num_seqs=args.max_num_seqs,
         prefill_batch_size=args.prefill_batch_size,
         prefill_step_size=args.prefill_step_size,
@@ -386,6 +433,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         # json logs: the boot's progress as log lines too, so that every line on stderr is JSON
         progress = _progress_printer() if args.log_format == "text" else logging.getLogger("mlx_relay.boot").info
+        if args.models or args.models_config:
+            try:
+                config, pool = pool_from_args(args)
+            except ModelsConfigError as exc:
+                parser.error(str(exc))
+            if config.exit_on_stdin_eof and not _stdin_is_a_pipe():
+                parser.error("--exit-on-stdin-eof needs stdin to be a pipe (or a socket) whose end means 'exit'")
+            if config.engine.pipeline.enabled:
+                parser.error("--pipeline serves one model: it does not run with --model / --models-config")
+            return serve(config, ModelPool.boot(pool), progress)
         config = config_from_args(args)
         if config.exit_on_stdin_eof and not _stdin_is_a_pipe():
             parser.error("--exit-on-stdin-eof needs stdin to be a pipe (or a socket) whose end means 'exit'")
@@ -395,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from mlx_relay.engine.hosting.pipeline_boot import serve_follower
 
             return serve_follower(config)
-        return serve(config, Relay.start, progress)
+        return serve(config, one_model(Relay.start), progress)
     if args.command == "bench":
         return run_bench(args)
     if args.command == "cluster":

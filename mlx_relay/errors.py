@@ -120,6 +120,33 @@ class ServerShuttingDown(NotReady):
     code = "server_shutting_down"
 
 
+class ModelLoading(NotReady):
+    """A pooled model is loading (or unloading) and did not become ready within the request's wait
+    (`--load-wait-s`): retry."""
+
+    code = "model_loading"
+
+
+class NoRoomForModel(NotReady):
+    """A pooled model does not fit the memory budget beside the models in use or pinned now
+    (`--contention fail`, or the wait ran out): retry once one of them is idle."""
+
+    code = "model_memory_busy"
+
+
+class ModelLoadFailed(NotReady):
+    """A pooled model's last load failed moments ago (its reason in the message); it is tried again
+    after the backoff."""
+
+    code = "model_load_failed"
+
+
+class InvalidModelPath(InvalidRequest):
+    """`POST /v1/models/{name}/load` named a path that is not a model checkpoint."""
+
+    code = "invalid_model_path"
+
+
 class RequestTimeout(RelayError):
     """The client did not send its request (headers and body) within the read timeout."""
 

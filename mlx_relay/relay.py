@@ -74,7 +74,7 @@ from mlx_relay.messages.prompt import DescribePrompts, PromptFeatures
 from mlx_relay.messages.specprefill import GetSpecPrefillStats
 from mlx_relay.messages.text_mtp import GetMTPStats, MTPCalibration
 from mlx_relay.messages.vision import GetVisionStats, VisionStats
-from mlx_relay.metrics import ServerMetrics
+from mlx_relay.metrics import ServerMetrics, StatsSnapshot
 from mlx_relay.metrics.gather import gather_stats
 from mlx_relay.runtime import ActorRef, ActorSystem
 from mlx_relay.runtime.supervision import RestartPolicy
@@ -109,14 +109,15 @@ def default_config(model: str | Path | None = None, **overrides: Any) -> ServerC
 
 
 class Relay:
-    def __init__(self, config: ServerConfig, system: ActorSystem, admission: ActorRef) -> None:
+    def __init__(self, config: ServerConfig, system: ActorSystem, admission: ActorRef,
+                 metrics: ServerMetrics | None = None) -> None:
         self.config = config
         self.system = system
         self.admission = admission
         self.service: ChatService | None = None
         self.info: ModelInfo | None = None
         self.prompt_features: PromptFeatures | None = None  # what the chat template supports (tools, reasoning)
-        self.metrics = ServerMetrics(config.served_model_name)
+        self.metrics = metrics or ServerMetrics(config.served_model_name)
         self.state = "loading"
         self.error: BaseException | None = None
         self.ready = anyio.Event()  # set when ready or failed
@@ -133,13 +134,16 @@ class Relay:
         config: ServerConfig | None = None,
         wait_ready: bool = True,
         on_progress: Callable[[str], None] | None = None,
+        metrics: ServerMetrics | None = None,
         **overrides: Any,
     ) -> AsyncIterator[Relay]:
+        """`metrics`: the request-path series to observe into (a pooled model keeps its own across
+        loads); None: a registry of this relay's own."""
         cfg = config or default_config(model, **overrides)
         failed: BaseException | None = None
         async with ActorSystem() as system:
             admission = await system.spawn(Admission, cfg.admission, cfg.engine.max_num_seqs, name="admission")
-            relay = cls(cfg, system, admission)
+            relay = cls(cfg, system, admission, metrics)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(relay._boot, on_progress or (lambda m: log.info("%s", m)))
                 tg.start_soon(relay._watch_actors)
@@ -295,8 +299,12 @@ class Relay:
     async def scrape(self) -> bytes:
         """The Prometheus exposition: the request path's series and what the actors count now
         (only Admission's while the model loads)."""
+        return self.metrics.render(await self.stats_snapshot())
+
+    async def stats_snapshot(self) -> StatsSnapshot:
+        """What the actors count now, as one scrape gathers it (only Admission's while loading)."""
         actors = self.service.actors if self.service is not None else None
-        return self.metrics.render(await gather_stats(self.health().status, self.admission, actors))
+        return await gather_stats(self.health().status, self.admission, actors)
 
     async def prefix_cache_stats(self) -> dict[str, Any]:
         """The prefix cache's counters (index and snapshot memory) and the vision feature cache's."""

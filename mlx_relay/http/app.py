@@ -14,10 +14,10 @@ from __future__ import annotations
 import functools
 import hmac
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
@@ -29,7 +29,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlx_relay.config import ServerConfig
-from mlx_relay.errors import ModelLoadError, ModelNotFound, NotFound, NotReady, RelayError, Unauthorized
+from mlx_relay.errors import NotFound, NotReady, RelayError, Unauthorized
+from mlx_relay.http.body import decode_body
 from mlx_relay.http.errors import as_relay_error, error_response
 from mlx_relay.http.formats.anthropic.errors import error_response as anthropic_error_response
 from mlx_relay.http.formats.anthropic.errors import is_anthropic_path
@@ -42,21 +43,13 @@ from mlx_relay.http.lifecycle import Lifecycle
 from mlx_relay.http.loads import parse_include, worker_loads
 from mlx_relay.http.openapi import build_openapi
 from mlx_relay.http.request_log import RequestLog
-from mlx_relay.http.types import FlushBody, HealthBody, ModelCapabilities, ModelCard, ModelList
+from mlx_relay.http.served import BootServed, Served
+from mlx_relay.http.types import FlushBody, LoadModelBody, ModelList
 from mlx_relay.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from mlx_relay.runtime import RuntimeFault
-from mlx_relay.service import ChatService
 
 if TYPE_CHECKING:
     from mlx_relay.relay import Relay
 
-
-class BootRelay(Protocol):
-    """Starts a relay for the app's lifespan (`Relay.start`, passed in by the composition root:
-    the HTTP layer itself never imports the engine)."""
-
-    def __call__(self, *, config: ServerConfig, wait_ready: bool,
-                 on_progress: Callable[[str], None] | None) -> AbstractAsyncContextManager[Relay]: ...
 
 JSON = "application/json"
 
@@ -91,54 +84,28 @@ class AuthMiddleware:
 
 
 class ServerRoutes:
-    """The server's own routes (no wire format), and what every format's routes get from the app:
-    the chat service once the relay is ready (`_service`) and the model check (`_check_model`)."""
+    """The server's own routes (no wire format) over what the app serves (`Served`: one model or
+    a pool, set by the lifespan once booted), which every format's routes get too (`served`)."""
 
-    def __init__(self, config: ServerConfig, relay: Relay | None) -> None:
+    def __init__(self, config: ServerConfig, served: Served | None) -> None:
         self.config = config
-        self._relay = relay
+        self._served = served
         self.created = int(time.time())
         doc = build_openapi("mlx-relay", _own_version(), with_auth=bool(config.api_keys))
         self._openapi = Response(msgspec.json.encode(doc), media_type=JSON)
 
-    @property
-    def relay(self) -> Relay:
-        if self._relay is None:
+    def served(self) -> Served:
+        if self._served is None:
             raise NotReady("the server is starting")
-        return self._relay
-
-    def _service(self) -> ChatService:
-        if self.relay.service is None or self.relay.state not in ("ready",):
-            raise NotReady(f"the server is {self.relay.state}")
-        return self.relay.service
-
-    def _check_model(self, model: str | None) -> str:
-        served = self.config.served_model_name
-        aliases = self.config.model_aliases
-        if model is None or model in (served, self.config.model) or model in aliases or "*" in aliases:
-            return served
-        raise ModelNotFound(f"the model '{model}' does not exist; this server serves '{served}'", model=model,
-                            param="model")
+        return self._served
 
     async def health(self, request: Request) -> Response:
         """200 only when ready; 503 + Retry-After while loading, warming, degraded (an actor is
         restarting), draining or failed, with what is down. The running and queued counts (and
-        the limits they run against) come in every state Admission answers in."""
-        relay = self.relay
-        health = relay.health()
-        body = HealthBody(health.status, relay.config.served_model_name,  # type: ignore[arg-type]
-                          backend=relay.info.backend if relay.info is not None else None,
-                          down=health.down or None)
-        if relay.error is not None:  # the operator's view: what failed, never a traceback
-            body.error = str(relay.error) if isinstance(relay.error, ModelLoadError) else type(relay.error).__name__
-        try:
-            stats = await relay.stats()
-        except RuntimeFault:  # Admission itself is restarting or stopped: no counts to give
-            pass
-        else:
-            body.running, body.queued = stats.running, stats.queued
-            body.max_num_seqs, body.max_queue = stats.max_num_seqs, stats.max_queue
-        if health.ready:
+        the limits they run against) come in every state Admission answers in; a pool adds each
+        model's state."""
+        body, ready = await self.served().health()
+        if ready:
             return _json(body)
         response = _json(body, 503)
         response.headers["Retry-After"] = "5"
@@ -150,43 +117,48 @@ class ServerRoutes:
     async def loads(self, request: Request) -> Response:
         """What a router polls for load (`http/loads.py`): Admission's counters in SMG's schema."""
         parse_include(request.query_params.get("include"))
-        try:
-            stats = await self.relay.stats()
-        except RuntimeFault:  # Admission itself is restarting or stopped
-            raise NotReady("the server's admission is restarting") from None
-        return _json(worker_loads(stats))
+        return _json(worker_loads(await self.served().admission_stats()))
 
     async def metrics(self, request: Request) -> Response:
-        return Response(await self.relay.scrape(), media_type=METRICS_CONTENT_TYPE)
-
-    def _model_card(self) -> ModelCard:
-        info, features = self.relay.info, self.relay.prompt_features
-        ctx = info.context_length if info is not None else None
-        caps = None
-        if info is not None and features is not None:
-            caps = ModelCapabilities(vision=info.has_vision, tools=features.tool_format is not None,
-                                     reasoning=features.reasoning)
-        return ModelCard(self.config.served_model_name, self.created, context_length=ctx, max_model_len=ctx,
-                         capabilities=caps)
+        return Response(await self.served().scrape(), media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
-        return _json(ModelList([self._model_card()]))
+        return _json(ModelList(await self.served().model_cards(self.created)))
 
     async def model(self, request: Request) -> Response:
-        self._check_model(request.path_params["model"])
-        return _json(self._model_card())
+        served = self.served()
+        name = served.resolve(request.path_params["model"])
+        return _json(next(card for card in await served.model_cards(self.created) if card.id == name))
+
+    async def load_model(self, request: Request) -> Response:
+        """`POST /v1/models/{name}/load` (a pool's): load it now; with a body naming a `path`, a
+        model the server was not started with. 200 with its card once loaded."""
+        raw = await request.body()
+        body = decode_body(raw, LoadModelBody, self.config.limits.max_json_depth) if raw.strip() else LoadModelBody()
+        return _json(await self.served().load(request.path_params["model"], body))
+
+    async def unload_model(self, request: Request) -> Response:
+        """`POST /v1/models/{name}/unload` (a pool's): stop admitting to it, let its streams finish
+        (within the drain timeout), free its memory. 200 with its card once unloaded."""
+        return _json(await self.served().unload(request.path_params["model"]))
+
+    def _relay(self, request: Request) -> Relay:
+        """The loaded model a cache route names (`?model=`; none: the default model)."""
+        served = self.served()
+        name = request.query_params.get("model")
+        relay = served.relay(None if name is None else served.resolve(name))
+        if relay.service is None or relay.state != "ready":
+            raise NotReady(f"the model is {relay.state}")
+        return relay
 
     async def cache_stats(self, request: Request) -> Response:
-        self._service()
-        return _json(await self.relay.prefix_cache_stats())
+        return _json(await self._relay(request).prefix_cache_stats())
 
     async def specprefill_stats(self, request: Request) -> Response:
-        self._service()
-        return _json(await self.relay.specprefill_stats())
+        return _json(await self._relay(request).specprefill_stats())
 
     async def cache_flush(self, request: Request) -> Response:
-        self._service()
-        flushed = await self.relay.flush_prefix_cache()
+        flushed = await self._relay(request).flush_prefix_cache()
         return _json(FlushBody(flushed.entries, flushed.bytes))
 
 
@@ -224,24 +196,25 @@ async def _any_exception(request: Request, exc: Exception) -> Response:
 
 def create_app(
     config: ServerConfig,
-    relay: Relay | None = None,
+    served: Served | None = None,
     *,
     lifecycle: Lifecycle | None = None,
-    boot: BootRelay | None = None,
+    boot: BootServed | None = None,
 ) -> Starlette:
-    """The app. Without a `relay`, the app's lifespan boots one with `boot` (in the background,
-    so `/health` answers 503 loading/warming until it is ready), runs the `lifecycle` beside it
-    (ready, failure, drain) and shuts it down with the server."""
-    routes = ServerRoutes(config, relay)
+    """The app. Without `served`, the app's lifespan boots it with `boot` (one model's relay,
+    `served.one_model(Relay.start)`, or a pool; in the background, so `/health` answers 503
+    loading/warming until it is ready), runs the `lifecycle` beside it (ready, failure, drain)
+    and shuts it down with the server."""
+    routes = ServerRoutes(config, served)
     lifespan = None
-    if relay is None and boot is not None:
+    if served is None and boot is not None:
         life = lifecycle or Lifecycle()
         start = boot
 
         @asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
             async with start(config=config, wait_ready=False, on_progress=life.on_progress) as booted:
-                routes._relay = booted
+                routes._served = booted
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(functools.partial(life.run, booted, config.drain_timeout_s,
                                                     drain_on_stdin_eof=config.exit_on_stdin_eof))
@@ -255,14 +228,16 @@ def create_app(
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/v1/loads", routes.loads, methods=["GET"]),
             Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/v1/models/{model:path}/load", routes.load_model, methods=["POST"]),
+            Route("/v1/models/{model:path}/unload", routes.unload_model, methods=["POST"]),
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/v1/cache/stats", routes.cache_stats, methods=["GET"]),
             Route("/v1/cache/flush", routes.cache_flush, methods=["POST"]),
             Route("/v1/specprefill/stats", routes.specprefill_stats, methods=["GET"]),
-            *openai_chat_routes(config, routes._service, routes._check_model),
-            *completions_routes(config, routes._service, routes._check_model),
-            *anthropic_routes(config, routes._service, routes._check_model),
-            *responses_routes(config, routes._service, routes._check_model),
+            *openai_chat_routes(config, routes.served),
+            *completions_routes(config, routes.served),
+            *anthropic_routes(config, routes.served),
+            *responses_routes(config, routes.served),
         ],
         exception_handlers={HTTPException: _http_exception, RelayError: _any_exception, Exception: _any_exception},
         lifespan=lifespan,

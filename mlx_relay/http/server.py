@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from mlx_relay.config import ServerConfig
-from mlx_relay.http.app import BootRelay, create_app
+from mlx_relay.http.app import create_app
 from mlx_relay.http.guard import HeaderDeadlineProtocol
 from mlx_relay.http.lifecycle import Lifecycle
+from mlx_relay.http.served import BootServed
 
 if TYPE_CHECKING:
-    from mlx_relay.relay import Relay
+    from mlx_relay.http.served import Served
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,12 @@ class RelayServer(uvicorn.Server):
         self.lifecycle.request_drain()
 
 
-def build_server(config: ServerConfig, lifecycle: Lifecycle, relay: Relay | None = None, *,
-                 boot: BootRelay | None = None) -> RelayServer:
+def build_server(config: ServerConfig, lifecycle: Lifecycle, *, boot: BootServed) -> RelayServer:
     """The server `mlx-relay serve` runs (tests run the same one on a free port). `boot` starts
-    the relay in the app's lifespan (the composition root passes `Relay.start`)."""
+    what it serves in the app's lifespan (the composition root passes `one_model(Relay.start)`
+    or a model pool's)."""
     lifecycle.on_drained = _chain(lifecycle.on_drained, lambda: setattr(server, "should_exit", True))
-    app = create_app(config, relay, lifecycle=lifecycle, boot=boot)
+    app = create_app(config, lifecycle=lifecycle, boot=boot)
     server = RelayServer(
         uvicorn.Config(
             app,
@@ -80,21 +81,15 @@ def _chain(first: Callable[[], None] | None, then: Callable[[], None]) -> Callab
     return both
 
 
-def serve(config: ServerConfig, boot: BootRelay, progress: Callable[[str], None] | None = None) -> int:
+def serve(config: ServerConfig, boot: BootServed, progress: Callable[[str], None] | None = None) -> int:
     """Serve until drained (exit code 0), failed (1: the model did not load, or an actor could not
     be restarted) or stopped at once by a second signal (1)."""
     failed: list[str] = []
     served: list[bool] = []
 
-    def on_ready(relay: Relay) -> None:
+    def on_ready(what: Served) -> None:
         served.append(True)
-        info = relay.info
-        assert info is not None
-        print(
-            f"mlx-relay ready: model {config.served_model_name} ({info.model_type}, {info.backend.upper()} "
-            f"backend, context {info.context_length}) on http://{config.host}:{config.port}",
-            flush=True,
-        )
+        print(f"mlx-relay ready: {what.ready_line()} on http://{config.host}:{config.port}", flush=True)
 
     def on_failed(reason: str) -> None:
         failed.append(reason)

@@ -3,7 +3,7 @@ completions, Anthropic Messages, Responses): one pump, one keep-alive, one disco
 format supplies only an `SSEEncoder` (its frames) and a `Collect` (its non-streamed body), the
 two protocols every format implements.
 
-    respond(request, service, reqs, rid, stream=..., encoder=..., collect=...)
+    respond(request, served.use(model), reqs, rid, stream=..., encoder=..., collect=...)
       -> every reply admitted and started (`replies.open_replies`: a refusal is a clean error
          before anything is sent)
       -> stream: `ScopedStreamingResponse(sse_body(...))`, the pumps (`Replies.run`) as its
@@ -25,7 +25,7 @@ terminal frames went out (a stream without them was cut: the client went away).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from typing import Protocol, TypeVar
 
 import anyio
@@ -176,15 +176,17 @@ async def until_disconnect(request: Request, work: Awaitable[T],
     return result[0]
 
 
-async def respond(request: Request, service: ChatService, reqs: list[ChatRequest], rid: str, *, model: str,
-                  stream: bool, encoder: SSEEncoder, collect: Collect, keepalive_s: float,
+async def respond(request: Request, using: AbstractAsyncContextManager[ChatService], reqs: list[ChatRequest],
+                  rid: str, *, model: str, stream: bool, encoder: SSEEncoder, collect: Collect, keepalive_s: float,
                   raw: bool = False) -> Response:
-    """Every route's response: admit and start every choice (a refusal is a clean error before
-    anything is sent), then stream the encoder's frames or collect one body."""
+    """Every route's response: take the model in use (`using`: `Served.use`, held until the
+    response ends; a pool loads the model first), admit and start every choice (a refusal is a
+    clean error before anything is sent), then stream the encoder's frames or collect one body."""
     record = record_of(request.scope)
     tallies = record.begin(model, rid, reqs, stream) if record is not None else None
     stack = AsyncExitStack()
     try:
+        service = await stack.enter_async_context(using)
         replies = await open_replies(stack, service, reqs, rid, raw=raw, tallies=tallies)
     except BaseException:
         await stack.aclose()

@@ -1,5 +1,6 @@
 """The server's own bodies (msgspec), apart from every wire format: `GET /health`,
-`/v1/models` and `POST /v1/cache/flush` (`http/app.py`)."""
+`/v1/models` (with a pool's `POST /v1/models/{name}/load` and `/unload`) and `POST /v1/cache/flush`
+(`http/app.py`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,32 @@ class ModelCard(msgspec.Struct):
     capabilities: ModelCapabilities | None = None  # None: still loading
 
 
+class ModelMemory(msgspec.Struct, frozen=True):
+    """A pooled model's memory: what it is counted for against the budget (`pool/reservation.py`)
+    and, while loaded, what its engine's allocator holds."""
+
+    reserved_bytes: int  # weights + prefix cache + decode caches + MLX's buffer cache
+    weights_bytes: int
+    prefix_cache_bytes: int
+    decode_bytes: int  # max_num_seqs rows at the context length
+    buffer_cache_bytes: int
+    active_bytes: int | None = None  # MLX's arrays now (None: not loaded)
+    peak_bytes: int | None = None  # the most it held since it loaded
+
+
+class PooledModelCard(ModelCard, kw_only=True):
+    """`/v1/models` of a server of several models: every configured model, loaded or not."""
+
+    state: Literal["unloaded", "loading", "ready", "unloading", "failed"]
+    pinned: bool
+    aliases: list[str]
+    memory: ModelMemory
+    idle_ttl_s: float | None = None
+    last_used: float | None = None  # unix time of its last request (None: none yet)
+    loaded_at: float | None = None  # unix time it became ready (None: not loaded)
+    error: str | None = None  # why its last load failed
+
+
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: Literal["list"] = "list"
@@ -43,6 +70,7 @@ class HealthBody(msgspec.Struct, omit_defaults=True):
     max_queue: int | None = None  # waiting requests beyond which new ones get 429
     down: dict[str, str] | None = None  # actors not running now: name -> restarting / failed
     error: str | None = None  # why the server failed
+    models: dict[str, str] | None = None  # a pool's models: name -> unloaded / loading / ready / unloading / failed
 
 
 class FlushBody(msgspec.Struct):
@@ -50,3 +78,13 @@ class FlushBody(msgspec.Struct):
 
     flushed_entries: int
     flushed_bytes: int
+
+
+class LoadModelBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`POST /v1/models/{name}/load`'s optional body: a model the server was not started with, by
+    its local checkpoint directory (served with the server's flags), and how the pool treats it."""
+
+    path: str | None = None
+    aliases: list[str] = []
+    pinned: bool = False
+    idle_ttl_s: float | None = None

@@ -25,18 +25,30 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.requests = RequestMetrics(model_name, self.registry)
 
+    def collector(self, snapshot: StatsSnapshot | None) -> Collector:
+        """The request-path series and `snapshot`'s (None: the request path's alone, e.g. a pooled
+        model that is not loaded now), as one collector."""
+        stats = [StatsCollector(snapshot, self.model_name)] if snapshot is not None else []
+        return MergedCollector([self.registry, *stats])
+
     def render(self, snapshot: StatsSnapshot) -> bytes:
         """The exposition of the request-path series and `snapshot`."""
-        return generate_latest(_Scrape(self.registry, StatsCollector(snapshot, self.model_name)))
+        return generate_latest(self.collector(snapshot))
 
 
-class _Scrape(Collector):
-    """The server's registry and one scrape's stats, as one collector."""
+class MergedCollector(Collector):
+    """Several collectors' families as one exposition: families of one name (the same series of
+    several models) become one family holding every sample, so each `# TYPE` line appears once."""
 
-    def __init__(self, registry: CollectorRegistry, stats: StatsCollector) -> None:
-        self.registry = registry
-        self.stats = stats
+    def __init__(self, collectors: list[Collector]) -> None:
+        self.collectors = collectors
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.registry.collect()
-        yield from self.stats.collect()
+        families: dict[str, Metric] = {}
+        for collector in self.collectors:
+            for family in collector.collect():
+                if (held := families.get(family.name)) is None:
+                    families[family.name] = family
+                else:
+                    held.samples.extend(family.samples)
+        yield from families.values()

@@ -7,7 +7,8 @@ The server thread runs its own event loop with the server `mlx-relay serve` runs
 (`http.server.build_server`: uvicorn, the app's lifespan booting the Relay and its GPU thread,
 the same timeouts and drain); `__enter__` returns once `/health` says ready. `drain()` does what
 SIGTERM does to the real process. `call` runs a coroutine on the server's loop with its Relay
-(what HTTP does not expose: the engine's stats, the actors themselves).
+(what HTTP does not expose: the engine's stats, the actors themselves). `boot` serves a model pool
+instead of the one model of `config` (`pool.pool.ModelPool.boot`); `served` is what it serves.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import msgspec
 
 from mlx_relay.config import ServerConfig
 from mlx_relay.http.lifecycle import Lifecycle
+from mlx_relay.http.served import BootServed, Served, one_model
 from mlx_relay.http.server import build_server
 from mlx_relay.relay import Relay
 
@@ -61,29 +63,38 @@ def free_port_range(count: int, seed: int | None = None) -> int:
 
 class LiveServer:
     def __init__(self, config: ServerConfig, *, port: int | None = None, wait_ready: bool = True,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, boot: BootServed | None = None) -> None:
         self.config = msgspec.structs.replace(config, host="127.0.0.1", port=port or free_port())
         self.url = f"http://127.0.0.1:{self.config.port}"
         self.wait_ready = wait_ready
         self.timeout_s = timeout_s
         self.lifecycle = Lifecycle(on_ready=self._on_ready)
-        self.relay: Relay | None = None  # once ready
+        self.served: Served | None = None  # once ready
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server = build_server(msgspec.structs.replace(self.config, log_level="warning"), self.lifecycle,
-                                    boot=Relay.start)
+                                    boot=boot or one_model(Relay.start))
         self._thread = threading.Thread(target=self._run, name="live-server", daemon=True)
 
     def _run(self) -> None:
         asyncio.run(self._server.serve())
 
-    def _on_ready(self, relay: Relay) -> None:  # on the server's loop
-        self.relay, self._loop = relay, asyncio.get_running_loop()
+    def _on_ready(self, served: Served) -> None:  # on the server's loop
+        self.served, self._loop = served, asyncio.get_running_loop()
+
+    @property
+    def relay(self) -> Relay | None:
+        """The Relay of the one model served (a pool's default model, while loaded); None before ready."""
+        return self.served.relay(None) if self.served is not None else None
 
     def call(self, fn: Callable[[Relay], Coroutine[Any, Any, T]], timeout_s: float = 300.0) -> T:
         """`fn(relay)` run on the server's event loop (from any other thread); its result."""
-        if self.relay is None or self._loop is None:
+        return self.call_served(lambda served: fn(served.relay(None)), timeout_s)
+
+    def call_served(self, fn: Callable[[Served], Coroutine[Any, Any, T]], timeout_s: float = 300.0) -> T:
+        """`fn(served)` run on the server's event loop (from any other thread); its result."""
+        if self.served is None or self._loop is None:
             raise RuntimeError("the server is not ready")
-        return asyncio.run_coroutine_threadsafe(fn(self.relay), self._loop).result(timeout_s)
+        return asyncio.run_coroutine_threadsafe(fn(self.served), self._loop).result(timeout_s)
 
     def __enter__(self) -> LiveServer:
         self._thread.start()

@@ -1,6 +1,6 @@
 """The route skeleton every wire format's routes build on (`FormatRoutes`): decode the body,
 check the model, and answer through `streaming.respond` (stream the encoder's frames or collect
-one body). A format's `routes.py` subclasses it and adds only its own steps: the wire body into
+one body) with the model in use. A format's `routes.py` subclasses it and adds only its own steps: the wire body into
 the neutral `ChatRequest`s (its `request.py`), its response id, its encoder and collector.
 """
 
@@ -14,22 +14,24 @@ from starlette.responses import Response
 
 from mlx_relay.config import ServerConfig
 from mlx_relay.http.body import decode_body
+from mlx_relay.http.served import Served
 from mlx_relay.http.streaming import Collect, SSEEncoder, respond
-from mlx_relay.service import ChatRequest, ChatService
+from mlx_relay.service import ChatRequest
 
 B = TypeVar("B")
 
 
 class FormatRoutes:
-    """What a format's routes get from the app: the config, the chat service (`service()` raises
-    `NotReady` until the relay is ready) and the model check (a request's `model` -> the served
-    name, or `ModelNotFound`)."""
+    """What a format's routes get from the app: the config and what it serves (`served()`, the
+    one model or the pool; `NotReady` until the app has booted it)."""
 
-    def __init__(self, config: ServerConfig, service: Callable[[], ChatService],
-                 check_model: Callable[[str | None], str]) -> None:
+    def __init__(self, config: ServerConfig, served: Callable[[], Served]) -> None:
         self.config = config
-        self._service = service
-        self._check_model = check_model
+        self.served = served
+
+    def resolve(self, model: str | None) -> str:
+        """A request's `model` -> the served name, or `ModelNotFound` (404) naming what is served."""
+        return self.served().resolve(model)
 
     async def decode(self, request: Request, body_type: type[B]) -> B:
         """The request's body as `body_type` (`http/body.py`: every bad body a 4xx)."""
@@ -38,5 +40,6 @@ class FormatRoutes:
     async def respond(self, request: Request, reqs: list[ChatRequest], rid: str, *, model: str, stream: bool,
                       encoder: SSEEncoder, collect: Collect, raw: bool = False) -> Response:
         """Open the replies of `reqs` and stream them through `encoder` or collect them with `collect`."""
-        return await respond(request, self._service(), reqs, rid, model=model, stream=stream, encoder=encoder,
+        return await respond(request, self.served().use(model), reqs, rid, model=model, stream=stream,
+                             encoder=encoder,
                              collect=collect, keepalive_s=self.config.sse_keepalive_s, raw=raw)

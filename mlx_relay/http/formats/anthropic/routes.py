@@ -21,7 +21,7 @@ from mlx_relay.http.formats.anthropic.errors import anthropic_errors, decode
 from mlx_relay.http.formats.anthropic.request import to_chat_request
 from mlx_relay.http.formats.anthropic.types import CountTokensRequest, MessagesRequest, TokenCount
 from mlx_relay.http.formats.route import FormatRoutes
-from mlx_relay.service import ChatService
+from mlx_relay.http.served import Served
 
 B = TypeVar("B")
 
@@ -32,7 +32,7 @@ class AnthropicRoutes(FormatRoutes):
 
     async def messages(self, request: Request) -> Response:
         body = await self.decode(request, MessagesRequest)
-        model = self._check_model(body.model)
+        model = self.resolve(body.model)
         req = to_chat_request(body)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         return await self.respond(request, [req], message_id, model=model, stream=body.stream,
@@ -41,15 +41,15 @@ class AnthropicRoutes(FormatRoutes):
 
     async def count_tokens(self, request: Request) -> Response:
         body = await self.decode(request, CountTokensRequest)
-        self._check_model(body.model)
+        model = self.resolve(body.model)
         req = to_chat_request(body)
-        count = await self._service().count_tokens(req)
+        async with self.served().use(model) as service:
+            count = await service.count_tokens(req)
         return Response(msgspec.json.encode(TokenCount(count)), media_type="application/json")
 
 
-def anthropic_routes(config: ServerConfig, service: Callable[[], ChatService],
-                     check_model: Callable[[str | None], str]) -> list[Route]:
-    routes = AnthropicRoutes(config, service, check_model)
+def anthropic_routes(config: ServerConfig, served: Callable[[], Served]) -> list[Route]:
+    routes = AnthropicRoutes(config, served)
     return [
         Route("/v1/messages", anthropic_errors(routes.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_errors(routes.count_tokens), methods=["POST"]),

@@ -18,13 +18,13 @@ from mlx_relay.http.formats.openai_chat.request import to_chat_request
 from mlx_relay.http.formats.openai_chat.types import ChatCompletionRequest
 from mlx_relay.http.formats.route import FormatRoutes
 from mlx_relay.http.replies import choice_requests
-from mlx_relay.service import ChatService
+from mlx_relay.http.served import Served
 
 
 class ChatRoutes(FormatRoutes):
     async def chat_completions(self, request: Request) -> Response:
         body = await self.decode(request, ChatCompletionRequest)
-        model = self._check_model(body.model)
+        model = self.resolve(body.model)
         reqs = choice_requests(to_chat_request(body), body.n)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -33,9 +33,8 @@ class ChatRoutes(FormatRoutes):
                                   collect=lambda items: collect_chat(items, body.n, rid, model, body.logprobs))
 
 
-def openai_chat_routes(config: ServerConfig, service: Callable[[], ChatService],
-                       check_model: Callable[[str | None], str]) -> list[Route]:
-    routes = ChatRoutes(config, service, check_model)
+def openai_chat_routes(config: ServerConfig, served: Callable[[], Served]) -> list[Route]:
+    routes = ChatRoutes(config, served)
     return [
         Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
         Route("/chat/completions", routes.chat_completions, methods=["POST"]),

@@ -18,13 +18,13 @@ from mlx_relay.http.formats.openai_completions.encoder import CompletionStream
 from mlx_relay.http.formats.openai_completions.request import to_requests
 from mlx_relay.http.formats.openai_completions.types import CompletionRequest
 from mlx_relay.http.formats.route import FormatRoutes
-from mlx_relay.service import ChatService
+from mlx_relay.http.served import Served
 
 
 class CompletionRoutes(FormatRoutes):
     async def completions(self, request: Request) -> Response:
         body = await self.decode(request, CompletionRequest)
-        model = self._check_model(body.model)
+        model = self.resolve(body.model)
         reqs = to_requests(body)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         return await self.respond(request, reqs, rid, model=model, stream=body.stream,
@@ -33,9 +33,8 @@ class CompletionRoutes(FormatRoutes):
                                   raw=True)
 
 
-def completions_routes(config: ServerConfig, service: Callable[[], ChatService],
-                       check_model: Callable[[str | None], str]) -> list[Route]:
-    routes = CompletionRoutes(config, service, check_model)
+def completions_routes(config: ServerConfig, served: Callable[[], Served]) -> list[Route]:
+    routes = CompletionRoutes(config, served)
     return [
         Route("/v1/completions", routes.completions, methods=["POST"]),
         Route("/completions", routes.completions, methods=["POST"]),

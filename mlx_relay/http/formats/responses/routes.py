@@ -34,7 +34,7 @@ from mlx_relay.http.formats.responses.store import (
 from mlx_relay.http.formats.responses.tools import ToolNames, parse_tools
 from mlx_relay.http.formats.responses.types import DeletedResponse, ResponseObject, ResponsesRequest
 from mlx_relay.http.formats.route import FormatRoutes
-from mlx_relay.service import ChatService
+from mlx_relay.http.served import Served
 
 
 def _json(obj: object, status: int = 200) -> Response:
@@ -42,9 +42,9 @@ def _json(obj: object, status: int = 200) -> Response:
 
 
 class ResponsesRoutes(FormatRoutes):
-    def __init__(self, config: ServerConfig, service: Callable[[], ChatService],
-                 check_model: Callable[[str | None], str], store: ResponseStore[StoredResponse] | None = None) -> None:
-        super().__init__(config, service, check_model)
+    def __init__(self, config: ServerConfig, served: Callable[[], Served],
+                 store: ResponseStore[StoredResponse] | None = None) -> None:
+        super().__init__(config, served)
         self.store: ResponseStore[StoredResponse] = store if store is not None else ResponseStore()
 
     def routes(self) -> list[Route]:
@@ -72,7 +72,7 @@ class ResponsesRoutes(FormatRoutes):
 
     async def create(self, request: Request) -> Response:
         body = await self.decode(request, ResponsesRequest)
-        model = self._check_model(body.model)
+        model = self.resolve(body.model)
         tools, names = parse_tools(body.tools)
         conversation = self._prior(body.previous_response_id) + items_to_messages(parse_items(body.input), names)
         req, response = translate(body, model, conversation, tools, names)
@@ -101,6 +101,5 @@ class ResponsesRoutes(FormatRoutes):
         self.store.put(response.id, entry, len(msgspec.json.encode(entry)))
 
 
-def responses_routes(config: ServerConfig, service: Callable[[], ChatService],
-                     check_model: Callable[[str | None], str]) -> list[Route]:
-    return ResponsesRoutes(config, service, check_model).routes()
+def responses_routes(config: ServerConfig, served: Callable[[], Served]) -> list[Route]:
+    return ResponsesRoutes(config, served).routes()

@@ -1,0 +1,449 @@
+"""ModelPool: several models behind one HTTP server, each loaded when a request names it and
+unloaded to make room under a memory budget (what the app serves, `http/served.Served`).
+
+Each model is a Relay of its own (its actors; its engine in a process of its own, so that its
+memory is that process's and unloading ends it), started and stopped by a task of the pool's:
+
+- a request holds its model in use (`use`) for its whole response; a model that is not loaded is
+  loaded then, and the request waits up to `load_wait_s` (then 503 + Retry-After);
+- before a load the model's reservation (`reservation.py`) is counted against the budget at once,
+  so two loads never both take the same room; if it does not fit, idle unpinned models are
+  unloaded least recently used first (`make_room`), and the new engine starts only once they have
+  let their memory go; if it cannot fit even so, the request waits for a model to become idle or
+  gets 503 at once (`contention`). One slot loads once: concurrent requests wait for the same load;
+- a model unloads when asked (`POST .../unload`), to make room, after its idle TTL, or with the
+  server: it stops admitting, its streams finish within `drain_timeout_s` (the rest end with the
+  drain's terminal events), its prefix cache is written to its disk tier (if any) and freed.
+
+Every decision runs on the event loop between two awaits, so none needs a lock; whoever waits,
+waits for the pool's next change (`_changes`), never polls.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup
+from prometheus_client import generate_latest
+
+from mlx_relay.config import ServerConfig
+from mlx_relay.errors import (
+    InvalidModelPath,
+    InvalidRequest,
+    ModelLoadError,
+    ModelLoadFailed,
+    ModelLoading,
+    ModelNotFound,
+    NoRoomForModel,
+    NotReady,
+)
+from mlx_relay.http.served import BootServed, Served, model_card
+from mlx_relay.http.types import HealthBody, LoadModelBody, ModelCard, ModelMemory, PooledModelCard
+from mlx_relay.messages.admission import REJECT_REASONS, AdmissionStats
+from mlx_relay.metrics.server import MergedCollector
+from mlx_relay.pool.build import gib, over_budget, pooled_model
+from mlx_relay.pool.config import PoolConfig, PooledModel
+from mlx_relay.pool.metrics import PoolMetrics
+from mlx_relay.pool.reservation import Resident, make_room
+from mlx_relay.pool.slot import RESIDENT, ModelSlot, UnloadReason
+from mlx_relay.relay import DrainReport, Relay
+from mlx_relay.runtime import RuntimeFault
+from mlx_relay.service import ChatService
+
+log = logging.getLogger(__name__)
+
+FAILED_RETRY_S = 10  # a model whose load failed is not tried again for this long
+
+
+class ModelPool:
+    def __init__(self, config: PoolConfig, template: ServerConfig) -> None:
+        self.config = config
+        self.template = template  # the server's flags: what a model registered at run time is served with
+        self.slots: dict[str, ModelSlot] = {}
+        self.names: dict[str, str] = {}  # every name a request may use -> the model's name
+        self.catch_all: str | None = None  # the model the alias "*" gives any other name
+        for model in config.models:
+            self._add(model)
+        self.metrics = PoolMetrics()
+        self.state = "loading"  # loading (the pinned models) / ready / draining / failed
+        self.ready, self.failed = anyio.Event(), anyio.Event()
+        self.error: BaseException | None = None
+        self.peak_reserved = 0  # the most the models whose engines ran reserved at once
+        self.ended = 0  # streams ended at an unloading model's drain deadline
+        self._changed_event = anyio.Event()
+        self._tg: TaskGroup | None = None
+
+    # -- assembly -------------------------------------------------------------------------------------
+    @classmethod
+    def boot(cls, config: PoolConfig) -> BootServed:
+        """The app's boot for this pool (`http/served.BootServed`); `config` there is the server's."""
+
+        @asynccontextmanager
+        async def start(*, config: ServerConfig, wait_ready: bool,
+                        on_progress: Callable[[str], None] | None) -> AsyncIterator[Served]:
+            async with cls.run(pool_config, config, on_progress) as pool:
+                if wait_ready:
+                    await pool.ready.wait()
+                yield pool
+
+        pool_config = config
+        return start
+
+    @classmethod
+    @asynccontextmanager
+    async def run(cls, config: PoolConfig, template: ServerConfig,
+                  progress: Callable[[str], None] | None = None) -> AsyncIterator[ModelPool]:
+        """The pool, its pinned models loading, its idle models unloading after their TTL; every
+        model is stopped when the context is left."""
+        pool = cls(config, template)
+        async with anyio.create_task_group() as tg:
+            pool._tg = tg
+            tg.start_soon(pool._start, progress or (lambda m: None))
+            tg.start_soon(pool._unload_idle)
+            try:
+                yield pool
+            finally:
+                tg.cancel_scope.cancel()
+
+    def _add(self, model: PooledModel) -> None:
+        names = [model.name, model.config.model, *model.config.model_aliases]
+        taken = [n for n in names if n != "*" and self.names.get(n, model.name) != model.name]
+        if taken or model.name in self.slots:
+            raise ValueError(f"the model name '{(taken or [model.name])[0]}' is given to two models")
+        if "*" in model.config.model_aliases:
+            if self.catch_all is not None:
+                raise ValueError(f"the alias '*' is given to two models ('{self.catch_all}', '{model.name}')")
+            self.catch_all = model.name
+        if (problem := over_budget(model, self.config.memory_budget_bytes)) is not None:
+            raise ValueError(problem)
+        self.slots[model.name] = ModelSlot(model)
+        self.names.update({n: model.name for n in names if n != "*"})
+
+    async def _start(self, progress: Callable[[str], None]) -> None:
+        """Load the pinned models; the pool is ready once they are (failed if one cannot load)."""
+        pinned = [slot for slot in self.slots.values() if slot.model.pinned]
+        try:
+            for slot in pinned:
+                progress(f"loading pinned model {slot.name}")
+                await self._ready(slot)
+        except (ModelLoadFailed, ModelLoadError) as exc:
+            log.error("a pinned model could not be loaded: %s", exc)
+            self.error, self.state = exc, "failed"
+            self.failed.set()
+        else:
+            self.state = "ready"
+        self.ready.set()
+        progress("ready")
+
+    # -- the pool's one mutex-free change signal --------------------------------------------------------
+    def _changed(self) -> None:
+        self._changed_event.set()
+        self._changed_event = anyio.Event()
+
+    async def _changes(self) -> None:
+        await self._changed_event.wait()
+
+    # -- loading and unloading ---------------------------------------------------------------------------
+    async def _ready(self, slot: ModelSlot) -> None:
+        """Return once `slot` is loaded: start its load if nobody has, wait for the load under way."""
+        while True:
+            if self.state in ("draining", "failed") and self.ready.is_set():
+                raise NotReady(f"the server is {self.state}")
+            match slot.state:
+                case "ready":
+                    return
+                case "loading" | "unloading":
+                    await self._changes()
+                case "unloaded" | "failed":
+                    if slot.state == "failed" and time.monotonic() - slot.failed_at < FAILED_RETRY_S:
+                        raise ModelLoadFailed(f"the model '{slot.name}' failed to load: {slot.error}",
+                                              retry_after_s=FAILED_RETRY_S)
+                    resident = [Resident(s.name, s.reserved, s.evictable(), s.last_used)
+                                for s in self.slots.values() if s.state in RESIDENT]
+                    victims = make_room(slot.model.reservation.total, resident, self.config.memory_budget_bytes)
+                    if victims is None:
+                        if self.config.contention == "fail":
+                            raise NoRoomForModel(self._no_room(slot))
+                        await self._changes()
+                        continue
+                    self._begin_load(slot, victims)
+
+    def _no_room(self, slot: ModelSlot) -> str:
+        busy = ", ".join(f"{s.name} ({s.state}{', pinned' if s.model.pinned else ''}, {s.users} requests)"
+                         for s in self.slots.values() if s.state in RESIDENT)
+        return (f"the model '{slot.name}' ({gib(slot.model.reservation.total)}) does not fit the memory budget "
+                f"({gib(self.config.memory_budget_bytes or 0)}) beside the models in use: {busy}; retry")
+
+    def _begin_load(self, slot: ModelSlot, victims: list[str]) -> None:
+        waits = []
+        for name in victims:
+            self._unload(self.slots[name], "budget")
+            waits.append(self.slots[name].unloaded)
+        slot.begin_load()
+        assert self._tg is not None
+        self._tg.start_soon(self._run_model, slot, waits)
+        self._changed()
+
+    def _unload(self, slot: ModelSlot, reason: UnloadReason) -> None:
+        """Ask a loading or loaded model to unload (it drains first); no-op otherwise."""
+        if slot.state not in ("loading", "ready"):
+            return
+        if reason in ("budget", "idle"):
+            self.metrics.evictions.labels(slot.name, reason).inc()
+        if slot.state == "ready":
+            slot.state = "unloading"
+        slot.unload_reason = reason
+        slot.stop.set()
+        self._changed()
+
+    async def _run_model(self, slot: ModelSlot, waits: list[anyio.Event]) -> None:
+        """One load of `slot`, from the room it waits for to its memory let go."""
+        for unloaded in waits:
+            await unloaded.wait()
+        slot.holding = True
+        self.peak_reserved = max(self.peak_reserved, sum(s.model.reservation.total for s in self.slots.values()
+                                                         if s.holding))
+        name, tic = slot.name, time.monotonic()
+        self.metrics.loads.labels(name).inc()
+        drained: DrainReport | None = None
+        try:
+            async with Relay.start(config=slot.model.config, wait_ready=False, metrics=slot.metrics,
+                                   on_progress=lambda m: log.debug("model %s: %s", name, m)) as relay:
+                slot.relay = relay
+                await relay.ready.wait()
+                if relay.error is None:
+                    slot.state = "unloading" if slot.stop.is_set() else "ready"
+                    slot.loaded_at_unix = time.time()
+                    seconds = time.monotonic() - tic
+                    self.metrics.load_seconds.labels(name).observe(seconds)
+                    log.info("model %s loaded in %.1fs (reserved %s)", name, seconds,
+                             gib(slot.model.reservation.total))
+                    self._changed()
+                    await _first(slot.stop.wait, relay.failed.wait)
+                if relay.error is not None:  # its boot failed, or an actor of it could not be restarted
+                    slot.error, slot.failed_at = relay.error, time.monotonic()
+                    if slot.loaded_at_unix is not None:
+                        slot.unload_reason = "failed"
+                else:
+                    slot.state = "unloading"
+                    self._changed()
+                    drained = await relay.drain(self.config.drain_timeout_s)
+        finally:  # also when the pool is stopped: no await here
+            self._after(slot, drained)
+
+    def _after(self, slot: ModelSlot, drained: DrainReport | None) -> None:
+        slot.relay, slot.holding, slot.loaded_at_unix = None, False, None
+        if slot.error is not None and slot.unload_reason is None:
+            slot.state = "failed"
+            self.metrics.load_failures.labels(slot.name).inc()
+            log.error("model %s could not be loaded: %s", slot.name, slot.error)
+        else:
+            reason = slot.unload_reason or ("failed" if slot.error is not None else "shutdown")
+            slot.state = "unloaded"
+            self.metrics.unloads.labels(slot.name, reason).inc()
+            self.ended += drained.ended if drained is not None else 0
+            ended = f", {drained.ended} streams ended at the drain's deadline" if drained and drained.ended else ""
+            log.info("model %s unloaded (%s)%s", slot.name, reason, ended)
+            slot.unload_reason = None
+        slot.unloaded.set()
+        self._changed()
+
+    async def _unload_idle(self) -> None:
+        """Unload each idle model whose TTL ran out; sleep until the next one runs out or the pool changes."""
+        while True:
+            now = time.monotonic()
+            due = [(until, slot) for slot in self.slots.values() if (until := slot.idle_until()) is not None]
+            for until, slot in due:
+                if until <= now:
+                    self._unload(slot, "idle")
+            later = [until - now for until, _ in due if until > now]
+            with anyio.move_on_after(min(later) if later else math.inf):
+                await self._changes()
+
+    # -- Served: what the app asks -------------------------------------------------------------------------
+    def resolve(self, model: str | None) -> str:
+        if model is None:
+            return next(iter(self.slots))
+        if (name := self.names.get(model)) is not None:
+            return name
+        if self.catch_all is not None:
+            return self.catch_all
+        raise ModelNotFound(f"the model '{model}' does not exist; this server serves {', '.join(self.slots)}",
+                            model=model, param="model")
+
+    @asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[ChatService]:
+        slot = self.slots[name]
+        slot.users += 1
+        slot.touch()
+        try:
+            waited = True
+            with anyio.move_on_after(self.config.load_wait_s):
+                await self._ready(slot)
+                waited = False
+            if waited:
+                if slot.state in ("unloaded", "failed"):  # never got room within the wait
+                    raise NoRoomForModel(self._no_room(slot))
+                raise ModelLoading(f"the model '{name}' is {slot.state}; it was not ready within "
+                                   f"{self.config.load_wait_s:g}s", retry_after_s=10)
+            assert slot.relay is not None and slot.relay.service is not None
+            yield slot.relay.service
+        finally:
+            slot.users -= 1
+            slot.touch()
+            self._changed()
+
+    def relay(self, name: str | None) -> Relay:
+        slot = self.slots[name if name is not None else next(iter(self.slots))]
+        if slot.state != "ready" or slot.relay is None:
+            raise NotReady(f"the model '{slot.name}' is {slot.state}")
+        return slot.relay
+
+    async def health(self) -> tuple[HealthBody, bool]:
+        body = HealthBody(self.state, next(iter(self.slots)),  # type: ignore[arg-type]
+                          models={slot.name: slot.state for slot in self.slots.values()})
+        if self.error is not None:
+            body.error = str(self.error)
+        loaded = self._loaded()
+        if loaded:
+            body.backend = next((r.info.backend for r in loaded if r.info is not None), None)
+            stats = await self.admission_stats()
+            body.running, body.queued = stats.running, stats.queued
+            body.max_num_seqs, body.max_queue = stats.max_num_seqs, stats.max_queue
+        return body, self.state == "ready"
+
+    def _loaded(self) -> list[Relay]:
+        return [slot.relay for slot in self.slots.values() if slot.state == "ready" and slot.relay is not None]
+
+    async def model_cards(self, created: int) -> list[ModelCard]:
+        return [await self._card(slot, created) for slot in self.slots.values()]
+
+    async def _card(self, slot: ModelSlot, created: int) -> PooledModelCard:
+        r = slot.model.reservation
+        memory = ModelMemory(r.total, r.weights_bytes, r.prefix_cache_bytes, r.decode_bytes, r.buffer_cache_bytes)
+        base = model_card(slot.relay, created) if slot.relay is not None else None
+        if slot.state == "ready" and slot.relay is not None:
+            try:
+                engine = await slot.relay.engine_stats()
+                memory = msgspec.structs.replace(memory, active_bytes=engine.active_memory_bytes,
+                                                 peak_bytes=engine.peak_memory_bytes)
+            except (NotReady, RuntimeFault):
+                pass
+        ctx = base.context_length if base is not None and base.context_length else slot.model.context_length
+        return PooledModelCard(
+            slot.name, created, context_length=ctx, max_model_len=ctx,
+            capabilities=base.capabilities if base is not None else None,
+            state=slot.state, pinned=slot.model.pinned, aliases=list(slot.model.config.model_aliases),
+            memory=memory, idle_ttl_s=slot.model.idle_ttl_s, last_used=slot.last_used_unix,
+            loaded_at=slot.loaded_at_unix, error=None if slot.error is None else str(slot.error))
+
+    async def admission_stats(self) -> AdmissionStats:
+        total = AdmissionStats(state=self.state, detail="", running=0, queued=0, max_num_seqs=0, max_queue=0,
+                               admitted=0, rejected=dict.fromkeys(REJECT_REASONS, 0))
+        for relay in self._loaded():
+            try:
+                s = await relay.stats()
+            except RuntimeFault:
+                continue
+            total = msgspec.structs.replace(
+                total, running=total.running + s.running, queued=total.queued + s.queued,
+                max_num_seqs=total.max_num_seqs + s.max_num_seqs, max_queue=total.max_queue + s.max_queue,
+                admitted=total.admitted + s.admitted,
+                rejected={k: total.rejected.get(k, 0) + v for k, v in s.rejected.items()})
+        return total
+
+    async def scrape(self) -> bytes:
+        collectors = [self.metrics.collector(list(self.slots.values()), self.config.memory_budget_bytes,
+                                             self.peak_reserved)]
+        for slot in self.slots.values():
+            snapshot = None
+            if slot.state == "ready" and slot.relay is not None:
+                try:
+                    snapshot = await slot.relay.stats_snapshot()
+                except RuntimeFault:
+                    pass
+            collectors.append(slot.metrics.collector(snapshot))
+        return generate_latest(MergedCollector(collectors))
+
+    async def load(self, name: str, body: LoadModelBody) -> ModelCard:
+        if body.path is not None:
+            name = self._register(name, body)
+        else:
+            if name not in self.names:
+                raise ModelNotFound(f"the model '{name}' is not configured; this server serves "
+                                    f"{', '.join(self.slots)} (give a \"path\" to load another)", model=name)
+            name = self.names[name]
+        async with self.use(name):
+            pass
+        return await self._card(self.slots[name], int(time.time()))
+
+    def _register(self, name: str, body: LoadModelBody) -> str:
+        """A model named at run time by its local checkpoint directory, served with the server's flags."""
+        path = Path(body.path or "").expanduser()
+        if not path.is_dir() or not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+            raise InvalidModelPath(f"'{body.path}' is not a model checkpoint directory (config.json and "
+                                   "*.safetensors)", param="path")
+        path = path.resolve()
+        if name in self.slots:
+            if Path(self.slots[name].model.config.engine.model_path) != path:
+                raise InvalidRequest(f"the model '{name}' is served from another path", param="path")
+            return name
+        if name in self.names:
+            raise InvalidRequest(f"'{name}' already names the model '{self.names[name]}'", param="model")
+        config = msgspec.structs.replace(
+            self.template, model=str(path), served_model_name=name, model_aliases=tuple(body.aliases),
+            engine=msgspec.structs.replace(self.template.engine, model_path=str(path)))
+        try:
+            self._add(pooled_model(config, pinned=body.pinned, idle_ttl_s=body.idle_ttl_s,
+                                   budget=self.config.memory_budget_bytes))
+        except (ValueError, OSError, KeyError) as exc:
+            raise InvalidModelPath(str(exc), param="path") from None
+        log.info("model %s registered from %s", name, path)
+        return name
+
+    async def unload(self, name: str) -> ModelCard:
+        slot = self.slots[self.resolve(name)] if name in self.names else None
+        if slot is None:
+            raise ModelNotFound(f"the model '{name}' does not exist; this server serves {', '.join(self.slots)}",
+                                model=name)
+        if slot.state in ("loading", "ready", "unloading"):
+            done = slot.unloaded
+            self._unload(slot, "request")
+            await done.wait()
+        return await self._card(slot, int(time.time()))
+
+    async def drain(self, timeout_s: float) -> DrainReport:
+        """Every model drains and unloads (their streams finish within the pool's drain timeout)."""
+        tic, ended = time.monotonic(), self.ended
+        self.state = "draining"
+        self._changed()
+        resident = [slot for slot in self.slots.values() if slot.state in RESIDENT]
+        for slot in resident:
+            self._unload(slot, "shutdown")
+        for slot in resident:
+            await slot.unloaded.wait()
+        return DrainReport(seconds=round(time.monotonic() - tic, 3), ended=self.ended - ended)
+
+    def ready_line(self) -> str:
+        budget = self.config.memory_budget_bytes
+        pinned = [s.name for s in self.slots.values() if s.model.pinned]
+        return (f"{len(self.slots)} models ({', '.join(self.slots)}; pinned: {', '.join(pinned) or 'none'}), "
+                f"memory budget {gib(budget) if budget is not None else 'none'}")
+
+
+async def _first(*waits: Callable[[], object]) -> None:
+    """Return when the first of `waits` returns."""
+    async with anyio.create_task_group() as tg:
+        async def run(wait: Callable[[], object]) -> None:
+            await wait()  # type: ignore[misc]
+            tg.cancel_scope.cancel()
+
+        for wait in waits:
+            tg.start_soon(run, wait)
