@@ -5,6 +5,10 @@
 #   bash benchmarks/gpu/device_steps.sh wait 560   # copies what is done to $OUT/steps
 #   bash benchmarks/gpu/device_steps.sh ptx        # then: MLX's kernel cache for the next machine
 # Jobs (JOBS, default "probe step mtp"; results in $OUT/steps/):
+#   pool     (issue 34.6) bench_model_swap.py: two 35B-A3B-shape models (b: hard links to $MODEL's files)
+#            under a budget that holds one (POOL_BUDGET GiB, default 60): cold and swap TTFT, load seconds,
+#            a steady a/b mix against a alone (SWAPS 4, REPEATS 3, POOL_TOKENS 128, POOL_FLAGS e.g.
+#            --no-warmup). Results: pool_swap.*
 #   kernels  kernel_check.py (issue 32.1): each CUDA kernel of mlx_relay/engine/kernels against its fallback
 #   count    bench_decode_step.py --count-ops --by-layer (issue 32.1): launches per step and per layer part
 #   probe    memory_release_probe.py: does freed MLX memory go back to the device (CUDA backend)
@@ -93,6 +97,16 @@ spec)
     say "build failed: $(tail -n 1 $O/build_spec.txt)"
   fi
   rm -rf "$AGREE_DIR" ;;
+pool)
+  # issue 34.6: two 35B-A3B-shape models under a budget that holds one (POOL_BUDGET GiB, default 60): model b
+  # is a second directory of hard links to model a's files (the disk holds one 38.6 GB model), so every
+  # load after the first reads the files from the page cache; bench_model_swap.py: cold, warm, swaps, mix
+  B_DIR="$(dirname "$MODEL")/model-b"; rm -rf "$B_DIR"; cp -al "$MODEL" "$B_DIR"
+  python3 benchmarks/bench_model_swap.py "$MODEL" "$B_DIR" --budget-gb "${POOL_BUDGET:-60}" \
+    --requests "${REPEATS:-3}" --swaps "${SWAPS:-4}" --max-tokens "${POOL_TOKENS:-128}" $POOL_FLAGS \
+    --out $O/pool_swap.json > $O/pool_swap.txt 2>&1
+  say "pool (rc $?): $(grep -h '^| [0-9]' $O/pool_swap.txt)"
+  rm -rf "$B_DIR" ;;
 kernels)
   python3 benchmarks/gpu/kernel_check.py --out $O/kernel_check.json > $O/kernel_check.txt 2>&1
   say "kernel check (rc $?): $(tail -n 1 $O/kernel_check.txt)" ;;
@@ -126,7 +140,8 @@ cd $RUN/src
 setsid nohup env RUN="$RUN" MODEL="${MODEL:-}" PYTHONPATH="$RUN/src:${PYTHONPATH:-}" BATCH="${BATCH:-}" BLOCK="${BLOCK:-}" \
   MTP_TOKENS="${MTP_TOKENS:-}" STEPS="${STEPS:-}" REPEATS="${REPEATS:-}" AGREE="${AGREE:-}" \
   JOBS="$JOBS" LOCAL="${LOCAL:-0}" ROUNDS="${ROUNDS:-}" DISK_REPEATS="${DISK_REPEATS:-}" COPY="${COPY:-}" \
-  SPEC_TOKENS="${SPEC_TOKENS:-}" MAX_DRAFT="${MAX_DRAFT:-}" \
+  SPEC_TOKENS="${SPEC_TOKENS:-}" MAX_DRAFT="${MAX_DRAFT:-}" SWAPS="${SWAPS:-}" POOL_BUDGET="${POOL_BUDGET:-}" \
+  POOL_TOKENS="${POOL_TOKENS:-}" POOL_FLAGS="${POOL_FLAGS:-}" COMMIT="${COMMIT:-}" \
   AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
   bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "steps started (pid $!)"
