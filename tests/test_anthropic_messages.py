@@ -465,16 +465,28 @@ class ScriptedService:
         return 42
 
 
-def check_model(model: str | None) -> str:
-    if model in (None, MODEL):
-        return MODEL
-    raise ModelNotFound(f"no model {model}", param="model")
+class ScriptedServed:
+    """What the routes ask of the app's `Served` (the model check and the model in use), over the
+    scripted service."""
+
+    def __init__(self, service: ScriptedService) -> None:
+        self.service = service
+
+    def resolve(self, model: str | None) -> str:
+        if model in (None, MODEL):
+            return MODEL
+        raise ModelNotFound(f"no model {model}", param="model")
+
+    @asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[ScriptedService]:
+        yield self.service
 
 
 def scripted_app(service: ScriptedService, keepalive_s: float = 10.0) -> Starlette:
     """The Anthropic routes alone, over the scripted service."""
     config = default_config("unused", served_model_name=MODEL, sse_keepalive_s=keepalive_s)
-    return Starlette(routes=anthropic_routes(config, lambda: service, check_model))  # type: ignore[arg-type,return-value]
+    served = ScriptedServed(service)
+    return Starlette(routes=anthropic_routes(config, lambda: served))  # type: ignore[arg-type,return-value]
 
 
 def scripted_client(service: ScriptedService, keepalive_s: float = 10.0) -> httpx.AsyncClient:

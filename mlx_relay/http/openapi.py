@@ -22,7 +22,7 @@ from mlx_relay.http.formats.openai_chat.types import ChatCompletion, ChatComplet
 from mlx_relay.http.formats.openai_completions.types import Completion, CompletionRequest
 from mlx_relay.http.formats.responses.types import DeletedResponse, ResponseObject, ResponsesRequest
 from mlx_relay.http.loads import WorkerLoads
-from mlx_relay.http.types import FlushBody, HealthBody, ModelCard, ModelList
+from mlx_relay.http.types import FlushBody, HealthBody, LoadModelBody, ModelCard, ModelList, PooledModelCard
 
 Shape = Literal["openai", "anthropic"]
 
@@ -49,8 +49,14 @@ ROUTES: dict[tuple[str, str], Operation] = {
     ("/metrics", "GET"): Operation("Prometheus metrics (text exposition format 0.0.4)", None, text=True),
     ("/v1/loads", "GET"): Operation("Load for a router in front (SMG's WorkerLoadResponse: running, waiting, "
                                     "slots)", WorkerLoads),
-    ("/v1/models", "GET"): Operation("The served model", ModelList),
+    ("/v1/models", "GET"): Operation("The served models (a pool's: every configured model with its state, "
+                                     "memory, pinned, last use)", ModelList),
     ("/v1/models/{model}", "GET"): Operation("One model", ModelCard, path_param="model"),
+    ("/v1/models/{model}/load", "POST"): Operation("Load a model of the pool now (a body with a `path`: one the "
+                                                   "server was not started with); 400 on a server of one model",
+                                                   PooledModelCard, LoadModelBody, path_param="model"),
+    ("/v1/models/{model}/unload", "POST"): Operation("Unload a model of the pool (its streams finish within the "
+                                                     "drain timeout)", PooledModelCard, path_param="model"),
     ("/v1/chat/completions", "POST"): _chat_ops("Chat completions (OpenAI)", ChatCompletionRequest, ChatCompletion),
     ("/chat/completions", "POST"): _chat_ops("Chat completions (OpenAI)", ChatCompletionRequest, ChatCompletion),
     ("/v1/completions", "POST"): _chat_ops("Text completions (OpenAI)", CompletionRequest, Completion),
