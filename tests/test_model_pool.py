@@ -39,11 +39,11 @@ def paths(fp32_model: Path) -> dict[str, Path]:
 
 
 def build_pool(models: dict[str, Path], *, budget: int | None, pinned: tuple[str, ...] = (),
-               idle_ttl_s: float | None = None, contention: str = "wait", drain_timeout_s: float = 30.0
-               ) -> PoolConfig:
+               idle_ttl_s: float | None = None, contention: str = "wait", drain_timeout_s: float = 30.0,
+               **settings: Any) -> PoolConfig:
     entries = [NamedEntry(name, ModelEntry(path=str(path), pinned=name in pinned, idle_ttl_s=idle_ttl_s), name)
                for name, path in models.items()]
-    return pool_config(entries, SETTINGS, budget=budget, contention=contention,  # type: ignore[arg-type]
+    return pool_config(entries, {**SETTINGS, **settings}, budget=budget, contention=contention,  # type: ignore[arg-type]
                        drain_timeout_s=drain_timeout_s, load_wait_s=300)
 
 
@@ -60,6 +60,10 @@ def ask(url: str, model: str, max_tokens: int = 4) -> httpx.Response:
 
 def states(url: str) -> dict[str, str]:
     return {card["id"]: card["state"] for card in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
+
+
+def card(url: str, name: str) -> dict[str, Any]:
+    return httpx.get(url + f"/v1/models/{name}", timeout=30).json()  # type: ignore[no-any-return]
 
 
 def counter(url: str, name: str, **labels: str) -> float:
@@ -142,6 +146,25 @@ def test_unloading_a_model_ends_its_streams_with_their_terminal_events(fp32_mode
         assert counter(live.url, "model_loads_total", model_name="rand") == 2
 
 
+def test_an_unloaded_model_frees_its_prefix_cache_and_keeps_its_disk_tier(fp32_model: Path, tmp_path: Path) -> None:
+    system = "You are a careful coding agent. Keep changes small and run the tests first. " * 4
+
+    def chat(url: str, question: str) -> dict[str, Any]:
+        reply = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+            "model": "rand", "max_tokens": 4, "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": question}]})
+        return reply.json()["usage"]  # type: ignore[no-any-return]
+
+    pool = build_pool({"rand": fp32_model}, budget=None, prefix_cache_dir=str(tmp_path), prefix_min_snapshot_tokens=8)
+    with serve(pool) as live:
+        assert chat(live.url, "Fix utils.py")["prompt_tokens_details"]["cached_tokens"] == 0
+        assert httpx.post(live.url + "/v1/models/rand/unload", timeout=300).json()["state"] == "unloaded"
+        assert list(tmp_path.rglob("*.safetensors"))  # the disk tier stays
+        again = chat(live.url, "Now fix main.py")  # a new engine: its memory tier starts empty
+        assert again["prompt_tokens_details"]["cached_tokens"] > 0  # the system prompt, from the disk tier
+        assert counter(live.url, "model_loads_total", model_name="rand") == 2
+
+
 def test_a_budget_for_two_of_three_unloads_the_least_recently_used(fp32_model: Path) -> None:
     models = paths(fp32_model)
     sizes = {m.name: m.reservation.total for m in build_pool(models, budget=None).models}
@@ -182,6 +205,36 @@ def test_two_loads_that_do_not_fit_together_are_serialized(fp32_model: Path) -> 
         assert counter(url, "model_memory_reserved_peak_bytes") <= budget
         assert counter(url, "model_evictions_total", reason="budget") >= 1
         assert list(states(url).values()).count("ready") == 1
+
+
+def test_a_model_waiting_for_room_is_not_starved_by_a_steady_stream_to_another(fp32_model: Path) -> None:
+    models = {k: v for k, v in paths(fp32_model).items() if k != "agent"}
+    sizes = {m.name: m.reservation.total for m in build_pool(models, budget=None).models}
+    with serve(build_pool(models, budget=max(sizes.values()))) as live:
+        url, done, out = live.url, [], []
+
+        def run(name: str, body: dict[str, Any]) -> None:
+            reply = httpx.post(url + "/v1/chat/completions", timeout=300, json={"model": name, **body})
+            done.append((name, reply.status_code))
+
+        long = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 300, "response_format": ENDLESS}
+        first = threading.Thread(target=stream_chat, args=(url, {"model": "rand", **long}, out), daemon=True)
+        first.start()
+        while sum(line.startswith("data: {") for line in out) < 3:  # rand loaded and streaming
+            first.join(0.05)
+        short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        waiter = threading.Thread(target=run, args=("coder", short), daemon=True)
+        waiter.start()
+        while card(url, "coder")["waiting"] < 1:  # coder waits for rand's room
+            waiter.join(0.05)
+        later = threading.Thread(target=run, args=("rand", short), daemon=True)
+        later.start()  # rand is loaded, but yields to coder: this one waits for its turn
+        for thread in (first, waiter, later):
+            thread.join(300)
+        assert out[-1] == "data: [DONE]"
+        assert done == [("coder", 200), ("rand", 200)]  # coder before the later rand request
+        assert counter(url, "model_loads_total", model_name="rand") == 2
+        assert counter(url, "model_memory_reserved_peak_bytes") <= max(sizes.values())
 
 
 def test_contention_fail_answers_503_with_retry_after(fp32_model: Path) -> None:

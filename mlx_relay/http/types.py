@@ -47,6 +47,8 @@ class PooledModelCard(ModelCard, kw_only=True):
     pinned: bool
     aliases: list[str]
     memory: ModelMemory
+    running: int = 0  # requests whose responses it is serving
+    waiting: int = 0  # requests waiting for it to be loaded (or for room, or for their turn)
     idle_ttl_s: float | None = None
     last_used: float | None = None  # unix time of its last request (None: none yet)
     loaded_at: float | None = None  # unix time it became ready (None: not loaded)

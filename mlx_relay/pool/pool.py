@@ -132,7 +132,7 @@ class ModelPool:
         try:
             for slot in pinned:
                 progress(f"loading pinned model {slot.name}")
-                await self._ready(slot)
+                await self._ready(slot, time.monotonic())
         except (ModelLoadFailed, ModelLoadError) as exc:
             log.error("a pinned model could not be loaded: %s", exc)
             self.error, self.state = exc, "failed"
@@ -151,15 +151,17 @@ class ModelPool:
         await self._changed_event.wait()
 
     # -- loading and unloading ---------------------------------------------------------------------------
-    async def _ready(self, slot: ModelSlot) -> None:
-        """Return once `slot` is loaded: start its load if nobody has, wait for the load under way."""
+    async def _ready(self, slot: ModelSlot, arrived: float) -> None:
+        """Return once `slot` is loaded: start its load if nobody has, wait for the load under way.
+        A request that `arrived` after the model was ready waits while the model yields (`_yielding`);
+        one that waited for this load is served by it."""
         while True:
             if self.state in ("draining", "failed") and self.ready.is_set():
                 raise NotReady(f"the server is {self.state}")
             match slot.state:
-                case "ready":
+                case "ready" if arrived <= slot.ready_since or slot.name not in self._yielding():
                     return
-                case "loading" | "unloading":
+                case "ready" | "loading" | "unloading":
                     await self._changes()
                 case "unloaded" | "failed":
                     if slot.state == "failed" and time.monotonic() - slot.failed_at < FAILED_RETRY_S:
@@ -175,8 +177,21 @@ class ModelPool:
                         continue
                     self._begin_load(slot, victims)
 
+    def _yielding(self) -> list[str]:
+        """The ready models that admit no new request now: those to be unloaded for the model that
+        has waited longest for room (its running requests finish first), so that no model's
+        requests wait forever behind a steady stream to another. None where nobody waits for room."""
+        budget = self.config.memory_budget_bytes
+        waiting = [s for s in self.slots.values() if s.waiters and s.state in ("unloaded", "failed")]
+        if budget is None or not waiting or self.config.contention == "fail":
+            return []
+        first = min(waiting, key=lambda s: s.waiting_since)
+        resident = [Resident(s.name, s.reserved, s.state == "ready" and not s.model.pinned, s.last_used)
+                    for s in self.slots.values() if s.state in RESIDENT]
+        return make_room(first.model.reservation.total, resident, budget) or []
+
     def _no_room(self, slot: ModelSlot) -> str:
-        busy = ", ".join(f"{s.name} ({s.state}{', pinned' if s.model.pinned else ''}, {s.users} requests)"
+        busy = ", ".join(f"{s.name} ({s.state}{', pinned' if s.model.pinned else ''}, {s.active} requests)"
                          for s in self.slots.values() if s.state in RESIDENT)
         return (f"the model '{slot.name}' ({gib(slot.model.reservation.total)}) does not fit the memory budget "
                 f"({gib(self.config.memory_budget_bytes or 0)}) beside the models in use: {busy}; retry")
@@ -220,7 +235,7 @@ class ModelPool:
                 await relay.ready.wait()
                 if relay.error is None:
                     slot.state = "unloading" if slot.stop.is_set() else "ready"
-                    slot.loaded_at_unix = time.time()
+                    slot.loaded_at_unix, slot.ready_since = time.time(), time.monotonic()
                     seconds = time.monotonic() - tic
                     self.metrics.load_seconds.labels(name).observe(seconds)
                     log.info("model %s loaded in %.1fs (reserved %s)", name, seconds,
@@ -281,22 +296,30 @@ class ModelPool:
     @asynccontextmanager
     async def use(self, name: str) -> AsyncIterator[ChatService]:
         slot = self.slots[name]
-        slot.users += 1
         slot.touch()
+        arrived = slot.last_used
+        slot.waiters += 1
+        if slot.waiters == 1:
+            slot.waiting_since = time.monotonic()
         try:
             waited = True
             with anyio.move_on_after(self.config.load_wait_s):
-                await self._ready(slot)
+                await self._ready(slot, arrived)
                 waited = False
-            if waited:
-                if slot.state in ("unloaded", "failed"):  # never got room within the wait
-                    raise NoRoomForModel(self._no_room(slot))
-                raise ModelLoading(f"the model '{name}' is {slot.state}; it was not ready within "
-                                   f"{self.config.load_wait_s:g}s", retry_after_s=10)
-            assert slot.relay is not None and slot.relay.service is not None
+        finally:
+            slot.waiters -= 1
+            self._changed()
+        if waited:
+            if slot.state in ("unloaded", "failed"):  # never got room within the wait
+                raise NoRoomForModel(self._no_room(slot))
+            raise ModelLoading(f"the model '{name}' is {slot.state}; it was not ready within "
+                               f"{self.config.load_wait_s:g}s", retry_after_s=10)
+        assert slot.relay is not None and slot.relay.service is not None
+        slot.active += 1
+        try:
             yield slot.relay.service
         finally:
-            slot.users -= 1
+            slot.active -= 1
             slot.touch()
             self._changed()
 
@@ -341,8 +364,9 @@ class ModelPool:
             slot.name, created, context_length=ctx, max_model_len=ctx,
             capabilities=base.capabilities if base is not None else None,
             state=slot.state, pinned=slot.model.pinned, aliases=list(slot.model.config.model_aliases),
-            memory=memory, idle_ttl_s=slot.model.idle_ttl_s, last_used=slot.last_used_unix,
-            loaded_at=slot.loaded_at_unix, error=None if slot.error is None else str(slot.error))
+            memory=memory, running=slot.active, waiting=slot.waiters, idle_ttl_s=slot.model.idle_ttl_s,
+            last_used=slot.last_used_unix, loaded_at=slot.loaded_at_unix,
+            error=None if slot.error is None else str(slot.error))
 
     async def admission_stats(self) -> AdmissionStats:
         total = AdmissionStats(state=self.state, detail="", running=0, queued=0, max_num_seqs=0, max_queue=0,

@@ -4,6 +4,11 @@
     ready --(POST unload, idle TTL, room for another, the server's drain)--> unloading --> unloaded
     loading --(the boot failed)--> failed --(a request or POST load, after the backoff)--> loading
 
+A ready model may be *yielding* (the pool's `_yielding`, derived, never stored): the model that
+has waited longest for room needs it unloaded, so it admits no request that arrived after it became
+ready (those that waited for its load are served by it); its running ones finish, it becomes idle
+and is unloaded, and the requests held back wait for their turn.
+
 Only the pool (`pool.py`) changes a slot, on the event loop; a slot holds no lock.
 """
 
@@ -33,10 +38,13 @@ class ModelSlot:
         self.metrics = ServerMetrics(model.name)  # its request-path series, kept across loads
         self.state: ModelState = "unloaded"
         self.relay: Relay | None = None  # while loading (once its actors run) and loaded
-        self.users = 0  # requests using it or waiting for it to load
+        self.active = 0  # requests holding its chat service (their responses under way)
+        self.waiters = 0  # requests waiting for it to be ready
+        self.waiting_since = 0.0  # monotonic: when its waiters began (while there are any)
         self.last_used = 0.0  # monotonic; 0: never
         self.last_used_unix: float | None = None
         self.loaded_at_unix: float | None = None
+        self.ready_since = 0.0  # monotonic: when its current load became ready
         self.holding = False  # its engine is started (its memory is taken), until it is unloaded
         self.error: BaseException | None = None  # why its last load failed
         self.failed_at = 0.0
@@ -57,7 +65,7 @@ class ModelSlot:
         self.last_used, self.last_used_unix = time.monotonic(), time.time()
 
     def evictable(self) -> bool:
-        return self.state == "ready" and not self.model.pinned and self.users == 0
+        return self.state == "ready" and not self.model.pinned and self.active == 0
 
     def idle_until(self) -> float | None:
         """When its idle TTL runs out (monotonic), if it has one and is idle now."""
