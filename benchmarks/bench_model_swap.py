@@ -10,7 +10,11 @@ budget that holds one of the two models at a time, streamed chat requests of `--
   - `swap`: `--swaps` requests alternating b, a, b, ...: each must unload the other model first;
     TTFT (unload + load + prefill + first token), the load seconds the pool measured;
   - `mix`: the swaps' out tokens over their wall time, against `warm`'s (a alone): the steady mix's
-    throughput as a share of one model's.
+    throughput as a share of one model's;
+  - with `--clients N`: N clients at once, each sending `--client-requests` requests back to back,
+    first all to a (`alone_c`), then half to a and half to b (`mix_c`): out tokens/s of each, the
+    loads the mix took (a model that the other waits for admits no new request until it is swapped
+    out, so each load serves the requests that waited for it: the pool's fairness).
 
     python benchmarks/bench_model_swap.py A_DIR B_DIR --budget-gb 0.6 --requests 4 --swaps 4 --out swap.json
 
@@ -27,6 +31,7 @@ import re
 import statistics
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +74,34 @@ def load_seconds(url: str) -> dict[str, float]:
             re.finditer(r'^mlx_relay:model_load_seconds_sum\{model_name="([^"]+)"\} (\S+)$', text, re.M)}
 
 
+def loads_total(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return sum(float(m.group(1)) for m in re.finditer(r"^mlx_relay:model_loads_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def concurrent_phases(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """N clients at once, all to a, then half to a and half to b: out tokens/s and the mix's loads."""
+
+    def phase(models: list[str]) -> tuple[float, list[dict[str, float]]]:
+        def client(model: str) -> list[dict[str, float]]:
+            return [one_request(url, model, args.max_tokens) for _ in range(args.client_requests)]
+
+        tic = time.perf_counter()
+        with ThreadPoolExecutor(len(models)) as pool:
+            results = [r for rs in pool.map(client, models) for r in rs]
+        return time.perf_counter() - tic, results
+
+    alone_s, alone = phase(["a"] * args.clients)
+    before = loads_total(url)
+    mix_s, mix = phase(["a" if i % 2 == 0 else "b" for i in range(args.clients)])
+    alone_tps = sum(r["tokens"] for r in alone) / alone_s
+    mix_tps = sum(r["tokens"] for r in mix) / mix_s
+    return {"alone_seconds": round(alone_s, 3), "mix_seconds": round(mix_s, 3),
+            "alone_out_tok_s": round(alone_tps, 2), "mix_out_tok_s": round(mix_tps, 2),
+            "mix_vs_alone": round(mix_tps / alone_tps, 4), "mix_loads": int(loads_total(url) - before),
+            "mix_ttft_s": sorted(r["ttft_s"] for r in mix)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_a")
@@ -80,6 +113,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--no-warmup", action="store_true", help="load without the engine's kernel warm-up")
+    ap.add_argument("--clients", type=int, default=0, help="concurrent clients for the alone_c / mix_c phases")
+    ap.add_argument("--client-requests", type=int, default=4, help="requests per client in those phases")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -106,12 +141,13 @@ def main() -> None:
             result["model"] = model  # type: ignore[assignment]
             result["load_s"] = round(after.get(model, 0.0) - loads.get(model, 0.0), 3)
             swaps.append(result)
+        concurrent = concurrent_phases(url, args) if args.clients else None
     warm_tps = sum(r["tokens"] for r in warm) / sum(r["seconds"] for r in warm)
     mix_tps = sum(r["tokens"] for r in swaps) / sum(r["seconds"] for r in swaps)
     report = {
         "machine": platform.node(), "commit": _commit(), "budget_bytes": budget, "reserved_bytes": sizes,
         "settings": settings, "max_tokens": args.max_tokens,
-        "cold": cold, "warm": warm, "swaps": swaps,
+        "cold": cold, "warm": warm, "swaps": swaps, "concurrent": concurrent,
         "summary": {
             "cold_ttft_s": cold["ttft_s"],
             "warm_ttft_s_median": statistics.median(r["ttft_s"] for r in warm),
@@ -129,6 +165,10 @@ def main() -> None:
           f"| {s['cold_ttft_s']:.2f} s | {s['warm_ttft_s_median']:.3f} s | {s['swap_ttft_s_median']:.2f} s "
           f"({s['swap_ttft_s_range'][0]:.2f}-{s['swap_ttft_s_range'][1]:.2f}) | {s['swap_load_s_median']:.2f} s | "
           f"{s['warm_out_tok_s']:.1f} tok/s | {s['mix_out_tok_s']:.2f} tok/s | {s['mix_vs_alone']:.3f}x |")
+    if concurrent is not None:
+        print(f"\n{args.clients} clients x {args.client_requests} requests: a alone {concurrent['alone_out_tok_s']:.1f} "
+              f"tok/s; a/b mix {concurrent['mix_out_tok_s']:.1f} tok/s ({concurrent['mix_vs_alone']:.3f}x) with "
+              f"{concurrent['mix_loads']} loads")
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2))
 

@@ -8,7 +8,8 @@
 #   pool     (issue 34.6) bench_model_swap.py: two 35B-A3B-shape models (b: hard links to $MODEL's files)
 #            under a budget that holds one (POOL_BUDGET GiB, default 60): cold and swap TTFT, load seconds,
 #            a steady a/b mix against a alone (SWAPS 4, REPEATS 3, POOL_TOKENS 128, POOL_FLAGS e.g.
-#            --no-warmup). Results: pool_swap.*
+#            --no-warmup; CLIENTS N, CLIENT_REQUESTS 4: N clients at once, a alone then half a, half b).
+#            Results: pool_swap.*
 #   kernels  kernel_check.py (issue 32.1): each CUDA kernel of mlx_relay/engine/kernels against its fallback
 #   count    bench_decode_step.py --count-ops --by-layer (issue 32.1): launches per step and per layer part
 #   probe    memory_release_probe.py: does freed MLX memory go back to the device (CUDA backend)
@@ -104,6 +105,7 @@ pool)
   B_DIR="$(dirname "$MODEL")/model-b"; rm -rf "$B_DIR"; cp -al "$MODEL" "$B_DIR"
   python3 benchmarks/bench_model_swap.py "$MODEL" "$B_DIR" --budget-gb "${POOL_BUDGET:-60}" \
     --requests "${REPEATS:-3}" --swaps "${SWAPS:-4}" --max-tokens "${POOL_TOKENS:-128}" $POOL_FLAGS \
+    --clients "${CLIENTS:-0}" --client-requests "${CLIENT_REQUESTS:-4}" \
     --out $O/pool_swap.json > $O/pool_swap.txt 2>&1
   say "pool (rc $?): $(grep -h '^| [0-9]' $O/pool_swap.txt)"
   rm -rf "$B_DIR" ;;
@@ -142,6 +144,7 @@ setsid nohup env RUN="$RUN" MODEL="${MODEL:-}" PYTHONPATH="$RUN/src:${PYTHONPATH
   JOBS="$JOBS" LOCAL="${LOCAL:-0}" ROUNDS="${ROUNDS:-}" DISK_REPEATS="${DISK_REPEATS:-}" COPY="${COPY:-}" \
   SPEC_TOKENS="${SPEC_TOKENS:-}" MAX_DRAFT="${MAX_DRAFT:-}" SWAPS="${SWAPS:-}" POOL_BUDGET="${POOL_BUDGET:-}" \
   POOL_TOKENS="${POOL_TOKENS:-}" POOL_FLAGS="${POOL_FLAGS:-}" COMMIT="${COMMIT:-}" \
+  CLIENTS="${CLIENTS:-}" CLIENT_REQUESTS="${CLIENT_REQUESTS:-}" \
   AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
   bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "steps started (pid $!)"

@@ -179,8 +179,11 @@ class ModelPool:
 
     def _yielding(self) -> list[str]:
         """The ready models that admit no new request now: those to be unloaded for the model that
-        has waited longest for room (its running requests finish first), so that no model's
-        requests wait forever behind a steady stream to another. None where nobody waits for room."""
+        has waited longest for room (their running requests finish first), once it has waited, and
+        they have served since they became ready, as long as its last load took (so a swap is
+        followed by at least about as much serving as it cost; a model never loaded is owed its
+        turn at once). No model's requests wait for ever behind a steady stream to another.
+        Empty where nobody waits for room."""
         budget = self.config.memory_budget_bytes
         waiting = [s for s in self.slots.values() if s.waiters and s.state in ("unloaded", "failed")]
         if budget is None or not waiting or self.config.contention == "fail":
@@ -188,7 +191,9 @@ class ModelPool:
         first = min(waiting, key=lambda s: s.waiting_since)
         resident = [Resident(s.name, s.reserved, s.state == "ready" and not s.model.pinned, s.last_used)
                     for s in self.slots.values() if s.state in RESIDENT]
-        return make_room(first.model.reservation.total, resident, budget) or []
+        victims = make_room(first.model.reservation.total, resident, budget) or []
+        since = max([first.waiting_since, *(self.slots[name].ready_since for name in victims)])
+        return victims if time.monotonic() - since >= first.last_load_s else []
 
     def _no_room(self, slot: ModelSlot) -> str:
         busy = ", ".join(f"{s.name} ({s.state}{', pinned' if s.model.pinned else ''}, {s.active} requests)"
@@ -236,7 +241,7 @@ class ModelPool:
                 if relay.error is None:
                     slot.state = "unloading" if slot.stop.is_set() else "ready"
                     slot.loaded_at_unix, slot.ready_since = time.time(), time.monotonic()
-                    seconds = time.monotonic() - tic
+                    seconds = slot.last_load_s = time.monotonic() - tic
                     self.metrics.load_seconds.labels(name).observe(seconds)
                     log.info("model %s loaded in %.1fs (reserved %s)", name, seconds,
                              gib(slot.model.reservation.total))

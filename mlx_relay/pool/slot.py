@@ -5,9 +5,10 @@
     loading --(the boot failed)--> failed --(a request or POST load, after the backoff)--> loading
 
 A ready model may be *yielding* (the pool's `_yielding`, derived, never stored): the model that
-has waited longest for room needs it unloaded, so it admits no request that arrived after it became
-ready (those that waited for its load are served by it); its running ones finish, it becomes idle
-and is unloaded, and the requests held back wait for their turn.
+has waited longest for room needs it unloaded and has waited as long as its own last load took, so
+it admits no request that arrived after it became ready (those that waited for its load are served
+by it); its running ones finish, it becomes idle and is unloaded, and the requests held back wait
+for their turn.
 
 Only the pool (`pool.py`) changes a slot, on the event loop; a slot holds no lock.
 """
@@ -45,6 +46,7 @@ class ModelSlot:
         self.last_used_unix: float | None = None
         self.loaded_at_unix: float | None = None
         self.ready_since = 0.0  # monotonic: when its current load became ready
+        self.last_load_s = 0.0  # how long its last load took (0: never loaded)
         self.holding = False  # its engine is started (its memory is taken), until it is unloaded
         self.error: BaseException | None = None  # why its last load failed
         self.failed_at = 0.0
