@@ -166,9 +166,9 @@ def main() -> None:
           f"({s['swap_ttft_s_range'][0]:.2f}-{s['swap_ttft_s_range'][1]:.2f}) | {s['swap_load_s_median']:.2f} s | "
           f"{s['warm_out_tok_s']:.1f} tok/s | {s['mix_out_tok_s']:.2f} tok/s | {s['mix_vs_alone']:.3f}x |")
     if concurrent is not None:
-        print(f"\n{args.clients} clients x {args.client_requests} requests: a alone "
-              f"{concurrent['alone_out_tok_s']:.1f} tok/s; a/b mix {concurrent['mix_out_tok_s']:.1f} tok/s ({concurrent['mix_vs_alone']:.3f}x) with "
-              f"{concurrent['mix_loads']} loads")
+        c = concurrent
+        print(f"\n{args.clients} clients x {args.client_requests} requests: a alone {c['alone_out_tok_s']:.1f} "
+              f"tok/s; a/b mix {c['mix_out_tok_s']:.1f} tok/s ({c['mix_vs_alone']:.3f}x) with {c['mix_loads']} loads")
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2))
 
