@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--models-config", default=None, metavar="FILE",
                       help="a TOML file of [models.NAME] tables: path, aliases, pinned, idle_ttl_s, max_num_seqs, "
                            "max_model_len, mtp, speculation, max_draft_tokens, specprefill_draft_model, "
-                           "prefix_cache, prefix_cache_gb, tool_parser (docs/serving.md)")
+                           "prefix_cache, prefix_cache_gb, tool_parser, warmup (docs/serving.md)")
     pool.add_argument("--memory-budget-gb", type=float, default=None,
                       help="the loaded models' weights and caches together: a model is loaded only where its "
                            "reservation fits, idle unpinned models are unloaded (least recently used first) to make "

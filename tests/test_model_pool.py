@@ -294,3 +294,20 @@ def test_make_room_takes_idle_unpinned_models_least_recently_used_first() -> Non
     assert make_room(60, resident, 100) == ["b", "a"]
     assert make_room(90, resident, 100) is None  # c is in use (or pinned)
     assert make_room(10**9, resident, None) == []
+
+
+def test_a_models_file_gives_each_model_its_own_settings(tmp_path: Path, fp32_model: Path) -> None:
+    file = tmp_path / "models.toml"
+    file.write_text(f'[models.big]\npath = "{fp32_model}"\naliases = ["claude-*", "*"]\npinned = true\n'
+                    'max_num_seqs = 3\nmax_model_len = 1024\nspeculation = "context"\nprefix_cache_gb = 0.01\n'
+                    'warmup = false\n\n[models.small]\npath = "rel"\nidle_ttl_s = 60\n')
+    (tmp_path / "rel").mkdir()
+    big, small = read_models_file(file)
+    assert (big.name, big.entry.pinned, big.entry.aliases) == ("big", True, ["claude-*", "*"])
+    assert big.entry.overrides() == {"max_num_seqs": 3, "max_model_len": 1024, "speculation": "context",
+                                     "warmup": False, "prefix_cache_bytes": int(0.01 * (1 << 30))}
+    assert small.entry.path == str(tmp_path / "rel") and small.entry.idle_ttl_s == 60  # relative to the file
+    pool = pool_config([big], {"max_num_seqs": 8, "warmup": True}, budget=None)
+    engine = pool.models[0].config.engine
+    assert (engine.max_num_seqs, engine.max_model_len, engine.speculation, engine.warmup) == (3, 1024, "context", False)
+    assert engine.engine_process == "on" and pool.models[0].reservation.decode_bytes > 0
