@@ -311,3 +311,16 @@ def test_a_models_file_gives_each_model_its_own_settings(tmp_path: Path, fp32_mo
     engine = pool.models[0].config.engine
     assert (engine.max_num_seqs, engine.max_model_len, engine.speculation, engine.warmup) == (3, 1024, "context", False)
     assert engine.engine_process == "on" and pool.models[0].reservation.decode_bytes > 0
+
+
+def test_loading_and_unloading_by_hand_need_the_api_key(fp32_model: Path) -> None:
+    pool = build_pool({"rand": fp32_model}, budget=None)
+    first = pool.models[0].config
+    config = build_config(first.model, served_model_name="rand", api_keys=("k1",), **SETTINGS)
+    with LiveServer(config, boot=ModelPool.boot(pool)) as live:
+        for action in ("load", "unload"):
+            refused = httpx.post(f"{live.url}/v1/models/rand/{action}", timeout=30)
+            assert refused.status_code == 401
+        done = httpx.post(f"{live.url}/v1/models/rand/unload", timeout=30, headers={"Authorization": "Bearer k1"})
+        assert done.status_code == 200 and done.json()["state"] == "unloaded"
+        assert httpx.get(live.url + "/health", timeout=30).json()["models"] == {"rand": "unloaded"}
