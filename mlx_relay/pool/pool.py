@@ -31,7 +31,6 @@ from pathlib import Path
 import anyio
 import msgspec
 from anyio.abc import TaskGroup
-from prometheus_client import generate_latest
 
 from mlx_relay.config import ServerConfig
 from mlx_relay.errors import (
@@ -44,17 +43,16 @@ from mlx_relay.errors import (
     NoRoomForModel,
     NotReady,
 )
-from mlx_relay.http.served import BootServed, Served, model_card
-from mlx_relay.http.types import HealthBody, LoadModelBody, ModelCard, ModelMemory, PooledModelCard
-from mlx_relay.messages.admission import REJECT_REASONS, AdmissionStats
-from mlx_relay.metrics.server import MergedCollector
+from mlx_relay.http.served import BootServed, Served
+from mlx_relay.http.types import HealthBody, LoadModelBody, ModelCard
+from mlx_relay.messages.admission import AdmissionStats
 from mlx_relay.pool.build import gib, over_budget, pooled_model
 from mlx_relay.pool.config import PoolConfig, PooledModel
 from mlx_relay.pool.metrics import PoolMetrics
 from mlx_relay.pool.reservation import Resident, make_room
 from mlx_relay.pool.slot import RESIDENT, ModelSlot, UnloadReason
+from mlx_relay.pool.views import admission_total, card_of, exposition, loaded
 from mlx_relay.relay import DrainReport, Relay
-from mlx_relay.runtime import RuntimeFault
 from mlx_relay.service import ChatService
 
 log = logging.getLogger(__name__)
@@ -339,67 +337,23 @@ class ModelPool:
                           models={slot.name: slot.state for slot in self.slots.values()})
         if self.error is not None:
             body.error = str(self.error)
-        loaded = self._loaded()
-        if loaded:
-            body.backend = next((r.info.backend for r in loaded if r.info is not None), None)
+        relays = loaded(list(self.slots.values()))
+        if relays:
+            body.backend = next((r.info.backend for r in relays if r.info is not None), None)
             stats = await self.admission_stats()
             body.running, body.queued = stats.running, stats.queued
             body.max_num_seqs, body.max_queue = stats.max_num_seqs, stats.max_queue
         return body, self.state == "ready"
 
-    def _loaded(self) -> list[Relay]:
-        return [slot.relay for slot in self.slots.values() if slot.state == "ready" and slot.relay is not None]
-
     async def model_cards(self, created: int) -> list[ModelCard]:
-        return [await self._card(slot, created) for slot in self.slots.values()]
-
-    async def _card(self, slot: ModelSlot, created: int) -> PooledModelCard:
-        r = slot.model.reservation
-        memory = ModelMemory(r.total, r.weights_bytes, r.prefix_cache_bytes, r.decode_bytes, r.buffer_cache_bytes)
-        base = model_card(slot.relay, created) if slot.relay is not None else None
-        if slot.state == "ready" and slot.relay is not None:
-            try:
-                engine = await slot.relay.engine_stats()
-                memory = msgspec.structs.replace(memory, active_bytes=engine.active_memory_bytes,
-                                                 peak_bytes=engine.peak_memory_bytes)
-            except (NotReady, RuntimeFault):
-                pass
-        ctx = base.context_length if base is not None and base.context_length else slot.model.context_length
-        return PooledModelCard(
-            slot.name, created, context_length=ctx, max_model_len=ctx,
-            capabilities=base.capabilities if base is not None else None,
-            state=slot.state, pinned=slot.model.pinned, aliases=list(slot.model.config.model_aliases),
-            memory=memory, running=slot.active, waiting=slot.waiters, idle_ttl_s=slot.model.idle_ttl_s,
-            last_used=slot.last_used_unix, loaded_at=slot.loaded_at_unix,
-            error=None if slot.error is None else str(slot.error))
+        return [await card_of(slot, created) for slot in self.slots.values()]
 
     async def admission_stats(self) -> AdmissionStats:
-        total = AdmissionStats(state=self.state, detail="", running=0, queued=0, max_num_seqs=0, max_queue=0,
-                               admitted=0, rejected=dict.fromkeys(REJECT_REASONS, 0))
-        for relay in self._loaded():
-            try:
-                s = await relay.stats()
-            except RuntimeFault:
-                continue
-            total = msgspec.structs.replace(
-                total, running=total.running + s.running, queued=total.queued + s.queued,
-                max_num_seqs=total.max_num_seqs + s.max_num_seqs, max_queue=total.max_queue + s.max_queue,
-                admitted=total.admitted + s.admitted,
-                rejected={k: total.rejected.get(k, 0) + v for k, v in s.rejected.items()})
-        return total
+        return await admission_total(list(self.slots.values()), self.state)
 
     async def scrape(self) -> bytes:
-        collectors = [self.metrics.collector(list(self.slots.values()), self.config.memory_budget_bytes,
-                                             self.peak_reserved)]
-        for slot in self.slots.values():
-            snapshot = None
-            if slot.state == "ready" and slot.relay is not None:
-                try:
-                    snapshot = await slot.relay.stats_snapshot()
-                except RuntimeFault:
-                    pass
-            collectors.append(slot.metrics.collector(snapshot))
-        return generate_latest(MergedCollector(collectors))
+        return await exposition(self.metrics, list(self.slots.values()), self.config.memory_budget_bytes,
+                                self.peak_reserved)
 
     async def load(self, name: str, body: LoadModelBody) -> ModelCard:
         if body.path is not None:
@@ -411,7 +365,7 @@ class ModelPool:
             name = self.names[name]
         async with self.use(name):
             pass
-        return await self._card(self.slots[name], int(time.time()))
+        return await card_of(self.slots[name], int(time.time()))
 
     def _register(self, name: str, body: LoadModelBody) -> str:
         """A model named at run time by its local checkpoint directory, served with the server's flags."""
@@ -446,7 +400,7 @@ class ModelPool:
             done = slot.unloaded
             self._unload(slot, "request")
             await done.wait()
-        return await self._card(slot, int(time.time()))
+        return await card_of(slot, int(time.time()))
 
     async def drain(self, timeout_s: float) -> DrainReport:
         """Every model drains and unloads (their streams finish within the pool's drain timeout)."""
