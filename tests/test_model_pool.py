@@ -19,6 +19,7 @@ import pytest
 
 from mlx_relay.config import build_config
 from mlx_relay.default_model import default_model_path
+from mlx_relay.errors import ModelNotFound
 from mlx_relay.pool.build import pool_config
 from mlx_relay.pool.config import PoolConfig
 from mlx_relay.pool.models_file import ModelEntry, ModelsConfigError, NamedEntry, read_models_file
@@ -324,3 +325,18 @@ def test_loading_and_unloading_by_hand_need_the_api_key(fp32_model: Path) -> Non
         done = httpx.post(f"{live.url}/v1/models/rand/unload", timeout=30, headers={"Authorization": "Bearer k1"})
         assert done.status_code == 200 and done.json()["state"] == "unloaded"
         assert httpx.get(live.url + "/health", timeout=30).json()["models"] == {"rand": "unloaded"}
+
+
+async def test_the_in_process_api_chats_with_each_model_by_name(fp32_model: Path) -> None:
+    models = {k: v for k, v in paths(fp32_model).items() if k != "agent"}
+    pool_cfg = build_pool(models, budget=None)
+    first = pool_cfg.models[0].config
+    async with ModelPool.run(pool_cfg, build_config(first.model, served_model_name="coder", **SETTINGS)) as pool:
+        messages = [{"role": "user", "content": "hi"}]
+        coder = await pool.chat("coder", messages, max_tokens=4, temperature=0)
+        streamed = [event async for event in pool.stream_chat("rand", messages, max_tokens=4, temperature=0)]
+        assert coder.usage.completion_tokens == 4 and coder.finish_reason == "length"
+        assert type(streamed[0]).__name__ == "ReplyStarted" and type(streamed[-1]).__name__ == "ReplyDone"
+        assert {name: slot.state for name, slot in pool.slots.items()} == {"coder": "ready", "rand": "ready"}
+        with pytest.raises(ModelNotFound):
+            await pool.chat("gpt-9", messages)

@@ -24,14 +24,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
+from mlx_relay.chat.output import ReplyEvent
+from mlx_relay.chat.reply import ChatReply
+from mlx_relay.chat.types import ChatMessage
 from mlx_relay.config import ServerConfig
 from mlx_relay.errors import (
     InvalidModelPath,
@@ -325,6 +329,26 @@ class ModelPool:
             slot.active -= 1
             slot.touch()
             self._changed()
+
+    # -- the in-process API ----------------------------------------------------------------------------
+    async def chat(self, model: str | None, messages: Sequence[ChatMessage | dict[str, Any]],
+                   **params: Any) -> ChatReply:
+        """`Relay.chat` on the model `model` names (loaded first if need be, held in use meanwhile)."""
+        name = self.resolve(model)
+        async with self.use(name):
+            relay = self.slots[name].relay
+            assert relay is not None
+            return await relay.chat(messages, **params)
+
+    async def stream_chat(self, model: str | None, messages: Sequence[ChatMessage | dict[str, Any]],
+                          **params: Any) -> AsyncIterator[ReplyEvent]:
+        """`Relay.stream_chat` on the model `model` names (loaded first if need be, held in use meanwhile)."""
+        name = self.resolve(model)
+        async with self.use(name):
+            relay = self.slots[name].relay
+            assert relay is not None
+            async for event in relay.stream_chat(messages, **params):
+                yield event
 
     def relay(self, name: str | None) -> Relay:
         slot = self.slots[name if name is not None else next(iter(self.slots))]
