@@ -37,7 +37,10 @@ NO_MLX = ["mlx_relay", "mlx_relay.cli", "mlx_relay.relay", "mlx_relay.http.serve
             if p.stem != "__init__"),
           *("mlx_relay." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
             for p in sorted((PACKAGE / "http").rglob("*.py")) if p.stem != "__init__"),
-          *(f"mlx_relay.metrics.{p.stem}" for p in sorted((PACKAGE / "metrics").glob("*.py")) if p.stem != "__init__")]
+          *(f"mlx_relay.metrics.{p.stem}" for p in sorted((PACKAGE / "metrics").glob("*.py")) if p.stem != "__init__"),
+          # several models: the pool, its reservations (engine/models/footprint.py) and views
+          "mlx_relay.engine.models.footprint",
+          *(f"mlx_relay.pool.{p.stem}" for p in sorted((PACKAGE / "pool").glob("*.py")) if p.stem != "__init__")]
 
 
 def test_the_runtime_http_the_request_path_and_every_actor_but_the_gpu_executor_import_no_mlx() -> None:
@@ -48,7 +51,7 @@ def test_the_runtime_http_the_request_path_and_every_actor_but_the_gpu_executor_
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
     assert "mlx_relay.actors.text_mtp_executor" in NO_MLX and "mlx_relay.http.app" in NO_MLX
     assert "mlx_relay.http.server" in NO_MLX and "mlx_relay.http.streaming" in NO_MLX
-    assert "mlx_relay.http.formats.responses.routes" in NO_MLX
+    assert "mlx_relay.http.formats.responses.routes" in NO_MLX and "mlx_relay.pool.pool" in NO_MLX
     assert {"mlx_relay.engine.hosting", "mlx_relay.engine.lanes", "mlx_relay.engine.step"} <= set(NO_MLX)
 
 
