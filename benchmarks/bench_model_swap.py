@@ -120,7 +120,7 @@ def main() -> None:
 
     settings: dict[str, Any] = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                     warmup=not args.no_warmup)
-    entries = [NamedEntry("a", ModelEntry(path=args.model_a), "a"), NamedEntry("b", ModelEntry(path=args.model_b), "b")]
+    entries = [NamedEntry(n, ModelEntry(path=path), n, n) for n, path in (("a", args.model_a), ("b", args.model_b))]
     budget = int(args.budget_gb * (1 << 30))
     pool = pool_config(entries, settings, budget=budget, load_wait_s=1800)
     sizes = {m.name: m.reservation.total for m in pool.models}

@@ -42,7 +42,7 @@ def paths(fp32_model: Path) -> dict[str, Path]:
 def build_pool(models: dict[str, Path], *, budget: int | None, pinned: tuple[str, ...] = (),
                idle_ttl_s: float | None = None, contention: str = "wait", drain_timeout_s: float = 30.0,
                **settings: Any) -> PoolConfig:
-    entries = [NamedEntry(name, ModelEntry(path=str(path), pinned=name in pinned, idle_ttl_s=idle_ttl_s), name)
+    entries = [NamedEntry(name, ModelEntry(path=str(path), pinned=name in pinned, idle_ttl_s=idle_ttl_s), name, name)
                for name, path in models.items()]
     return pool_config(entries, {**SETTINGS, **settings}, budget=budget, contention=contention,  # type: ignore[arg-type]
                        drain_timeout_s=drain_timeout_s, load_wait_s=300)

@@ -159,11 +159,10 @@ class OneModel:
         return await self._relay.scrape()
 
     async def load(self, name: str, body: LoadModelBody) -> ModelCard:
-        raise InvalidRequest("this server serves one model; start it with --model NAME=PATH (or --models-config) "
-                             "to load and unload models")
+        raise _serves_one_model()
 
     async def unload(self, name: str) -> ModelCard:
-        return await self.load(name, LoadModelBody())
+        raise _serves_one_model()
 
     async def drain(self, timeout_s: float) -> DrainReport:
         return await self._relay.drain(timeout_s)
@@ -173,6 +172,11 @@ class OneModel:
         assert info is not None
         return (f"model {self.config.served_model_name} ({info.model_type}, {info.backend.upper()} backend, "
                 f"context {info.context_length})")
+
+
+def _serves_one_model() -> InvalidRequest:
+    return InvalidRequest("this server serves one model; start it with --model NAME=PATH (or --models-config) "
+                          "to load and unload models")
 
 
 def model_card(relay: Relay, created: int) -> ModelCard:

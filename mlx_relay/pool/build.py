@@ -14,7 +14,7 @@ from mlx_relay.config import ServerConfig, build_config
 from mlx_relay.engine.models.checkpoint import context_length, read_config, resolve_model_path
 from mlx_relay.errors import ModelLoadError
 from mlx_relay.pool.config import PoolConfig, PooledModel
-from mlx_relay.pool.models_file import ModelsConfigError, NamedEntry, line_of_key
+from mlx_relay.pool.models_file import ModelsConfigError, NamedEntry
 from mlx_relay.pool.reservation import pooled_engine, reservation_for
 
 
@@ -47,7 +47,7 @@ def pool_config(entries: Sequence[NamedEntry], overrides: dict[str, Any], *, bud
         try:
             path = resolve_model_path(entry.path)
         except ModelLoadError as exc:
-            raise ModelsConfigError(f"{line_of_key(named.where, 'path')}: models.{named.name}: {exc}") from None
+            raise ModelsConfigError(f"{named.path_where}: models.{named.name}: {exc}") from None
         settings = {**overrides, **entry.overrides()}
         try:
             draft = settings.get("specprefill_draft_model")

@@ -56,7 +56,8 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class NamedEntry(msgspec.Struct, frozen=True):
     name: str
     entry: ModelEntry
-    where: str  # "FILE:LINE" or "--model NAME=PATH", for errors that come later (a path that is no model)
+    where: str  # "FILE:LINE" or "--model NAME=PATH", for errors that come later (a setting out of range)
+    path_where: str  # the same for its path (the line of `path =`): a path that is no model
 
 
 def parse_model_flag(text: str) -> NamedEntry:
@@ -66,7 +67,7 @@ def parse_model_flag(text: str) -> NamedEntry:
         name, path = Path(text).name or text, text
     if not name or not path:
         raise ModelsConfigError(f"--model {text}: expected NAME=PATH")
-    return NamedEntry(name, ModelEntry(path=path), f"--model {text}")
+    return NamedEntry(name, ModelEntry(path=path), f"--model {text}", f"--model {text}")
 
 
 def read_models_file(file: Path) -> list[NamedEntry]:
@@ -101,26 +102,8 @@ def read_models_file(file: Path) -> list[NamedEntry]:
         path = Path(entry.path).expanduser()
         if not path.is_absolute() and (file.parent / path).exists():
             entry = msgspec.structs.replace(entry, path=str((file.parent / path).resolve()))
-        entries.append(NamedEntry(name, entry, where))
+        entries.append(NamedEntry(name, entry, where, f"{file}:{_line_of(text, name, 'path')}"))
     return entries
-
-
-def line_of_key(where: str, key: str) -> str:
-    """`where` ("FILE:LINE" of a table) moved to the line of `key` in that table, if found."""
-    file, _, line = where.rpartition(":")
-    if not file or not line.isdigit():
-        return where
-    try:
-        text = Path(file).read_text()
-    except OSError:
-        return where
-    lines = text.splitlines()
-    for number in range(int(line), len(lines)):
-        if re.match(r"\s*\[", lines[number]):
-            break
-        if re.match(rf"\s*{re.escape(key)}\s*=", lines[number]):
-            return f"{file}:{number + 1}"
-    return where
 
 
 def _key_of(message: str) -> str | None:

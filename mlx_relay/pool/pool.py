@@ -84,7 +84,7 @@ class ModelPool:
 
     # -- assembly -------------------------------------------------------------------------------------
     @classmethod
-    def boot(cls, config: PoolConfig) -> BootServed:
+    def boot(cls, pool_config: PoolConfig) -> BootServed:
         """The app's boot for this pool (`http/served.BootServed`); `config` there is the server's."""
 
         @asynccontextmanager
@@ -95,7 +95,6 @@ class ModelPool:
                     await pool.ready.wait()
                 yield pool
 
-        pool_config = config
         return start
 
     @classmethod
@@ -169,9 +168,8 @@ class ModelPool:
                     if slot.state == "failed" and time.monotonic() - slot.failed_at < FAILED_RETRY_S:
                         raise ModelLoadFailed(f"the model '{slot.name}' failed to load: {slot.error}",
                                               retry_after_s=FAILED_RETRY_S)
-                    resident = [Resident(s.name, s.reserved, s.evictable(), s.last_used)
-                                for s in self.slots.values() if s.state in RESIDENT]
-                    victims = make_room(slot.model.reservation.total, resident, self.config.memory_budget_bytes)
+                    victims = make_room(slot.model.reservation.total, self._resident(busy_too=False),
+                                        self.config.memory_budget_bytes)
                     if victims is None:
                         if self.config.contention == "fail":
                             raise NoRoomForModel(self._no_room(slot))
@@ -191,11 +189,15 @@ class ModelPool:
         if budget is None or not waiting or self.config.contention == "fail":
             return []
         first = min(waiting, key=lambda s: s.waiting_since)
-        resident = [Resident(s.name, s.reserved, s.state == "ready" and not s.model.pinned, s.last_used)
-                    for s in self.slots.values() if s.state in RESIDENT]
-        victims = make_room(first.model.reservation.total, resident, budget) or []
+        victims = make_room(first.model.reservation.total, self._resident(busy_too=True), budget) or []
         since = max([first.waiting_since, *(self.slots[name].ready_since for name in victims)])
         return victims if time.monotonic() - since >= first.last_load_s else []
+
+    def _resident(self, *, busy_too: bool) -> list[Resident]:
+        """The models holding memory, as `make_room` sees them: evictable when ready and unpinned,
+        and idle unless `busy_too` (which the fairness rule asks: whom to stop admitting to)."""
+        return [Resident(s.name, s.reserved, s.evictable() or (busy_too and s.state == "ready" and not s.model.pinned),
+                         s.last_used) for s in self.slots.values() if s.state in RESIDENT]
 
     def _no_room(self, slot: ModelSlot) -> str:
         busy = ", ".join(f"{s.name} ({s.state}{', pinned' if s.model.pinned else ''}, {s.active} requests)"
