@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mx.distributed's backend (default any: the first available)")
     pp.add_argument("--pipeline-split", default=None, metavar="N,N,...",
                     help="layers per rank, rank 0 first (rank 0 runs the last layers; default: an even split)")
+    pp.add_argument("--pipeline-transfer", default="auto", choices=["auto", "p2p", "collective"],
+                    help="how a stage's hidden states reach the next: send/recv (p2p) or one all_sum per stage "
+                         "boundary (collective; MLX's CUDA backend has no send/recv); auto: collective on CUDA")
     serve.add_argument("--engine-process", default="auto", choices=["auto", "on", "off"],
                        help="run the engine (model, batching, decode steps) in a process of its own, so that "
                             "no Python of the HTTP server delays a step; auto: on where MLX has a GPU "
@@ -365,7 +368,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         prefill_shapes=args.prefill_shapes,
         engine_process=args.engine_process,
         pipeline=PipelineConfig(enabled=True, backend=args.pipeline_backend, split=_split(args.pipeline_split),
-                                rank=_launcher_rank(), leader_host=_launcher_leader_host())
+                                transfer=args.pipeline_transfer, rank=_launcher_rank(),
+                                leader_host=_launcher_leader_host())
         if args.pipeline else PipelineConfig(),
         mtp=not args.no_mtp,
         mtp_block_size=args.mtp_block_size,

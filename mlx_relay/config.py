@@ -25,6 +25,9 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     # layers per rank (rank 0 first; rank 0 runs the LAST layers, as mlx-lm's PipelineMixin);
     # None: an even split, the low ranks taking the extra layers
     split: tuple[int, ...] | None = None
+    # how a stage boundary moves the hidden state (`pipeline_stage.Stage`): send/recv, or one
+    # all_sum per boundary (NCCL: MLX's CUDA backend has no send/recv); auto: collective on CUDA
+    transfer: Literal["auto", "p2p", "collective"] = "auto"
     rank: int = 0
     # where rank 0 listens for the followers' liveness connections (`engine/hosting/pipeline_watch.py`):
     # its address as the launcher gave it (the ring hostfile's rank 0, NCCL_HOST_IP,

@@ -95,14 +95,15 @@ def _launch(model: Path, tmp: Path, flags: list[str]) -> Iterator[tuple[str, dic
                 p.wait(10)
 
 
-@pytest.fixture(scope="module")
-def pipeline(eight_layers: Path, fp32_model: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[tuple[str, dict[int, subprocess.Popen[bytes]]]]:
-    """The two ranks with the reference's flags; warm-up on, so that the warm-up runs in lockstep too."""
+@pytest.fixture(scope="module", params=["p2p", "collective"])
+def pipeline(request: pytest.FixtureRequest, eight_layers: Path, fp32_model: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[int, subprocess.Popen[bytes]]]]:
+    """The two ranks with the reference's flags; warm-up on, so that the warm-up runs in lockstep too.
+    Both transfers: send/recv, and the all_sum per boundary that NCCL runs (here on the ring)."""
     yield from _launch(eight_layers, tmp_path_factory.mktemp("pipeline"), [
         "--max-num-seqs", "4", "--prefix-min-snapshot-tokens", "16", "--mtp-policy", "always",
         "--specprefill-draft-model", str(fp32_model), "--specprefill-threshold", "160",
-        "--specprefill-chunk-size", "16"])
+        "--specprefill-chunk-size", "16", "--pipeline-transfer", request.param])
 
 
 def _chat(url: str, messages: list[dict[str, Any]], max_tokens: int = 16, **extra: Any) -> tuple[str, int]:
@@ -197,6 +198,52 @@ def test_two_ranks_reply_as_the_unsharded_server(
     assert ranks[0].wait(30) == 0 and ranks[1].wait(30) == 0
 
 
+# every rank: a toy pipeline of three stages (rank 2 first), each stage h -> h * (rank + 2) + rank,
+# by the transfer named in argv: eager, compiled, and compiled again on that output; every rank
+# prints what the last stage gave
+_THREE_STAGES = """
+import sys, mlx.core as mx
+from mlx_relay.engine.models.pipeline_stage import Stage
+group = mx.distributed.init(strict=True, backend="ring")
+rank, size = group.rank(), group.size()
+stage = Stage(group, rank, size, 0, 1, sys.argv[1])
+def step(x):
+    h = x if stage.first else stage.receive(x)
+    h = h * (rank + 2) + rank
+    return stage.share(h if stage.last else stage.send(h))
+x = mx.array([[1.0, -2.0, 0.5]])
+eager = step(x)
+mx.eval(eager)
+compiled = mx.compile(step)(x)
+mx.eval(compiled)
+twice = mx.compile(step)(compiled)  # a second step, on the first one's output
+mx.eval(twice)
+print(rank, eager.tolist(), compiled.tolist(), twice.tolist(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("transfer", ["p2p", "collective"])
+def test_three_stages_pass_hidden_states_in_order(transfer: str, tmp_path: Path) -> None:
+    """The transfers over three ranks: a middle stage receives and sends, the collective one has
+    every rank join each boundary in the pipeline's order (chained), eager and inside mx.compile."""
+    hostfile = tmp_path / "hosts.json"
+    base = free_port_range(3)
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(3)]))
+    procs = [subprocess.Popen([sys.executable, "-c", _THREE_STAGES, transfer], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**os.environ, "MLX_RANK": str(r),
+                                                             "MLX_HOSTFILE": str(hostfile)})
+             for r in range(3)]
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0, out.decode()
+        outs.append(out.decode().split(maxsplit=1)[1].strip())
+    x = [1.0, -2.0, 0.5]
+    once = [((v * 4 + 2) * 3 + 1) * 2 for v in x]  # rank 2, then 1, then 0
+    twice = [((v * 4 + 2) * 3 + 1) * 2 for v in once]
+    assert outs == [f"{[once]} {[once]} {[twice]}"] * 3  # the same on every rank
+
+
 def test_pipeline_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
     from mlx_relay.cli import build_parser, config_from_args
 
@@ -204,6 +251,8 @@ def test_pipeline_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch)
     args = build_parser().parse_args(["serve", "m", "--pipeline", "--pipeline-backend", "ring",
                                       "--pipeline-split", "5,3"])
     assert config_from_args(args).engine.pipeline == PipelineConfig(True, "ring", (5, 3), rank=1)
+    args = build_parser().parse_args(["serve", "m", "--pipeline", "--pipeline-transfer", "collective"])
+    assert config_from_args(args).engine.pipeline.transfer == "collective"
     assert not config_from_args(build_parser().parse_args(["serve", "m"])).engine.pipeline.enabled
     with pytest.raises(ValueError, match="disk tier"):  # each rank's snapshot would be a file of its own
         config_from_args(build_parser().parse_args(["serve", "m", "--pipeline", "--prefix-cache-dir", "/tmp/x"]))

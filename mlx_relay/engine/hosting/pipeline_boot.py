@@ -34,7 +34,7 @@ from mlx_relay.engine.hosting.pipeline_sync import follow, share_commands
 from mlx_relay.engine.hosting.pipeline_watch import FollowerWatch, LeaderWatch, WatchLeader
 from mlx_relay.engine.models.checkpoint import resolve_model_path
 from mlx_relay.engine.models.loader import LoadedModel, apply_memory_limits, default_prefix_cache_bytes, load_model
-from mlx_relay.engine.models.pipeline_stage import Stage, UnsupportedSplit, shard_language_model
+from mlx_relay.engine.models.pipeline_stage import Stage, UnsupportedSplit, default_transfer, shard_language_model
 from mlx_relay.engine.step.core import EngineCore
 from mlx_relay.errors import PipelineSetupError
 
@@ -88,9 +88,11 @@ def load_stage(path: Path, config: PipelineConfig, group: Any) -> tuple[LoadedMo
         start, end = shard_language_model(loaded.model.language_model, group.rank(), group.size(), config.split)
     except UnsupportedSplit as exc:
         raise PipelineSetupError(str(exc)) from exc
-    stage = Stage(group, group.rank(), group.size(), start, end)
+    transfer = default_transfer() if config.transfer == "auto" else config.transfer
+    stage = Stage(group, group.rank(), group.size(), start, end, transfer)
     mx.eval(loaded.model.parameters())
-    log.info("pipeline rank %d of %d: layers %d..%d", stage.rank, stage.size, stage.start, stage.end - 1)
+    log.info("pipeline rank %d of %d: layers %d..%d, hidden states by %s", stage.rank, stage.size, stage.start,
+             stage.end - 1, "send/recv" if transfer == "p2p" else "all_sum")
     return loaded, stage
 
 

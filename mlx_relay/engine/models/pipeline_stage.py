@@ -14,7 +14,7 @@ layers only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 
@@ -26,6 +26,15 @@ class UnsupportedSplit(ValueError):
     a split that does not fit the group or the model."""
 
 
+Transfer = Literal["p2p", "collective"]
+
+
+def default_transfer() -> Transfer:
+    """The transfer this machine's MLX can run: collectives where the GPU is CUDA's (no send or
+    recv there), send/recv elsewhere."""
+    return "collective" if mx.cuda.is_available() else "p2p"
+
+
 @dataclass(frozen=True)
 class Stage:
     group: Any  # mx.distributed.Group
@@ -33,6 +42,7 @@ class Stage:
     size: int
     start: int  # this stage's layers are the model's [start, end)
     end: int
+    transfer: Transfer = "p2p"
 
     @property
     def first(self) -> bool:
@@ -46,12 +56,26 @@ class Stage:
 
     def receive(self, like: mx.array) -> mx.array:
         """The previous stage's hidden state, shaped as `like`."""
-        return mx.distributed.recv_like(like, self.rank + 1, group=self.group)
+        if self.transfer == "p2p":
+            return mx.distributed.recv_like(like, self.rank + 1, group=self.group)
+        # the boundaries of the stages before the previous one, then the previous one's
+        return self._boundaries(mx.zeros_like(like), self.size - 1 - self.rank)
 
     def send(self, hidden: mx.array) -> mx.array:
         """`hidden` to the next stage; the array returned carries the send (evaluate it, or
         something depending on it, for the send to happen)."""
-        return mx.distributed.send(hidden, self.rank - 1, group=self.group)
+        if self.transfer == "p2p":
+            return mx.distributed.send(hidden, self.rank - 1, group=self.group)
+        sent = mx.distributed.all_sum(hidden, group=self.group)
+        # then the boundaries of the stages after this one; what comes back is shaped as `hidden`
+        return self._boundaries(sent, self.rank - 1)
+
+    def _boundaries(self, chain: mx.array, count: int) -> mx.array:
+        """Join `count` boundaries as a rank that sends nothing at them (zeros), each after the
+        previous one (after `chain`'s); the last one's result, or `chain` for none."""
+        for _ in range(count):
+            chain = mx.distributed.all_sum(mx.depends(mx.zeros_like(chain), chain), group=self.group)
+        return chain
 
     def share(self, x: mx.array) -> mx.array:
         """The last stage's (rank 0's) `x` on every rank (a non-last rank passes any array of
