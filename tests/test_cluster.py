@@ -54,13 +54,13 @@ def _field(lines: list[str], marker: str, key: str) -> int:
     return int(line.split(f"{key}=")[1].split()[0])
 
 
-def _start_cluster(model: Path, replicas: int) -> Cluster:
+def _start_cluster(model: Path, replicas: int, *flags: str) -> Cluster:
     """`mlx-relay cluster` as a subprocess, once it says it is ready (its later lines keep coming)."""
     port = free_port_range(replicas + 2)  # router, replicas, the router's metrics
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     argv = [sys.executable, "-m", "mlx_relay.cli", "cluster", str(model), "--replicas", str(replicas),
             "--port", str(port), "--ready-timeout", "120",
-            "--served-model-name", MODEL, "--no-warmup", "--drain-timeout", "3", "--log-level", "warning"]
+            "--served-model-name", MODEL, "--no-warmup", "--drain-timeout", "3", "--log-level", "warning", *flags]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     lines: list[str] = []
     assert proc.stdout is not None
@@ -75,7 +75,7 @@ def _start_cluster(model: Path, replicas: int) -> Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(fp32_model: Path) -> Iterator[Cluster]:
-    live = _start_cluster(fp32_model, 2)
+    live = _start_cluster(fp32_model, 2, "--replica-devices", "1,0")
     try:
         yield live
     finally:
@@ -140,6 +140,10 @@ def test_worker_loads_as_smg_reads_them(cluster: Cluster) -> None:
     bad = httpx.get(cluster.replicas[0] + "/v1/loads", params={"include": "core,gpus"})
     assert bad.status_code == 400
     assert bad.json()["error"]["type"] == "invalid_request_error" and bad.json()["error"]["param"] == "include"
+    # --replica-devices: each replica its own GPU (CUDA_VISIBLE_DEVICES; harmless on the CPU)
+    for url, device in zip(cluster.replicas, ("1", "0"), strict=True):
+        environ = Path(f"/proc/{cluster.pids[url]}/environ").read_bytes().split(b"\0")
+        assert f"CUDA_VISIBLE_DEVICES={device}".encode() in environ
     workers = httpx.get(cluster.url + "/workers").json()["workers"]  # SMG's view: both registered, healthy
     assert sorted(w["url"] for w in workers) == cluster.replicas
     assert all(w["is_healthy"] and w["status"] == "ready" for w in workers)
@@ -284,3 +288,17 @@ def test_supervisor_killed_takes_its_children(fp32_model: Path) -> None:
         assert _wait_for(lambda: all(_gone(pid) for pid in children), 20), [(p, _gone(p)) for p in children]
     finally:
         small.kill_all()
+
+
+def test_replica_devices_one_per_replica(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--replica-devices` names one device per local replica, or the command exits 2 saying so."""
+    from mlx_relay.cli import main
+    from mlx_relay.cluster.config import ClusterConfig, RouterConfig
+
+    config = ClusterConfig(model=None, router=RouterConfig(), replicas=2, replica_devices=("0", "1"))
+    assert config.replica_env(2) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert ClusterConfig(model=None, router=RouterConfig()).replica_env(1) == {}
+    assert main(["cluster", "m", "--replicas", "2", "--replica-devices", "0"]) == 2
+    assert "names 1 devices for 2 local replicas" in capsys.readouterr().err
+    assert main(["cluster", "m", "--replicas", "2", "--replica-devices", "0,"]) == 2
+    assert "not a device list" in capsys.readouterr().err

@@ -35,6 +35,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="the router's port; replicas take the next ones")
     p.add_argument("--worker-url", action="append", default=[], metavar="URL",
                    help="a worker already running elsewhere, e.g. http://gpu1:8000 (repeatable)")
+    p.add_argument("--replica-devices", default=None, metavar="D,D,...",
+                   help="one GPU per local replica, as CUDA_VISIBLE_DEVICES names it (e.g. 0,1: replica 1 on "
+                        "GPU 0, replica 2 on GPU 1); default: every replica sees every GPU")
     r = p.add_argument_group("router (SMG's flags of the same names; `smg launch --help` lists the rest)")
     r.add_argument("--policy", default="cache_aware", help="SMG's routing policy (default cache_aware)")
     r.add_argument("--cache-threshold", type=float, default=0.3,
@@ -80,6 +83,7 @@ def config_from_args(args: argparse.Namespace, serve_args: list[str], serve: arg
                           shutdown_grace_s=serve.drain_timeout, extra_args=tuple(args.router_arg))
     return ClusterConfig(model=args.model, router=router, replicas=replicas, worker_urls=tuple(args.worker_url),
                          serve_args=tuple(serve_args), ready_timeout_s=args.ready_timeout,
+                         replica_devices=tuple(args.replica_devices.split(",")) if args.replica_devices else (),
                          drain_timeout_s=serve.drain_timeout)
 
 

@@ -38,6 +38,9 @@ class ClusterConfig(msgspec.Struct, frozen=True):
     worker_urls: tuple[str, ...] = ()  # workers started elsewhere (`mlx-relay serve --host 0.0.0.0` there)
     serve_args: tuple[str, ...] = ()  # flags every local replica's `mlx-relay serve` gets
     replica_host: str = "127.0.0.1"  # where local replicas listen (the router reaches them there)
+    # replica i's GPU as CUDA_VISIBLE_DEVICES gives it (one entry per local replica; "0", "1", or a
+    # UUID); empty: every replica sees the devices the cluster sees
+    replica_devices: tuple[str, ...] = ()
     ready_timeout_s: float = 600.0  # a replica (or the router's registration) must be ready within this
     drain_timeout_s: float = 30.0  # the replicas' --drain-timeout; they get this plus a margin to exit
 
@@ -46,6 +49,15 @@ class ClusterConfig(msgspec.Struct, frozen=True):
             raise ValueError("ClusterConfig.replicas must not be negative")
         if self.replicas == 0 and not self.worker_urls:
             raise ValueError("a cluster needs local replicas or --worker-url workers")
+        if self.replica_devices and len(self.replica_devices) != self.replicas:
+            raise ValueError(f"--replica-devices names {len(self.replica_devices)} devices for "
+                             f"{self.replicas} local replicas: one each")
+        if any(not d or any(c.isspace() or c == "," for c in d) for d in self.replica_devices):
+            raise ValueError(f"--replica-devices: not a device list: {','.join(self.replica_devices)!r}")
+
+    def replica_env(self, index: int) -> dict[str, str]:
+        """What replica `index` (from 1) gets in its environment beyond the cluster's own."""
+        return {"CUDA_VISIBLE_DEVICES": self.replica_devices[index - 1]} if self.replica_devices else {}
 
     def replica_urls(self) -> tuple[str, ...]:
         return tuple(f"http://{self.replica_host}:{self.router.port + i}" for i in range(1, self.replicas + 1))

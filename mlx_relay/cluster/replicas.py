@@ -11,6 +11,7 @@ child outlives the supervisor, on Linux and macOS alike, without polling. Ready 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -43,9 +44,10 @@ class Child:
     supervisor (its end is the child's lifeline), stopped with one signal and a deadline, killed
     past it."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.name = name
         self.argv = argv
+        self.env = env or {}  # set in the child's environment, over the supervisor's
         self.process: Process | None = None
 
     @property
@@ -55,7 +57,8 @@ class Child:
 
     async def start(self) -> None:
         self.process = await anyio.open_process(self.argv, stdin=subprocess.PIPE, stdout=None, stderr=None,
-                                                start_new_session=True)
+                                                start_new_session=True,
+                                                env={**os.environ, **self.env} if self.env else None)
 
     @property
     def returncode(self) -> int | None:
@@ -96,8 +99,8 @@ class Child:
 class Replica(Child):
     """`mlx-relay serve` on `url`."""
 
-    def __init__(self, index: int, url: str, argv: list[str]) -> None:
-        super().__init__(f"replica {index}", argv)
+    def __init__(self, index: int, url: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        super().__init__(f"replica {index}", argv, env)
         self.index = index
         self.url = url
 

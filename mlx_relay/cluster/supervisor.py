@@ -23,7 +23,8 @@ EXIT_MARGIN_S = 15.0  # beyond a child's own drain or grace period before it is 
 
 
 def build_replicas(config: ClusterConfig) -> list[Replica]:
-    return [Replica(i, url, serve_argv(config.model, config.replica_host, config.router.port + i, config.serve_args))
+    return [Replica(i, url, serve_argv(config.model, config.replica_host, config.router.port + i, config.serve_args),
+                    config.replica_env(i))
             for i, url in enumerate(config.replica_urls(), start=1)]
 
 
@@ -65,7 +66,8 @@ async def _start(config: ClusterConfig, router: Router, replicas: list[Replica],
         await replica.start()
     for replica in replicas:  # they boot side by side; waiting for each in turn costs no extra time
         await replica.wait_ready(config.ready_timeout_s)
-        announce(f"replica {replica.index} pid={replica.pid} url={replica.url} ready")
+        device = f" on GPU {replica.env['CUDA_VISIBLE_DEVICES']}" if "CUDA_VISIBLE_DEVICES" in replica.env else ""
+        announce(f"replica {replica.index} pid={replica.pid} url={replica.url} ready{device}")
         spawn(_report_exit, replica, announce)
     await router.start()
     await router.wait_ready(config.ready_timeout_s)
