@@ -19,7 +19,7 @@ from mlx_relay.bench.scenario import load_scenario, shipped_names
 from mlx_relay.bench.session import session_messages, session_request
 from mlx_relay.bench.workload import ChatJob, SessionJob, build_jobs, request_count
 
-SHIPPED = ["agent_sessions", "images", "long_prompt", "mix", "short_chat"]
+SHIPPED = ["agent_fleet", "agent_sessions", "images", "long_prompt", "mix", "short_chat"]
 
 
 def encode(jobs: object) -> bytes:
@@ -35,7 +35,7 @@ def test_every_shipped_scenario_loads_and_generates(name: str) -> None:
     assert request_count(jobs) == 12
 
 
-@pytest.mark.parametrize("name", ["short_chat", "agent_sessions", "mix"])
+@pytest.mark.parametrize("name", ["short_chat", "agent_sessions", "agent_fleet", "mix"])
 def test_the_same_seed_sends_the_same_requests(name: str) -> None:
     scenario = load_scenario(name)
     a, b = build_jobs(scenario, 7, 30), build_jobs(scenario, 7, 30)
@@ -89,6 +89,20 @@ def test_agent_sessions_grow_turn_by_turn_with_tool_turns() -> None:
         session_messages(job, 2, replies[:1])
     # the last session of a run is cut to the request budget
     assert request_count(build_jobs(scenario, 0, 13)) == 13
+
+
+def test_agent_fleet_sessions_each_have_their_own_system_prompt() -> None:
+    """`distinct_system_prompts`: no two sessions share even their first words, and each keeps its
+    own system prompt on every turn."""
+    jobs = build_jobs(load_scenario("agent_fleet"), 0, 128)
+    sessions = [j for j in jobs if isinstance(j, SessionJob)]
+    assert len(sessions) >= 32 and all(2 <= len(s.turns) <= 4 for s in sessions[:-1])
+    firsts = [s.system.split(",")[0] for s in sessions]
+    assert len(set(firsts)) == len(sessions)  # different from the first words on
+    assert all(len(s.system.split()) > 800 for s in sessions)
+    job = sessions[0]
+    replies = ["a reply"] * len(job.turns)
+    assert all(session_messages(job, k, replies[:k])[0]["content"] == job.system for k in range(len(job.turns)))
 
 
 def test_images_are_deterministic_pngs_some_repeated() -> None:

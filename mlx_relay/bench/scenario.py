@@ -46,11 +46,14 @@ class ImageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class AgentSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A coding-agent conversation: a long system prompt shared by every session (a prefix
-    cache's best case), `turns` requests each resending the whole history plus the reply the
-    server actually gave; a `tool_fraction` of the turns after the first are tool turns (the
-    previous reply carries a tool call, then a `tool` message with its result)."""
+    cache's best case), or one of its own per session (`distinct_system_prompts`: many agents,
+    each with its own instructions, so that only a session's own turns share its prefix),
+    `turns` requests each resending the whole history plus the reply the server actually gave; a
+    `tool_fraction` of the turns after the first are tool turns (the previous reply carries a tool
+    call, then a `tool` message with its result)."""
 
     system_prompt: Length = Length(600, 600)
+    distinct_system_prompts: bool = False
     turns: Length = Length(4, 8)
     user_message: Length = Length(10, 40)
     tool_fraction: float = 0.5

@@ -166,13 +166,18 @@ def tool_definitions(count: int) -> list[dict[str, Any]]:
     return defs
 
 
-def shared_system_prompt(scenario: Scenario, seed: int) -> str:
-    """The system prompt every session of the scenario shares."""
+def system_prompt(scenario: Scenario, seed: int, session: int) -> str:
+    """Session `session`'s system prompt: the one every session of the scenario shares, or, with
+    `distinct_system_prompts`, its own (different from its first words on)."""
     spec = scenario.agent
     assert spec is not None
-    rng = np.random.default_rng([seed, _AGENT_SHARED])
-    return ("You are a coding agent working in a software repository. Follow these rules.\n\n"
-            + prose(rng, draw_words(spec.system_prompt, rng)))
+    if not spec.distinct_system_prompts:
+        rng = np.random.default_rng([seed, _AGENT_SHARED])
+        return ("You are a coding agent working in a software repository. Follow these rules.\n\n"
+                + prose(rng, draw_words(spec.system_prompt, rng)))
+    rng = np.random.default_rng([seed, _AGENT_SHARED, session])
+    return (f"Agent {identifier(rng)}, session {session}: you are a coding agent working in a software "
+            "repository. Follow these rules.\n\n" + prose(rng, draw_words(spec.system_prompt, rng)))
 
 
 def _session_job(scenario: Scenario, seed: int, i: int, system: str) -> SessionJob:
@@ -225,8 +230,11 @@ class _Builder:
         if scenario.kind == "image":
             return _image_job(scenario, self.seed, i, self.png_cache)
         if scenario.kind == "agent_session":
+            assert scenario.agent is not None
+            if scenario.agent.distinct_system_prompts:
+                return _session_job(scenario, self.seed, i, system_prompt(scenario, self.seed, i))
             if scenario.name not in self.systems:
-                self.systems[scenario.name] = shared_system_prompt(scenario, self.seed)
+                self.systems[scenario.name] = system_prompt(scenario, self.seed, i)
             return _session_job(scenario, self.seed, i, self.systems[scenario.name])
         return _chat_job(scenario, self.seed, i)
 
