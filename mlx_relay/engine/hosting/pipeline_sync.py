@@ -78,7 +78,10 @@ def share_commands(group: Any, commands: list[Shared] | None) -> list[Shared]:
     else:
         body = np.frombuffer(data, dtype=np.uint8) if commands is not None else np.zeros(size, dtype=np.uint8)
         payload = np.array(mx.distributed.all_sum(mx.array(body), group=group)).tobytes()
-    return commands if commands is not None else _decoder.decode(payload)
+    shared_commands = commands if commands is not None else _decoder.decode(payload)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("rank %d frame of %d bytes: %s", group.rank(), size, [type(c).__name__ for c in shared_commands])
+    return shared_commands
 
 
 class PipelineLeader:

@@ -13,12 +13,15 @@ layers only.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import mlx.core as mx
 
 from mlx_relay.engine.models import family_of
+
+log = logging.getLogger(__name__)
 
 
 class UnsupportedSplit(ValueError):
@@ -54,8 +57,15 @@ class Stage:
         """Runs the model's last layers (its output is the model's)."""
         return self.rank == 0
 
+    def _trace(self, what: str, x: mx.array) -> None:
+        """At debug level, every transfer a rank issues (once per trace inside `mx.compile`, per
+        call elsewhere), so that two ranks' logs can be laid side by side."""
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d %s %s %s by %s", self.rank, what, tuple(x.shape), x.dtype, self.transfer)
+
     def receive(self, like: mx.array) -> mx.array:
         """The previous stage's hidden state, shaped as `like`."""
+        self._trace("receive", like)
         if self.transfer == "p2p":
             return mx.distributed.recv_like(like, self.rank + 1, group=self.group)
         # the boundaries of the stages before the previous one, then the previous one's
@@ -64,6 +74,7 @@ class Stage:
     def send(self, hidden: mx.array) -> mx.array:
         """`hidden` to the next stage; the array returned carries the send (evaluate it, or
         something depending on it, for the send to happen)."""
+        self._trace("send", hidden)
         if self.transfer == "p2p":
             return mx.distributed.send(hidden, self.rank - 1, group=self.group)
         sent = mx.distributed.all_sum(hidden, group=self.group)
@@ -80,6 +91,7 @@ class Stage:
     def share(self, x: mx.array) -> mx.array:
         """The last stage's (rank 0's) `x` on every rank (a non-last rank passes any array of
         the same shape, e.g. what `send` returned, so that the send happens first)."""
+        self._trace("share", x)
         return mx.distributed.all_gather(x, group=self.group)[:x.shape[0]]
 
 
