@@ -244,3 +244,35 @@ def test_a_right_padded_chunk_keeps_padding_out_of_each_rows_state(gpu: Callable
 
     diffs = gpu(run)
     assert max(diffs) < 1e-4, diffs
+
+
+def test_extending_a_bfloat16_batch_with_an_empty_row_keeps_its_dtype(gpu: Callable) -> None:
+    """mlx-vlm 0.7.10's `BatchKVCache.extend` gives a side without keys (a row joining a prefill
+    batch before its first chunk) a float32 `mx.array([])`, so the whole batch's bfloat16 keys
+    come out float32; `extend_caches` casts them back, exactly (this promotion broke the pipeline
+    over NCCL: the stages then disagreed on the hidden state's dtype)."""
+    def run() -> None:
+        import mlx.core as mx
+        from mlx_vlm.models.cache import BatchKVCache, KVCache
+
+        from mlx_relay.engine.memory.batch_caches import as_batch_caches, extend_caches
+
+        def filled() -> Any:
+            cache = BatchKVCache.merge([KVCache()])
+            k = mx.random.normal((1, 2, 20, 8)).astype(mx.bfloat16)
+            cache.update_and_fetch(k, k + 1)
+            return cache
+
+        library = filled()
+        library.extend(BatchKVCache.merge([KVCache()]))
+        assert library.keys.dtype == mx.float32  # the library's behaviour (when it changes, drop the cast)
+        ours = filled()
+        before = ours.keys[0, :, :20]
+        extend_caches([ours], as_batch_caches([KVCache()]))
+        assert ours.keys.dtype == ours.values.dtype == mx.bfloat16 and ours.keys.shape[0] == 2
+        assert mx.array_equal(ours.keys[0, :, :20], before).item()  # the rows' values, exactly
+        empty = as_batch_caches([KVCache()])  # and the other way round: an empty batch takes a row
+        extend_caches(empty, [filled()])
+        assert empty[0].keys.dtype == mx.bfloat16
+
+    gpu(run)

@@ -198,6 +198,25 @@ def test_two_ranks_reply_as_the_unsharded_server(
     assert ranks[0].wait(30) == 0 and ranks[1].wait(30) == 0
 
 
+def test_bf16_rows_joining_a_prefill_keep_the_stages_in_step(tmp_path: Path) -> None:
+    """The bfloat16 fixture over two ranks (the collective transfer NCCL runs) against the same
+    model unsharded: two requests at once behind a long system prompt, so that the second row
+    joins the first's prefill batch mid-prompt. mlx-vlm's `BatchKVCache.extend` turned the batch's
+    keys float32 there (`batch_caches.extend_caches` keeps their dtype), the stages then disagreed
+    on the hidden state's dtype and the collective broke (two H200s: an illegal memory access)."""
+    model = fixture_path(FixtureSpec(variant="bf16", seed=0, num_hidden_layers=8))
+    config = default_config(model, served_model_name=NAME, warmup=False, max_num_seqs=4, mtp=False)
+    system = "You are a careful coding agent. " + " ".join(
+        f"Rule {k}: name things for what they are and write each thing once." for k in range(30))
+    pairs = [[{"role": "system", "content": system}, {"role": "user", "content": f"Task {i}: add a parser."}]
+             for i in range(2)]
+    with LiveServer(config) as reference, ThreadPoolExecutor(2) as pool:
+        expected = list(pool.map(lambda m: _chat(reference.url, m, 12)[0], pairs))
+        for url, _ in _launch(model, tmp_path, ["--no-warmup", "--no-mtp", "--max-num-seqs", "4",
+                                                 "--pipeline-transfer", "collective"]):
+            assert list(pool.map(lambda m, at=url: _chat(at, m, 12)[0], pairs)) == expected
+
+
 # every rank: a toy pipeline of three stages (rank 2 first), each stage h -> h * (rank + 2) + rank,
 # by the transfer named in argv: eager, compiled, and compiled again on that output; every rank
 # prints what the last stage gave

@@ -69,15 +69,19 @@ class StageForward(ModelForward):
         """This stage's part of the forward; the final hidden states on the last stage, what was
         sent on elsewhere."""
         stage = self.stage
+        like = embeds if embeds is not None else self.lm.model.embed_tokens(ids)  # its shape and dtype only
         if not stage.first:
-            like = embeds if embeds is not None else self.lm.model.embed_tokens(ids)  # its shape only
             embeds = stage.receive(like)
         last_layer = len(self.lm.model.layers) - 1
         kwargs["capture_layer_ids"] = [] if stage.last else [last_layer]
         result = self.lm(ids, inputs_embeds=embeds, cache=caches, return_hidden=True, skip_logits=True, **kwargs)
+        out = result.hidden_states[-1] if stage.last else result.hidden_states[0]
+        if out.dtype != like.dtype:  # what crosses the boundary (and `share`) is the embedding's dtype
+            raise TypeError(f"pipeline stage {stage.rank}'s hidden state is {out.dtype}, the transfer carries "
+                            f"{like.dtype}")
         if stage.last:
-            return result.hidden_states[-1]
-        sent = stage.send(result.hidden_states[0])
+            return out
+        sent = stage.send(out)
         tail = caches[-1]
         if hasattr(tail, "keys"):  # BatchKVCache
             tail.keys = mx.depends(tail.keys, sent)

@@ -46,9 +46,25 @@ def as_batch_caches(caches: list[Any]) -> list[Any]:
 
 
 def extend_caches(mine: list[Any], theirs: list[Any]) -> None:
-    """Append `theirs`' rows to `mine`, layer by layer (in place)."""
+    """Append `theirs`' rows to `mine`, layer by layer (in place), keeping the keys' dtype.
+
+    mlx-vlm 0.7.10's `BatchKVCache.extend` gives a side without keys (a row joining a prefill
+    batch before its first chunk) an empty `mx.array([])`, float32, so concatenating it turned the
+    whole batch's bfloat16 keys and values into float32: twice the memory, and attention, then the
+    residual stream of every layer after it, computed in float32 from then on (a pipeline's ranks
+    then disagreed on the dtype crossing a stage boundary: a broken NCCL collective on two GPUs).
+    Cast back to the dtype the keys had (the float32 copy holds the bfloat16 values exactly, and
+    the padding is zeros); pinned by tests/test_library_adapters.py."""
     for a, b in zip(mine, theirs, strict=True):
+        had = _kv_dtype(a) or _kv_dtype(b)
         a.extend(b)
+        if had is not None and isinstance(a, BatchKVCache) and a.keys is not None and a.keys.dtype != had:
+            a.keys, a.values = a.keys.astype(had), a.values.astype(had)
+
+
+def _kv_dtype(cache: Any) -> Any:
+    """The dtype of a batch KV cache's keys; None for another cache or one without keys."""
+    return cache.keys.dtype if isinstance(cache, BatchKVCache) and cache.keys is not None else None
 
 
 def take_rows(caches: list[Any], rows: list[int]) -> list[Any]:

@@ -157,6 +157,7 @@ def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[m
                   *, keep_states: bool, stage: Stage | None) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
     """`models.ModelFamily.forward_block`: the one layer loop."""
     h = lm.model.embed_tokens(tokens)
+    wire = h.dtype  # what a stage boundary carries in this step (`receive` takes the embedding's)
     if stage is not None and not stage.first:
         h = stage.receive(h)
     new_kv, new_conv, new_ssm = [], [], []
@@ -176,6 +177,12 @@ def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[m
             h, keys_buf, values_buf = attention_layer(layer, h, keys_buf, values_buf, at, periods, rows)
             new_kv.append((keys_buf, values_buf))
     if stage is not None:  # every rank: the last stage's hidden states, every position
+        if h.dtype != wire:
+            # the next rank receives, and the others share, it as the embedding's dtype: a stage
+            # whose state was promoted (float32 keys, as mlx-vlm's BatchKVCache.extend once made
+            # them: memory/batch_caches.extend_caches) fails here, by name, rather than corrupt
+            # the collective (on NCCL: an illegal memory access, or a hang)
+            raise TypeError(f"pipeline stage {stage.rank}'s hidden state is {h.dtype}, the transfer carries {wire}")
         h = stage.share(h if stage.last else stage.send(h))
     return lm.model.norm(h), new_kv, new_conv, new_ssm
 
