@@ -34,6 +34,7 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, sequence_end
+from mlx_relay.engine.memory.batch_caches import extend_caches
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, kv_layout
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models.library_kv import KVModel
@@ -218,8 +219,7 @@ class KVLane:
         else:
             assert self._tokens is not None
             mx.eval(self._tokens)  # settle the pending step first
-            for mine, theirs in zip(self._caches, merged, strict=True):
-                mine.extend(theirs)
+            extend_caches(self._caches, merged)
             tokens = mx.concatenate([self._tokens, first])
         self._rids.append(rid)
         self._tokens = tokens

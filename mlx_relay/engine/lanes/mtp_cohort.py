@@ -40,7 +40,7 @@ from mlx_relay.engine.lanes.mtp_rows import MTPRow, RoundResult
 from mlx_relay.engine.lanes.mtp_sampling import merge_logq, point_logq, propose, sampling_walk
 from mlx_relay.engine.lanes.mtp_verify import Verifier
 from mlx_relay.engine.lanes.round_drafts import RoundDrafts
-from mlx_relay.engine.memory.batch_caches import as_batch_caches
+from mlx_relay.engine.memory.batch_caches import as_batch_caches, extend_caches
 from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
 
 
@@ -75,8 +75,7 @@ class EagerCohort:
             self._bonus, self._drafts, self._seed_hidden, self._dpos = first, draft, seed_h, dpos
             self._draft_logq = logq
         else:
-            for mine, theirs in zip((*self._cache, *self._dcache), (*cache, *dcache), strict=True):  # type: ignore[misc]
-                mine.extend(theirs)
+            extend_caches([*self._cache, *self._dcache], [*cache, *dcache])  # type: ignore[misc]
             self._bonus = mx.concatenate([self._bonus, first])  # type: ignore[list-item]
             self._drafts = mx.concatenate([self._drafts, draft])  # type: ignore[list-item]
             self._seed_hidden = mx.concatenate([self._seed_hidden, seed_h])  # type: ignore[list-item]
