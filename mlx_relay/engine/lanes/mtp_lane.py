@@ -40,7 +40,7 @@ from mlx_relay.engine.lanes.mtp_prefill import MTPPrefill
 from mlx_relay.engine.lanes.mtp_rows import MTPRow
 from mlx_relay.engine.lanes.mtp_step import MTPStep
 from mlx_relay.engine.lanes.mtp_verify import BatchedVerifier, ExactVerifier
-from mlx_relay.engine.lanes.stage_forward import StageForward
+from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models import UnsupportedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
@@ -62,10 +62,10 @@ class MTPLane:
         self.k = block_size
         self.eos = frozenset(eos_token_ids)
         self.max_context = max_context  # context drafts per round at most (0: the head's only)
-        # the prefill's and the batched verify's forward: the model, or this pipeline stage of it
-        # (which answers every rank the whole model's hidden states)
+        # the batched verify's forward: the model, or this pipeline stage of it (which answers every
+        # rank the whole model's hidden states); the prefill's: the family's prefill, or the stage's
         run: Any = lm if stage is None else StageForward(lm, stage)
-        self._prefill = MTPPrefill(lm, run, head, prefill_step_size)
+        self._prefill = MTPPrefill(lm, ModelForward(lm) if stage is None else run, head, prefill_step_size)
         verify = ExactVerifier(lm) if exact_verify else BatchedVerifier(run)
         self._eager = EagerCohort(lm, head, verify, block_size=block_size, eos=self.eos, fallback=compiled,
                                   max_context=max_context, always_context=always_context)

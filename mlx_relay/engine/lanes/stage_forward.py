@@ -2,9 +2,11 @@
 (GPU thread only).
 
 `PrefillBatch` runs each chunk through `forward.prefill(...)` and turns the last positions of the
-rows it finishes into first tokens after `forward.share(...)`:
-- `ModelForward`: mlx-vlm's language model called once over the chunk (`batch_caches.batched`),
-  its final (normed) hidden states;
+rows it finishes into first tokens after `forward.share(...)`; the MTP lane's row prefill calls the
+forward like the language model (`__call__`):
+- `ModelForward`: the model's family's prefill over the chunk (`models.ModelFamily.prefill_forward`:
+  the family's layer loop over the library's caches, within `PrefillLimits`), its final (normed)
+  hidden states;
 - `StageForward` (`pipeline_stage.Stage`): the same call over this stage's layers only. A stage
   after the first takes the previous stage's hidden states as the call's `inputs_embeds` (a public
   argument: the model then skips its embedding), a stage before the last sends the hidden state
@@ -24,7 +26,9 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from mlx_relay.engine.memory.batch_caches import batched
+from mlx_relay.engine.models import family_of
 from mlx_relay.engine.models.pipeline_stage import Stage
+from mlx_relay.engine.models.prefill_limits import PrefillLimits
 
 
 class StageOutput(NamedTuple):
@@ -35,14 +39,20 @@ class StageOutput(NamedTuple):
 
 
 class ModelForward:
-    def __init__(self, lm: Any) -> None:
+    def __init__(self, lm: Any, limits: PrefillLimits | None = None) -> None:
         self.lm = lm
+        self.family = family_of(lm)
+        self.limits = limits or PrefillLimits()
 
     def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array) -> mx.array:
         """[B, n, D]: the final hidden states of the chunk (on this rank: see `share`)."""
-        result = self.lm(ids, inputs_embeds=embeds, cache=caches,
-                         **batched(position_ids=positions, return_hidden=True, skip_logits=True))
-        return result.hidden_states[-1]
+        return self.family.prefill_forward(self.lm, ids, embeds, caches, positions, self.limits)
+
+    def __call__(self, ids: mx.array, inputs_embeds: mx.array | None = None, cache: Any = None,
+                 position_ids: Any = None, **_: Any) -> StageOutput:
+        """As the language model's call with `return_hidden` (the MTP lane's row prefill): the
+        final hidden states of every position."""
+        return StageOutput([self.prefill(ids, inputs_embeds, cache, position_ids)])
 
     def share(self, x: mx.array) -> mx.array:
         """Rows of `prefill`'s output as the model's output on every rank."""
@@ -50,6 +60,9 @@ class ModelForward:
 
 
 class StageForward(ModelForward):
+    """A pipeline stage's prefill: the library's forward over this stage's layers (it captures the
+    hidden state after the stage's last layer for the next rank)."""
+
     def __init__(self, lm: Any, stage: Stage) -> None:
         super().__init__(lm)
         self.stage = stage

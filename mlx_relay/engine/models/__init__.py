@@ -1,8 +1,9 @@
 """Model families: what the engine's own decode step, MTP verify round and pipeline split need to
 know of a model's shape, written once per family behind one protocol (`ModelFamily`).
 
-The steps (`decode_step.DecodeStep`, `mtp_step.MTPStep`), the MTP head (`mtp_head.MTPHead`) and
-the pipeline split (`pipeline_stage.shard_language_model`) hold no family's code: they ask
+The steps (`decode_step.DecodeStep`, `mtp_step.MTPStep`), the prefill (`stage_forward.ModelForward`),
+the MTP head (`mtp_head.MTPHead`) and the pipeline split (`pipeline_stage.shard_language_model`) hold
+no family's code: they ask
 `family_of(lm)` (or `family_for(model_type)`) for the family and call it. A family lives in a
 package of its own under this one (`qwen3_5/`): its `__init__` names the model types it serves
 (`MODEL_TYPES`, importing no MLX) and its `family` module holds the `FAMILY` object. A model type
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
     from mlx_relay.engine.models.pipeline_stage import Stage
     from mlx_relay.engine.models.positions import Positions
+    from mlx_relay.engine.models.prefill_limits import PrefillLimits
 
 __all__ = ["FAMILY_PACKAGES", "ModelFamily", "UnsupportedModel", "family_for", "family_of", "served_by_family"]
 
@@ -37,8 +39,9 @@ KV = list[tuple["mx.array", "mx.array"]]
 
 
 class ModelFamily(Protocol):
-    """One family's model shape, as the engine's steps call it (GPU thread only; every method is
-    traced into the compiled steps, so none may read a value that changes between calls)."""
+    """One family's model shape, as the engine's steps call it (GPU thread only; every method but
+    `prefill_forward`, which runs eagerly, is traced into the compiled steps, so none of them may
+    read a value that changes between calls)."""
 
     name: str
     model_types: frozenset[str]
@@ -60,6 +63,13 @@ class ModelFamily(Protocol):
         and the SSM state after the block, or (`keep_states`) the whole conv input [B, K-1+T, C] and
         the state after each position [B, T, ...] for the caller to commit from. Under a pipeline
         `stage`, this stage's layers only; every rank gets the last stage's hidden states."""
+        ...
+
+    def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
+                        positions: mx.array, limits: PrefillLimits) -> mx.array:
+        """The final-normed hidden states [B, T, H] of a prefill chunk (token ids [B, T], or the
+        prompt embeddings of vision rows) at `positions`, over the library's own caches (kept as
+        the library's forward keeps them), its transient memory within `limits`."""
         ...
 
     def logits(self, lm: Any, hidden: mx.array) -> mx.array:

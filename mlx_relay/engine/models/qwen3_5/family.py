@@ -10,7 +10,8 @@ import mlx.core as mx
 from mlx_relay.engine.models import KV, ModelFamily
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.positions import Positions
-from mlx_relay.engine.models.qwen3_5 import MODEL_TYPES, layers, mtp, pipeline
+from mlx_relay.engine.models.prefill_limits import PrefillLimits
+from mlx_relay.engine.models.qwen3_5 import MODEL_TYPES, layers, mtp, pipeline, prefill
 
 
 class Qwen3_5Family:
@@ -29,6 +30,10 @@ class Qwen3_5Family:
                       ssm: list[mx.array], *, keep_states: bool, stage: Stage | None
                       ) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
         return layers.forward_block(lm, tokens, at, kv, conv, ssm, keep_states=keep_states, stage=stage)
+
+    def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
+                        positions: mx.array, limits: PrefillLimits) -> mx.array:
+        return prefill.prefill_forward(lm, ids, embeds, caches, positions, limits)
 
     def logits(self, lm: Any, hidden: mx.array) -> mx.array:
         return layers.logits(lm, hidden)

@@ -12,15 +12,22 @@ operations the loop calls one launch instead (issue 32: the step is launch-bound
 GatedDeltaNet layer between its projections and a mixture of experts' router and combine through
 `engine/kernels/` (CUDA kernels, the library's ops elsewhere), text positions rotated with MLX's
 fused rope, and the expert matmuls' row indices made once per step (`ExpertRows`).
+
+The loop itself (`run_layers`: each layer's mixer, then its MLP or mixture of experts, on the
+residual stream) is written once and serves two ways of keeping caches: `forward_block` (the
+steps' explicit arrays) and `prefill.prefill_forward` (a prefill chunk over the library's own
+caches). A chunk's many routed positions run the experts as grouped GEMMs (`kernels.grouped_experts`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 
 from mlx_relay.engine.kernels.gated_delta import gated_delta_mixer
+from mlx_relay.engine.kernels.grouped_experts import grouped_switch_glu, use_grouped
 from mlx_relay.engine.kernels.moe import combine, route_topk
 from mlx_relay.engine.models import KV, UnsupportedModel
 from mlx_relay.engine.models.positions import Positions
@@ -73,21 +80,33 @@ def _rotate(sa: Any, queries: mx.array, keys: mx.array, at: Positions, periods: 
                  for t in (queries, keys))  # type: ignore[return-value]
 
 
-def attention(sa: Any, x: mx.array, keys_buf: mx.array, values_buf: mx.array, at: Positions,
-              periods: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
-    """Gated attention of T queries per row; their keys and values written where `at` says."""
+def project_qkv(sa: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The library's gated attention up to the rotary embedding: queries, keys and values
+    [B, heads, T, D] (queries and keys normed) and the output gate [B, T, heads * D]."""
     B, T, _ = x.shape
     queries, gate = mx.split(sa.q_proj(x).reshape(B, T, sa.num_attention_heads, -1), 2, axis=-1)
     gate = gate.reshape(B, T, -1)
     queries = sa.q_norm(queries).transpose(0, 2, 1, 3)
     keys = sa.k_norm(sa.k_proj(x).reshape(B, T, sa.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
     values = sa.v_proj(x).reshape(B, T, sa.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    return queries, keys, values, gate
+
+
+def gated_output(sa: Any, out: mx.array, gate: mx.array) -> mx.array:
+    """The attention's output [B, heads, T, D] gated and projected: the mixer's output [B, T, H]."""
+    B, _, T, _ = out.shape
+    return sa.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate))
+
+
+def attention(sa: Any, x: mx.array, keys_buf: mx.array, values_buf: mx.array, at: Positions,
+              periods: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """Gated attention of T queries per row; their keys and values written where `at` says."""
+    queries, keys, values, gate = project_qkv(sa, x)
     queries, keys = _rotate(sa, queries, keys, at, periods)
     keys_buf = at.write(keys_buf, keys)
     values_buf = at.write(values_buf, values)
     out = mx.fast.scaled_dot_product_attention(queries, keys_buf, values_buf, scale=sa.scale, mask=at.mask)
-    out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-    return sa.o_proj(out * mx.sigmoid(gate)), keys_buf, values_buf
+    return gated_output(sa, out, gate), keys_buf, values_buf
 
 
 class ExpertRows(NamedTuple):
@@ -121,9 +140,12 @@ def _switch_linear(m: Any, x: mx.array, inds: mx.array, rows: mx.array) -> mx.ar
     return mx.gather_mm(x, m["weight"].swapaxes(-1, -2), lhs_indices=rows, rhs_indices=inds)
 
 
-def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None) -> mx.array:
-    """mlx-vlm's `SwitchGLU` over the routed experts: its own call, or for few routed positions (its
-    unsorted path) the same matmuls, one row per position, with `rows` given."""
+def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None, grouped: bool) -> mx.array:
+    """mlx-vlm's `SwitchGLU` over the routed experts: its own call; for a prefill chunk's many routed
+    positions on a GPU (`grouped`), grouped GEMMs (`kernels.grouped_experts`); or for few routed
+    positions (its unsorted path) the same matmuls, one row per position, with `rows` given."""
+    if grouped and use_grouped(switch, inds.size):
+        return grouped_switch_glu(switch, x, inds)
     if rows is None or any("bias" in m for m in (switch.gate_proj, switch.up_proj, switch.down_proj)):
         return switch(x, inds)
     x = mx.expand_dims(x, (-2, -3))
@@ -132,7 +154,8 @@ def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None) 
     return _switch_linear(switch.down_proj, switch.activation(up, gate), inds, rows.routed).squeeze(-2)
 
 
-def _residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None = None) -> mx.array:
+def _residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None = None, grouped: bool = False
+              ) -> mx.array:
     """The residual stream after a layer whose mixer returned `r`: the mixer's output, then the MLP's."""
     h = h + r
     x = layer.post_attention_layernorm(h)
@@ -141,21 +164,37 @@ def _residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None = No
         return h + mlp(x)
     # mlx-vlm's Qwen3_5MoeSparseMoeBlock, its router and combine through `kernels.moe`
     inds, scores = route_topk(mlp.gate(x), mlp.top_k, mlp.norm_topk_prob)
-    return combine(h, _experts(mlp.switch_mlp, x, inds, rows), scores, mlp.shared_expert_gate(x),
+    return combine(h, _experts(mlp.switch_mlp, x, inds, rows, grouped), scores, mlp.shared_expert_gate(x),
                    mlp.shared_expert(x))
 
 
 def attention_layer(layer: Any, h: mx.array, keys_buf: mx.array, values_buf: mx.array, at: Positions,
                     periods: mx.array | None = None, rows: ExpertRows | None = None
                     ) -> tuple[mx.array, mx.array, mx.array]:
-    """One full-attention decoder layer (the target's, or the MTP head's): the residual stream after it."""
+    """One full-attention decoder layer outside the loop (the MTP head's): the residual stream after it."""
     r, keys_buf, values_buf = attention(layer.self_attn, layer.input_layernorm(h), keys_buf, values_buf, at, periods)
     return _residual(layer, h, r, rows), keys_buf, values_buf
 
 
+#: A layer's mixer as the loop calls it: (the library's mixer module, the layer's normed input) -> its output.
+Mixer = Callable[[Any, mx.array], mx.array]
+
+
+def run_layers(layers: list[Any], h: mx.array, linear: Mixer, attend: Mixer, rows: ExpertRows | None = None,
+               *, grouped: bool = False) -> mx.array:
+    """The one layer loop: the residual stream after `layers`, each a GatedDeltaNet layer (its
+    mixer `linear`) or an attention layer (`attend`), then its MLP (the experts grouped where
+    `grouped` and they pay: a prefill chunk). The mixers keep the caches (called in layer order)."""
+    for layer in layers:
+        x = layer.input_layernorm(h)
+        r = linear(layer.linear_attn, x) if layer.is_linear else attend(layer.self_attn, x)
+        h = _residual(layer, h, r, rows, grouped)
+    return h
+
+
 def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[mx.array], ssm: list[mx.array],
                   *, keep_states: bool, stage: Stage | None) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
-    """`models.ModelFamily.forward_block`: the one layer loop."""
+    """`models.ModelFamily.forward_block`: the layer loop over explicit caches."""
     h = lm.model.embed_tokens(tokens)
     wire = h.dtype  # what a stage boundary carries in this step (`receive` takes the embedding's)
     if stage is not None and not stage.first:
@@ -163,19 +202,21 @@ def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[m
     new_kv, new_conv, new_ssm = [], [], []
     kv_in, gdn_in = iter(kv), iter(zip(conv, ssm, strict=True))
     periods = rope_periods(lm.model.layers) if at.offsets is not None else None
-    rows = expert_rows(lm.model.layers, tokens)
-    for layer in lm.model.layers:
-        if layer.is_linear:
-            conv_state, ssm_state = next(gdn_in)
-            r, conv_state, ssm_state = gated_delta_net(layer.linear_attn, layer.input_layernorm(h), conv_state,
-                                                       ssm_state, keep_states=keep_states)
-            new_conv.append(conv_state)
-            new_ssm.append(ssm_state)
-            h = _residual(layer, h, r, rows)
-        else:
-            keys_buf, values_buf = next(kv_in)
-            h, keys_buf, values_buf = attention_layer(layer, h, keys_buf, values_buf, at, periods, rows)
-            new_kv.append((keys_buf, values_buf))
+
+    def linear(la: Any, x: mx.array) -> mx.array:
+        conv_state, ssm_state = next(gdn_in)
+        r, conv_state, ssm_state = gated_delta_net(la, x, conv_state, ssm_state, keep_states=keep_states)
+        new_conv.append(conv_state)
+        new_ssm.append(ssm_state)
+        return r
+
+    def attend(sa: Any, x: mx.array) -> mx.array:
+        keys_buf, values_buf = next(kv_in)
+        r, keys_buf, values_buf = attention(sa, x, keys_buf, values_buf, at, periods)
+        new_kv.append((keys_buf, values_buf))
+        return r
+
+    h = run_layers(lm.model.layers, h, linear, attend, expert_rows(lm.model.layers, tokens))
     if stage is not None:  # every rank: the last stage's hidden states, every position
         if h.dtype != wire:
             # the next rank receives, and the others share, it as the embedding's dtype: a stage

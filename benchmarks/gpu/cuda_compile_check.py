@@ -1,0 +1,101 @@
+"""Compile our `mx.fast.cuda_kernel` sources with nvcc on a machine without a GPU, wrapped as MLX's
+CUDA backend wraps them for its JIT (`mlx/backend/cuda/custom_kernel.cpp`'s `build_kernel`: the
+default header, ours, `__global__ void` with a `const T*` per input, `T_shape` where the source
+names it, a `T*` per output, the template arguments as `constexpr` / `using` lines), so a kernel's
+compile errors show before a device lease (its arithmetic is pinned on the GPU by `kernel_check.py`).
+
+    python benchmarks/gpu/cuda_compile_check.py --mlx-src DIR [--nvcc nvcc] [--arch sm_90]
+
+DIR holds MLX's source tree at the installed version's tag (`mlx/backend/cuda/device/*.cuh`; e.g.
+`git archive v0.32.4 mlx/backend/cuda/device | tar x -C DIR` from a clone); nvcc from a CUDA
+toolkit of 12.x or 13.x (the machine's CCCL headers stand in for the ones MLX ships).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+CUDA_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float", "bool": "bool",
+              "uint32": "uint32_t", "int32": "int32_t"}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    source: str
+    header: str
+    inputs: list[tuple[str, str, int]]  # (name, dtype, ndim)
+    outputs: list[tuple[str, str]]  # (name, dtype)
+    template: list[tuple[str, int | bool | str]]  # str: a dtype name
+
+
+def build(spec: KernelSpec) -> str:
+    """The translation unit MLX's JIT compiles for `spec`."""
+    lines = ['#include "mlx/backend/cuda/device/utils.cuh"', "#include <cooperative_groups.h>", spec.header,
+             "namespace mlx::core::cu {", "namespace cg = cooperative_groups;",
+             f"__global__ void custom_kernel_{spec.name}("]
+    params = []
+    for name, dtype, ndim in spec.inputs:
+        params.append(f"    const {CUDA_TYPES[dtype]}* {name}")
+        if ndim > 0 and f"{name}_shape" in spec.source:
+            params.append(f"    const __grid_constant__ Shape {name}_shape")
+        if ndim > 0 and f"{name}_strides" in spec.source:
+            params.append(f"    const __grid_constant__ Strides {name}_strides")
+    params += [f"    {CUDA_TYPES[dtype]}* {name}" for name, dtype in spec.outputs]
+    lines.append(",\n".join(params) + ") {")
+    for name, value in spec.template:
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {name} = {value};")
+        else:
+            lines.append(f"  using {name} = {CUDA_TYPES[value]};")
+    lines += [spec.source, "}", "}  // namespace mlx::core::cu"]
+    return "\n".join(lines)
+
+
+def specs() -> list[KernelSpec]:
+    """Each kernel of `mlx_relay/engine/kernels/` whose source this checks, at the 35B-A3B shape."""
+    from mlx_relay.engine.kernels import gated_delta_prefill as gdp
+
+    out = []
+    for has_mask in (False, True):
+        for dtype in ("bfloat16", "float32"):
+            inputs = [("q", dtype, 4), ("k", dtype, 4), ("v", dtype, 4), ("g", "float32", 3), ("beta", dtype, 3),
+                      ("state_in", "float32", 4)] + ([("mask", "bool", 2)] if has_mask else [])
+            out.append(KernelSpec(f"gated_delta_prefill_{dtype}_{has_mask}", gdp.cuda_source(has_mask), gdp.CUDA_HEADER,
+                                  inputs, [("y", dtype), ("state_out", "float32")],
+                                  [("Dk", 128), ("Dv", 128), ("Hk", 16), ("Hv", 32),
+                                   ("InT", dtype), ("StT", "float32")]))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mlx-src", required=True, type=Path)
+    parser.add_argument("--nvcc", default="nvcc")
+    parser.add_argument("--arch", default="sm_90")
+    args = parser.parse_args()
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in specs():
+            path = Path(tmp) / f"{spec.name}.cu"
+            path.write_text(build(spec))
+            cmd = [args.nvcc, "-std=c++17", f"-arch={args.arch}", "-c", str(path), "-o", str(path.with_suffix(".o")),
+                   "-I", str(args.mlx_src), "-Xptxas", "-v"]
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            usage = [ln.strip() for ln in run.stderr.splitlines() if "registers" in ln or "spill" in ln]
+            print(f"{spec.name}: {'ok' if run.returncode == 0 else 'FAILED'}  {' | '.join(usage)}")
+            if run.returncode != 0:
+                failed += 1
+                print(run.stderr[-4000:], file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

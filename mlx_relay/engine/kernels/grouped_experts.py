@@ -1,0 +1,73 @@
+"""A mixture of experts' routed matmuls over many tokens as grouped GEMMs (GPU thread only; called
+from the Qwen3.5 family's layer loop, `models/qwen3_5/layers.py`, for mlx-vlm's `SwitchGLU`).
+
+    y = grouped_switch_glu(switch, x, inds)        # x [..., H], inds [..., k] -> [..., k, H]
+
+mlx-vlm's `SwitchGLU` sorts a prefill chunk's (token, expert) pairs by expert and calls
+`mx.gather_qmm(..., sorted_indices=True)`. MLX 0.32's CUDA backend reads no sort in the quantized
+gather (`GatherQMM::eval_gpu`): it runs one single-row matmul per pair, reading the expert's whole
+quantized weight matrix again for each of its tokens (19 ms a block for 2,048 tokens on an H100,
+where the block's arithmetic is about 0.3 ms). Its float gather does read the sort: with one row
+per pair and sorted expert indices, `GatherMM::eval_gpu` runs CUTLASS's grouped GEMM, one problem
+per expert. So on a CUDA GPU, for a chunk with at least `GROUPED_MIN_ROUTES` pairs, each projection's
+experts are dequantized once (`mx.dequantize`: every expert, as a chunk of 2,048 tokens routes to
+nearly all of them; 0.5 GB of bfloat16 per projection of the 35B-A3B shape, freed after its
+matmul) and multiplied with the float gather. Elsewhere (and for few pairs: decode, the MTP verify)
+it is the library's own call (`SwitchGLU.__call__`), which `fallback` names.
+
+The arithmetic is the library's: the same sort, the same activation, every weight dequantized as
+the quantized matmul dequantizes it (float32 tests pin the grouped path against the library's on
+a quantized fixture, `tests/test_prefill_forward.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_relay.engine.kernels.backend import cuda_kernels_available
+
+#: (token, expert) pairs from which the grouped path pays on a GPU: below it the library's
+#: per-pair quantized matmul reads less than one dequantization of every expert writes.
+GROUPED_MIN_ROUTES = 1024
+
+
+def use_grouped(switch: Any, routes: int) -> bool:
+    """Whether `switch`'s routed matmuls over `routes` pairs run grouped: on a CUDA GPU, for many
+    pairs, with projections the grouped path knows (no bias; quantized or float)."""
+    if not cuda_kernels_available() or routes < GROUPED_MIN_ROUTES:
+        return False
+    return all("bias" not in m and m.get("weight") is not None
+               for m in (switch.gate_proj, switch.up_proj, switch.down_proj))
+
+
+def expert_weights(m: Any) -> mx.array:
+    """A `SwitchLinear`'s or `QuantizedSwitchLinear`'s weights [E, out, in] in float (dequantized
+    as its quantized matmul reads them)."""
+    if "scales" not in m:
+        return m["weight"]
+    return mx.dequantize(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size, bits=m.bits,
+                         mode=m.mode)
+
+
+def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array) -> mx.array:
+    """`switch(x, inds)` (mlx-vlm's `SwitchGLU`: [..., k, H]) with each projection a grouped GEMM."""
+    k = inds.shape[-1]
+    flat = inds.flatten()
+    order = mx.argsort(flat)
+    rows = x.reshape(-1, 1, x.shape[-1])[order // k]  # one row per pair, grouped by expert
+    experts = flat[order]
+
+    def project(m: Any, a: mx.array) -> mx.array:
+        return mx.gather_mm(a, expert_weights(m).swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
+
+    up = project(switch.up_proj, rows)
+    gate = project(switch.gate_proj, rows)
+    out = project(switch.down_proj, switch.activation(up, gate))
+    return out[mx.argsort(order)].reshape(*inds.shape, out.shape[-1])
+
+
+def fallback(switch: Any, x: mx.array, inds: mx.array) -> mx.array:
+    """The library's `SwitchGLU` call."""
+    return switch(x, inds)

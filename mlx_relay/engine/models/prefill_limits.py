@@ -1,0 +1,28 @@
+"""How much transient memory a prefill chunk's forward may take beyond the caches (no MLX): the
+bound the families' `prefill_forward` keeps its working set within, given whole to the forward by
+the lanes' `stage_forward.ModelForward`.
+
+Attention is where a chunk's working set grows with its context: where MLX has no fused attention
+for the model's head width (its CUDA backend, for Qwen3.5's 256), it materializes the scores of
+every query against every key it reads, about three copies of heads x queries x keys elements
+(the scores, their mask applied, their softmax). `attention_rows` is how many queries a block may
+hold so that a block's scores stay within `attention_bytes`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+#: copies of a block's scores alive at once in MLX's unfused attention (scores, masked, softmax)
+SCORE_COPIES = 3
+ROW_GRANULE = 64  # blocks of whole 64-query tiles
+
+
+class PrefillLimits(msgspec.Struct, frozen=True):
+    attention_bytes: int = 1 << 30  # one attention block's scores
+
+    def attention_rows(self, rows: int, heads: int, keys: int, itemsize: int) -> int:
+        """Queries per attention block for `rows` rows of `heads` query heads over `keys` keys."""
+        per_query = max(1, rows * heads * keys * itemsize * SCORE_COPIES)
+        fit = self.attention_bytes // per_query
+        return max(ROW_GRANULE, fit - fit % ROW_GRANULE)

@@ -1,0 +1,200 @@
+"""The Qwen3.5 family's prefill over the library's caches (issue 43.2: `models/qwen3_5/prefill.py`)
+is the library's forward, float32: a chunked prompt into a lone row's caches and a ragged batch
+(left-padded keys, a right-padded chunk) give mlx-vlm's own hidden states and leave the same
+caches, on the dense fixture and on a mixture-of-experts model; the attention in blocks of
+queries equals one block; the grouped experts (`kernels.grouped_experts`, the GPU's path) equal
+the library's `SwitchGLU` on float and 8-bit experts. On this CPU the recurrence and the conv are
+the library's (`kernels.gated_delta_prefill.fallback`); `benchmarks/gpu/kernel_check.py` pins the
+CUDA kernel against it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_decode_step import _positions
+from tests.test_moe_decode import CONFIG as MOE_CONFIG
+
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def dense(gpu: Callable, fp32_model: Path) -> Any:
+    from mlx_relay.engine.models.loader import load_model
+
+    return gpu(lambda: load_model(fp32_model).model.language_model)
+
+
+@pytest.fixture(scope="module")
+def moe(gpu: Callable) -> Any:
+    def build() -> Any:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten, tree_unflatten
+        from mlx_vlm.models.qwen3_5_moe.config import TextConfig
+        from mlx_vlm.models.qwen3_5_moe.language import LanguageModel
+
+        mx.random.seed(5)
+        model = LanguageModel(TextConfig.from_dict(MOE_CONFIG))
+        params = [(k, mx.random.normal(v.shape) * (0.02 if v.ndim > 1 else 0.1) + (1.0 if "norm" in k else 0.0))
+                  for k, v in tree_flatten(model.parameters())]
+        model.update(tree_unflatten(params))
+        model.apply(lambda x: x.astype(mx.float32))
+        mx.eval(model.parameters())
+        return model
+
+    return gpu(build)
+
+
+def _states(caches: list[Any]) -> list[Any]:
+    import mlx.core as mx
+
+    out = []
+    for c in caches:
+        state = c.state
+        out.extend(x for x in (state if isinstance(state, (list, tuple)) else [state]) if isinstance(x, mx.array))
+    return out
+
+
+def _close(a: Any, b: Any) -> bool:
+    import mlx.core as mx
+
+    return a.shape == b.shape and bool(mx.allclose(a, b, atol=TOL, rtol=TOL))
+
+
+def _ours(lm: Any, ids: Any, caches: list[Any], positions: Any, limits: Any = None) -> Any:
+    from mlx_relay.engine.lanes.stage_forward import ModelForward
+    from mlx_relay.engine.models.prefill_limits import PrefillLimits
+
+    return ModelForward(lm, limits or PrefillLimits()).prefill(ids, None, caches, positions)
+
+
+def _library(lm: Any, ids: Any, caches: list[Any], positions: Any) -> Any:
+    from mlx_relay.engine.memory.batch_caches import batched
+
+    return lm(ids, cache=caches, **batched(position_ids=positions, return_hidden=True,
+                                           skip_logits=True)).hidden_states[-1]
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("attention_bytes", [1 << 30, 1], ids=["one-block", "blocks"])
+def test_a_chunked_prompt_prefills_as_the_library(gpu: Callable, request: pytest.FixtureRequest, model: str,
+                                                  attention_bytes: int) -> None:
+    """A lone row's prompt in three chunks (the middle one a single token) into batch-1 caches."""
+    lm = request.getfixturevalue(model)
+
+    def run() -> tuple[bool, bool]:
+        import mlx.core as mx
+
+        from mlx_relay.engine.models.prefill_limits import PrefillLimits
+
+        prompt = [(7 * i + 3) % 400 + 10 for i in range(150)]
+        ours_cache, ref_cache = lm.make_cache(), lm.make_cache()
+        hidden_ok = True
+        for a, b in ((0, 70), (70, 71), (71, 150)):
+            ids = mx.array([prompt[a:b]])
+            ours = _ours(lm, ids, ours_cache, _positions(a, b), PrefillLimits(attention_bytes=attention_bytes))
+            ref = _library(lm, ids, ref_cache, _positions(a, b))
+            mx.eval(ours, ref, _states(ours_cache), _states(ref_cache))
+            hidden_ok = hidden_ok and _close(ours, ref)
+        caches_ok = all(_close(x, y) for x, y in zip(_states(ours_cache), _states(ref_cache), strict=True))
+        return hidden_ok, caches_ok
+
+    assert gpu(run) == (True, True)
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_a_ragged_batch_prefills_as_the_library(gpu: Callable, request: pytest.FixtureRequest, model: str) -> None:
+    """Two rows in one chunk as the plain lane's `PrefillBatch` runs them: one restored at 24
+    tokens (the other's keys left-padded), the other from scratch and right-padded in the chunk."""
+    lm = request.getfixturevalue(model)
+
+    def run() -> tuple[bool, bool]:
+        import mlx.core as mx
+
+        from mlx_relay.engine.memory.batch_caches import as_batch_caches, extend_caches
+
+        first = [(5 * i + 1) % 300 + 20 for i in range(40)]
+        second = [(11 * i + 2) % 300 + 20 for i in range(10)]
+
+        def batch() -> list[Any]:
+            row = lm.make_cache()
+            _library(lm, mx.array([first[:24]]), row, _positions(0, 24))
+            caches = as_batch_caches(row)
+            extend_caches(caches, as_batch_caches(lm.make_cache()))
+            for c in caches:
+                c.prepare(lengths=[16, 10], right_padding=[0, 6])
+            return caches
+
+        ids = mx.array([first[24:40], second + [0] * 6])
+        positions = mx.concatenate([_positions(24, 40), _positions(0, 16)], axis=1)
+        ours_cache, ref_cache = batch(), batch()
+        ours = _ours(lm, ids, ours_cache, positions)
+        ref = _library(lm, ids, ref_cache, positions)
+        for c in (*ours_cache, *ref_cache):
+            c.finalize()
+        mx.eval(ours, ref, _states(ours_cache), _states(ref_cache))
+        hidden_ok = _close(ours[0], ref[0]) and _close(ours[1, :10], ref[1, :10])
+        caches_ok = all(_close(x, y) for x, y in zip(_states(ours_cache), _states(ref_cache), strict=True))
+        return hidden_ok, caches_ok
+
+    assert gpu(run) == (True, True)
+
+
+def test_attention_in_blocks_equals_one_block(gpu: Callable) -> None:
+    def run() -> list[bool]:
+        import mlx.core as mx
+
+        from mlx_relay.engine.models.qwen3_5.prefill import blocked_attention
+
+        mx.random.seed(1)
+        q = mx.random.normal((2, 4, 100, 32))
+        k, v = mx.random.normal((2, 2, 300, 32)), mx.random.normal((2, 2, 300, 32))
+        mask = mx.broadcast_to((mx.arange(300)[None, :] <= mx.arange(200, 300)[:, None])[None, None],
+                               (2, 1, 100, 300))
+        mask = mask & (mx.arange(300) >= mx.array([0, 37])[:, None])[:, None, None, :]  # a left-padded row
+        out = []
+        for m in ("causal", mask):
+            whole = blocked_attention(q, k, v, 0.2, m, 1000)
+            out.append(_close(blocked_attention(q, k, v, 0.2, m, 32), whole))
+        return out
+
+    assert gpu(run) == [True, True]
+
+
+def test_the_attention_block_bound() -> None:
+    from mlx_relay.engine.models.prefill_limits import PrefillLimits
+
+    limits = PrefillLimits(attention_bytes=1 << 30)
+    rows = limits.attention_rows(1, 16, 32768, 2)  # 35B-A3B's 16 query heads over 32K bf16 keys
+    assert rows % 64 == 0 and rows * 16 * 32768 * 2 * 3 <= 1 << 30 < (rows + 64) * 16 * 32768 * 2 * 3
+    assert limits.attention_rows(1, 16, 1 << 24, 2) == 64  # never fewer than one tile
+
+
+@pytest.mark.parametrize("bits", [None, 8], ids=["float", "8-bit"])
+def test_grouped_experts_are_the_librarys(gpu: Callable, moe: Any, bits: int | None) -> None:
+    def run() -> bool:
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from mlx_relay.engine.kernels.grouped_experts import grouped_switch_glu
+
+        switch = moe.model.layers[0].mlp.switch_mlp
+        if bits is not None:
+            from mlx_vlm.models.switch_layers import SwitchGLU
+
+            switch = SwitchGLU(64, MOE_CONFIG["moe_intermediate_size"], MOE_CONFIG["num_experts"])
+            switch.update(moe.model.layers[0].mlp.switch_mlp.parameters())
+            nn.quantize(switch, group_size=32, bits=bits)
+            assert "scales" in switch.up_proj
+        mx.random.seed(2)
+        x = mx.random.normal((1, 50, 64))
+        inds = mx.random.randint(0, MOE_CONFIG["num_experts"], (1, 50, MOE_CONFIG["num_experts_per_tok"]))
+        inds = inds.astype(mx.uint32)
+        ours, ref = grouped_switch_glu(switch, x, inds), switch(x, inds)
+        mx.eval(ours, ref)
+        return _close(ours, ref)
+
+    assert gpu(run)
