@@ -27,6 +27,12 @@
 #            "0.7:1 0:1 0.7:16"; SPEC_TOKENS 160, MAX_DRAFT 8, REPEATS 3), delete it; first the launches of
 #            a plain step, an MTP round and the head-free round at widths 1 and MAX_DRAFT + 1 (spec_ops.*).
 #            Results: spec_copy_*
+#   prefill  (issue 43.2) bench_prefill.py: our server against the raw mlx-vlm forward (generate_step, its
+#            own chunking and caches) at PREFILL_SIZES (default 2048,8192,32768,131072) uncached tokens and
+#            PREFILL_CACHED (28672+4096: a 4K suffix behind a 28K cached system prompt), REPEATS (3) each;
+#            PREFILL_ORDER auto (phases on an 80 GB card: our server up for all of ours, then raw alone),
+#            PREFILL_FLAGS (our server's extra flags, e.g. --no-mtp). Run it alone (JOBS=prefill: its five
+#            files, of the 8 a call brings back). Results: prefill.{json,md,txt}, prefill-{ours,raw}.log
 #   agree    (issue 17.5) per rate of AGREE (default "0.6 0.75 0.8"): build a model whose MTP head agrees
 #            at that block-2 acceptance (build_random_model.py --mtp-agree, 38.6 GB) into AGREE_DIR
 #            (/root/agree-model), bench_mtp.py on it at batch 1 (BLOCK 2, MTP_TOKENS 128, REPEATS 2),
@@ -52,6 +58,7 @@ if [ "${1:-start}" = wait ]; then
 fi
 if [ "${LOCAL:-0}" = 1 ]; then set -euo pipefail; else source benchmarks/gpu/device_env.sh; fi
 mkdir -p $RUN/out $RUN/src && cp -r mlx_relay benchmarks $RUN/src/
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || true)}  # the copy in $RUN/src has no .git
 JOBS=${JOBS:-probe step mtp}
 if [ "$JOBS" != agree ] && [ "$JOBS" != spec ] && [ ! -f "$MODEL/config.json" ]; then
   python3 benchmarks/gpu/build_random_model.py "$MODEL" --tokenizer /root/tok 2>&1 | tail -2
@@ -130,6 +137,11 @@ disk)
   python3 benchmarks/bench_prefix_cache.py "$MODEL" --scenarios restart --repeats "${DISK_REPEATS:-3}" \
     --warmup-repeats 1 --ours-flags "--no-mtp --prefill-shapes exact --no-warmup" \
     --out $O/prefix_disk > $O/prefix_disk.txt 2>&1; say "disk done (rc $?)" ;;
+prefill)
+  python3 benchmarks/bench_prefill.py "$MODEL" --sizes "${PREFILL_SIZES:-2048,8192,32768,131072}" \
+    --cached "${PREFILL_CACHED:-28672+4096}" --repeats "${REPEATS:-3}" --order "${PREFILL_ORDER:-auto}" \
+    --ours-flags="$PREFILL_FLAGS" --out $O/prefill.json > $O/prefill.txt 2>&1
+  say "prefill (rc $?): $(grep -h '^order\|^| [0-9]\|^- ' $O/prefill.txt | tr '\n' ' ')" ;;
 snapio)
   python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
   say "snapio done (rc $?)" ;;
@@ -144,7 +156,8 @@ setsid nohup env RUN="$RUN" MODEL="${MODEL:-}" PYTHONPATH="$RUN/src:${PYTHONPATH
   JOBS="$JOBS" LOCAL="${LOCAL:-0}" ROUNDS="${ROUNDS:-}" DISK_REPEATS="${DISK_REPEATS:-}" COPY="${COPY:-}" \
   SPEC_TOKENS="${SPEC_TOKENS:-}" MAX_DRAFT="${MAX_DRAFT:-}" SWAPS="${SWAPS:-}" POOL_BUDGET="${POOL_BUDGET:-}" \
   POOL_TOKENS="${POOL_TOKENS:-}" POOL_FLAGS="${POOL_FLAGS:-}" COMMIT="${COMMIT:-}" \
-  CLIENTS="${CLIENTS:-}" CLIENT_REQUESTS="${CLIENT_REQUESTS:-}" \
+  CLIENTS="${CLIENTS:-}" CLIENT_REQUESTS="${CLIENT_REQUESTS:-}" PREFILL_SIZES="${PREFILL_SIZES:-}" \
+  PREFILL_CACHED="${PREFILL_CACHED:-}" PREFILL_ORDER="${PREFILL_ORDER:-}" PREFILL_FLAGS="${PREFILL_FLAGS:-}" \
   AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
   bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "steps started (pid $!)"
