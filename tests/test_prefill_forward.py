@@ -64,11 +64,11 @@ def _close(a: Any, b: Any) -> bool:
     return a.shape == b.shape and bool(mx.allclose(a, b, atol=TOL, rtol=TOL))
 
 
-def _ours(lm: Any, ids: Any, caches: list[Any], positions: Any, limits: Any = None) -> Any:
+def _ours(lm: Any, ids: Any, caches: list[Any], positions: Any, options: Any = None) -> Any:
     from mlx_relay.engine.lanes.stage_forward import ModelForward
-    from mlx_relay.engine.models.prefill_limits import PrefillLimits
+    from mlx_relay.engine.models.prefill_options import PrefillOptions
 
-    return ModelForward(lm, limits or PrefillLimits()).prefill(ids, None, caches, positions)
+    return ModelForward(lm, options or PrefillOptions()).prefill(ids, None, caches, positions)
 
 
 def _library(lm: Any, ids: Any, caches: list[Any], positions: Any) -> Any:
@@ -88,14 +88,14 @@ def test_a_chunked_prompt_prefills_as_the_library(gpu: Callable, request: pytest
     def run() -> tuple[bool, bool]:
         import mlx.core as mx
 
-        from mlx_relay.engine.models.prefill_limits import PrefillLimits
+        from mlx_relay.engine.models.prefill_options import PrefillOptions
 
         prompt = [(7 * i + 3) % 400 + 10 for i in range(150)]
         ours_cache, ref_cache = lm.make_cache(), lm.make_cache()
         hidden_ok = True
         for a, b in ((0, 70), (70, 71), (71, 150)):
             ids = mx.array([prompt[a:b]])
-            ours = _ours(lm, ids, ours_cache, _positions(a, b), PrefillLimits(attention_bytes=attention_bytes))
+            ours = _ours(lm, ids, ours_cache, _positions(a, b), PrefillOptions(attention_bytes=attention_bytes))
             ref = _library(lm, ids, ref_cache, _positions(a, b))
             mx.eval(ours, ref, _states(ours_cache), _states(ref_cache))
             hidden_ok = hidden_ok and _close(ours, ref)
@@ -165,12 +165,12 @@ def test_attention_in_blocks_equals_one_block(gpu: Callable) -> None:
 
 
 def test_the_attention_block_bound() -> None:
-    from mlx_relay.engine.models.prefill_limits import PrefillLimits
+    from mlx_relay.engine.models.prefill_options import PrefillOptions
 
-    limits = PrefillLimits(attention_bytes=1 << 30)
-    rows = limits.attention_rows(1, 16, 32768, 2)  # 35B-A3B's 16 query heads over 32K bf16 keys
+    options = PrefillOptions(attention_bytes=1 << 30)
+    rows = options.attention_rows(1, 16, 32768, 2)  # 35B-A3B's 16 query heads over 32K bf16 keys
     assert rows % 64 == 0 and rows * 16 * 32768 * 2 * 3 <= 1 << 30 < (rows + 64) * 16 * 32768 * 2 * 3
-    assert limits.attention_rows(1, 16, 1 << 24, 2) == 64  # never fewer than one tile
+    assert options.attention_rows(1, 16, 1 << 24, 2) == 64  # never fewer than one tile
 
 
 @pytest.mark.parametrize("bits", [None, 8], ids=["float", "8-bit"])

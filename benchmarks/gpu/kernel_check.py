@@ -13,6 +13,13 @@ random inputs at Qwen3.5-35B-A3B's shape, bf16 as the model runs. Exits non-zero
   order; equal probabilities may name other experts), each weight the renormalized probability of
   the expert it names.
 - MoE combine (`moe.cuda_combine` vs `fallback_combine`).
+- GatedDeltaNet prefill recurrence (`gated_delta_prefill.cuda_delta_rule` vs its `fallback`, the
+  library's chunked scan, and vs the library's sequential reference `gated_delta_ops`): chunks of
+  1, 100 and 2,048 positions, batch 1 and 3, with and without a padding mask (the padded
+  positions' state must not move).
+- The prefill's shifted conv (`prefill.depthwise_conv`) vs the library's `Conv1d`, and the grouped
+  experts (`grouped_experts.grouped_switch_glu`: dequantized, CUTLASS's grouped GEMM) vs the
+  library's 8-bit `SwitchGLU`, at 2,048 tokens of the 35B-A3B shape.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from build_random_model import TEXT_35B_A3B  # beside this script (benchmarks/gp
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.kernels.gated_delta import cuda_mixer, fallback_mixer
+from mlx_relay.engine.kernels.gated_delta_prefill import cuda_delta_rule
+from mlx_relay.engine.kernels.gated_delta_prefill import fallback as delta_rule_fallback
+from mlx_relay.engine.kernels.grouped_experts import grouped_switch_glu
 from mlx_relay.engine.kernels.moe import cuda_combine, cuda_route_topk, fallback_combine, fallback_route_topk
 
 TOLERANCE = 2e-2  # relative to the reference's largest magnitude: a few bf16 roundings (eps 2^-7)
@@ -110,6 +120,67 @@ def check_combine(B: int, D: int = 2048, k: int = 8) -> dict[str, Any]:
     return result
 
 
+def check_delta_rule(la: Any, B: int, T: int, masked: bool) -> dict[str, Any]:
+    from mlx_vlm.models.qwen3_5.gated_delta import compute_g, gated_delta_ops
+
+    bf = mx.bfloat16
+    Hk, Hv, Dk, Dv = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
+    q = mx.random.normal((B, T, Hk, Dk)).astype(bf) * (Dk ** -1.0)
+    k = mx.random.normal((B, T, Hk, Dk)).astype(bf) * (Dk ** -0.5)
+    v = mx.random.normal((B, T, Hv, Dv)).astype(bf)
+    a = mx.random.normal((B, T, Hv)).astype(bf)
+    b = mx.random.normal((B, T, Hv)).astype(bf)
+    state = mx.random.normal((B, Hv, Dv, Dk)) * 0.05
+    mask = None
+    if masked:  # the last row right-padded after T // 2 positions
+        mask = mx.ones((B, T), dtype=mx.bool_)
+        mask[B - 1, T // 2:] = False
+    g, beta = compute_g(la.A_log, a, la.dt_bias), mx.sigmoid(b)
+    ours = cuda_delta_rule(q, k, v, g, beta, state, mask)
+    ref = delta_rule_fallback(q, k, v, a, b, la.A_log, la.dt_bias, state, mask, None)
+    seq = gated_delta_ops(q, k, v, g, beta, state, mask)
+    mx.eval(ours, ref, seq)
+    real = mx.ones((B, T, 1, 1), dtype=mx.bool_) if mask is None else mask[:, :, None, None]
+    result = {"B": B, "T": T, "masked": masked,
+              "y_rel_chunked": rel(mx.where(real, ours[0], 0), mx.where(real, ref[0], 0)),
+              "y_rel_sequential": rel(mx.where(real, ours[0], 0), mx.where(real, seq[0], 0)),
+              "state_rel_chunked": rel(ours[1], ref[1]), "state_rel_sequential": rel(ours[1], seq[1])}
+    result["ok"] = bool(max(result["y_rel_sequential"], result["state_rel_sequential"]) <= TOLERANCE
+                        and max(result["y_rel_chunked"], result["state_rel_chunked"]) <= TOLERANCE)
+    return result
+
+
+def check_conv(la: Any, T: int) -> dict[str, Any]:
+    from mlx_relay.engine.models.qwen3_5.prefill import depthwise_conv
+
+    C = 2 * la.key_dim + la.value_dim
+    conv_in = mx.random.normal((1, la.conv_kernel_size - 1 + T, C)).astype(mx.bfloat16)
+    ours, ref = depthwise_conv(la, conv_in, T), la.conv1d(conv_in)
+    mx.eval(ours, ref)
+    result = {"T": T, "rel": rel(ours, ref), "shape_match": ours.shape == ref.shape and ours.dtype == ref.dtype}
+    result["ok"] = bool(result["shape_match"] and result["rel"] <= TOLERANCE)
+    return result
+
+
+def check_grouped_experts(T: int) -> dict[str, Any]:
+    import mlx.nn as nn
+    from mlx_vlm.models.switch_layers import SwitchGLU
+
+    H, F = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"]
+    E, k = SHAPE["num_experts"], SHAPE["num_experts_per_tok"]
+    switch = SwitchGLU(H, F, E)
+    switch.update({name: {"weight": (mx.random.normal((E, *shape)) * 0.02).astype(mx.bfloat16)}
+                   for name, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F)))})
+    nn.quantize(switch, group_size=64, bits=8)
+    x = mx.random.normal((1, T, H)).astype(mx.bfloat16)
+    inds = mx.argpartition(mx.random.normal((1, T, E)), kth=-k, axis=-1)[..., -k:].astype(mx.uint32)
+    ours, ref = grouped_switch_glu(switch, x, inds), switch(x, inds)
+    mx.eval(ours, ref)
+    result = {"T": T, "rel": rel(ours, ref), "shape_match": ours.shape == ref.shape and ours.dtype == ref.dtype}
+    result["ok"] = bool(result["shape_match"] and result["rel"] <= TOLERANCE)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
@@ -118,12 +189,14 @@ def main() -> None:
         sys.exit("kernel_check: no CUDA GPU here (the kernels run only there; the CPU tests pin the fallbacks)")
     mx.random.seed(0)
     la = gated_delta_net()
-    checks: dict[str, list[dict[str, Any]]] = {"gated_delta_mixer": [], "route_topk": [], "combine": []}
+    checks: dict[str, list[dict[str, Any]]] = {"gated_delta_mixer": [], "route_topk": [], "combine": [],
+                                               "delta_rule": [], "conv": [], "grouped_experts": []}
     def record(name: str, check: Any, *args: Any) -> None:
         try:
             c = check(*args)
         except Exception as exc:  # a kernel that does not compile or run fails the check, the others still run
-            c = {"args": repr(args[1:] if name == "gated_delta_mixer" else args), "error": repr(exc)[:2000],
+            c = {"args": repr(args[1:] if name in ("gated_delta_mixer", "delta_rule", "conv") else args),
+                 "error": repr(exc)[:2000],
                  "ok": False}
         checks[name].append(c)
         print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in c.items() if k != "same_expert_sets"), flush=True)
@@ -133,6 +206,10 @@ def main() -> None:
             record("gated_delta_mixer", check_mixer, la, B, T, keep)
         record("route_topk", check_route, B)
         record("combine", check_combine, B)
+    for B, T, masked in ((1, 1, False), (1, 100, False), (1, 2048, False), (3, 100, True), (3, 2048, True)):
+        record("delta_rule", check_delta_rule, la, B, T, masked)
+    record("conv", check_conv, la, 2048)
+    record("grouped_experts", check_grouped_experts, 2048)
     ok = all(c["ok"] for group in checks.values() for c in group)
     print("kernel check: " + ("PASS" if ok else "FAIL"))
     if args.out:

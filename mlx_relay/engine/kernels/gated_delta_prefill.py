@@ -154,14 +154,15 @@ def kernel_fits(q: mx.array, v: mx.array) -> bool:
 
 def delta_rule(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, A_log: mx.array,
                dt_bias: mx.array, state: mx.array | None, mask: mx.array | None = None,
-               state_steps: int | None = None) -> Any:
+               state_steps: int | None = None, *, kernel: bool = True) -> Any:
     """See the module docstring. With `state_steps` (a speculative verify keeping the state after
-    each position), the library's (y, state, states); else (y, state)."""
+    each position), the library's (y, state, states); else (y, state). `kernel`: the CUDA kernel
+    where it runs (off: the library's arithmetic everywhere)."""
     B, _, _, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    if state_steps is None and cuda_kernels_available() and kernel_fits(q, v):
+    if kernel and state_steps is None and cuda_kernels_available() and kernel_fits(q, v):
         return cuda_delta_rule(q, k, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), state, mask)
     return fallback(q, k, v, a, b, A_log, dt_bias, state, mask, state_steps)
 

@@ -5,7 +5,7 @@
 rows it finishes into first tokens after `forward.share(...)`; the MTP lane's row prefill calls the
 forward like the language model (`__call__`):
 - `ModelForward`: the model's family's prefill over the chunk (`models.ModelFamily.prefill_forward`:
-  the family's layer loop over the library's caches, within `PrefillLimits`), its final (normed)
+  the family's layer loop over the library's caches, within `PrefillOptions`), its final (normed)
   hidden states;
 - `StageForward` (`pipeline_stage.Stage`): the same call over this stage's layers only. A stage
   after the first takes the previous stage's hidden states as the call's `inputs_embeds` (a public
@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_relay.engine.memory.batch_caches import batched
 from mlx_relay.engine.models import family_of
 from mlx_relay.engine.models.pipeline_stage import Stage
-from mlx_relay.engine.models.prefill_limits import PrefillLimits
+from mlx_relay.engine.models.prefill_options import PrefillOptions
 
 
 class StageOutput(NamedTuple):
@@ -39,14 +39,14 @@ class StageOutput(NamedTuple):
 
 
 class ModelForward:
-    def __init__(self, lm: Any, limits: PrefillLimits | None = None) -> None:
+    def __init__(self, lm: Any, options: PrefillOptions | None = None) -> None:
         self.lm = lm
         self.family = family_of(lm)
-        self.limits = limits or PrefillLimits()
+        self.options = options or PrefillOptions()
 
     def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array) -> mx.array:
         """[B, n, D]: the final hidden states of the chunk (on this rank: see `share`)."""
-        return self.family.prefill_forward(self.lm, ids, embeds, caches, positions, self.limits)
+        return self.family.prefill_forward(self.lm, ids, embeds, caches, positions, self.options)
 
     def __call__(self, ids: mx.array, inputs_embeds: mx.array | None = None, cache: Any = None,
                  position_ids: Any = None, **_: Any) -> StageOutput:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from mlx_relay.engine.models.pipeline_stage import Stage
     from mlx_relay.engine.models.positions import Positions
-    from mlx_relay.engine.models.prefill_limits import PrefillLimits
+    from mlx_relay.engine.models.prefill_options import PrefillOptions
 
 __all__ = ["FAMILY_PACKAGES", "ModelFamily", "UnsupportedModel", "family_for", "family_of", "served_by_family"]
 
@@ -66,10 +66,10 @@ class ModelFamily(Protocol):
         ...
 
     def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
-                        positions: mx.array, limits: PrefillLimits) -> mx.array:
+                        positions: mx.array, options: PrefillOptions) -> mx.array:
         """The final-normed hidden states [B, T, H] of a prefill chunk (token ids [B, T], or the
         prompt embeddings of vision rows) at `positions`, over the library's own caches (kept as
-        the library's forward keeps them), its transient memory within `limits`."""
+        the library's forward keeps them), run as `options` say (its levers, its memory bound)."""
         ...
 
     def logits(self, lm: Any, hidden: mx.array) -> mx.array:

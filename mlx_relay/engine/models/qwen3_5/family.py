@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx_relay.engine.models import KV, ModelFamily
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.positions import Positions
-from mlx_relay.engine.models.prefill_limits import PrefillLimits
+from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.models.qwen3_5 import MODEL_TYPES, layers, mtp, pipeline, prefill
 
 
@@ -32,8 +32,8 @@ class Qwen3_5Family:
         return layers.forward_block(lm, tokens, at, kv, conv, ssm, keep_states=keep_states, stage=stage)
 
     def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
-                        positions: mx.array, limits: PrefillLimits) -> mx.array:
-        return prefill.prefill_forward(lm, ids, embeds, caches, positions, limits)
+                        positions: mx.array, options: PrefillOptions) -> mx.array:
+        return prefill.prefill_forward(lm, ids, embeds, caches, positions, options)
 
     def logits(self, lm: Any, hidden: mx.array) -> mx.array:
         return layers.logits(lm, hidden)

@@ -2,7 +2,7 @@
 only; `models.ModelFamily.prefill_forward`, called by the lanes' prefill through
 `lanes/stage_forward.ModelForward`).
 
-    hidden = prefill_forward(lm, ids, embeds, caches, positions, limits)   # [B, T, H], final-normed
+    hidden = prefill_forward(lm, ids, embeds, caches, positions, options)   # [B, T, H], final-normed
 
 What mlx-vlm's language model computes for the chunk (`lm(ids, inputs_embeds=..., cache=...,
 position_ids=...)`, its batched path), with the same caches kept the same way through their
@@ -15,13 +15,15 @@ GPU done otherwise:
 - the mixture of experts: grouped GEMMs over the sorted (token, expert) pairs
   (`kernels.grouped_experts`) where MLX's CUDA backend runs one matmul per pair;
 - attention: the library's projections, norms and rotary embedding, then MLX's attention over
-  blocks of at most `PrefillLimits.attention_rows` queries, each against the keys up to its last
+  blocks of at most `PrefillOptions.attention_rows` queries, each against the keys up to its last
   position (causal: no block reads a later key), so a long context's scores (MLX's CUDA backend
   has no fused attention for head dim 256: it materializes them) stay within a bound instead of
-  growing with chunk x context (`models/prefill_limits.py`). A chunk whose rows carry no left
+  growing with chunk x context (`models/prefill_options.py`). A chunk whose rows carry no left
   padding is masked causally by the attention itself (no mask array of chunk x context).
 
-Off a GPU every part is the library's own arithmetic (`tests/test_prefill_forward.py` pins the
+Each lever can be turned off (`PrefillOptions`: that part then runs the library's arithmetic;
+`benchmarks/prefill_parts.py` measures what each buys). Off a GPU every part is the library's own
+arithmetic (`tests/test_prefill_forward.py` pins the
 chunk's hidden states and caches against the library's forward, float32).
 """
 
@@ -36,12 +38,12 @@ from mlx_vlm.models.qwen3_5.language import apply_multimodal_rotary_pos_emb
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.kernels.gated_delta import causal_conv, normalize_qk
 from mlx_relay.engine.kernels.gated_delta_prefill import delta_rule
-from mlx_relay.engine.models.prefill_limits import PrefillLimits
+from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.models.qwen3_5.layers import gated_output, project_qkv, run_layers
 
 
 def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
-                    limits: PrefillLimits) -> mx.array:
+                    options: PrefillOptions) -> mx.array:
     """`models.ModelFamily.prefill_forward`: see the module docstring. `positions` [3, B, T] (M-RoPE)."""
     model = lm.model
     h = embeds if embeds is not None else model.embed_tokens(ids)
@@ -52,12 +54,12 @@ def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: lis
     cache_of = iter(caches)  # one per layer, in layer order: the mixers take theirs as they run
 
     def linear(la: Any, x: mx.array) -> mx.array:
-        return gated_delta_net(la, x, next(cache_of), ssm_mask)
+        return gated_delta_net(la, x, next(cache_of), ssm_mask, options)
 
     def attend(sa: Any, x: mx.array) -> mx.array:
-        return attention(sa, x, next(cache_of), positions, rotary, attn_mask, limits)
+        return attention(sa, x, next(cache_of), positions, rotary, attn_mask, options)
 
-    return model.norm(run_layers(model.layers, h, linear, attend, grouped=True))
+    return model.norm(run_layers(model.layers, h, linear, attend, grouped=options.grouped_experts))
 
 
 def _attention_mask(cache: Any, T: int) -> Any:
@@ -89,7 +91,7 @@ def _position_embeddings(layers: list[Any], h: mx.array, positions: mx.array) ->
 
 
 def attention(sa: Any, x: mx.array, cache: Any, positions: mx.array, rotary: Any, mask: Any,
-              limits: PrefillLimits) -> mx.array:
+              options: PrefillOptions) -> mx.array:
     """The library's gated attention over its KV cache, the scores in blocks of queries."""
     queries, keys, values, gate = project_qkv(sa, x)
     if rotary is None:
@@ -98,7 +100,7 @@ def attention(sa: Any, x: mx.array, cache: Any, positions: mx.array, rotary: Any
         queries, keys = apply_multimodal_rotary_pos_emb(queries, keys, *rotary)
     keys, values = cache.update_and_fetch(keys, values)
     B, heads, _, _ = queries.shape
-    max_rows = limits.attention_rows(B, heads, keys.shape[2], queries.dtype.size)
+    max_rows = options.attention_rows(B, heads, keys.shape[2], queries.dtype.size)
     return gated_output(sa, blocked_attention(queries, keys, values, sa.scale, mask, max_rows), gate)
 
 
@@ -119,7 +121,7 @@ def blocked_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask:
     return mx.concatenate(blocks, axis=2)
 
 
-def gated_delta_net(la: Any, x: mx.array, cache: Any, mask: mx.array | None) -> mx.array:
+def gated_delta_net(la: Any, x: mx.array, cache: Any, mask: mx.array | None, options: PrefillOptions) -> mx.array:
     """The library's `Qwen3_5GatedDeltaNet` over a chunk, its conv window and recurrent state in
     `cache` (an `ArraysCache`: [0] the window, [1] the state), kept as the library keeps them."""
     B, T, _ = x.shape
@@ -133,7 +135,7 @@ def gated_delta_net(la: Any, x: mx.array, cache: Any, mask: mx.array | None) -> 
         qkv = mx.where(mask[..., None], qkv, 0)
     conv_in = mx.concatenate([window, qkv], axis=1)
     cache.update_window(0, conv_in, width, lengths=cache.lengths)
-    mixed = nn.silu(depthwise_conv(la, conv_in, T))
+    mixed = nn.silu(depthwise_conv(la, conv_in, T, options.shifted_conv))
     q, k, v = (t.reshape(B, T, heads, dim) for t, heads, dim in zip(
         mx.split(mixed, [la.key_dim, 2 * la.key_dim], -1),
         (la.num_k_heads, la.num_k_heads, la.num_v_heads),
@@ -142,7 +144,8 @@ def gated_delta_net(la: Any, x: mx.array, cache: Any, mask: mx.array | None) -> 
 
     def update(state: mx.array | None, state_steps: int | None) -> Any:
         state = state if state is None or state.shape[0] == B else None
-        return delta_rule(q, k, v, a, b, la.A_log, la.dt_bias, state, mask, state_steps)
+        return delta_rule(q, k, v, a, b, la.A_log, la.dt_bias, state, mask, state_steps,
+                          kernel=options.recurrence_kernel)
 
     out, _ = cache.update_recurrent(1, T, update)
     cache.advance(T)
@@ -150,13 +153,13 @@ def gated_delta_net(la: Any, x: mx.array, cache: Any, mask: mx.array | None) -> 
     return la.out_proj(out.reshape(B, T, -1))
 
 
-def depthwise_conv(la: Any, conv_in: mx.array, T: int) -> mx.array:
-    """The causal depthwise conv's T outputs over [B, K-1+T, C]: on a GPU, K shifted
-    multiply-adds accumulated in float32 (a few elementwise launches, where MLX's grouped
-    convolution of C groups is slow); elsewhere the library's (its `Conv1d`, or for one bf16
-    token its float32 decode conv)."""
+def depthwise_conv(la: Any, conv_in: mx.array, T: int, shifted: bool = True) -> mx.array:
+    """The causal depthwise conv's T outputs over [B, K-1+T, C]: on a GPU (and `shifted`), K
+    shifted multiply-adds accumulated in float32 (a few elementwise launches, where MLX runs a
+    grouped convolution of C groups); elsewhere the library's (its `Conv1d`, or for one bf16 token
+    its float32 decode conv)."""
     weight = la.conv1d.weight  # [C, K, 1]
-    if T == 1 or not cuda_kernels_available():
+    if T == 1 or not shifted or not cuda_kernels_available():
         return causal_conv(la, conv_in, T) if T == 1 else la.conv1d(conv_in)
     K = weight.shape[1]
     w = weight[:, :, 0].astype(mx.float32)  # [C, K]

@@ -1,0 +1,35 @@
+"""How a prefill chunk's forward runs (no MLX): given whole to the families' `prefill_forward` by
+the lanes' `stage_forward.ModelForward`.
+
+- The bound on its transient memory beyond the caches. Attention is where a chunk's working set
+  grows with its context: where MLX has no fused attention for the model's head width (its CUDA
+  backend, for Qwen3.5's 256), it materializes the scores of every query against every key it
+  reads, about three copies of heads x queries x keys elements (the scores, their mask applied,
+  their softmax). `attention_rows` is how many queries a block may hold so that a block's scores
+  stay within `attention_bytes`.
+- The levers of issue 43 (each on by default; off, that part runs the library's arithmetic, so
+  `benchmarks/prefill_parts.py` measures what each buys): the GatedDeltaNet recurrence as our
+  kernel, the conv as shifted multiply-adds, the experts as grouped GEMMs. Each applies only where
+  it can (a CUDA GPU; `kernels/`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+#: copies of a block's scores alive at once in MLX's unfused attention (scores, masked, softmax)
+SCORE_COPIES = 3
+ROW_GRANULE = 64  # blocks of whole 64-query tiles
+
+
+class PrefillOptions(msgspec.Struct, frozen=True):
+    attention_bytes: int = 1 << 30  # one attention block's scores
+    recurrence_kernel: bool = True
+    shifted_conv: bool = True
+    grouped_experts: bool = True
+
+    def attention_rows(self, rows: int, heads: int, keys: int, itemsize: int) -> int:
+        """Queries per attention block for `rows` rows of `heads` query heads over `keys` keys."""
+        per_query = max(1, rows * heads * keys * itemsize * SCORE_COPIES)
+        fit = self.attention_bytes // per_query
+        return max(ROW_GRANULE, fit - fit % ROW_GRANULE)
