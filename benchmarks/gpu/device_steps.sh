@@ -33,6 +33,9 @@
 #            PREFILL_ORDER auto (phases on an 80 GB card: our server up for all of ours, then raw alone),
 #            PREFILL_FLAGS (our server's extra flags, e.g. --no-mtp). Run it alone (JOBS=prefill: its five
 #            files, of the 8 a call brings back). Results: prefill.{json,md,txt}, prefill-{ours,raw}.log
+#   parts    (issue 43.2) prefill_parts.py: a prefill chunk of PARTS_CHUNK (2048) tokens at each context of
+#            PARTS_CONTEXT (0,28672), the library's forward beside ours with each lever off in turn, and per
+#            part (GatedDeltaNet mixer, experts, attention). Results: prefill_parts.{json,txt}
 #   agree    (issue 17.5) per rate of AGREE (default "0.6 0.75 0.8"): build a model whose MTP head agrees
 #            at that block-2 acceptance (build_random_model.py --mtp-agree, 38.6 GB) into AGREE_DIR
 #            (/root/agree-model), bench_mtp.py on it at batch 1 (BLOCK 2, MTP_TOKENS 128, REPEATS 2),
@@ -142,6 +145,12 @@ prefill)
     --cached "${PREFILL_CACHED:-28672+4096}" --repeats "${REPEATS:-3}" --order "${PREFILL_ORDER:-auto}" \
     --ours-flags="$PREFILL_FLAGS" --out $O/prefill.json > $O/prefill.txt 2>&1
   say "prefill (rc $?): $(grep -h '^order\|^| [0-9]\|^- ' $O/prefill.txt | tr '\n' ' ')" ;;
+parts)
+  for chunk in ${PARTS_CHUNK:-2048}; do
+    python3 benchmarks/prefill_parts.py "$MODEL" --chunk "$chunk" --context "${PARTS_CONTEXT:-0,28672}" \
+      --repeats "${REPEATS:-3}" --out $O/prefill_parts_$chunk.json > $O/prefill_parts_$chunk.txt 2>&1
+    say "parts $chunk (rc $?): $(grep -h '^  library\|^  ours ' $O/prefill_parts_$chunk.txt | tr -s ' ' | tr '\n' ';')"
+  done ;;
 snapio)
   python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
   say "snapio done (rc $?)" ;;
@@ -158,6 +167,6 @@ setsid nohup env RUN="$RUN" MODEL="${MODEL:-}" PYTHONPATH="$RUN/src:${PYTHONPATH
   POOL_TOKENS="${POOL_TOKENS:-}" POOL_FLAGS="${POOL_FLAGS:-}" COMMIT="${COMMIT:-}" \
   CLIENTS="${CLIENTS:-}" CLIENT_REQUESTS="${CLIENT_REQUESTS:-}" PREFILL_SIZES="${PREFILL_SIZES:-}" \
   PREFILL_CACHED="${PREFILL_CACHED:-}" PREFILL_ORDER="${PREFILL_ORDER:-}" PREFILL_FLAGS="${PREFILL_FLAGS:-}" \
-  AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
+  PARTS_CHUNK="${PARTS_CHUNK:-}" PARTS_CONTEXT="${PARTS_CONTEXT:-}" AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
   bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "steps started (pid $!)"
