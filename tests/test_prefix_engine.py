@@ -191,3 +191,52 @@ def test_a_drained_engine_gives_a_bursts_buffers_back(gpu: Callable, fp32_model:
 
     assert gpu(lambda: run(0)) == 0
     assert gpu(lambda: run(1 << 40)) > 0
+
+
+@pytest.mark.parametrize("lane", ["mtp-lane", "plain-lane", "kv-lane"])
+def test_the_prompts_end_is_snapshotted_and_restores_the_next_tool_round(gpu: Callable, bigram_model: Path,
+                                                                          lane: str) -> None:
+    """Issue 43: a snapshot asked for at the prompt's very end (what an agent's next tool round
+    repeats) is taken as the row leaves its prefill, before its first token, beside the whole turn;
+    the next round's prompt (the reply as the client sent it back, not as generated, and a tool
+    result) restored from it decodes exactly as plain greedy decoding of the whole prompt, and so
+    does a third round from the second's end. Two rows finishing their prefill in one chunk (one
+    restored, one from scratch: ragged) each leave their own end."""
+    from mlx_relay.testing.family_fixtures import family_fixture_path
+    from tests.test_families import library_greedy
+
+    kv = lane == "kv-lane"
+    path = family_fixture_path("qwen3") if kv else bigram_model
+    max_tokens = 6
+
+    def run() -> tuple[Any, ...]:
+        d = Driver(load_model(path), prefill_step_size=64)
+        sp = SamplingParams(max_tokens=max_tokens, mtp=lane == "mtp-lane")
+        first = SYSTEM + SUFFIXES[0]
+        a = d.add(Generate("a", first, sp, prefix=PrefixPlan(snapshot_at=[len(SYSTEM), len(first)],
+                                                               snapshot_turn=True)))
+        d.run()
+        (end,) = [s for s in d.snapshots[a] if s.length == len(first) and not s.generated]
+        second = first + [500, 501, 502] + SUFFIXES[2]
+        cold = list(range(600, 613))
+        b = d.add(Generate("b", second, sp, prefix=PrefixPlan(end.handle, end.length, snapshot_at=[len(second)])))
+        c = d.add(Generate("c", cold, sp, prefix=PrefixPlan(snapshot_at=[len(cold)])))
+        d.run()
+        (end2,) = [s for s in d.snapshots[b] if s.length == len(second)]
+        (cold_end,) = [s for s in d.snapshots[c] if s.length == len(cold)]
+        third = second + [503, 504] + SUFFIXES[1]
+        e = d.add(Generate("e", third, sp, prefix=PrefixPlan(end2.handle, end2.length)))
+        again = [*cold, 7, 8]
+        f = d.add(Generate("f", again, sp, prefix=PrefixPlan(cold_end.handle, cold_end.length)))
+        d.run()
+        prompts = [first, second, cold, third, again]
+        ref = library_greedy(path, "qwen3", prompts, max_tokens) if kv else greedy_reference(path, prompts, max_tokens)
+        turns = [s for s in d.snapshots[a] if s.generated]
+        d.engine.close()
+        return d, (a, b, c, e, f), ref, turns
+
+    d, sids, ref, turns = gpu(run)
+    assert [d.tokens[s] for s in sids] == ref
+    first, second, cold = len(SYSTEM + SUFFIXES[0]), len(SYSTEM + SUFFIXES[0]) + 3 + len(SUFFIXES[2]), 13
+    assert [d.finished[s].cached_tokens for s in sids] == [0, first, 0, second, cold]
+    assert len(turns) == 1 and turns[0].length > first  # the whole turn as well

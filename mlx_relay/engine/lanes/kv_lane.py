@@ -8,7 +8,8 @@ only keys and values:
   arrival order within the step's prefill budget; a row restored from a prefix-cache snapshot
   starts from its keys and values (views, grown by copy on append) and prefills only the rest; a
   chunk stops at each of the row's snapshot lengths, where the snapshot is the keys and values up
-  to there (an attention cache at length S is exactly the prompt's state at S); an image row
+  to there (an attention cache at length S is exactly the prompt's state at S; the prompt's end
+  too, before the row joins the batch); an image row
   (Gemma 3) prefills from its prompt embeddings (`RowSpec.embeds`: the model's own embedding path,
   computed for the whole prompt when the row joins, `memory/features.py`), so a chunk or a
   snapshot may end inside an image (the library's forward is causal over image tokens too) and
@@ -45,7 +46,7 @@ class _Row:
     spec: RowSpec
     caches: list[Any]  # batch-1 caches while prefilling; [] once the row decodes in the batch
     done: int = 0  # prompt tokens in `caches`
-    snapshot_at: tuple[int, ...] = ()  # ascending lengths in (done, len(prompt))
+    snapshot_at: tuple[int, ...] = ()  # ascending lengths in (done, len(prompt)]
     cached_tokens: int = 0  # restored from the prefix cache
     emitted: int = 0
 
@@ -108,7 +109,7 @@ class KVLane:
                 for c in row.caches:
                     c.trim(row.done - len(spec.prompt) + 1)
                 row.done = row.cached_tokens = len(spec.prompt) - 1
-        row.snapshot_at = tuple(sorted(s for s in spec.snapshot_at if row.done < s < len(spec.prompt)))
+        row.snapshot_at = tuple(sorted(s for s in spec.snapshot_at if row.done < s <= len(spec.prompt)))
         self.rows[spec.rid] = row
         self._prefilling.append(spec.rid)
 

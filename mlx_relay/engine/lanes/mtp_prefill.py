@@ -2,7 +2,8 @@
 target and of the head (GPU thread only; used by `mtp_lane.MTPLane`).
 
 A row starts from scratch or from a prefix snapshot (the target's state, and the head's when the
-snapshot has it), takes snapshots at its snapshot lengths, and once its prompt is done draws its
+snapshot has it), takes snapshots at its snapshot lengths (the prompt's end included: the state
+its last chunk leaves, before the first token is drawn), and once its prompt is done draws its
 first token and the head's first draft and is handed to the lane (`on_done`), which merges it
 into a cohort. Joining rows share the step's prefill budget (`token_budget.fair_shares`): a short
 prompt is not held behind a long one's remaining chunks.
@@ -56,7 +57,7 @@ class MTPPrefill:
             pre.cached_tokens = restore.length
             if self.head.drafts and restore.head is not None and restore.head_hidden is not None:
                 row.dcache, row.carry_hidden = restore_caches(restore.head), restore.head_hidden
-        pre.snapshot_at = sorted(s for s in snapshot_at if pre.done < s < len(row.prompt))
+        pre.snapshot_at = sorted(s for s in snapshot_at if pre.done < s <= len(row.prompt))
         row.pre = pre
         self.rows.append(row)
 

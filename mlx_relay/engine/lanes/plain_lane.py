@@ -6,7 +6,9 @@ hand it, nor stop at a boundary to let us copy its state. This lane owns both ha
 - prefill: `prefill_batch.PrefillBatch`, up to `prefill_batch_size` joining rows together, one
   chunk per step, each row restored from its own snapshot (or from scratch) and snapshotted at
   its own requested lengths; text rows by token ids, vision rows by their prompt embeddings and
-  M-RoPE positions, sparse SpecPrefill rows by their kept tokens at their true positions;
+  M-RoPE positions, sparse SpecPrefill rows by their kept tokens at their true positions. A
+  snapshot asked for at the prompt's very end (what an agent's next tool round restores) is
+  taken here, from the caches the finished rows leave the prefill with, before they decode;
 - decode: `decode_batch.DecodeBatch`, the rows a chunk finished joining it together, each with
   its own M-RoPE delta, stepped by one compiled function (`decode_step.DecodeStep`). A row's
   sequence ends at end-of-sequence or max_tokens (reported in `LaneStep`), but the row stays in
@@ -30,7 +32,7 @@ from mlx_relay.engine.lanes.decode_batch import DecodeBatch
 from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
 from mlx_relay.engine.lanes.decode_step import DecodeStep
 from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, sequence_end
-from mlx_relay.engine.lanes.prefill_batch import PrefillBatch, PrefillRow
+from mlx_relay.engine.lanes.prefill_batch import PrefillBatch, Prefilled, PrefillRow
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
 from mlx_relay.engine.memory.batch_caches import as_batch_caches
@@ -80,7 +82,7 @@ class PlainLane:
         if spec.restore is not None:
             pre.cache, pre.done = restore_caches(spec.restore.target), spec.restore.length
             pre.cached_tokens = spec.restore.length
-        pre.snapshot_at = sorted(s for s in spec.snapshot_at if pre.done < s < len(spec.prompt))
+        pre.snapshot_at = sorted(s for s in spec.snapshot_at if pre.done < s <= len(spec.prompt))
         self.rows[spec.rid] = PlainRow(spec, cached_tokens=pre.cached_tokens)
         self.prefill.add(PrefillRow(spec.rid, pre, spec.processors))
 
@@ -151,6 +153,19 @@ class PlainLane:
             out.prefill_rows, out.prefill_tokens = chunk.rows, chunk.tokens
             out.snapshots.extend(chunk.snapshots)
             if (done := chunk.done) is not None:
+                out.snapshots.extend(_ends(done))
                 self._batch.join([r.rid for r in done.rows], done.caches, done.first,
                                  [r.pre.rope_delta for r in done.rows], [r.processors for r in done.rows])
         return out
+
+
+def _ends(done: Prefilled) -> list[tuple[int, Snapshot]]:
+    """Snapshots at the prompt's end of the rows that asked for one (the prefill takes those
+    inside the prompt: a chunk stops there), from the caches the rows leave the prefill with."""
+    out = []
+    for i, row in enumerate(done.rows):
+        end = len(row.pre.prompt)
+        if row.pre.wants_snapshot(end):
+            target, nbytes = snapshot_caches([c.extract(i) for c in done.caches], end)
+            out.append((row.rid, Snapshot(length=end, target=target, nbytes=nbytes)))
+    return out
