@@ -9,6 +9,12 @@ call's own parameters are refused before rendering, anything the template raises
 rendering the client's data is the client's 400, and a prompt that cannot fit the context is
 refused as early as its length tells: by a character count before anything is rendered, then by
 the tokenizer's count before token lists are built.
+
+The prefix cache's boundaries are found here too, by rendering what comes next and counting the
+tokens both renderings share: the system prompt's end; how much of the prompt the conversation's
+next user turn repeats (`reply_start`); with tools declared, how much of it the agent's next tool
+round repeats (`round_start`: this prompt, a reply calling a tool, its result). Counted token by
+token, so a boundary is a length the next prompt really starts with.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import contextlib
 import inspect
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import msgspec
@@ -92,6 +98,10 @@ class PromptRenderer:
     grammar_cache_entries = 32
     #: text normalizers may compose characters (NFC: up to 3 into 1): the character bound's slack
     normalizer_slack = 4
+    #: a boundary's last tokens are checked against the next prompt's own tokenization from the last
+    #: added token at most this many tokens before it, through this many characters past it
+    boundary_tokens = 64
+    boundary_chars = 256
 
     def __init__(self, tokenizer: Any, tool_format: str | None, sandbox: TemplateSandbox | None = None,
                  fold_tools: bool = False) -> None:
@@ -100,7 +110,9 @@ class PromptRenderer:
         self.sandbox = sandbox
         self.fold_tools = fold_tools  # the template renders no tools: `chat.tool_prompt` writes them in
         self._backend = tokenizer.backend_tokenizer
-        self._special = frozenset(tokenizer.get_added_vocab())
+        added = tokenizer.get_added_vocab()
+        self._special = frozenset(added)
+        self._added_ids = frozenset(added.values())
         # the most characters one token can stand for (byte-level vocab strings have one character per byte)
         self.max_token_chars = max(len(k) for k in tokenizer.get_vocab())
         own = inspect.signature(tokenizer.apply_chat_template).parameters
@@ -211,16 +223,15 @@ class PromptRenderer:
         except NormalizationError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         media = media_parts(messages)
-        tools = [msgspec.to_builtins(t) for t in msg.tools] if msg.tools else None
-        if self.fold_tools and msg.chat_template is None:
-            template_messages, tools = fold_tools(template_messages, tools), None
-        kwargs = msg.template_kwargs
+        declared = [msgspec.to_builtins(t) for t in msg.tools] if msg.tools else None
+        conversation = _Conversation(template_messages, declared,
+                                     self.fold_tools and msg.chat_template is None, msg.template_kwargs)
         try:
             if msg.chat_template is not None:
                 assert self.sandbox is not None
-                text = self.sandbox.render(msg.chat_template, template_messages, tools, kwargs)
+                text = self.sandbox.render(msg.chat_template, template_messages, declared, conversation.kwargs)
             else:
-                text = self._template(template_messages, tools, kwargs)
+                text = self._render_conversation(conversation)
         except TemplateFailed as exc:
             raise InvalidRequest(str(exc), param="chat_template") from exc
         except _TEMPLATE_INPUT_ERRORS as exc:
@@ -228,13 +239,24 @@ class PromptRenderer:
                                  param="messages") from exc
         encoding = self._encode(text, msg.max_prompt_tokens)
         ids = list(encoding.ids)
-        system_end = reply_start = 0
+        think_open = thinking_left_open(text)
+        system_end = reply_start = round_start = 0
         if msg.chat_template is None:  # the boundaries need more renders: not of a client's template
-            if len(template_messages) > 1 and template_messages[0].get("role") == "system":
-                system_end = self._system_end(template_messages[0], tools, kwargs, ids)
-            reply_start = self._reply_start(template_messages, tools, kwargs, text, encoding)
+            rendered = conversation.rendered()
+            if len(rendered) > 1 and rendered[0].get("role") == "system":
+                system_end = self._system_end(rendered[0], conversation.tools, conversation.kwargs, ids)
+            prompt = _Rendered(ids, encoding, text)
+            reply_start = self._reply_start(conversation, prompt)
+            if declared:
+                round_start = self._round_start(conversation, prompt, messages, think_open)
         return RenderedPrompt(token_ids=ids, num_media=len(media), messages=messages, system_end=system_end,
-                              reply_start=reply_start, think_open=thinking_left_open(text))
+                              reply_start=reply_start, round_start=round_start, think_open=think_open)
+
+    def _render_conversation(self, conversation: _Conversation, then: Sequence[dict[str, Any]] = ()) -> str:
+        """The conversation (and the messages `then`) through the checkpoint's template: with the
+        generation prompt when nothing follows, as history otherwise."""
+        return self._template(conversation.rendered(then), conversation.tools, conversation.kwargs,
+                              generation=not then)
 
     def _raw(self, msg: Render) -> RenderedPrompt:
         prompt = msg.raw_prompt
@@ -244,21 +266,63 @@ class PromptRenderer:
         assert prompt is not None  # token ids: checked against the model's vocabulary by the GPUExecutor
         return RenderedPrompt(token_ids=list(prompt), num_media=0, messages=[])
 
-    def _reply_start(self, template_messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any], text: str,
-                     encoding: Any) -> int:
-        """How much of this prompt the next turn's prompt will repeat: the conversation with a
+    def _reply_start(self, conversation: _Conversation, prompt: _Rendered) -> int:
+        """How much of this prompt the next user turn's prompt will repeat: the conversation with a
         reply and a next user turn appended is rendered (templates render a reply after the last
-        user turn differently from one before it), and the tokens wholly inside the text both
-        renderings share are counted. Templates that render history differently from the
-        generation prompt (Qwen's drop the `<think>` block of past replies) stop it at the
-        reply's header; others reach the prompt's end."""
-        probe = [*template_messages, {"role": "assistant", "content": "\u2063"}, {"role": "user", "content": "\u2063"}]
+        user turn differently from one before it), and the tokens both share are counted. Templates
+        that render history differently from the generation prompt (Qwen's drop the `<think>` block
+        of past replies) stop it at the reply's header; others reach the prompt's end."""
+        probe = [{"role": "assistant", "content": "\u2063"}, {"role": "user", "content": "\u2063"}]
         try:
-            history = self._template(probe, tools, kwargs, generation=False)
+            history = self._render_conversation(conversation, probe)
         except _TEMPLATE_INPUT_ERRORS:
             return 0
-        shared = common_prefix(text, history)
-        return bisect.bisect_right(encoding.offsets, shared, key=lambda span: span[1])
+        return self._repeated(prompt, history)
+
+    def _round_start(self, conversation: _Conversation, prompt: _Rendered, messages: Sequence[ChatMessage],
+                     think_open: bool) -> int:
+        """How much of this prompt the agent's next tool round will repeat: the conversation with a
+        reply calling a declared tool and that call's result appended is rendered, and the tokens
+        both share are counted. In a tool loop the last user query stays where it is, so a
+        template that keeps the reasoning of the replies after it (Qwen3.5's, Qwen3's) repeats the
+        whole prompt, and the reply too where it renders the reply as generated; one that drops
+        past reasoning stops at the reply's header when the prompt opened a thinking block.
+
+        The probe's reply carries reasoning when the prompt leaves a thinking block open and this
+        client sends reasoning back (an earlier reply of the conversation carries some, or there is
+        none yet): a client that drops it gets the template's empty thinking block instead, whose
+        first token is not the prompt's last (`<think>\\n` against `<think>\\n\\n</think>`)."""
+        name = str(conversation.tools_declared[0].get("function", {}).get("name", "")) \
+            if conversation.tools_declared else ""
+        call: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "relay_probe", "type": "function", "function": {"name": name, "arguments": {}}}]}
+        replies = [m for m in messages if m.role == "assistant"]
+        if think_open and (not replies or any(m.reasoning_content for m in replies)):
+            call["reasoning_content"] = "x"
+        result = {"role": "tool", "content": "\u2063", "tool_call_id": "relay_probe", "name": name}
+        try:
+            history = self._render_conversation(conversation, [call, result])
+        except _TEMPLATE_INPUT_ERRORS:
+            return 0
+        return self._repeated(prompt, history)
+
+    def _repeated(self, prompt: _Rendered, history: str) -> int:
+        """How many of the prompt's tokens the prompt rendered as `history` starts with: the tokens
+        wholly inside the text both share, less any the next prompt tokenizes otherwise (a token
+        at the edge may merge with what follows it there: the prompt's `\\n` and the next one's
+        `\\n\\n`). Tokenization starts afresh at an added token, so `history` is tokenized from the
+        last one before the edge, and only through a little past it."""
+        shared = common_prefix(prompt.text, history)
+        offsets = prompt.encoding.offsets
+        n = bisect.bisect_right(offsets, shared, key=lambda span: span[1])
+        anchor = next((i for i in range(n - 1, max(n - self.boundary_tokens, 0) - 1, -1)
+                       if prompt.ids[i] in self._added_ids), None)
+        if anchor is None:
+            return n
+        start = offsets[anchor][0]
+        tail = self._backend.encode_batch([history[start:shared + self.boundary_chars]],
+                                          add_special_tokens=False)[0].ids
+        return anchor + common_prefix(prompt.ids[anchor:n], tail)
 
     def _system_end(self, system: dict[str, Any], tools: Any, kwargs: dict[str, Any], ids: list[int]) -> int:
         """Where the system prompt's tokens end, whatever the template puts around it: the system
@@ -281,3 +345,33 @@ class PromptRenderer:
                 self._system_ids.move_to_end(text)
             probes.append(cached)
         return min(common_prefix(probes[0], probes[1]), common_prefix(probes[0], ids))
+
+
+class _Rendered(NamedTuple):
+    """A rendered prompt: its token ids, the tokenizer's Encoding (offsets), its text."""
+
+    ids: list[int]
+    encoding: Any
+    text: str
+
+
+class _Conversation:
+    """A request's template messages and what its template is called with; `rendered` gives the
+    messages as the template gets them, with more appended (a template that renders no tools gets
+    them written in, `chat.tool_prompt`, probes included)."""
+
+    def __init__(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, fold: bool,
+                 kwargs: dict[str, Any]) -> None:
+        self.messages = messages
+        self.tools_declared = tools or []
+        self.fold = fold
+        self.kwargs = kwargs
+        self.tools = None if fold else tools
+        self._base = fold_tools(messages, tools) if fold else messages
+
+    def rendered(self, then: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        if not then:
+            return self._base
+        if self.fold:
+            return fold_tools([*self.messages, *then], self.tools_declared or None)
+        return [*self.messages, *then]

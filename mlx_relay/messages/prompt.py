@@ -41,6 +41,10 @@ class RenderedPrompt(msgspec.Struct, frozen=True):
     # how many leading tokens the next turn's prompt repeats (this prompt and its reply rendered
     # as history): the conversation's state there is what turn N+1 restores
     reply_start: int = 0
+    # with tools declared, how many leading tokens the agent's next tool round repeats (this
+    # prompt, a reply calling a tool and its result rendered as history; past the prompt's end
+    # when the reply too is repeated as generated): what the loop's next request restores (0: none)
+    round_start: int = 0
     # the prompt ends inside an open thinking block (the template opened `<think>`): the reply
     # starts with reasoning
     think_open: bool = False
@@ -59,6 +63,7 @@ class Route(msgspec.Struct, frozen=True):
     prompt_tokens: list[int]
     system_end: int = 0  # the rendered prompt's boundaries, moved by the expansion in the reply
     reply_start: int = 0
+    round_start: int = 0
 
 
 class Routed(msgspec.Struct, frozen=True):
@@ -72,6 +77,7 @@ class Routed(msgspec.Struct, frozen=True):
     system_end: int = 0
     reply_start: int = 0
     media: list[MediaSpan] | None = []
+    round_start: int = 0
 
 
 class Prompt(msgspec.Struct, frozen=True):
@@ -83,6 +89,7 @@ class Prompt(msgspec.Struct, frozen=True):
     media: list[MediaSpan] | None = []  # None: media that cannot be keyed (no prefix reuse)
     system_end: int = 0
     reply_start: int = 0
+    round_start: int = 0
     multi_turn: bool = False  # the conversation already has an assistant (or tool) message
     think_open: bool = False
     grammar: str | None = None
