@@ -307,11 +307,17 @@ class Relay:
         return await gather_stats(self.health().status, self.admission, actors)
 
     async def prefix_cache_stats(self) -> dict[str, Any]:
-        """The prefix cache's counters (index and snapshot memory) and the vision feature cache's."""
+        """The prefix cache's counters (index and snapshot memory) and the vision feature cache's.
+        The store is asked first: whatever it told the GPUExecutor to free before answering is
+        freed in the engine's answer after it (mailboxes are in order)."""
         actors = self._service().actors
+        prefix: dict[str, Any] = {"enabled": False}
+        if actors.prefix_store is not None:
+            stats: PrefixStats = await actors.prefix_store.ask(GetPrefixStats())
+            prefix = msgspec.to_builtins(stats)
         engine: EngineStats = await actors.gpu.ask(GetEngineStats())
         body: dict[str, Any] = {
-            "prefix_cache": {"enabled": False},
+            "prefix_cache": prefix,
             "snapshots": {"held": engine.snapshots, "bytes": engine.snapshot_bytes},
             "vision_cache": {"hits": 0, "misses": 0, "entries": 0, "bytes": 0},
         }
@@ -319,9 +325,6 @@ class Relay:
             vision: VisionStats = await actors.vision.ask(GetVisionStats())
             body["vision_cache"] = {"hits": vision.hits, "misses": vision.misses, "entries": vision.entries,
                                     "bytes": vision.bytes}
-        if actors.prefix_store is not None:
-            stats: PrefixStats = await actors.prefix_store.ask(GetPrefixStats())
-            body["prefix_cache"] = msgspec.to_builtins(stats)
         return body
 
     async def mtp_stats(self) -> dict[str, Any]:

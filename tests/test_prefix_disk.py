@@ -57,6 +57,9 @@ CACHE: dict[str, Any] = {"prefix_min_snapshot_tokens": 8, "max_num_seqs": 8, "mt
 TOOLS = [{"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
                                            "parameters": {"type": "object", "properties": {}}}}]
 SESSIONS = 7  # 0 intact, 1 flipped byte, 2 cut off, 3 other model, 4 other dtype, 5 other mlx, 6 wrong tensors
+# an agent's first turn leaves three: its reply's header (what a next user turn restores), its
+# prompt's end and its whole turn (what a next tool round restores)
+TURN_FILES = 3
 
 
 
@@ -81,7 +84,7 @@ def agent(turns: list[tuple[str, str]], question: str) -> list[dict[str, Any]]:
 class Written(msgspec.Struct):
     directory: Path  # the model's snapshot directory
     files: list[str]  # session i's system snapshot
-    turn_file: str
+    turn_file: str  # the turn's reply header: what turn 2 restores
     cold: list[ChatReply]
     agent1: ChatReply
     agent2: ChatReply  # turn 2, restored from turn 1's snapshot in memory
@@ -92,7 +95,7 @@ class Written(msgspec.Struct):
 @pytest.fixture(scope="module")
 async def written(fp32_model: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Written]:
     """Server A: a cold request per session (each system snapshot written through), an agent's
-    first turn (its turn snapshot only in memory until persisted), then turn 2."""
+    first turn (its turn snapshots only in memory until persisted), then turn 2."""
     root = tmp_path_factory.mktemp("prefix-disk")
     async with Relay.start(fp32_model, prefix_cache_dir=str(root), **CACHE) as relay:
         directory = Path((await relay.prefix_cache_stats())["prefix_cache"]["disk"]["directory"])
@@ -109,9 +112,9 @@ async def written(fp32_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         # the agent's system prompt is written through and its turn by the persist; the write-through
         # may land before or during the persist (a loaded machine), so the files are told by kind
         new = sorted(set(os.listdir(directory)) - set(files))
-        kinds = {name: _header(directory / name)["relay.kind"] for name in new}
-        assert sorted(kinds.values()) == ["system", "turn"], kinds
-        (turn_file,) = [name for name, kind in kinds.items() if kind == "turn"]
+        headers = {name: _header(directory / name) for name in new}
+        assert sorted(h["relay.kind"] for h in headers.values()) == ["system", *["turn"] * TURN_FILES], headers
+        turn_file = min((int(h["relay.length"]), name) for name, h in headers.items() if h["relay.kind"] == "turn")[1]
         agent2 = await relay.chat(agent([("Run the tests", agent1.raw_text)], "Now fix it"), tools=TOOLS, **OPTS)
     yield Written(directory, files, turn_file, cold, agent1, agent2, persisted.written, writes)
 
@@ -144,7 +147,7 @@ async def test_a_new_server_restores_from_disk_and_bad_files_are_counted_never_u
     # every system snapshot written through (the agent's may still be in flight when the persist
     # starts, which then waits for it), and the agent's turn written by the drain's hook
     assert written.writes_before_persist in (SESSIONS, SESSIONS + 1)
-    assert written.writes_before_persist + written.persisted_written == SESSIONS + 2
+    assert written.writes_before_persist + written.persisted_written == SESSIONS + 1 + TURN_FILES
     root = tmp_path / "root"
     shutil.copytree(written.directory.parent, root)
     d = root / written.directory.name
@@ -169,14 +172,14 @@ async def test_a_new_server_restores_from_disk_and_bad_files_are_counted_never_u
     assert turn2.token_ids == written.agent2.token_ids
     assert turn2.cached_tokens == written.agent2.cached_tokens > after[0].cached_tokens
     # the intact file, the flipped byte, the wrong tensors, the agent's system prompt and turn pass the scan
-    assert disk["found_at_start"] == 5
+    assert disk["found_at_start"] == 4 + TURN_FILES
     assert disk["preloaded"] == {"state": "off", "entries": 0, "bytes": 0, "seconds": 0.0, "left_on_disk": 0}
     assert disk["rejected"] == {"corrupt": 1, "truncated": 1, "mismatch": 3, "missing": 0, "layout": 1}
     assert (disk["hits"], disk["loads"], disk["hit_tokens"]) == (2, 2, after[0].cached_tokens + turn2.cached_tokens)
     # the bad files are gone; their sessions' snapshots were taken and written anew
     left = set(os.listdir(d))
     assert not left & {f.name for f in files[1:]}
-    assert disk["entries"] == len(left) == SESSIONS + 2 and disk["writes"] == SESSIONS - 1
+    assert disk["entries"] == len(left) == SESSIONS + 1 + TURN_FILES and disk["writes"] == SESSIONS - 1
 
 
 async def _preload_done(relay: Relay) -> dict[str, Any]:
@@ -208,7 +211,7 @@ async def test_a_restarted_server_preloads_its_disk_tier_into_memory_up_to_the_c
         past_cap = await relay.chat(conv(2), **OPTS)
         after = (await relay.prefix_cache_stats())["prefix_cache"]
     pc, disk = before["prefix_cache"], before["prefix_cache"]["disk"]
-    found = len(written.files) + 2  # the sessions, the agent's system prompt and turn
+    found = len(written.files) + 1 + TURN_FILES  # the sessions, the agent's system prompt and turn
     assert disk["found_at_start"] == found and before["snapshots"]["held"] == pc["entries"] == 2
     preloaded = disk["preloaded"]
     assert (preloaded["entries"], preloaded["bytes"], preloaded["left_on_disk"]) == (2, pc["bytes"], found - 2)
@@ -261,7 +264,7 @@ def test_scan_reads_headers_and_sorts_out_what_cannot_be_used(written: Written, 
     (d / written.files[0]).write_bytes(b"\x01\x00")  # shorter than a header
     result = scan(d, identity)
     # every session, the agent's system prompt and turn, but the cut-off one
-    assert len(result.files) == len(written.files) + 1 and result.temporaries == 1
+    assert len(result.files) == len(written.files) + TURN_FILES and result.temporaries == 1
     assert result.rejected["truncated"] == 1 and "notes.txt" in os.listdir(d)
     other = scan(d, msgspec.structs.replace(identity, mlx_vlm="9.9.9"))
     assert other.files == [] and other.rejected["mismatch"] == len(result.files) and os.listdir(d) == ["notes.txt"]
@@ -338,7 +341,7 @@ async def test_store_writes_system_through_spills_evictions_and_skips_superseded
     system = list(range(5, 205))
     first = [*system, *range(300, 320)]
     plan = await store.receive(Lookup("a", first, system_end=200, reply_start=len(first), has_tools=True), None)
-    assert isinstance(plan, PrefixPlan) and plan.snapshot_at == [200] and plan.snapshot_turn
+    assert isinstance(plan, PrefixPlan) and plan.snapshot_at == [200, len(first)] and plan.snapshot_turn
     await store.receive(SnapshotTaken("a", 1, 200, 100, "system"), None)
     reply = [7, 8, 9]
     await store.receive(SnapshotTaken("a", 2, len(first) + 3, 100, "turn", reply), None)
@@ -349,23 +352,27 @@ async def test_store_writes_system_through_spills_evictions_and_skips_superseded
     second = [*first, *reply, 400, 401]
     plan = await store.receive(Lookup("b", second, system_end=200, reply_start=len(second), has_tools=True), None)
     assert isinstance(plan, PrefixPlan) and plan.restore == 2
+    await store.receive(SnapshotTaken("b", 4, len(second), 100, "system"), None)  # its prompt's end
     await store.receive(SnapshotTaken("b", 3, len(second) + 3, 100, "turn", [10, 11, 12]), None)
     await store.receive(Release("b"), None)
+    # turn 1 was superseded by turn 2 (the conversation moved past it): freed once "b" no longer
+    # restores from it, never written
+    freed = [h for m in gpu.sent if isinstance(m, FreeSnapshots) for h in m.handles]
+    assert freed == [2] and not [m for m in gpu.sent if isinstance(m, SaveSnapshot) and m.handle == 2]
     await store.receive(SnapshotSaved(saves[0].key, error="busy"), None)  # the disk was slow: dropped
     gpu.sent.clear()
     await store.receive(Flush(), None)
     spilled = [(m.handle, m.free_after) for m in gpu.sent if isinstance(m, SaveSnapshot)]
-    freed = [h for m in gpu.sent if isinstance(m, FreeSnapshots) for h in m.handles]
-    # turn 2 is the conversation's latest state: spilled; turn 1 was superseded by it: freed;
-    # the system snapshot (its write dropped) is worth a file again: spilled
-    assert sorted(spilled) == [(1, True), (3, True)] and freed == [2]
+    # turn 2 is the conversation's latest state (its prompt's end, its whole turn): spilled; the
+    # system snapshot (its write dropped) is worth a file again: spilled
+    assert sorted(spilled) == [(1, True), (3, True), (4, True)]
     stats = await store.receive(GetPrefixStats(), None)
     assert isinstance(stats, PrefixStats) and stats.disk is not None
-    assert (stats.disk.writes_dropped, stats.disk.pending_writes, stats.disk.reserved_bytes) == (1, 2, 200)
+    assert (stats.disk.writes_dropped, stats.disk.pending_writes, stats.disk.reserved_bytes) == (1, 3, 300)
 
 
 async def test_the_drain_writes_the_disk_tier_before_the_flush(fp32_model: Path, tmp_path: Path) -> None:
-    """SIGTERM's path (`Relay.drain`): an agent's turn snapshot held only in memory is on disk
+    """SIGTERM's path (`Relay.drain`): an agent's turn snapshots held only in memory are on disk
     once the drain returns, before the flush drops the memory tier."""
     async with Relay.start(fp32_model, prefix_cache_dir=str(tmp_path), **CACHE) as relay:
         await relay.chat(agent([], "Run the tests"), tools=TOOLS, **OPTS)
@@ -373,6 +380,6 @@ async def test_the_drain_writes_the_disk_tier_before_the_flush(fp32_model: Path,
         directory = Path(disk["directory"])
         before = set(os.listdir(directory))
         drained = await relay.drain(5.0)
-    assert drained.persisted is not None and drained.persisted.written == 1 and drained.persisted.pending == 0
-    assert drained.flushed is not None
-    assert len(set(os.listdir(directory)) - before) == 1
+    assert drained.persisted is not None and drained.persisted.written == TURN_FILES
+    assert drained.persisted.pending == 0 and drained.flushed is not None
+    assert len(set(os.listdir(directory)) - before) == TURN_FILES

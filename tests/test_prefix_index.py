@@ -1,6 +1,8 @@
 """The prefix cache index (issue 5): content keys with media, longest-prefix match, pins, the byte
 budget with eviction (never-hit turn snapshots first, then LRU), typed results, per-kind counters;
-and the store's policy of taking a turn snapshot only where a next turn is likely (issue 15.8)."""
+the store's policy of taking a turn snapshot only where a next turn is likely (issue 15.8); and a
+tool loop through the store, each round restoring the previous one while what the loop moved past
+is superseded (issue 43)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,15 @@ import pytest
 from mlx_relay.actors.prefix_cache_store import PrefixCacheConfig, PrefixCacheStore
 from mlx_relay.cache.prefix_index import Inserted, KindStats, PrefixIndex, Rejected
 from mlx_relay.cache.prefix_keys import MediaSpan, PrefixKeys
-from mlx_relay.messages.prefix_cache import GetPrefixStats, Lookup, PrefixPlan, PrefixStats
+from mlx_relay.messages.prefix_cache import (
+    FreeSnapshots,
+    GetPrefixStats,
+    Lookup,
+    PrefixPlan,
+    PrefixStats,
+    Release,
+    SnapshotTaken,
+)
 from mlx_relay.runtime import ActorRef
 
 SYSTEM = list(range(100, 300))  # 200 tokens: three full blocks and a tail
@@ -152,3 +162,83 @@ async def test_store_plans_turn_snapshots_only_where_a_next_turn_is_likely(multi
     assert whole.snapshot_turn is taken
     stats = await store.receive(GetPrefixStats(), None)
     assert isinstance(stats, PrefixStats) and stats.turns_skipped == (0 if taken else 2)
+
+
+def test_moved_past_keeps_what_each_next_turn_restores_and_frees_pinned_entries_at_release() -> None:
+    """Issue 43: the turn snapshots a tool loop's next prompt has gone past are found (a prefix of
+    it, or taken by a request whose whole prompt it extends: a whole turn that came back otherwise),
+    except the longest at or before each of the prompt's restore points (its reply header for a
+    next user turn; its own end, once that is in); superseded at once, or at the last release
+    of a pin."""
+    index = PrefixIndex(budget_bytes=1000)
+    first = [*SYSTEM, *range(1, 21)]  # 220 tokens; the reply's header ends at 217
+    whole = [*first, 7, 8, 9]  # and the reply as generated
+    for length, handle, kind, keys in [(200, 1, "system", first), (217, 2, "turn", first), (220, 3, "turn", first),
+                                       (223, 4, "turn", whole)]:
+        assert isinstance(index.insert(PrefixKeys(keys), length, handle, nbytes=100, kind=kind,  # type: ignore[arg-type]
+                                       origin_length=220 if kind == "turn" else 0), Inserted)
+    second = [*first, 7, 8, 5, 6]  # the reply came back otherwise, then the tool's result
+    keys = PrefixKeys(second)
+    restored = index.match(keys).entry
+    assert restored is not None and restored.handle == 3  # the previous prompt's end
+    points = [217, len(second)]
+    # until its own end is in, the previous round's end is what a next round restores: kept
+    assert {e.handle for e in index.moved_past(keys, len(second), points)} == {4}
+    moved = index.moved_past(keys, len(second), points, incoming=len(second))
+    assert {e.handle for e in moved} == {3, 4}  # never the system prompt, never the header
+    assert [e.handle for e in index.supersede(moved)] == [4]  # 3 is pinned: out at its release
+    assert index.entry(3) is not None and index.entry(4) is None
+    gone = index.release(3)
+    assert gone is not None and gone.handle == 3 and index.entry(3) is None
+    stats = index.stats()
+    assert (stats.superseded, stats.superseded_bytes, stats.evictions) == (2, 200, 0)
+    assert stats.by_kind["turn"].superseded == 2 and stats.entries == 2
+
+
+class _Frees:
+    def __init__(self) -> None:
+        self.handles: list[int] = []
+
+    async def tell(self, msg: object) -> None:
+        assert isinstance(msg, FreeSnapshots)
+        self.handles += msg.handles
+
+
+async def test_store_restores_each_round_and_holds_one_round_of_a_long_loop() -> None:
+    """A 120-round tool loop through the store, as the engine reports it: each request restores
+    the previous one's whole turn where the reply came back as generated (even rounds), its prompt's
+    end otherwise; it snapshots its own end and whole turn; what the loop moved past is freed as it
+    goes, so four snapshots are held (system prompt, the first reply's header, the last round's
+    two) on a budget of ten, and nothing is evicted."""
+    gpu = _Frees()
+    store = PrefixCacheStore(PrefixCacheConfig(budget_bytes=1000, min_snapshot_tokens=8), cast(ActorRef, gpu))
+    prompt = [*SYSTEM, *range(1, 21)]
+    header = len(prompt) - 3
+    handle = 0
+    restored: list[int] = []
+    for k in range(120):
+        rid = f"r{k}"
+        plan = await store.receive(Lookup(rid, prompt, system_end=200, reply_start=header, round_start=len(prompt),
+                                          multi_turn=k > 0, has_tools=True), None)
+        assert isinstance(plan, PrefixPlan) and plan.snapshot_turn
+        restored.append(plan.restore_length)
+        for length in plan.snapshot_at:
+            handle += 1
+            await store.receive(SnapshotTaken(rid, handle, length, 100, "system"), None)
+        reply = [500 + k, 501, 502]  # its end-of-turn token is not in the whole turn
+        handle += 1
+        await store.receive(SnapshotTaken(rid, handle, len(prompt) + 2, 100, "turn", reply[:2]), None)
+        await store.receive(Release(rid), None)
+        sent_back = reply if k % 2 == 0 else [600 + k, 601, 602]
+        prompt = [*prompt, *sent_back, 900 + k, 901]
+    expected = [0]
+    length = len(SYSTEM) + 20
+    for k in range(119):
+        expected.append(length + 2 if k % 2 == 0 else length)  # the whole turn, or the prompt's end
+        length += 5
+    assert restored == expected
+    stats = await store.receive(GetPrefixStats(), None)
+    assert isinstance(stats, PrefixStats)
+    assert (stats.system_entries, stats.turn_entries, stats.evictions, stats.rejected) == (1, 3, 0, 0)
+    assert stats.inserts == 2 + 2 * 120 and stats.by_kind["turn"].superseded == 2 * 119
+    assert len(gpu.handles) == len(set(gpu.handles)) == 2 * 119 and stats.bytes == 4 * 100

@@ -14,10 +14,22 @@ memory unless configured).
 
 Snapshot boundaries are the ones agents reuse: the end of the (normalized) system prompt, the
 end of the prompt's last image or video (asked about again with another question), and the end
-of each turn as the next turn will repeat it: the whole state (prompt + reply) when the chat
-template renders past replies exactly as it prompted them, else the state up to the reply's
-header (Qwen templates drop a past reply's `<think>` block, so nothing past that header can be
-reused by turn N+1).
+of each turn as the next request will repeat it, for each of the two ways a conversation goes on
+(the Normalizer renders both): a next user turn (`reply_start`), and, with tools declared, the
+agent's next tool round (`round_start`). Where the next request repeats the whole prompt, the
+prompt's end is snapshotted, and so is the whole state after the reply (prompt + reply, taken
+when the request ends), which the next request restores when the template renders the reply
+exactly as it was generated; else the state up to where it stops repeating (Qwen templates drop
+a past reply's `<think>` block once a new user query follows, so a next user turn repeats up to
+the reply's header; inside a tool loop Qwen3.5's and Qwen3's keep it, so each tool round
+repeats the previous request's whole prompt).
+
+Snapshots a conversation moves past are freed first, as a radix cache reuses a growing path:
+once a request's own turn snapshot is in, the turn snapshots its prompt has gone past (earlier
+rounds of a tool loop, a whole turn that came back otherwise, an earlier user turn's) are taken
+out (`PrefixIndex.moved_past` / `supersede`, counted as `superseded`), keeping, for each way
+the conversation can go on, the longest snapshot it would restore; so a 100-round tool loop
+holds the last round's snapshots, not a hundred.
 
 The store owns the policy of what is worth keeping. A turn snapshot pays only if the
 conversation comes back, so it is taken only where a next turn is likely: the conversation is
@@ -101,6 +113,9 @@ class _Pending(msgspec.Struct):
     keys: PrefixKeys
     pinned: int | None
     planned: dict[int, SnapshotKind] = {}  # snapshot length -> why it was asked for
+    # where the conversation's next requests stop repeating this prompt (its next user turn, its
+    # next tool round; at most its length): what its turn snapshots keep (none: no next turn likely)
+    points: list[int] = []
 
 
 Message = (Lookup | SnapshotTaken | Release | Flush | GetPrefixStats | SnapshotSaved | SnapshotLoaded
@@ -137,7 +152,7 @@ class PrefixCacheStore(Actor):
             case Release():
                 pending = self._pending.pop(msg.request_id, None)
                 if pending is not None and pending.pinned is not None:
-                    self.index.release(pending.pinned)
+                    await self._release(pending.pinned)
                 return None
             case Flush():
                 evicted = self.index.flush()
@@ -179,6 +194,9 @@ class PrefixCacheStore(Actor):
     async def _lookup_or_load(self, msg: Lookup, stream: ReplyStream | None) -> PrefixPlan | None:
         """The plan at once, or (the longest match is on disk, longer than memory's) after the
         GPUExecutor has loaded it, off the mailbox. `ask` always gets the plan at once."""
+        old = self._pending.pop(msg.request_id, None)
+        if old is not None and old.pinned is not None:  # a reused id: its earlier pin goes
+            await self._release(old.pinned)
         keys = PrefixKeys(msg.tokens, msg.media)
         disk = self.disk
         if disk is not None and stream is not None:
@@ -204,32 +222,30 @@ class PrefixCacheStore(Actor):
         entry = match.entry
         if entry is not None and self.disk is not None:
             self.disk.used(entry.key)
-        old = self._pending.pop(msg.request_id, None)
-        if old is not None and old.pinned is not None:  # a reused id: its earlier pin goes
-            self.index.release(old.pinned)
         pending = _Pending(msg.tokens, msg.media, keys, entry.handle if entry else None)
         self._pending[msg.request_id] = pending
-        done = entry.length if entry is not None else 0
-        # the system prompt's end, and the end of the prompt's last media item (the same image
-        # asked about again: everything up to it is reused, the vision tower is skipped)
-        # and where the next turn's prompt stops repeating this one (the reply's header, for
-        # templates that render past replies differently from the generation prompt)
-        # (a turn snapshot only where a next turn is likely)
-        whole_turn = self.config.snapshot_turns and msg.reply_start >= len(msg.tokens)
-        candidates: dict[int, SnapshotKind] = {}
-        if self.config.snapshot_turns and not whole_turn:
-            candidates[msg.reply_start] = "turn"
+        done, n = (entry.length if entry is not None else 0), len(msg.tokens)
+        # where the next requests stop repeating this prompt: its next user turn (the reply's
+        # header, for templates that render past replies differently from the generation
+        # prompt), its next tool round (with tools declared); at most the prompt's end, and the
+        # whole turn (prompt + reply) where one repeats the whole prompt
+        reach = [msg.reply_start, *([msg.round_start] if msg.has_tools and msg.round_start else [])]
+        points = sorted({min(p, n) for p in reach if p > 0}) if self.config.snapshot_turns else []
+        whole_turn = bool(points) and max(reach) >= n
+        # those (a turn snapshot only where a next turn is likely), the system prompt's end, and
+        # the end of the prompt's last media item (the same image asked about again: everything
+        # up to it is reused, the vision tower is skipped)
+        candidates: dict[int, SnapshotKind] = dict.fromkeys(points, "turn")
         candidates[max((m.end for m in msg.media), default=0)] = "media"
         candidates[msg.system_end] = "system"
         planned = {s: kind for s, kind in candidates.items()
-                   if done < s < len(msg.tokens) and s >= self.config.min_snapshot_tokens
-                   and not self.index.has(keys, s)}
+                   if done < s <= n and s >= self.config.min_snapshot_tokens and not self.index.has(keys, s)}
         if not self._next_turn_likely(msg):
             if whole_turn or "turn" in planned.values():
                 self._turns_skipped += 1
-            whole_turn = False
+            whole_turn, points = False, []
             planned = {s: kind for s, kind in planned.items() if kind != "turn"}
-        pending.planned = planned
+        pending.planned, pending.points = planned, points
         return PrefixPlan(restore=entry.handle if entry else None, restore_length=done, snapshot_at=sorted(planned),
                           snapshot_turn=whole_turn)
 
@@ -250,12 +266,20 @@ class PrefixCacheStore(Actor):
             self._rejected += 1
             return [snap.handle]
         kind = snap.kind if snap.generated else pending.planned.get(snap.length, snap.kind)
-        result = self.index.insert(keys, snap.length, snap.handle, snap.nbytes, kind)
+        gone: list[Entry] = []
+        if kind == "turn" and snap.nbytes <= self.index.budget_bytes:
+            # what this conversation has moved past goes first, before anything is evicted for it
+            moved = self.index.moved_past(pending.keys, len(pending.tokens), pending.points,
+                                          incoming=None if snap.generated else snap.length)
+            gone = self.index.supersede(moved)
+            self._forget(gone)
+        result = self.index.insert(keys, snap.length, snap.handle, snap.nbytes, kind,
+                                   origin_length=len(pending.tokens))
         if isinstance(result, Inserted):
             self._inserts += 1
-            return [result.entry, *result.evicted]
+            return [result.entry, *result.evicted, *(e.handle for e in gone)]
         self._rejected += 1
-        return [*result.evicted, result.handle]
+        return [*result.evicted, *(e.handle for e in gone), result.handle]
 
     async def _after_insert(self, items: Sequence[Entry | int], snap: SnapshotTaken) -> None:
         """Free (or spill) what the insert pushed out; write a new system or media snapshot
@@ -327,6 +351,19 @@ class PrefixCacheStore(Actor):
     async def _free(self, handles: list[int]) -> None:
         if handles:
             await self.gpu.tell(FreeSnapshots(handles))
+
+    async def _release(self, handle: int) -> None:
+        """A request is done restoring from `handle`: freed if the conversation moved past it meanwhile."""
+        freed = self.index.release(handle)
+        if freed is not None:
+            self._forget([freed])
+            await self._free([freed.handle])
+
+    def _forget(self, entries: Sequence[Entry]) -> None:
+        """Entries a conversation moved past leave the memory tier: freed, never spilled to disk."""
+        if self.disk is not None:
+            for e in entries:
+                self.disk.forget(e.handle)
 
     def _stats(self) -> PrefixStats:
         stats = self.index.stats()

@@ -10,12 +10,21 @@ goes in two tiers: first turn snapshots that were never hit (a conversation that
 back; least recently used first), then least-recently-used over every other unpinned entry.
 Results are typed, as in SGLang's radix cache: `Match`, `Inserted`, `Rejected`, `Evicted`; every
 handle leaving the index is reported exactly once in an `evicted` list so the owner frees it.
-Counters are kept per snapshot kind too (`KindStats`: held, inserted, hit, evicted).
+
+A conversation grows a prefix as a radix cache's path grows: each turn snapshot remembers the
+prompt of the request that took it (its origin), and `moved_past` finds the turn snapshots a
+later prompt of the same conversation has gone past (those that are prefixes of it, and those
+taken by a request whose whole prompt it extends), keeping for each of the prompt's own restore
+points (where its next user turn, its next tool round stop repeating it) the longest snapshot
+at or before it. `supersede` takes them out ahead of any eviction: at once, or, while a request
+is still restoring from one, when its last pin goes (`release` returns it). Counters are kept
+per snapshot kind too (`KindStats`: held, inserted, hit, evicted, superseded).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
@@ -35,6 +44,10 @@ class Entry(msgspec.Struct, frozen=True):
     handle: int  # the GPU executor's snapshot id
     nbytes: int
     kind: SnapshotKind
+    # the whole prompt of the request that took it: its length and key (0, b"": not known, e.g.
+    # a snapshot loaded from disk)
+    origin_length: int = 0
+    origin: bytes = b""
 
 
 class Match(msgspec.Struct, frozen=True):
@@ -72,6 +85,8 @@ class KindStats(msgspec.Struct, frozen=True):
     hit_tokens: int
     evictions: int  # flushes included
     evicted_bytes: int
+    superseded: int = 0  # taken out because the conversation moved past them (`supersede`)
+    superseded_bytes: int = 0
 
 
 class _KindCounters(msgspec.Struct):
@@ -80,6 +95,8 @@ class _KindCounters(msgspec.Struct):
     hit_tokens: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
+    superseded: int = 0
+    superseded_bytes: int = 0
 
 
 class IndexStats(msgspec.Struct, frozen=True):
@@ -92,6 +109,8 @@ class IndexStats(msgspec.Struct, frozen=True):
     hit_tokens: int
     evictions: int
     evicted_bytes: int
+    superseded: int  # entries a conversation moved past, taken out ahead of eviction
+    superseded_bytes: int
     by_kind: dict[str, KindStats]
 
 
@@ -105,9 +124,11 @@ class PrefixIndex:
         self._pins: dict[int, int] = {}
         self._lengths: dict[int, int] = {}  # length -> entries with that length
         self._hit: set[int] = set()  # handles of held entries some lookup restored from
+        self._doomed: set[int] = set()  # superseded while pinned: taken out at their last release
         self._kind: dict[str, _KindCounters] = {k: _KindCounters() for k in KINDS}
         self._bytes = 0
         self._hits = self._misses = self._hit_tokens = self._evictions = self._evicted_bytes = 0
+        self._superseded = self._superseded_bytes = 0
 
     # -- lookups ------------------------------------------------------------------------------
     def match(self, keys: PrefixKeys) -> Match:
@@ -160,20 +181,77 @@ class PrefixIndex:
         """Whether the prompt's first `length` tokens already have a snapshot (no hit counted)."""
         return length in self._lengths and keys.key(length) in self._lru
 
-    def release(self, handle: int) -> None:
+    def release(self, handle: int) -> Entry | None:
+        """Unpin; the entry if that took it out (it was superseded while pinned): the owner frees it."""
         n = self._pins.get(handle, 0)
-        if n <= 1:
-            self._pins.pop(handle, None)
-        else:
+        if n > 1:
             self._pins[handle] = n - 1
+            return None
+        self._pins.pop(handle, None)
+        entry = self._by_handle.get(handle)
+        if entry is None or handle not in self._doomed:
+            return None
+        self._take_out(entry)
+        return entry
+
+    def moved_past(self, keys: PrefixKeys, prompt_length: int, points: Iterable[int],
+                   incoming: int | None = None) -> list[Entry]:
+        """The turn snapshots the conversation of a prompt (`keys`, its first `prompt_length` tokens)
+        has moved past: those that are prefixes of the prompt, and those a request took whose whole
+        prompt this one extends (its whole-turn snapshot included, repeated or not), except, for
+        each of `points` (where the prompt's next user turn and next tool round stop repeating
+        it), the longest held snapshot of the prompt at or before it, which that turn restores
+        (`incoming`: a prompt length about to be inserted, which counts as held). Nothing is
+        taken out (`supersede` does)."""
+        held = {length: entry for length in self._lengths if length <= prompt_length
+                and (entry := self._lru.get(keys.key(length))) is not None}
+        found = {e.handle: e for e in held.values() if e.kind == "turn"}
+        origins: dict[int, bytes] = {}
+        for e in self._lru.values():
+            if e.kind != "turn" or not 0 < e.origin_length < prompt_length or e.handle in found:
+                continue
+            if e.origin_length not in origins:
+                origins[e.origin_length] = keys.key(e.origin_length)
+            if origins[e.origin_length] == e.origin:
+                found[e.handle] = e
+        for point in points:
+            at = max((n for n in held if n <= point), default=None)
+            if at is not None and (incoming is None or not at < incoming <= point):
+                found.pop(held[at].handle, None)
+        return list(found.values())
+
+    def supersede(self, entries: Iterable[Entry]) -> list[Entry]:
+        """Take out entries a conversation moved past, ahead of any eviction: those no request is
+        restoring from at once (returned: the owner frees their handles), the others at their last
+        `release`."""
+        out = []
+        for e in entries:
+            if self._by_handle.get(e.handle) is not e:
+                continue
+            if self._pins.get(e.handle):
+                self._doomed.add(e.handle)
+            else:
+                self._take_out(e)
+                out.append(e)
+        return out
+
+    def _take_out(self, entry: Entry) -> None:
+        self._remove(entry)
+        self._superseded += 1
+        self._superseded_bytes += entry.nbytes
+        counters = self._kind[entry.kind]
+        counters.superseded += 1
+        counters.superseded_bytes += entry.nbytes
 
     # -- updates ------------------------------------------------------------------------------
-    def insert(self, keys: PrefixKeys, length: int, handle: int, nbytes: int,
-               kind: SnapshotKind) -> Inserted | Rejected:
-        return self.insert_key(keys.key(length), length, handle, nbytes, kind)
+    def insert(self, keys: PrefixKeys, length: int, handle: int, nbytes: int, kind: SnapshotKind,
+               origin_length: int = 0) -> Inserted | Rejected:
+        """`origin_length`: the whole prompt of the request that took it, a prefix of `keys` (0: not known)."""
+        origin = keys.key(origin_length) if origin_length else b""
+        return self.insert_key(keys.key(length), length, handle, nbytes, kind, origin_length, origin)
 
-    def insert_key(self, key: bytes, length: int, handle: int, nbytes: int,
-                   kind: SnapshotKind) -> Inserted | Rejected:
+    def insert_key(self, key: bytes, length: int, handle: int, nbytes: int, kind: SnapshotKind,
+                   origin_length: int = 0, origin: bytes = b"") -> Inserted | Rejected:
         """As `insert`, keyed directly (a snapshot restored from disk carries its key)."""
         if key in self._lru:
             self._lru.move_to_end(key)
@@ -183,7 +261,7 @@ class PrefixIndex:
         evicted = self._evict_until(self.budget_bytes - nbytes)
         if self._bytes + nbytes > self.budget_bytes:  # what is left is pinned
             return Rejected("over_budget", handle, evicted)
-        entry = Entry(key, length, handle, nbytes, kind)
+        entry = Entry(key, length, handle, nbytes, kind, origin_length, origin)
         self._lru[key] = entry
         self._by_handle[handle] = entry
         self._lengths[length] = self._lengths.get(length, 0) + 1
@@ -224,6 +302,7 @@ class PrefixIndex:
         del self._lru[entry.key]
         del self._by_handle[entry.handle]
         self._hit.discard(entry.handle)
+        self._doomed.discard(entry.handle)
         self._bytes -= entry.nbytes
         n = self._lengths[entry.length] - 1
         if n:
@@ -237,9 +316,11 @@ class PrefixIndex:
             held[e.kind][0] += 1
             held[e.kind][1] += e.nbytes
         by_kind = {k: KindStats(entries=held[k][0], bytes=held[k][1], inserts=c.inserts, hits=c.hits,
-                                hit_tokens=c.hit_tokens, evictions=c.evictions, evicted_bytes=c.evicted_bytes)
+                                hit_tokens=c.hit_tokens, evictions=c.evictions, evicted_bytes=c.evicted_bytes,
+                                superseded=c.superseded, superseded_bytes=c.superseded_bytes)
                    for k, c in self._kind.items()}
         return IndexStats(entries=len(self._lru), bytes=self._bytes, budget_bytes=self.budget_bytes,
                           pinned=sum(1 for h in self._pins if h in self._by_handle), hits=self._hits,
                           misses=self._misses, hit_tokens=self._hit_tokens, evictions=self._evictions,
-                          evicted_bytes=self._evicted_bytes, by_kind=by_kind)
+                          evicted_bytes=self._evicted_bytes, by_kind=by_kind, superseded=self._superseded,
+                          superseded_bytes=self._superseded_bytes)

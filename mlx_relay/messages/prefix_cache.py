@@ -32,8 +32,8 @@ class Lookup(msgspec.Struct, frozen=True):
     media: list[MediaSpan] = []
     system_end: int = 0  # where the normalized system prompt ends in `tokens` (0: none)
     reply_start: int = 0  # how much of `tokens` the conversation's next (user) turn will repeat
-    # how much of `tokens` the agent's next tool round will repeat (past the end: the reply too, as
-    # generated); 0: no tools declared
+    # how much of `tokens` the agent's next tool round will repeat (all of them: the reply too, where
+    # it comes back as generated); 0: no tools declared
     round_start: int = 0
     multi_turn: bool = False  # the conversation already has an assistant (or tool) message
     has_tools: bool = False  # the request declares tools (an agent)

@@ -42,8 +42,9 @@ class RenderedPrompt(msgspec.Struct, frozen=True):
     # as history): the conversation's state there is what turn N+1 restores
     reply_start: int = 0
     # with tools declared, how many leading tokens the agent's next tool round repeats (this
-    # prompt, a reply calling a tool and its result rendered as history; past the prompt's end
-    # when the reply too is repeated as generated): what the loop's next request restores (0: none)
+    # prompt, a reply calling a tool and its result rendered as history; all of them when the
+    # template renders the reply after the prompt, which it may then repeat as generated): what the
+    # loop's next request restores (0: no tools)
     round_start: int = 0
     # the prompt ends inside an open thinking block (the template opened `<think>`): the reply
     # starts with reasoning

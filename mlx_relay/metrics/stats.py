@@ -7,7 +7,7 @@ restarting) is None and its families are left out of that scrape; everything els
                       server_state{state}
     GPUExecutor       gpu_memory_bytes{kind}, gpu_memory_peak_bytes, prefix_cache_snapshot_bytes{tier},
                       prefix_cache_snapshots{tier}
-    PrefixCacheStore  prefix_cache_budget_bytes, prefix_cache_evictions_total
+    PrefixCacheStore  prefix_cache_budget_bytes, prefix_cache_evictions_total, prefix_cache_superseded_total
     TextMTPExecutor   spec_decode_num_draft_tokens_total{source}, spec_decode_num_accepted_tokens_total{source}
                       (source: mtp, the head's drafts; context, drafts copied from the request's context),
                       mtp_requests_total{decision}, context_draft_requests_total
@@ -77,6 +77,8 @@ class StatsCollector(Collector):
         if s.prefix is not None:
             yield self._gauge("prefix_cache_budget_bytes", "The prefix cache's byte budget", s.prefix.budget_bytes)
             yield self._counter("prefix_cache_evictions", "Prefix-cache snapshots evicted", s.prefix.evictions)
+            yield self._counter("prefix_cache_superseded", "Prefix-cache snapshots freed because their "
+                                "conversation moved past them", s.prefix.superseded)
         if s.mtp is not None:
             yield from self._mtp(s.mtp)
         if s.specprefill is not None:
