@@ -32,6 +32,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_relay.engine.kernels.backend import cuda_kernels_available
+from mlx_relay.engine.kernels.grouped_experts import expert_weights, grouped_switch_glu
+from mlx_relay.engine.kernels.moe import route_topk
 from mlx_relay.engine.lanes.stage_forward import ModelForward
 from mlx_relay.engine.memory.batch_caches import batched
 from mlx_relay.engine.models.loader import load_model
@@ -140,10 +143,27 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
     parts["gdn_ours"] = run(gdn_ours(ours_all))
     for lever in ("recurrence", "conv"):
         parts[f"gdn_ours_without_{lever}"] = run(gdn_ours(without(lever)))
-    if hasattr(gdn.mlp, "switch_mlp"):
+    if hasattr(gdn.mlp, "switch_mlp") and cuda_kernels_available():  # (bf16 gather_mm: GPU only)
         parts["moe_library"] = run(lambda: x + gdn.mlp(gdn.post_attention_layernorm(x)))
         parts["moe_ours"] = run(moe_ours(True))
         parts["moe_ours_without_experts"] = run(moe_ours(False))
+        switch = gdn.mlp.switch_mlp
+        inds, _ = route_topk(gdn.mlp.gate(x), gdn.mlp.top_k, gdn.mlp.norm_topk_prob)
+        mx.eval(inds)
+        parts["moe_router"] = run(lambda: route_topk(gdn.mlp.gate(x), gdn.mlp.top_k, gdn.mlp.norm_topk_prob))
+        parts["moe_shared"] = run(lambda: gdn.mlp.shared_expert(x))
+        parts["moe_dequantize"] = run(lambda: [expert_weights(m) for m in (switch.gate_proj, switch.up_proj,
+                                                                         switch.down_proj)])
+        parts["moe_grouped_experts"] = run(lambda: grouped_switch_glu(switch, x, inds))
+        weights = [expert_weights(m) for m in (switch.gate_proj, switch.up_proj, switch.down_proj)]
+        mx.eval(weights)
+        order = mx.argsort(inds.flatten())
+        rows = x.reshape(-1, 1, x.shape[-1])[order // inds.shape[-1]]
+        experts = inds.flatten()[order]
+        mx.eval(rows, experts)
+        parts["moe_grouped_gemm_up"] = run(lambda: mx.gather_mm(rows, weights[1].swapaxes(-1, -2), rhs_indices=experts,
+                                                                 sorted_indices=True))
+        del weights
 
     parts["attention_library"] = run(lambda: att.self_attn(x, mask="causal", cache=restore(lm, saved)[att_i],
                                                            position_ids=pos))

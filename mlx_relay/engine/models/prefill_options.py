@@ -7,7 +7,7 @@ the lanes' `stage_forward.ModelForward`.
   reads, about three copies of heads x queries x keys elements (the scores, their mask applied,
   their softmax). `attention_rows` is how many queries a block may hold so that a block's scores
   stay within `attention_bytes`.
-- The levers of issue 43 (each on by default; off, that part runs the library's arithmetic, so
+- The levers of issue 43 (each on by default where it pays; off, that part runs the library's arithmetic, so
   `benchmarks/prefill_parts.py` measures what each buys): the GatedDeltaNet recurrence as our
   kernel, the conv as shifted multiply-adds, the experts as grouped GEMMs. Each applies only where
   it can (a CUDA GPU; `kernels/`).
@@ -23,9 +23,11 @@ ROW_GRANULE = 64  # blocks of whole 64-query tiles
 
 
 class PrefillOptions(msgspec.Struct, frozen=True):
-    attention_bytes: int = 1 << 30  # one attention block's scores
+    attention_bytes: int = 8 << 30  # one attention block's scores
     recurrence_kernel: bool = True
-    shifted_conv: bool = True
+    # off: on an H100 the library's grouped Conv1d took 3.27 ms a layer of 2,048 tokens and the
+    # shifted multiply-adds 3.97 ms (benchmarks/results/prefill-h100-2026-11-28/)
+    shifted_conv: bool = False
     grouped_experts: bool = True
 
     def attention_rows(self, rows: int, heads: int, keys: int, itemsize: int) -> int:
