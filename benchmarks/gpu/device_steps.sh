@@ -143,6 +143,7 @@ disk)
 prefill)
   python3 benchmarks/bench_prefill.py "$MODEL" --sizes "${PREFILL_SIZES:-2048,8192,32768,131072}" \
     --cached "${PREFILL_CACHED:-28672+4096}" --repeats "${REPEATS:-3}" --order "${PREFILL_ORDER:-auto}" \
+    --targets "${PREFILL_TARGETS:-ours,raw}" \
     --ours-flags="$PREFILL_FLAGS" --out $O/prefill.json > $O/prefill.txt 2>&1
   say "prefill (rc $?): $(grep -h '^order\|^| [0-9]\|^- ' $O/prefill.txt | tr '\n' ' ')" ;;
 parts)
@@ -166,7 +167,7 @@ setsid nohup env RUN="$RUN" MODEL="${MODEL:-}" PYTHONPATH="$RUN/src:${PYTHONPATH
   SPEC_TOKENS="${SPEC_TOKENS:-}" MAX_DRAFT="${MAX_DRAFT:-}" SWAPS="${SWAPS:-}" POOL_BUDGET="${POOL_BUDGET:-}" \
   POOL_TOKENS="${POOL_TOKENS:-}" POOL_FLAGS="${POOL_FLAGS:-}" COMMIT="${COMMIT:-}" \
   CLIENTS="${CLIENTS:-}" CLIENT_REQUESTS="${CLIENT_REQUESTS:-}" PREFILL_SIZES="${PREFILL_SIZES:-}" \
-  PREFILL_CACHED="${PREFILL_CACHED:-}" PREFILL_ORDER="${PREFILL_ORDER:-}" PREFILL_FLAGS="${PREFILL_FLAGS:-}" \
+  PREFILL_CACHED="${PREFILL_CACHED:-}" PREFILL_ORDER="${PREFILL_ORDER:-}" PREFILL_FLAGS="${PREFILL_FLAGS:-}" PREFILL_TARGETS="${PREFILL_TARGETS:-}" \
   PARTS_CHUNK="${PARTS_CHUNK:-}" PARTS_CONTEXT="${PARTS_CONTEXT:-}" AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
   bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "steps started (pid $!)"
