@@ -224,7 +224,7 @@ class PrefixIndex:
         """Take out entries a conversation moved past, ahead of any eviction: those no request is
         restoring from at once (returned: the owner frees their handles), the others at their last
         `release`."""
-        out = []
+        out: list[Entry] = []
         for e in entries:
             if self._by_handle.get(e.handle) is not e:
                 continue

@@ -162,7 +162,7 @@ class PlainLane:
 def _ends(done: Prefilled) -> list[tuple[int, Snapshot]]:
     """Snapshots at the prompt's end of the rows that asked for one (the prefill takes those
     inside the prompt: a chunk stops there), from the caches the rows leave the prefill with."""
-    out = []
+    out: list[tuple[int, Snapshot]] = []
     for i, row in enumerate(done.rows):
         end = len(row.pre.prompt)
         if row.pre.wants_snapshot(end):
