@@ -9,8 +9,11 @@ if [ ! -f /tmp/site/.extra-wheels-v7 ]; then
   wheels=(/root/stash/wheels/*.whl)
   for w in .device-kit/extra/*.whl; do [ -f "/root/stash/wheels/$(basename "$w")" ] || wheels+=("$w"); done
   shopt -u nullglob
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}" \
-    && touch /tmp/site/.extra-wheels-v7 || { echo "device_env.sh: installing the wheels failed" >&2; return 1; }
+  # (none when every wheel travels in part2 itself: setup.sh installed them)
+  if [ ${#wheels[@]} -eq 0 ]; then touch /tmp/site/.extra-wheels-v7; else
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}" \
+      && touch /tmp/site/.extra-wheels-v7 || { echo "device_env.sh: installing the wheels failed" >&2; return 1; }
+  fi
 fi
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export MLX_RELAY_CACHE=/root/mlx-relay-cache
