@@ -198,3 +198,19 @@ def test_grouped_experts_are_the_librarys(gpu: Callable, moe: Any, bits: int | N
         return _close(ours, ref)
 
     assert gpu(run)
+
+
+def test_a_cuda_prefill_chunk_routes_at_most_65535_rows() -> None:
+    """MLX's CUDA backend fails a forward routing more than 65,535 (token, expert) rows (8,192
+    tokens x 8 experts did, the library's forward too): the lanes' chunks stay under it there."""
+    from types import SimpleNamespace
+
+    from mlx_relay.config import EngineConfig
+    from mlx_relay.engine.lanes.build import prefill_step_size
+
+    moe = SimpleNamespace(args=SimpleNamespace(num_experts_per_tok=8))
+    dense = SimpleNamespace(args=SimpleNamespace())
+    assert prefill_step_size(moe, EngineConfig(model_path="m", prefill_step_size=8192), "cuda") == 8191
+    assert prefill_step_size(moe, EngineConfig(model_path="m", prefill_step_size=4096), "cuda") == 4096
+    assert prefill_step_size(moe, EngineConfig(model_path="m", prefill_step_size=8192), "cpu") == 8192
+    assert prefill_step_size(dense, EngineConfig(model_path="m", prefill_step_size=16384), "cuda") == 16384

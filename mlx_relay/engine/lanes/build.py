@@ -9,13 +9,18 @@ context drafts are on (`max_draft_tokens`; not on a pipeline stage, whose ranks 
 alike): then a checkpoint without a head gets the lane too, verifying context drafts only (its
 verifier: mlx-vlm's exact one where asked, or on Metal with `mtp_verify="auto"`; the batched
 forward otherwise, and always on a pipeline stage).
+
+Every lane's prefill chunk stays within what the backend can run in one forward
+(`kernels.backend.max_chunk_tokens`: on CUDA, a mixture of experts' routed rows per launch).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from mlx_relay.config import EngineConfig
+from mlx_relay.engine.kernels.backend import max_chunk_tokens
 from mlx_relay.engine.lanes.kv_lane import KVLane
 from mlx_relay.engine.lanes.lane import Lane
 from mlx_relay.engine.lanes.library_lane import LibraryLane
@@ -28,21 +33,35 @@ from mlx_relay.engine.models.loader import LoadedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.step.rows import LaneName
 
+log = logging.getLogger(__name__)
+
+
+def prefill_step_size(lm: object, config: EngineConfig, backend: str) -> int:
+    """The config's prefill step size, within the most tokens one forward can run on `backend`."""
+    routed = int(getattr(getattr(lm, "args", None), "num_experts_per_tok", 0) or 0)
+    limit = max_chunk_tokens(routed, backend)
+    if limit is None or config.prefill_step_size <= limit:
+        return config.prefill_step_size
+    log.warning("prefill chunks of %d tokens instead of %d: %d routed experts a token, MLX's CUDA backend runs at "
+                "most %d routed rows a launch", limit, config.prefill_step_size, routed, limit * routed)
+    return limit
+
 
 def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool, token_budget: int,
                 stage: Stage | None) -> dict[LaneName, Lane]:
     info = loaded.info
     lm = loaded.model.language_model
+    step = prefill_step_size(lm, config, info.backend)
     if uses_library_forward(lm):
         # a model of no family of ours runs its library's forward over KV caches: one lane for all rows
         if stage is not None:
             raise UnsupportedModel(f"a pipeline split needs a model family of the engine's own "
                                    f"({info.model_type} is served through its library's forward)")
-        return {"plain": KVLane(lm, prefill_step_size=min(config.prefill_step_size, token_budget),
+        return {"plain": KVLane(lm, prefill_step_size=min(step, token_budget),
                                 eos_token_ids=info.eos_token_ids)}
     lanes: dict[LaneName, Lane] = {
         "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
-                           prefill_step_size=config.prefill_step_size, eos_token_ids=info.eos_token_ids,
+                           prefill_step_size=step, eos_token_ids=info.eos_token_ids,
                            compiled=config.compile_decode,
                            fixed_prefill_shapes=config.prefill_shapes == "fixed"
                            or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage)}
@@ -50,7 +69,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool
     if not prefix_cache and stage is None:
         lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
                                        prefill_batch_size=config.prefill_batch_size,
-                                       prefill_step_size=min(config.prefill_step_size, token_budget))
+                                       prefill_step_size=min(step, token_budget))
     has_head = config.mtp and info.has_mtp
     # context drafts need every rank of a pipeline to make the same choices: not in a pipeline
     context = config.max_draft_tokens if stage is None else 0
@@ -61,7 +80,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool
                                    or (config.mtp_verify == "auto" and info.backend == "metal"))
         # no head in the checkpoint (or MTP turned off): the lane verifies context drafts only
         head = MTPHead.load(Path(info.model_path), lm, exact=exact) if has_head else MTPHead(None, lm, exact=exact)
-        lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size, prefill_step_size=config.prefill_step_size,
+        lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size, prefill_step_size=step,
                                eos_token_ids=info.eos_token_ids, exact_verify=exact, compiled=config.compile_mtp,
                                stage=stage, max_context=context, always_context=config.context_policy == "always")
     return lanes
