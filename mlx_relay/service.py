@@ -180,6 +180,15 @@ class ChatService:
             raise PromptTooLong(
                 f"this model's maximum context length is {context} tokens; the prompt has {prompt_tokens} tokens",
                 prompt_tokens=prompt_tokens, limit=context - 1)
+        memory = self.info.memory_tokens  # what one request's caches can hold on this device (0: not counted)
+        if 0 < memory < context:
+            if prompt_tokens >= memory:
+                raise PromptTooLong(
+                    f"this server's device memory holds the caches of at most {memory} tokens for one request "
+                    f"(within its memory limit of {self.info.memory_limit_bytes / 2**30:.1f} GiB, beside the "
+                    f"model's weights and the prefix cache); the prompt has {prompt_tokens} tokens",
+                    prompt_tokens=prompt_tokens, limit=memory - 1)
+            context, room = memory, memory - prompt_tokens
         validate_request(req)
         if req.max_tokens is not None and req.max_tokens > room and self.max_tokens_policy == "error":
             raise MaxTokensExceedContext(

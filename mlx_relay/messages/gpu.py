@@ -186,6 +186,10 @@ class ModelInfo(msgspec.Struct, frozen=True):
     has_mtp: bool
     load_seconds: float
     prefix_cache_bytes: int = 0  # the prefix cache's byte budget (0: off)
+    # the most tokens (prompt and reply) one request's caches can hold in the device's memory
+    # beside the weights, the prefix cache and a prefill chunk's working set (0: not counted)
+    memory_tokens: int = 0
+    memory_limit_bytes: int = 0  # what that is counted within (MLX's limit, or the device's memory)
     draft: DraftInfo | None = None  # SpecPrefill's draft model, when one is loaded
     # what the prefix cache's snapshot files must match (None: the disk tier is off)
     snapshot_identity: SnapshotIdentity | None = None

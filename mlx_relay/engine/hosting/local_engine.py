@@ -39,10 +39,10 @@ from mlx_relay.cache.snapshot_files import (
 )
 from mlx_relay.engine.hosting.gpu_thread import GPUThread, GPUThreadDied
 from mlx_relay.engine.hosting.handle import EngineCallbacks
-from mlx_relay.engine.hosting.pipeline_boot import lead_group, load_stage, prefix_cache_budget
+from mlx_relay.engine.hosting.pipeline_boot import lead_group, load_stage
 from mlx_relay.engine.hosting.pipeline_sync import PipelineLeader
 from mlx_relay.engine.hosting.pipeline_watch import FollowerWatch
-from mlx_relay.engine.models.loader import apply_memory_limits, load_model
+from mlx_relay.engine.models.loader import apply_memory_limits, load_model, prefix_cache_budget
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.protocol import (
     Asked,
@@ -137,8 +137,11 @@ class LocalEngine:
         identity = None
         if config.prefix_cache_dir is not None and budget > 0:
             identity = self._snapshot_identity(core, Path(loaded.info.model_path))
+        kv = core.kv_budget
         info = msgspec.structs.replace(loaded.info, prefix_cache_bytes=budget, context_length=context,
-                                       draft=core.draft, snapshot_identity=identity)
+                                       draft=core.draft, snapshot_identity=identity,
+                                       memory_tokens=kv.memory_tokens if kv is not None else 0,
+                                       memory_limit_bytes=kv.limit if kv is not None else 0)
         self._core = core if stage is None else PipelineLeader(core, stage.group)
         self._thread.stepper = self._core
         progress(f"loaded in {loaded.info.load_seconds:.1f}s")

@@ -33,7 +33,7 @@ from mlx_relay.config import EngineConfig, PipelineConfig, ServerConfig, SpecPre
 from mlx_relay.engine.hosting.pipeline_sync import follow, share_commands
 from mlx_relay.engine.hosting.pipeline_watch import FollowerWatch, LeaderWatch, WatchLeader
 from mlx_relay.engine.models.checkpoint import resolve_model_path
-from mlx_relay.engine.models.loader import LoadedModel, apply_memory_limits, default_prefix_cache_bytes, load_model
+from mlx_relay.engine.models.loader import LoadedModel, apply_memory_limits, load_model, prefix_cache_budget
 from mlx_relay.engine.models.pipeline_stage import Stage, UnsupportedSplit, default_transfer, shard_language_model
 from mlx_relay.engine.step.core import EngineCore
 from mlx_relay.errors import PipelineSetupError
@@ -94,13 +94,6 @@ def load_stage(path: Path, config: PipelineConfig, group: Any) -> tuple[LoadedMo
     log.info("pipeline rank %d of %d: layers %d..%d, hidden states by %s", stage.rank, stage.size, stage.start,
              stage.end - 1, "send/recv" if transfer == "p2p" else "all_sum")
     return loaded, stage
-
-
-def prefix_cache_budget(config: EngineConfig) -> int:
-    """The prefix cache's byte budget (0: off); every rank must agree on whether it is on."""
-    if not config.prefix_cache:
-        return 0
-    return config.prefix_cache_bytes if config.prefix_cache_bytes is not None else default_prefix_cache_bytes()
 
 
 def run_follower(config: EngineConfig, specprefill: SpecPrefillConfig) -> int:

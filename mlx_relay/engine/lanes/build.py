@@ -31,6 +31,7 @@ from mlx_relay.engine.models import UnsupportedModel
 from mlx_relay.engine.models.library_kv import uses_library_forward
 from mlx_relay.engine.models.loader import LoadedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
+from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.step.rows import LaneName
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def prefill_step_size(lm: object, config: EngineConfig, backend: str) -> int:
 
 
 def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool, token_budget: int,
-                stage: Stage | None) -> dict[LaneName, Lane]:
+                stage: Stage | None, prefill_options: PrefillOptions | None = None) -> dict[LaneName, Lane]:
     info = loaded.info
     lm = loaded.model.language_model
     step = prefill_step_size(lm, config, info.backend)
@@ -64,7 +65,8 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool
                            prefill_step_size=step, eos_token_ids=info.eos_token_ids,
                            compiled=config.compile_decode,
                            fixed_prefill_shapes=config.prefill_shapes == "fixed"
-                           or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage)}
+                           or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage,
+                           prefill_options=prefill_options)}
     # a pipeline stage runs no library lane: mlx-vlm's BatchGenerator runs the whole model
     if not prefix_cache and stage is None:
         lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
@@ -82,5 +84,6 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool
         head = MTPHead.load(Path(info.model_path), lm, exact=exact) if has_head else MTPHead(None, lm, exact=exact)
         lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size, prefill_step_size=step,
                                eos_token_ids=info.eos_token_ids, exact_verify=exact, compiled=config.compile_mtp,
-                               stage=stage, max_context=context, always_context=config.context_policy == "always")
+                               stage=stage, max_context=context, always_context=config.context_policy == "always",
+                               prefill_options=prefill_options)
     return lanes

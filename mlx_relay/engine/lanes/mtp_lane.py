@@ -44,6 +44,7 @@ from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models import UnsupportedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
+from mlx_relay.engine.models.prefill_options import PrefillOptions
 
 
 class MTPLane:
@@ -51,7 +52,8 @@ class MTPLane:
 
     def __init__(self, lm: Any, head: MTPHead, *, block_size: int, prefill_step_size: int,
                  eos_token_ids: Sequence[int], exact_verify: bool = True, compiled: bool = True,
-                 stage: Stage | None = None, max_context: int = 0, always_context: bool = False) -> None:
+                 stage: Stage | None = None, max_context: int = 0, always_context: bool = False,
+                 prefill_options: PrefillOptions | None = None) -> None:
         if block_size < 2:
             raise ValueError("MTP block size must be at least 2")
         if stage is not None and exact_verify:
@@ -65,7 +67,8 @@ class MTPLane:
         # the batched verify's forward: the model, or this pipeline stage of it (which answers every
         # rank the whole model's hidden states); the prefill's: the family's prefill, or the stage's
         run: Any = lm if stage is None else StageForward(lm, stage)
-        self._prefill = MTPPrefill(lm, ModelForward(lm) if stage is None else run, head, prefill_step_size)
+        self._prefill = MTPPrefill(lm, ModelForward(lm, prefill_options) if stage is None else run, head,
+                                   prefill_step_size)
         verify = ExactVerifier(lm) if exact_verify else BatchedVerifier(run)
         self._eager = EagerCohort(lm, head, verify, block_size=block_size, eos=self.eos, fallback=compiled,
                                   max_context=max_context, always_context=always_context)

@@ -38,6 +38,7 @@ from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
 from mlx_relay.engine.memory.batch_caches import as_batch_caches
 from mlx_relay.engine.memory.snapshots import Snapshot, restore_caches, snapshot_caches
 from mlx_relay.engine.models.pipeline_stage import Stage
+from mlx_relay.engine.models.prefill_options import PrefillOptions
 
 
 @dataclass
@@ -51,12 +52,14 @@ class PlainLane:
     name: Literal["plain"] = "plain"
 
     def __init__(self, lm: Any, *, prefill_batch_size: int, prefill_step_size: int, eos_token_ids: list[int],
-                 compiled: bool = True, fixed_prefill_shapes: bool = False, stage: Stage | None = None) -> None:
+                 compiled: bool = True, fixed_prefill_shapes: bool = False, stage: Stage | None = None,
+                 prefill_options: PrefillOptions | None = None) -> None:
         self.lm = lm
         self.eos = frozenset(eos_token_ids)
         self.prefill = PrefillBatch(lm, max_rows=prefill_batch_size, token_budget=prefill_step_size,
                                     fixed_shapes=fixed_prefill_shapes,
-                                    forward=ModelForward(lm) if stage is None else StageForward(lm, stage))
+                                    forward=ModelForward(lm, prefill_options) if stage is None
+                                    else StageForward(lm, stage))
         self.rows: dict[int, PlainRow] = {}  # every row of the lane, prefilling or decoding
         self._step = DecodeStep(lm, compiled=compiled, stage=stage)
         self._batch = DecodeBatch(self._step)

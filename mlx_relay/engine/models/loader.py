@@ -60,6 +60,13 @@ def default_prefix_cache_bytes() -> int:
     return int(total * (PREFIX_CACHE_SHARE_GPU if gpu else PREFIX_CACHE_SHARE_RAM))
 
 
+def prefix_cache_budget(config: EngineConfig) -> int:
+    """The prefix cache's byte budget (0: off); every rank of a pipeline must agree on whether it is on."""
+    if not config.prefix_cache:
+        return 0
+    return config.prefix_cache_bytes if config.prefix_cache_bytes is not None else default_prefix_cache_bytes()
+
+
 @dataclass
 class LoadedModel:
     model: Any  # mlx_vlm Model

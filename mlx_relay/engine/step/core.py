@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_relay.config import EngineConfig
-from mlx_relay.engine.lanes.build import build_lanes
+from mlx_relay.engine.lanes.build import build_lanes, prefill_step_size
 from mlx_relay.engine.lanes.kv_lane import KVLane
 from mlx_relay.engine.lanes.lane import Lane, LaneStep, MTPCounts, RowSpec
 from mlx_relay.engine.lanes.library_lane import LibraryLane
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
 from mlx_relay.engine.lanes.row_prefill import sparse_row
 from mlx_relay.engine.memory.held import HeldMemory
+from mlx_relay.engine.memory.kv_budget import engine_plan, with_held_weights
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models import UnsupportedModel
@@ -109,13 +110,19 @@ class EngineCore:
         # in a pipeline: every rank must take the same steps, and each would time its own
         self.priority = (decode_priority(config.decode_stall_factor, info.backend, MIN_PREFILL_TOKENS)
                          if stage is None else None)
+        # the rows' caches within the device's memory, the prefill's working set bounded from it
+        # (`memory/kv_budget.py`; not counted on a pipeline stage, whose ranks hold different layers)
+        budget, prefill_options = engine_plan(loaded, config, prefix_cache=prefix_cache,
+                                              chunk_tokens=prefill_step_size(loaded.model.language_model, config,
+                                                                             info.backend))
         self.lanes = build_lanes(loaded, config, prefix_cache=prefix_cache, token_budget=self.token_budget,
-                                 stage=stage)
+                                 stage=stage, prefill_options=prefill_options)
+        self.kv_budget = with_held_weights(budget) if stage is None else None
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
                                    mtp_block=config.mtp_block_size if "mtp" in self.lanes else None,
                                    mtp_max_batch=config.mtp_max_batch,
                                    own_prefill=prefix_cache or stage is not None
-                                   or isinstance(self.lanes["plain"], KVLane))
+                                   or isinstance(self.lanes["plain"], KVLane), budget=self.kv_budget)
         if draft_model is not None and isinstance(self.lanes["plain"], KVLane):
             raise UnsupportedModel(f"SpecPrefill needs a model family of the engine's own "
                                    f"({info.model_type} is served through its library's forward)")

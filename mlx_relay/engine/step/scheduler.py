@@ -10,6 +10,9 @@ than `max_num_seqs` run, each in one lane for its whole life:
 - `plain`: our own prefill (restorable, snapshottable: the prefix cache is on, or the row is a
   sparse SpecPrefill row);
 - `library`: mlx-vlm's BatchGenerator (prefix cache off), which prefills joining rows together.
+A row joins only when its caches fit beside the running rows' (`memory.kv_budget.KVBudget.fits`,
+each row reserved at its prompt plus its `max_tokens`); otherwise it and every row after it wait
+(first come, first served) until rows end, rather than run the device out of memory.
 The plan is a typed value; the engine executes it.
 """
 
@@ -18,7 +21,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from mlx_relay.engine.memory.kv_budget import KVBudget
 from mlx_relay.engine.step.rows import LaneName, Row
+
+
+def reserved_tokens(row: Row) -> int:
+    """The tokens a row's caches may come to hold: its prompt and its reply's longest."""
+    return len(row.req.prompt_tokens) + row.req.sampling.max_tokens
 
 
 @dataclass
@@ -28,8 +37,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, *, max_num_seqs: int, mtp_block: int | None, mtp_max_batch: int, own_prefill: bool) -> None:
+    def __init__(self, *, max_num_seqs: int, mtp_block: int | None, mtp_max_batch: int, own_prefill: bool,
+                 budget: KVBudget | None = None) -> None:
         self.max_num_seqs = max_num_seqs
+        self.budget = budget  # the device's memory for the rows' caches (None: not counted)
+        self.memory_waits = 0  # steps in which the next row waited for memory
         self.mtp_block = mtp_block  # the MTP lane's block size (None: no MTP lane)
         self.mtp_max_batch = mtp_max_batch
         self.own_prefill = own_prefill
@@ -61,11 +73,21 @@ class Scheduler:
             plan.to_score = [row for row in self.waiting if row.wants_scoring]
             self.waiting = deque(row for row in self.waiting if not row.wants_scoring)
         while self.waiting and len(self.running) < self.max_num_seqs:
+            if not self._fits(self.waiting[0]):
+                self.memory_waits += 1
+                break
             row = self.waiting.popleft()
             row.lane = self._lane_for(row)
             self.running[row.rid] = row
             plan.joins.append(row)
         return plan
+
+    def _fits(self, row: Row) -> bool:
+        """Whether `row`'s caches fit beside the running rows' (alone it always runs: the service
+        refuses a row that cannot fit alone)."""
+        if self.budget is None or not self.running:
+            return True
+        return self.budget.fits([*(reserved_tokens(r) for r in self.running.values()), reserved_tokens(row)])
 
     def _lane_for(self, row: Row) -> LaneName:
         plan = row.req.speculate
