@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.kernels.grouped_experts import expert_weights, grouped_switch_glu
+from mlx_relay.engine.kernels.grouped_qmm import grouped_qmm
 from mlx_relay.engine.kernels.moe import route_topk
 from mlx_relay.engine.lanes.stage_forward import ModelForward
 from mlx_relay.engine.memory.batch_caches import batched
@@ -163,6 +164,7 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
         mx.eval(rows, experts)
         parts["moe_grouped_gemm_up"] = run(lambda: mx.gather_mm(rows, weights[1].swapaxes(-1, -2), rhs_indices=experts,
                                                                  sorted_indices=True))
+        parts["moe_grouped_qmm_up"] = run(lambda: grouped_qmm(rows[:, 0, :], switch.up_proj, experts))
         del weights
 
     parts["attention_library"] = run(lambda: att.self_attn(x, mask="causal", cache=restore(lm, saved)[att_i],

@@ -214,3 +214,65 @@ def test_a_cuda_prefill_chunk_routes_at_most_65535_rows() -> None:
     assert prefill_step_size(moe, EngineConfig(model_path="m", prefill_step_size=4096), "cuda") == 4096
     assert prefill_step_size(moe, EngineConfig(model_path="m", prefill_step_size=8192), "cpu") == 8192
     assert prefill_step_size(dense, EngineConfig(model_path="m", prefill_step_size=16384), "cuda") == 16384
+
+
+def test_the_grouped_qmm_tiles_cover_every_row_once(gpu: Callable) -> None:
+    """The grouped 8-bit kernel's schedule (`kernels/grouped_qmm.py`), emulated: each block finds its
+    expert by binary search over the tile prefix sums `_tiles` makes; together the blocks' row
+    ranges cover every sorted row exactly once, each within one expert."""
+
+    def run() -> list[tuple[int, list[int]]]:
+        import mlx.core as mx
+
+        from mlx_relay.engine.kernels.grouped_qmm import TILE_ROWS, _tiles
+
+        out = []
+        for seed, rows, experts in ((0, 1000, 16), (1, 64, 8), (2, 5000, 256)):
+            mx.random.seed(seed)
+            e = mx.sort(mx.random.randint(0, experts // 2, (rows,)) * 2).astype(mx.uint32)  # odd experts empty
+            row_off, tile_off, max_tiles = (x.tolist() if isinstance(x, mx.array) else x for x in _tiles(e, experts))
+            seen = [0] * rows
+            for tile in range(max_tiles):
+                if tile >= tile_off[experts]:
+                    continue
+                lo, hi = 0, experts
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if tile_off[mid] <= tile else (lo, mid)
+                r0 = row_off[lo] + (tile - tile_off[lo]) * TILE_ROWS
+                r1 = min(r0 + TILE_ROWS, row_off[lo + 1])
+                assert r0 < r1 and all(v == lo for v in e[r0:r1].tolist())
+                for r in range(r0, r1):
+                    seen[r] += 1
+            out.append((max_tiles, seen))
+        return out
+
+    for max_tiles, seen in gpu(run):
+        assert set(seen) == {1}
+        assert max_tiles >= 1
+
+
+def test_the_grouped_qmm_dequantizes_as_mlx(gpu: Callable) -> None:
+    """The kernel reads an 8-bit weight as MLX stores it (four bytes a uint32, little-endian;
+    scale x byte + bias per group of 64), emulated on this CPU against `mx.dequantize`.
+    (`benchmarks/gpu/kernel_check.py` runs the kernel itself against the library on a GPU.)"""
+
+    def run() -> bool:
+        import mlx.core as mx
+        import numpy as np
+
+        mx.random.seed(4)
+        w = mx.random.normal((2, 8, 128)).astype(mx.bfloat16)
+        q, scales, biases = mx.quantize(w, group_size=64, bits=8)
+        ref = np.array(mx.dequantize(q, scales, biases, group_size=64, bits=8).astype(mx.float32))
+        words = np.array(q).astype(np.uint32)  # [E, N, K / 4]
+        s, b = np.array(scales.astype(mx.float32)), np.array(biases.astype(mx.float32))
+        ours = np.zeros((2, 8, 128), dtype=np.float32)
+        for k in range(128):
+            byte = (words[:, :, k // 4] >> (8 * (k % 4))) & 0xFF
+            ours[:, :, k] = s[:, :, k // 64] * byte + b[:, :, k // 64]
+        # MLX rounds scale x byte to bf16 before adding the bias, the kernel rounds once: within a
+        # bf16 rounding of the weights' scale (a wrong byte or group would be off by whole steps)
+        return bool(np.abs(ours - ref).max() <= 2 ** -7 * np.abs(ref).max())
+
+    assert gpu(run)

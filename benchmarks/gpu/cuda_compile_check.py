@@ -72,6 +72,14 @@ def specs() -> list[KernelSpec]:
                                   inputs, [("y", dtype), ("state_out", "float32")],
                                   [("Dk", 128), ("Dv", 128), ("Hk", 16), ("Hv", 32),
                                    ("InT", dtype), ("StT", "float32")]))
+    from mlx_relay.engine.kernels import grouped_qmm as gq
+
+    for dtype in ("bfloat16", "float16"):
+        for n, k in ((512, 2048), (2048, 512)):
+            inputs = [("x", dtype, 2), ("w", "uint32", 3), ("scales", dtype, 3), ("biases", dtype, 3),
+                      ("row_off", "int32", 1), ("tile_off", "int32", 1)]
+            out.append(KernelSpec(f"grouped_qmm8_{dtype}_{n}x{k}", gq.cuda_source(), gq.CUDA_HEADER, inputs,
+                                  [("y", dtype)], [("N", n), ("K", k), ("E", 256), ("T", dtype)]))
     return out
 
 

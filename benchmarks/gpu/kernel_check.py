@@ -18,8 +18,10 @@ random inputs at Qwen3.5-35B-A3B's shape, bf16 as the model runs. Exits non-zero
   1, 100 and 2,048 positions, batch 1 and 3, with and without a padding mask (the padded
   positions' state must not move).
 - The prefill's shifted conv (`prefill.depthwise_conv`) vs the library's `Conv1d`, and the grouped
-  experts (`grouped_experts.grouped_switch_glu`: dequantized, CUTLASS's grouped GEMM) vs the
-  library's 8-bit `SwitchGLU`, at 2,048 tokens of the 35B-A3B shape.
+  experts (`grouped_experts.grouped_switch_glu`: our grouped 8-bit kernel) vs the library's 8-bit
+  `SwitchGLU`, at 2,048 tokens of the 35B-A3B shape; the grouped kernel (`grouped_qmm`) alone
+  against its fallback (dequantized weights, CUTLASS's grouped GEMM), experts routed evenly and
+  skewed, and for a few rows.
 """
 
 from __future__ import annotations
@@ -162,6 +164,37 @@ def check_conv(la: Any, T: int) -> dict[str, Any]:
     return result
 
 
+def check_grouped_qmm(T: int, skewed: bool) -> dict[str, Any]:
+    """Our grouped 8-bit kernel against its fallback (dequantized weights, MLX's sorted gather_mm),
+    the up projection's shape and the down projection's, experts routed evenly or most rows to a
+    few experts (many tiles of one expert, many experts without a row)."""
+    import mlx.nn as nn
+    from mlx_vlm.models.switch_layers import SwitchGLU
+
+    from mlx_relay.engine.kernels.grouped_qmm import fallback as qmm_fallback
+    from mlx_relay.engine.kernels.grouped_qmm import grouped_qmm
+
+    H, F = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"]
+    E, k = SHAPE["num_experts"], SHAPE["num_experts_per_tok"]
+    switch = SwitchGLU(H, F, E)
+    switch.update({name: {"weight": (mx.random.normal((E, *shape)) * 0.02).astype(mx.bfloat16)}
+                   for name, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F)))})
+    nn.quantize(switch, group_size=64, bits=8)
+    n = T * k
+    experts = (mx.random.randint(0, 3, (n,)) if skewed else mx.random.randint(0, E, (n,))).astype(mx.uint32)
+    experts = mx.sort(experts)
+    result: dict[str, Any] = {"T": T, "skewed": skewed}
+    ok = True
+    for name, proj, K in (("up", switch.up_proj, H), ("down", switch.down_proj, F)):
+        rows = mx.random.normal((n, K)).astype(mx.bfloat16)
+        ours, ref = grouped_qmm(rows, proj, experts), qmm_fallback(rows, proj, experts)
+        mx.eval(ours, ref)
+        result[f"{name}_rel"] = rel(ours, ref)
+        ok = ok and ours.shape == ref.shape and result[f"{name}_rel"] <= TOLERANCE
+    result["ok"] = bool(ok)
+    return result
+
+
 def check_grouped_experts(T: int) -> dict[str, Any]:
     import mlx.nn as nn
     from mlx_vlm.models.switch_layers import SwitchGLU
@@ -190,7 +223,8 @@ def main() -> None:
     mx.random.seed(0)
     la = gated_delta_net()
     checks: dict[str, list[dict[str, Any]]] = {"gated_delta_mixer": [], "route_topk": [], "combine": [],
-                                               "delta_rule": [], "conv": [], "grouped_experts": []}
+                                               "delta_rule": [], "conv": [], "grouped_experts": [],
+                                               "grouped_qmm": []}
     def record(name: str, check: Any, *args: Any) -> None:
         try:
             c = check(*args)
@@ -210,6 +244,8 @@ def main() -> None:
         record("delta_rule", check_delta_rule, la, B, T, masked)
     record("conv", check_conv, la, 2048)
     record("grouped_experts", check_grouped_experts, 2048)
+    for T, skewed in ((2048, False), (2048, True), (37, False)):
+        record("grouped_qmm", check_grouped_qmm, T, skewed)
     ok = all(c["ok"] for group in checks.values() for c in group)
     print("kernel check: " + ("PASS" if ok else "FAIL"))
     if args.out:

@@ -9,8 +9,10 @@ gather (`GatherQMM::eval_gpu`): it runs one single-row matmul per pair, reading 
 quantized weight matrix again for each of its tokens (19 ms a block for 2,048 tokens on an H100,
 where the block's arithmetic is about 0.3 ms). Its float gather does read the sort: with one row
 per pair and sorted expert indices, `GatherMM::eval_gpu` runs CUTLASS's grouped GEMM, one problem
-per expert. So on a CUDA GPU, for a chunk with at least `GROUPED_MIN_ROUTES` pairs, each projection's
-experts are dequantized once (`mx.dequantize`: every expert, as a chunk of 2,048 tokens routes to
+per expert. So on a CUDA GPU, for a chunk with at least `GROUPED_MIN_ROUTES` pairs, the pairs are sorted by
+expert once and each projection runs over them grouped: 8-bit experts in groups of 64 by our
+kernel, which reads the quantized weights in place (`kernels/grouped_qmm.py`); other quantized
+experts dequantized once (`mx.dequantize`: every expert, as a chunk of 2,048 tokens routes to
 nearly all of them; 0.5 GB of bfloat16 per projection of the 35B-A3B shape, freed after its
 matmul) and multiplied with the float gather. Elsewhere (and for few pairs: decode, the MTP verify)
 it is the library's own call (`SwitchGLU.__call__`), which `fallback` names.
@@ -27,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
+from mlx_relay.engine.kernels.grouped_qmm import grouped_qmm
 
 #: (token, expert) pairs from which the grouped path pays on a GPU: below it the library's
 #: per-pair quantized matmul reads less than one dequantization of every expert writes.
@@ -52,15 +55,20 @@ def expert_weights(m: Any) -> mx.array:
 
 
 def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array) -> mx.array:
-    """`switch(x, inds)` (mlx-vlm's `SwitchGLU`: [..., k, H]) with each projection a grouped GEMM."""
+    """`switch(x, inds)` (mlx-vlm's `SwitchGLU`: [..., k, H]) with each projection a grouped GEMM:
+    8-bit experts by our kernel reading them in place (`kernels/grouped_qmm.py`), others
+    dequantized (or as they are) through MLX's sorted `gather_mm`."""
     k = inds.shape[-1]
     flat = inds.flatten()
     order = mx.argsort(flat)
-    rows = x.reshape(-1, 1, x.shape[-1])[order // k]  # one row per pair, grouped by expert
+    rows = x.reshape(-1, x.shape[-1])[order // k]  # one row per pair, grouped by expert
     experts = flat[order]
 
     def project(m: Any, a: mx.array) -> mx.array:
-        return mx.gather_mm(a, expert_weights(m).swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
+        if "scales" in m:
+            return grouped_qmm(a, m, experts)
+        return mx.gather_mm(a[:, None, :], m["weight"].swapaxes(-1, -2), rhs_indices=experts,
+                            sorted_indices=True)[:, 0, :]
 
     up = project(switch.up_proj, rows)
     gate = project(switch.gate_proj, rows)
