@@ -3,8 +3,9 @@
 arrived).
 
 A record holds what the agent sent (method, path, headers with the secrets replaced, the body as
-JSON) and what it got back (status, content type, the whole body: the SSE text of a stream, keep-
-alives included, as the agent read it; `client_closed` when the agent stopped reading first).
+JSON) and what it got back (status, content type, the `x-request-id` the server logged it under,
+the whole body: the SSE text of a stream, keep-alives included, as the agent read it;
+`client_closed` when the agent stopped reading first).
 Bodies are forwarded byte for byte; only hop-by-hop headers are dropped and `accept-encoding` is
 set to identity so that the recording is readable. The fixtures of `tests/test_agent_requests.py` are these records.
 """
@@ -98,7 +99,8 @@ class Recorder:
             record |= {"status": 502, "error": repr(exc), "duration_s": time.time() - record["started"]}
             self._write(out, seq, record)
             return Response(f"recording proxy: upstream failed: {exc!r}", status_code=502)
-        record |= {"status": reply.status_code, "content_type": reply.headers.get("content-type", "")}
+        record |= {"status": reply.status_code, "content_type": reply.headers.get("content-type", ""),
+                   "request_id": reply.headers.get("x-request-id")}  # the server's request log line's
         passed = {k: v for k, v in reply.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}}
 
         async def body() -> AsyncIterator[bytes]:

@@ -8,10 +8,15 @@ tool server `mcp_stock.py`. Unless `--no-netns`, the whole run is inside a netwo
 its own with loopback only (`unshare --net`): no agent reaches anything but 127.0.0.1.
 
 Checks per agent (`checks.py`): statuses 2xx, every stream well formed with its terminal event,
-exit code 0, the model's call of `get_stock`, and a later request carrying its result. Prints a
-table and writes `benchmarks/results/agents-<date>/` (summary.json, summary.md, each agent's
-stdout/stderr and its exchanges with long strings cut); `--save-fixtures` also writes each agent's
-requests, whole, to `tests/agent_requests/<agent>/` for `tests/test_agent_requests.py`.
+exit code 0, the model's call of `get_stock`, and a later request carrying its result. Per agent
+and request, in order (`turns.py`, from the server's request log): prompt, cached and uncached
+tokens and time to first token, and whether each round of the tool loop restored the previous
+request's prompt (issue 43). Prints the tables and writes `benchmarks/results/agents-<date>-<commit>/`
+(the commit the server ran, `-dirty` when its code differs from it; summary.json, summary.md,
+server.log, each agent's stdout/stderr and its exchanges with long strings cut); `--save-fixtures`
+also writes each agent's requests, whole, to `tests/agent_requests/<agent>/` for
+`tests/test_agent_requests.py`. The server runs the `mlx_relay` of this tree (PYTHONPATH), whatever
+the venv's editable install points at.
 
     .venv/bin/python benchmarks/agents/run_agents.py [--agents claude-code,codex] [--save-fixtures]
 """
@@ -40,6 +45,7 @@ sys.path.insert(0, str(HERE))
 from agents import AGENTS, MCP_TOOL, VALUE, Agent, Sandbox  # noqa: E402
 from checks import Verdict, judge  # noqa: E402
 from recorder import Recorder  # noqa: E402
+from turns import RequestCost, costs_table, loop_line, loop_summary, parse_request_log, request_costs  # noqa: E402
 
 CACHE = ROOT / ".cache" / "agents"
 NETNS_ENV = "MLX_RELAY_AGENTS_NETNS"
@@ -97,7 +103,9 @@ def _capped(text: str, keep: int = 100_000) -> str:
     return f"{text[:keep]}\n\n[... {len(text) - 2 * keep} characters cut ...]\n\n{text[-keep:]}"
 
 
-def run_agent(agent: Agent, recorder: Recorder, results: Path, fixtures: Path | None, timeout: float) -> Verdict:
+def run_agent(agent: Agent, recorder: Recorder, results: Path, fixtures: Path | None,
+              timeout: float) -> tuple[Verdict, list[dict[str, Any]]]:
+    """One agent's headless turn: its verdict and its exchanges, whole."""
     out = results / agent.name
     shutil.rmtree(out, ignore_errors=True)  # one run's exchanges alone (an earlier run's would be checked too)
     out.mkdir(parents=True)
@@ -140,7 +148,7 @@ def run_agent(agent: Agent, recorder: Recorder, results: Path, fixtures: Path | 
     if fixtures is not None:
         save_fixtures(fixtures / agent.name, agent, records, run.expect_refusal)
     print(f"[{agent.name}] exit {code} after {elapsed:.0f} s, {len(records)} requests, ok={verdict.ok}", flush=True)
-    return verdict
+    return verdict, records
 
 
 def save_fixtures(folder: Path, agent: Agent, records: list[dict[str, Any]], expect_refusal: bool) -> None:
@@ -158,6 +166,27 @@ def save_fixtures(folder: Path, agent: Agent, records: list[dict[str, Any]], exp
                    "path": r["path"], "headers": r["headers"], "body": r["body"],
                    "recorded_status": r.get("status"), "expect_refusal": expect_refusal and r.get("status") == 400}
         (folder / f"{r['seq']:03d}.json").write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
+
+
+def source_state() -> tuple[str, list[str]]:
+    """The commit this tree is at, and the server's files that differ from it (uncommitted)."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+    try:
+        return git("rev-parse", "--short", "HEAD").strip(), git("status", "--porcelain", "--", "mlx_relay",
+                                                                  "pyproject.toml").splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown-commit", []
+
+
+def costs_section(verdicts: list[Verdict], costs: dict[str, list[RequestCost]]) -> str:
+    """Per agent: its tool loop in a line, then each request's tokens and time to first token."""
+    parts = ["## Per request (the server's request log)\n\nuncached = prompt - cached; TTFT from the "
+             "request's arrival at the server to its first token.\n"]
+    for v in verdicts:
+        parts.append(f"### {v.agent}\n\n{loop_line(loop_summary(costs[v.agent]))}\n\n{costs_table(costs[v.agent])}")
+    return "\n".join(parts)
 
 
 def versions() -> dict[str, str]:
@@ -198,7 +227,9 @@ def main() -> int:
     chosen = [a for a in AGENTS if a.name in names]
     if len(chosen) != len(names):
         ap.error(f"unknown agents; known: {', '.join(a.name for a in AGENTS)}")
-    results = args.results or ROOT / "benchmarks" / "results" / f"agents-{datetime.date.today().isoformat()}"
+    commit, dirty = source_state()
+    name = f"agents-{datetime.date.today().isoformat()}-{commit}{'-dirty' if dirty else ''}"
+    results = args.results or ROOT / "benchmarks" / "results" / name
     results.mkdir(parents=True, exist_ok=True)
     fixtures = ROOT / "tests" / "agent_requests" if args.save_fixtures else None
 
@@ -207,14 +238,17 @@ def main() -> int:
     serve = [str(ROOT / ".venv" / "bin" / "mlx-relay"), "serve", *args.serve_arg, *port]
     server_url = "http://127.0.0.1:8000" if netns else "http://127.0.0.1:18000"
     log = (results / "server.log").open("w")
-    server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              env=os.environ | {"PYTHONPATH": str(ROOT)})
     recorder = Recorder(server_url, 8001 if netns else 18001)
     verdicts: list[Verdict] = []
+    recorded: dict[str, list[dict[str, Any]]] = {}
     try:
         wait_ready(server_url, server, timeout=900)
         recorder.start()
         for agent in chosen:
-            verdicts.append(run_agent(agent, recorder, results, fixtures, args.timeout))
+            verdict, recorded[agent.name] = run_agent(agent, recorder, results, fixtures, args.timeout)
+            verdicts.append(verdict)
             # every agent's requests on one server: the summary tells each apart
     finally:
         recorder.stop()
@@ -225,15 +259,21 @@ def main() -> int:
             server.kill()
         log.close()
     pins = versions()
-    text = table(verdicts, pins)
-    print(f"mlx-relay {' '.join(serve[1:])}\n{text}")
+    log_lines = parse_request_log((results / "server.log").read_text(errors="replace").splitlines())
+    costs = {v.agent: request_costs(v.api, recorded[v.agent], log_lines) for v in verdicts}
+    text = f"{table(verdicts, pins)}\n{costs_section(verdicts, costs)}"
     how = " ".join(serve[1:])
+    code = f"commit {commit}" + (f", with uncommitted changes: {'; '.join(d.strip() for d in dirty)}" if dirty else "")
+    print(f"mlx-relay {how} ({code})\n{text}")
     (results / "summary.md").write_text(f"# make agents, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
-                                        f"`mlx-relay {how}`, network namespace: {netns}\n\n{text}")
+                                        f"`mlx-relay {how}` at {code}, network namespace: {netns}\n\n{text}")
     (results / "summary.json").write_text(json.dumps(
-        [{"agent": v.agent, "version": pins[v.agent], "api": v.api, "ok": v.ok, "exit_code": v.exit_code,
+        [{"agent": v.agent, "version": pins[v.agent], "api": v.api, "commit": commit, "uncommitted": dirty,
+          "ok": v.ok, "exit_code": v.exit_code,
           "requests": v.requests, "statuses": v.statuses, "problems": v.problems, "tool_called": v.tool_called,
           "tool_result_sent": v.tool_result_sent, "notes": v.notes, "refused_as_expected": v.refused_as_expected,
+          "tool_loop": loop_summary(costs[v.agent]).as_json(),
+          "per_request": [c.as_json() for c in costs[v.agent]],
           "final_output": v.final} for v in verdicts], indent=1) + "\n")
     return 0 if all(v.ok for v in verdicts) else 1
 
