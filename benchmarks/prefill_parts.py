@@ -7,8 +7,8 @@ For each context length C (tokens already in the caches, prefilled untimed throu
 and a chunk of `--chunk` tokens after them, medians over `--repeats` runs (each on a fresh copy of
 the caches, evaluated and synchronized around the timed call) of:
 - `chunk`: the whole chunk through mlx-vlm's forward (`library`) and ours (`ours`,
-  `ModelForward.prefill`), and ours with one lever off at a time (`PrefillOptions`:
-  `ours_without_recurrence`, `ours_without_conv`, `ours_without_experts`);
+  `ModelForward.prefill`), and ours with one lever the other way at a time (`PrefillOptions`:
+  `ours_without_recurrence`, `ours_with_conv`, `ours_without_experts`, `ours_with_qmm`);
 - per part, on the first layer of each kind with a random residual stream: the GatedDeltaNet mixer
   (`gdn`: the library's module; ours; ours without our recurrence kernel or our conv), the mixture
   of experts with its router, shared expert and combine (`moe`: the library's block; ours grouped;
@@ -87,11 +87,14 @@ def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
     return out
 
 
-LEVERS = {"recurrence": "recurrence_kernel", "conv": "shifted_conv", "experts": "grouped_experts"}
+LEVERS = {"recurrence": "recurrence_kernel", "conv": "shifted_conv", "experts": "grouped_experts",
+          "qmm": "quantized_kernel"}
 
 
 def without(lever: str) -> PrefillOptions:
-    return PrefillOptions(**{LEVERS[lever]: False})
+    """The defaults with `lever` the other way (off where it is on by default, on where off)."""
+    field = LEVERS[lever]
+    return PrefillOptions(**{field: not getattr(PrefillOptions(), field)})
 
 
 def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[str, Any]:
@@ -125,8 +128,9 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
     result: dict[str, Any] = {"context": context, "chunk": chunk, "chunk_ms": {}, "parts_ms": {}}
     result["chunk_ms"]["library"] = run(library_chunk)
     result["chunk_ms"]["ours"] = run(ours_chunk(ours_all))
-    for lever in LEVERS:
-        result["chunk_ms"][f"ours_without_{lever}"] = run(ours_chunk(without(lever)))
+    for lever, field in LEVERS.items():
+        flipped = "with" if not getattr(ours_all, field) else "without"
+        result["chunk_ms"][f"ours_{flipped}_{lever}"] = run(ours_chunk(without(lever)))
 
     layer_list = lm.model.layers
     gdn_i = next(i for i, layer in enumerate(layer_list) if layer.is_linear)
@@ -137,8 +141,8 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
     def gdn_ours(options: PrefillOptions) -> Callable[[], Any]:
         return lambda: qprefill.gated_delta_net(gdn.linear_attn, x, restore(lm, saved)[gdn_i], None, options)
 
-    def moe_ours(grouped: bool) -> Callable[[], Any]:
-        return lambda: qlayers._residual(gdn, x, mx.zeros_like(x), None, grouped)
+    def moe_ours(options: PrefillOptions) -> Callable[[], Any]:
+        return lambda: qlayers._residual(gdn, x, mx.zeros_like(x), None, options)
 
     parts["gdn_library"] = run(lambda: gdn.linear_attn(x, None, restore(lm, saved)[gdn_i]))
     parts["gdn_ours"] = run(gdn_ours(ours_all))
@@ -146,8 +150,9 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
         parts[f"gdn_ours_without_{lever}"] = run(gdn_ours(without(lever)))
     if hasattr(gdn.mlp, "switch_mlp") and cuda_kernels_available():  # (bf16 gather_mm: GPU only)
         parts["moe_library"] = run(lambda: x + gdn.mlp(gdn.post_attention_layernorm(x)))
-        parts["moe_ours"] = run(moe_ours(True))
-        parts["moe_ours_without_experts"] = run(moe_ours(False))
+        parts["moe_ours"] = run(moe_ours(ours_all))
+        parts["moe_ours_without_experts"] = run(moe_ours(without("experts")))
+        parts["moe_ours_with_qmm"] = run(moe_ours(PrefillOptions(quantized_kernel=True)))
         switch = gdn.mlp.switch_mlp
         inds, _ = route_topk(gdn.mlp.gate(x), gdn.mlp.top_k, gdn.mlp.norm_topk_prob)
         mx.eval(inds)
@@ -155,7 +160,7 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
         parts["moe_shared"] = run(lambda: gdn.mlp.shared_expert(x))
         parts["moe_dequantize"] = run(lambda: [expert_weights(m) for m in (switch.gate_proj, switch.up_proj,
                                                                          switch.down_proj)])
-        parts["moe_grouped_experts"] = run(lambda: grouped_switch_glu(switch, x, inds))
+        parts["moe_grouped_experts"] = run(lambda: grouped_switch_glu(switch, x, inds, kernel=False))
         weights = [expert_weights(m) for m in (switch.gate_proj, switch.up_proj, switch.down_proj)]
         mx.eval(weights)
         order = mx.argsort(inds.flatten())

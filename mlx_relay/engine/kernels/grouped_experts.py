@@ -54,10 +54,10 @@ def expert_weights(m: Any) -> mx.array:
                          mode=m.mode)
 
 
-def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array) -> mx.array:
+def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array, *, kernel: bool = True) -> mx.array:
     """`switch(x, inds)` (mlx-vlm's `SwitchGLU`: [..., k, H]) with each projection a grouped GEMM:
-    8-bit experts by our kernel reading them in place (`kernels/grouped_qmm.py`), others
-    dequantized (or as they are) through MLX's sorted `gather_mm`."""
+    quantized experts by `grouped_qmm` (with `kernel`, our kernel where it runs: 8-bit weights read
+    in place; else dequantized), float ones as they are, through MLX's sorted `gather_mm`."""
     k = inds.shape[-1]
     flat = inds.flatten()
     order = mx.argsort(flat)
@@ -66,7 +66,7 @@ def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array) -> mx.array:
 
     def project(m: Any, a: mx.array) -> mx.array:
         if "scales" in m:
-            return grouped_qmm(a, m, experts)
+            return grouped_qmm(a, m, experts, kernel=kernel)
         return mx.gather_mm(a[:, None, :], m["weight"].swapaxes(-1, -2), rhs_indices=experts,
                             sorted_indices=True)[:, 0, :]
 

@@ -137,9 +137,10 @@ def kernel_fits(rows: mx.array, proj: Any) -> bool:
             and proj["scales"].dtype == rows.dtype)
 
 
-def grouped_qmm(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
-    """See the module docstring: `rows` [R, K], `experts` [R] (sorted) -> [R, N]."""
-    if cuda_kernels_available() and kernel_fits(rows, proj):
+def grouped_qmm(rows: mx.array, proj: Any, experts: mx.array, *, kernel: bool = True) -> mx.array:
+    """See the module docstring: `rows` [R, K], `experts` [R] (sorted) -> [R, N]; `kernel` off:
+    the fallback everywhere."""
+    if kernel and cuda_kernels_available() and kernel_fits(rows, proj):
         return cuda_grouped_qmm(rows, proj, experts)
     return fallback(rows, proj, experts)
 

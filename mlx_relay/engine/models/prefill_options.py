@@ -9,8 +9,8 @@ the lanes' `stage_forward.ModelForward`.
   stay within `attention_bytes`.
 - The levers of issue 43 (each on by default where it pays; off, that part runs the library's arithmetic, so
   `benchmarks/prefill_parts.py` measures what each buys): the GatedDeltaNet recurrence as our
-  kernel, the conv as shifted multiply-adds, the experts as grouped GEMMs. Each applies only where
-  it can (a CUDA GPU; `kernels/`).
+  kernel, the conv as shifted multiply-adds, the experts as grouped GEMMs, their 8-bit weights
+  read in place by our kernel. Each applies only where it can (a CUDA GPU; `kernels/`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ class PrefillOptions(msgspec.Struct, frozen=True):
     # shifted multiply-adds 3.97 ms (benchmarks/results/prefill-h100-2026-11-28/)
     shifted_conv: bool = False
     grouped_experts: bool = True
+    # our grouped 8-bit kernel inside the grouped experts (`kernels/grouped_qmm.py`); off: every
+    # expert dequantized for MLX's grouped GEMM. Off until benchmarks/gpu/kernel_check.py has
+    # passed it on a GPU and prefill_parts.py has timed it (written 2026-11-28 after the lease)
+    quantized_kernel: bool = False
 
     def attention_rows(self, rows: int, heads: int, keys: int, itemsize: int) -> int:
         """Queries per attention block for `rows` rows of `heads` query heads over `keys` keys."""

@@ -31,6 +31,7 @@ from mlx_relay.engine.kernels.grouped_experts import grouped_switch_glu, use_gro
 from mlx_relay.engine.kernels.moe import combine, route_topk
 from mlx_relay.engine.models import KV, UnsupportedModel
 from mlx_relay.engine.models.positions import Positions
+from mlx_relay.engine.models.prefill_options import PrefillOptions
 
 if TYPE_CHECKING:
     from mlx_relay.engine.models.pipeline_stage import Stage
@@ -140,12 +141,14 @@ def _switch_linear(m: Any, x: mx.array, inds: mx.array, rows: mx.array) -> mx.ar
     return mx.gather_mm(x, m["weight"].swapaxes(-1, -2), lhs_indices=rows, rhs_indices=inds)
 
 
-def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None, grouped: bool) -> mx.array:
+def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None,
+             prefill: PrefillOptions | None) -> mx.array:
     """mlx-vlm's `SwitchGLU` over the routed experts: its own call; for a prefill chunk's many routed
-    positions on a GPU (`grouped`), grouped GEMMs (`kernels.grouped_experts`); or for few routed
+    positions on a GPU (a prefill chunk, as its `prefill` options say), grouped GEMMs
+    (`kernels.grouped_experts`); or for few routed
     positions (its unsorted path) the same matmuls, one row per position, with `rows` given."""
-    if grouped and use_grouped(switch, inds.size):
-        return grouped_switch_glu(switch, x, inds)
+    if prefill is not None and prefill.grouped_experts and use_grouped(switch, inds.size):
+        return grouped_switch_glu(switch, x, inds, kernel=prefill.quantized_kernel)
     if rows is None or any("bias" in m for m in (switch.gate_proj, switch.up_proj, switch.down_proj)):
         return switch(x, inds)
     x = mx.expand_dims(x, (-2, -3))
@@ -154,8 +157,8 @@ def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None, 
     return _switch_linear(switch.down_proj, switch.activation(up, gate), inds, rows.routed).squeeze(-2)
 
 
-def _residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None = None, grouped: bool = False
-              ) -> mx.array:
+def _residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None = None,
+              prefill: PrefillOptions | None = None) -> mx.array:
     """The residual stream after a layer whose mixer returned `r`: the mixer's output, then the MLP's."""
     h = h + r
     x = layer.post_attention_layernorm(h)
@@ -164,7 +167,7 @@ def _residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None = No
         return h + mlp(x)
     # mlx-vlm's Qwen3_5MoeSparseMoeBlock, its router and combine through `kernels.moe`
     inds, scores = route_topk(mlp.gate(x), mlp.top_k, mlp.norm_topk_prob)
-    return combine(h, _experts(mlp.switch_mlp, x, inds, rows, grouped), scores, mlp.shared_expert_gate(x),
+    return combine(h, _experts(mlp.switch_mlp, x, inds, rows, prefill), scores, mlp.shared_expert_gate(x),
                    mlp.shared_expert(x))
 
 
@@ -181,14 +184,15 @@ Mixer = Callable[[Any, mx.array], mx.array]
 
 
 def run_layers(layers: list[Any], h: mx.array, linear: Mixer, attend: Mixer, rows: ExpertRows | None = None,
-               *, grouped: bool = False) -> mx.array:
+               *, prefill: PrefillOptions | None = None) -> mx.array:
     """The one layer loop: the residual stream after `layers`, each a GatedDeltaNet layer (its
-    mixer `linear`) or an attention layer (`attend`), then its MLP (the experts grouped where
-    `grouped` and they pay: a prefill chunk). The mixers keep the caches (called in layer order)."""
+    mixer `linear`) or an attention layer (`attend`), then its MLP (for a prefill chunk, its
+    `prefill` options: the experts grouped where that pays). The mixers keep the caches (called
+    in layer order)."""
     for layer in layers:
         x = layer.input_layernorm(h)
         r = linear(layer.linear_attn, x) if layer.is_linear else attend(layer.self_attn, x)
-        h = _residual(layer, h, r, rows, grouped)
+        h = _residual(layer, h, r, rows, prefill)
     return h
 
 

@@ -59,7 +59,7 @@ def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: lis
     def attend(sa: Any, x: mx.array) -> mx.array:
         return attention(sa, x, next(cache_of), positions, rotary, attn_mask, options)
 
-    return model.norm(run_layers(model.layers, h, linear, attend, grouped=options.grouped_experts))
+    return model.norm(run_layers(model.layers, h, linear, attend, prefill=options))
 
 
 def _attention_mask(cache: Any, T: int) -> Any:
