@@ -164,22 +164,29 @@ def check_conv(la: Any, T: int) -> dict[str, Any]:
     return result
 
 
+def quantized_switch() -> Any:
+    """One mixture of experts' `SwitchGLU` at the 35B-A3B shape, random bf16 weights, 8-bit g64."""
+    import mlx.nn as nn
+    from mlx_vlm.models.switch_layers import SwitchGLU
+
+    H, F, E = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts"]
+    switch = SwitchGLU(H, F, E)
+    switch.update({name: {"weight": (mx.random.normal((E, *shape)) * 0.02).astype(mx.bfloat16)}
+                   for name, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F)))})
+    nn.quantize(switch, group_size=64, bits=8)
+    return switch
+
+
 def check_grouped_qmm(T: int, skewed: bool) -> dict[str, Any]:
     """Our grouped 8-bit kernel against its fallback (dequantized weights, MLX's sorted gather_mm),
     the up projection's shape and the down projection's, experts routed evenly or most rows to a
     few experts (many tiles of one expert, many experts without a row)."""
-    import mlx.nn as nn
-    from mlx_vlm.models.switch_layers import SwitchGLU
-
     from mlx_relay.engine.kernels.grouped_qmm import fallback as qmm_fallback
     from mlx_relay.engine.kernels.grouped_qmm import grouped_qmm
 
     H, F = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"]
     E, k = SHAPE["num_experts"], SHAPE["num_experts_per_tok"]
-    switch = SwitchGLU(H, F, E)
-    switch.update({name: {"weight": (mx.random.normal((E, *shape)) * 0.02).astype(mx.bfloat16)}
-                   for name, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F)))})
-    nn.quantize(switch, group_size=64, bits=8)
+    switch = quantized_switch()
     n = T * k
     experts = (mx.random.randint(0, 3, (n,)) if skewed else mx.random.randint(0, E, (n,))).astype(mx.uint32)
     experts = mx.sort(experts)
@@ -195,24 +202,19 @@ def check_grouped_qmm(T: int, skewed: bool) -> dict[str, Any]:
     return result
 
 
-def check_grouped_experts(T: int) -> dict[str, Any]:
-    import mlx.nn as nn
-    from mlx_vlm.models.switch_layers import SwitchGLU
-
-    H, F = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"]
-    E, k = SHAPE["num_experts"], SHAPE["num_experts_per_tok"]
-    switch = SwitchGLU(H, F, E)
-    switch.update({name: {"weight": (mx.random.normal((E, *shape)) * 0.02).astype(mx.bfloat16)}
-                   for name, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F)))})
-    nn.quantize(switch, group_size=64, bits=8)
+def check_grouped_experts(T: int, kernel: bool) -> dict[str, Any]:
+    """The grouped experts (dequantized for CUTLASS's grouped GEMM, or our kernel) against the
+    library's 8-bit `SwitchGLU`."""
+    H, E, k = SHAPE["hidden_size"], SHAPE["num_experts"], SHAPE["num_experts_per_tok"]
+    switch = quantized_switch()
     x = mx.random.normal((1, T, H)).astype(mx.bfloat16)
     inds = mx.argpartition(mx.random.normal((1, T, E)), kth=-k, axis=-1)[..., -k:].astype(mx.uint32)
-    ours, ref = grouped_switch_glu(switch, x, inds), switch(x, inds)
+    ours, ref = grouped_switch_glu(switch, x, inds, kernel=kernel), switch(x, inds)
     mx.eval(ours, ref)
-    result = {"T": T, "rel": rel(ours, ref), "shape_match": ours.shape == ref.shape and ours.dtype == ref.dtype}
+    result = {"T": T, "kernel": kernel, "rel": rel(ours, ref),
+              "shape_match": ours.shape == ref.shape and ours.dtype == ref.dtype}
     result["ok"] = bool(result["shape_match"] and result["rel"] <= TOLERANCE)
     return result
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -243,7 +245,8 @@ def main() -> None:
     for B, T, masked in ((1, 1, False), (1, 100, False), (1, 2048, False), (3, 100, True), (3, 2048, True)):
         record("delta_rule", check_delta_rule, la, B, T, masked)
     record("conv", check_conv, la, 2048)
-    record("grouped_experts", check_grouped_experts, 2048)
+    for kernel in (False, True):
+        record("grouped_experts", check_grouped_experts, 2048, kernel)
     for T, skewed in ((2048, False), (2048, True), (37, False)):
         record("grouped_qmm", check_grouped_qmm, T, skewed)
     ok = all(c["ok"] for group in checks.values() for c in group)
