@@ -69,13 +69,19 @@ class KVBudget(msgspec.Struct, frozen=True):
         return not lengths or self.batch_bytes(len(lengths), max(lengths)) <= self.available
 
 
+#: Layers of a prefill chunk alive at once (`models/qwen3_5/prefill.py` queues one ahead)
+LAYERS_IN_FLIGHT = 2
+
+
 def working_set_bytes(*, chunk_tokens: int, hidden: int, attention_bytes: int, expert_bytes: int,
                       itemsize: int) -> int:
-    """One prefill chunk's transient memory beyond the caches: its attention block's scores (at
-    most `attention_bytes`), the experts dequantized for one projection's grouped GEMM at a time
-    (`expert_bytes` each, three alive at most) and the chunk's activations (a generous 64 hidden
-    widths a token: the mixers' projections, the routed rows, the residual stream)."""
-    return attention_bytes + 3 * expert_bytes + chunk_tokens * hidden * itemsize * 64
+    """One prefill chunk's transient memory beyond the caches, for `LAYERS_IN_FLIGHT` layers: one
+    attention block's scores (at most `attention_bytes`; attention layers are never adjacent in
+    the family served), the experts of a layer's three projections dequantized for the grouped
+    GEMMs (`expert_bytes` each) and the layer's activations (a generous 64 hidden widths a
+    token: the mixers' projections, the routed rows, the residual stream)."""
+    per_layer = 3 * expert_bytes + chunk_tokens * hidden * itemsize * 64
+    return attention_bytes + LAYERS_IN_FLIGHT * per_layer
 
 
 #: Share of what the weights and the prefix cache leave that one attention block's scores may take,

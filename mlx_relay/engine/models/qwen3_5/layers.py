@@ -184,15 +184,18 @@ Mixer = Callable[[Any, mx.array], mx.array]
 
 
 def run_layers(layers: list[Any], h: mx.array, linear: Mixer, attend: Mixer, rows: ExpertRows | None = None,
-               *, prefill: PrefillOptions | None = None) -> mx.array:
+               *, prefill: PrefillOptions | None = None, after: Callable[[mx.array], None] | None = None
+               ) -> mx.array:
     """The one layer loop: the residual stream after `layers`, each a GatedDeltaNet layer (its
     mixer `linear`) or an attention layer (`attend`), then its MLP (for a prefill chunk, its
     `prefill` options: the experts grouped where that pays). The mixers keep the caches (called
-    in layer order)."""
+    in layer order); `after` sees the residual stream after each layer (an eager caller's hook)."""
     for layer in layers:
         x = layer.input_layernorm(h)
         r = linear(layer.linear_attn, x) if layer.is_linear else attend(layer.self_attn, x)
         h = _residual(layer, h, r, rows, prefill)
+        if after is not None:
+            after(h)
     return h
 
 
