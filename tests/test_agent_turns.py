@@ -81,7 +81,7 @@ def test_each_round_is_judged_against_the_request_it_answers() -> None:
     assert [c.uncached_tokens for c in costs] == [26277, 26672, 147, 134, None]
     assert [c.answers for c in costs] == [None, 1, 3, 4, None]  # #5 ended without tool calls: #6 answers none
     assert [c.continues for c in costs] == [None, False, True, True, None]
-    assert [c.short_by for c in costs] == [None, 26277, 1, 2, None]
+    assert [c.past_prompt for c in costs] == [None, -26277, -1, -2, None]
     assert [c.restored for c in costs] == [None, None, True, False, None]
     loop = turns.loop_summary(costs)
     assert (loop.rounds, loop.continuing, loop.restored, loop.new_prompts) == (3, 2, 1, [3])
@@ -90,10 +90,9 @@ def test_each_round_is_judged_against_the_request_it_answers() -> None:
         300.0, 8.9, 26277, 26950)
     table = turns.costs_table(costs).splitlines()
     assert len(table) == 2 + len(costs)
-    assert table[4] == ("| 4 | /v1/messages?beta=true | 200 | 26,818 | 26,671 | 147 | 8.50 | tool_calls | "
-                        "yes (#3's prompt - cached = 1) |")
-    assert "NO (#4's prompt - cached = 2)" in table[5] and "new prompt" in table[3]
-    assert table[6].startswith("| 6 |") and "| - | - | - |" in table[6]
+    assert table[4] == "| 4 | /v1/messages?beta=true | 200 | 26,818 | 26,671 | 147 | 8.50 | tool_calls | 3 | -1 | yes |"
+    assert table[5].endswith("| 4 | -2 | NO |") and "new prompt" in table[3]
+    assert table[6] == "| 6 | /v1/messages?beta=true | 200 | - | - | - | - | - | - | - | - |"
     line = turns.loop_line(loop)
     assert "3 tool round(s); 2 continued" in line and "1 of them restored it" in line and "#3" in line
 
@@ -105,3 +104,22 @@ def test_a_turn_without_tool_calls_has_no_loop() -> None:
     loop = turns.loop_summary(costs)
     assert loop.rounds == 0 and loop.every_round_restored is None and loop.first_ttft_s is None
     assert turns.loop_line(loop).startswith("no tool round")
+
+
+def test_a_responses_round_that_restored_the_whole_turn() -> None:
+    """Codex's shape: the round restores the previous prompt and the reply (the call as generated)."""
+    turns = _turns()
+    tools = [{"type": "function", "name": "mcp__stock__get_stock"}]
+    first: Json = {"instructions": "You are Codex.", "tools": tools,
+                   "input": [{"type": "message", "role": "user", "content": "get the stock"}]}
+    call = {"type": "function_call", "name": "mcp__stock__get_stock", "call_id": "c1", "arguments": "{}"}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "1"}
+    second = first | {"input": [*first["input"], call, result]}
+    records = [{"seq": 1, "method": "POST", "path": "/v1/responses", "status": 200, "request_id": "q1", "body": first},
+               {"seq": 2, "method": "POST", "path": "/v1/responses", "status": 200, "request_id": "q2", "body": second}]
+    log = turns.parse_request_log([_logged("q1", 21347, 0, 131.5), _logged("q2", 21477, 21397, 1.07, finish="stop")])
+    costs = turns.request_costs("responses", records, log)
+    assert [(c.answers, c.continues, c.past_prompt, c.restored) for c in costs] == [
+        (None, None, None, None), (1, True, 50, True)]
+    assert turns.costs_table(costs).splitlines()[-1].endswith("| 1 | +50 | yes |")
+    assert turns.loop_summary(costs).every_round_restored is True

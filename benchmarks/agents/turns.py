@@ -78,7 +78,7 @@ class RequestCost:
     answers: int | None = None  # a tool round: the seq of the request whose tool calls it answers
     continues: bool | None = None  # that request's tools and system prompt declared again
     restored: bool | None = None  # cached >= that request's prompt - SLACK (rounds that continue it)
-    short_by: int | None = None  # that request's prompt - cached (negative: more than its prompt restored)
+    past_prompt: int | None = None  # cached - that request's prompt (> 0: its reply restored too)
 
     @property
     def uncached_tokens(self) -> int | None:
@@ -138,12 +138,12 @@ def request_costs(api: str, records: list[Json], log: list[Json]) -> list[Reques
 
 
 def _round(cost: RequestCost, prev: RequestCost, continues: bool) -> RequestCost:
-    short_by = restored = None
+    past_prompt = restored = None
     if prev.prompt_tokens is not None and cost.cached_tokens is not None:
-        short_by = prev.prompt_tokens - cost.cached_tokens
-        restored = short_by <= SLACK if continues else None
+        past_prompt = cost.cached_tokens - prev.prompt_tokens
+        restored = past_prompt >= -SLACK if continues else None
     return RequestCost(**{**asdict(cost), "answers": prev.seq, "continues": continues, "restored": restored,
-                          "short_by": short_by})
+                          "past_prompt": past_prompt})
 
 
 @dataclass(frozen=True)
@@ -186,18 +186,20 @@ def _restored_cell(c: RequestCost) -> str:
     if c.answers is None:
         return "-"
     if not c.continues:
-        return f"new prompt (tools/system of #{c.answers} changed)"
-    if c.restored is None:
-        return "not logged"
-    return f"{'yes' if c.restored else 'NO'} (#{c.answers}'s prompt - cached = {c.short_by:,})"
+        return "new prompt (tools or system changed)"
+    return "not logged" if c.restored is None else "yes" if c.restored else "NO"
 
 
 def costs_table(costs: list[RequestCost]) -> str:
-    rows = ["| # | route | status | prompt | cached | uncached | TTFT s | finish | restored the request it answers |",
-            "|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    """A row per request: its counts and TTFT; a tool round's, the request it answers (#), its cached
+    tokens less that request's prompt (> 0: the reply restored too) and whether it restored that prompt."""
+    rows = ["| # | route | status | prompt | cached | uncached | TTFT s | finish | answers # | cached - its prompt "
+            "| restored it |", "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for c in costs:
+        past = "-" if c.past_prompt is None else f"{c.past_prompt:+,}"
         rows.append(f"| {c.seq} | {c.path} | {c.status} | {_n(c.prompt_tokens)} | {_n(c.cached_tokens)} | "
-                    f"{_n(c.uncached_tokens)} | {_n(c.ttft_s)} | {_n(c.finish_reason)} | {_restored_cell(c)} |")
+                    f"{_n(c.uncached_tokens)} | {_n(c.ttft_s)} | {_n(c.finish_reason)} | {_n(c.answers)} | {past} | "
+                    f"{_restored_cell(c)} |")
     return "\n".join(rows) + "\n"
 
 
