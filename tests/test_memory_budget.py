@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from mlx_relay.engine.memory.kv_budget import KVBudget, plan, working_set_bytes
@@ -145,13 +146,26 @@ def test_a_prompt_past_the_memory_is_refused_before_it_runs(gpu: Callable, loade
     (OpenAI's shape on /v1/chat/completions, Anthropic's on /v1/messages), a request that fits
     beside it runs, and the server goes on serving."""
     from mlx_relay.config import EngineConfig
+    from mlx_relay.engine.models.checkpoint import read_config
     from mlx_relay.relay import default_config
     from mlx_relay.testing.live_server import LiveServer
 
+    # what the engine's process holds (the weights, and the prefix cache's budget) is read off a
+    # first start under a limit far above it (this test process's MLX holds other tests' arrays):
+    # its memory_tokens, less its caches' and working set's bytes
     probe = gpu(lambda: Driver(loaded, memory_limit_bytes=1 << 40).engine.kv_budget)
-    limit = _limit_for(loaded, probe, EngineConfig(model_path="m").prefill_step_size, 1000)
+    chunk = EngineConfig(model_path="m").prefill_step_size
     config = default_config(fp32_model, served_model_name="tiny", engine_process="on", warmup=False,
-                            memory_limit_bytes=limit)
+                            memory_limit_bytes=1 << 40)
+    with LiveServer(config) as first:
+        assert first.relay is not None and first.relay.info is not None
+        roomy = first.relay.info.memory_tokens
+    working = plan(read_config(fp32_model), limit=1 << 40, weights=0, prefix_cache=0, chunk_tokens=chunk,
+                   grouped_experts=False, mtp_head=False)[0].working_set
+    held = (1 << 40) - working - probe.per_row - roomy * probe.per_token
+    engine = msgspec.structs.replace(probe, weights=held, prefix_cache=0)
+    config = msgspec.structs.replace(config, engine=msgspec.structs.replace(
+        config.engine, memory_limit_bytes=_limit_for(loaded, engine, chunk, 1000)))
     with LiveServer(config) as live:
         relay = live.relay
         assert relay is not None and relay.info is not None
