@@ -29,27 +29,30 @@ PROMPTS = [list(range(10, 50)), list(range(60, 75))]
 STEPS = 10
 
 
+def build_moe_lm(seed: int) -> Any:
+    """A float32 qwen3_5_moe language model of `CONFIG`, random weights drawn from `seed` (on the
+    GPU thread)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_vlm.models.qwen3_5_moe.config import TextConfig
+    from mlx_vlm.models.qwen3_5_moe.language import LanguageModel
+
+    mx.random.seed(seed)
+    model = LanguageModel(TextConfig.from_dict(CONFIG))
+    # weights with some spread (the default init leaves the router's probabilities near-uniform)
+    params = [(k, mx.random.normal(v.shape) * (0.02 if v.ndim > 1 else 0.1) + (1.0 if "norm" in k else 0.0))
+              for k, v in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(params))
+    model.apply(lambda x: x.astype(mx.float32))
+    assert isinstance(model.model.layers[0].mlp.gate, nn.Linear)
+    mx.eval(model.parameters())
+    return model
+
+
 @pytest.fixture(scope="module")
 def lm(gpu: Callable) -> Any:
-    def build() -> Any:
-        import mlx.core as mx
-        import mlx.nn as nn
-        from mlx.utils import tree_flatten, tree_unflatten
-        from mlx_vlm.models.qwen3_5_moe.config import TextConfig
-        from mlx_vlm.models.qwen3_5_moe.language import LanguageModel
-
-        mx.random.seed(3)
-        model = LanguageModel(TextConfig.from_dict(CONFIG))
-        # weights with some spread (the default init leaves the router's probabilities near-uniform)
-        params = [(k, mx.random.normal(v.shape) * (0.02 if v.ndim > 1 else 0.1) + (1.0 if "norm" in k else 0.0))
-                  for k, v in tree_flatten(model.parameters())]
-        model.update(tree_unflatten(params))
-        model.apply(lambda x: x.astype(mx.float32))
-        assert isinstance(model.model.layers[0].mlp.gate, nn.Linear)
-        mx.eval(model.parameters())
-        return model
-
-    return gpu(build)
+    return gpu(lambda: build_moe_lm(3))
 
 
 def _library(lm: Any, prompt: list[int], n: int) -> tuple[list[int], list[Any]]:

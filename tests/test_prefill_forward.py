@@ -17,6 +17,7 @@ import pytest
 
 from tests.test_decode_step import _positions
 from tests.test_moe_decode import CONFIG as MOE_CONFIG
+from tests.test_moe_decode import build_moe_lm
 
 TOL = 2e-5
 
@@ -30,22 +31,7 @@ def dense(gpu: Callable, fp32_model: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def moe(gpu: Callable) -> Any:
-    def build() -> Any:
-        import mlx.core as mx
-        from mlx.utils import tree_flatten, tree_unflatten
-        from mlx_vlm.models.qwen3_5_moe.config import TextConfig
-        from mlx_vlm.models.qwen3_5_moe.language import LanguageModel
-
-        mx.random.seed(5)
-        model = LanguageModel(TextConfig.from_dict(MOE_CONFIG))
-        params = [(k, mx.random.normal(v.shape) * (0.02 if v.ndim > 1 else 0.1) + (1.0 if "norm" in k else 0.0))
-                  for k, v in tree_flatten(model.parameters())]
-        model.update(tree_unflatten(params))
-        model.apply(lambda x: x.astype(mx.float32))
-        mx.eval(model.parameters())
-        return model
-
-    return gpu(build)
+    return gpu(lambda: build_moe_lm(5))
 
 
 def _states(caches: list[Any]) -> list[Any]:
