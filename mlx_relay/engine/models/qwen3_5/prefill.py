@@ -21,8 +21,8 @@ GPU done otherwise:
   growing with chunk x context (`models/prefill_options.py`). A chunk whose rows carry no left
   padding is masked causally by the attention itself (no mask array of chunk x context).
 
-The chunk's layers are queued one ahead of the device (`one_layer_ahead`): its transient memory is
-at most two layers', not the chunk's. Each lever can be turned off (`PrefillOptions`: that part
+On a GPU the chunk's layers are queued one ahead of the device (`one_layer_ahead`): its transient
+memory is at most two layers', not the chunk's. Each lever can be turned off (`PrefillOptions`: that part
 then runs the library's arithmetic; `benchmarks/prefill_parts.py` measures what each buys). Off a
 GPU every part is the library's own arithmetic (`tests/test_prefill_forward.py` pins the chunk's
 hidden states and caches against the library's forward, float32).
@@ -73,7 +73,10 @@ def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: lis
             mx.eval(in_flight.pop())
         in_flight.append(layer_out)
 
-    return model.norm(run_layers(model.layers, h, linear, attend, prefill=options, after=one_layer_ahead))
+    # (on a GPU, where the grouped experts' transients are large; on the CPU the library's one
+    # evaluation a chunk: a wait a layer cost two 18K-token prompts a third more time there)
+    pace = one_layer_ahead if cuda_kernels_available() else None
+    return model.norm(run_layers(model.layers, h, linear, attend, prefill=options, after=pace))
 
 
 def _attention_mask(cache: Any, T: int) -> Any:
