@@ -326,11 +326,7 @@ class OursServer:
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+            end_process(self.proc, 90)
             self.proc = None
         if self.log is not None:
             self.log.close()
@@ -575,15 +571,20 @@ class RawWorker:
             with contextlib.suppress(OSError):
                 assert self.proc.stdin is not None
                 self.proc.stdin.close()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+            end_process(self.proc, 60)
             self.proc = None
         if self.log is not None:
             self.log.close()
             self.log = None
+
+
+def end_process(proc: subprocess.Popen[Any], grace_s: float) -> None:
+    """Wait `grace_s` for a process told to end, then kill it."""
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
 
 
 def raw_worker_main(model: Path, memory_limit_gb: float | None, cache_limit_gb: float | None) -> int:
