@@ -49,10 +49,11 @@ def prefill_step_size(lm: object, config: EngineConfig, backend: str) -> int:
 
 
 def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool, token_budget: int,
-                stage: Stage | None, prefill_options: PrefillOptions | None = None) -> dict[LaneName, Lane]:
+                stage: Stage | None, step: int, prefill_options: PrefillOptions | None = None
+                ) -> dict[LaneName, Lane]:
+    """`step`: every lane's prefill chunk at most (`prefill_step_size`)."""
     info = loaded.info
     lm = loaded.model.language_model
-    step = prefill_step_size(lm, config, info.backend)
     if uses_library_forward(lm):
         # a model of no family of ours runs its library's forward over KV caches: one lane for all rows
         if stage is not None:

@@ -112,11 +112,10 @@ class EngineCore:
                          if stage is None else None)
         # the rows' caches within the device's memory, the prefill's working set bounded from it
         # (`memory/kv_budget.py`; not counted on a pipeline stage, whose ranks hold different layers)
-        budget, prefill_options = engine_plan(loaded, config, prefix_cache=prefix_cache,
-                                              chunk_tokens=prefill_step_size(loaded.model.language_model, config,
-                                                                             info.backend))
+        step = prefill_step_size(loaded.model.language_model, config, info.backend)
+        budget, prefill_options = engine_plan(loaded, config, prefix_cache=prefix_cache, chunk_tokens=step)
         self.lanes = build_lanes(loaded, config, prefix_cache=prefix_cache, token_budget=self.token_budget,
-                                 stage=stage, prefill_options=prefill_options)
+                                 stage=stage, step=step, prefill_options=prefill_options)
         self.kv_budget = with_held_weights(budget) if stage is None else None
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
                                    mtp_block=config.mtp_block_size if "mtp" in self.lanes else None,
