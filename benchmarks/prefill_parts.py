@@ -125,12 +125,21 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
     def ours_chunk(options: PrefillOptions) -> Callable[[], Any]:
         return lambda: ModelForward(lm, options).prefill(ids, None, restore(lm, saved), pos)
 
-    result: dict[str, Any] = {"context": context, "chunk": chunk, "chunk_ms": {}, "parts_ms": {}}
+    result: dict[str, Any] = {"context": context, "chunk": chunk, "chunk_ms": {}, "parts_ms": {}, "errors": {}}
+
+    def attempt(group: str, key: str, fn: Callable[[], Any]) -> None:
+        """`run`, a lever whose kernel fails to build or run recorded as its error (the rest still run)."""
+        try:
+            result[group][key] = run(fn)
+        except Exception as exc:
+            result["errors"][key] = repr(exc)[:1000]
+            print(f"  {key}: failed: {result['errors'][key]}", flush=True)
+
     result["chunk_ms"]["library"] = run(library_chunk)
     result["chunk_ms"]["ours"] = run(ours_chunk(ours_all))
     for lever, field in LEVERS.items():
         flipped = "with" if not getattr(ours_all, field) else "without"
-        result["chunk_ms"][f"ours_{flipped}_{lever}"] = run(ours_chunk(without(lever)))
+        attempt("chunk_ms", f"ours_{flipped}_{lever}", ours_chunk(without(lever)))
 
     layer_list = lm.model.layers
     gdn_i = next(i for i, layer in enumerate(layer_list) if layer.is_linear)
@@ -152,7 +161,7 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
         parts["moe_library"] = run(lambda: x + gdn.mlp(gdn.post_attention_layernorm(x)))
         parts["moe_ours"] = run(moe_ours(ours_all))
         parts["moe_ours_without_experts"] = run(moe_ours(without("experts")))
-        parts["moe_ours_with_qmm"] = run(moe_ours(PrefillOptions(quantized_kernel=True)))
+        attempt("parts_ms", "moe_ours_with_qmm", moe_ours(PrefillOptions(quantized_kernel=True)))
         switch = gdn.mlp.switch_mlp
         inds, _ = route_topk(gdn.mlp.gate(x), gdn.mlp.top_k, gdn.mlp.norm_topk_prob)
         mx.eval(inds)
@@ -169,7 +178,7 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
         mx.eval(rows, experts)
         parts["moe_grouped_gemm_up"] = run(lambda: mx.gather_mm(rows, weights[1].swapaxes(-1, -2), rhs_indices=experts,
                                                                  sorted_indices=True))
-        parts["moe_grouped_qmm_up"] = run(lambda: grouped_qmm(rows[:, 0, :], switch.up_proj, experts))
+        attempt("parts_ms", "moe_grouped_qmm_up", lambda: grouped_qmm(rows[:, 0, :], switch.up_proj, experts))
         del weights
 
     parts["attention_library"] = run(lambda: att.self_attn(x, mask="causal", cache=restore(lm, saved)[att_i],

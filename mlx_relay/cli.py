@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "decode steps' time, measured by the engine, so their inter-token latency stays "
                             "within about this factor of alone; prompts alone get the whole budget (default: 2.5 "
                             "on CPU, off on a GPU; 0: off)")
+    serve.add_argument("--prefill-experts", choices=("auto", "dequantize", "kernel", "library"), default="auto",
+                       help="a prefill chunk's routed experts on a CUDA GPU: dequantized for MLX's grouped GEMM, our "
+                            "grouped 8-bit kernel, or the library's SwitchGLU (default auto: dequantize)")
     serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
     serve.add_argument("--default-max-tokens", type=int, default=4096,
                        help="max_tokens when a request gives none (default 4096)")
@@ -362,6 +365,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         prefill_step_size=args.prefill_step_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_stall_factor=args.decode_stall_factor,
+        prefill_experts=args.prefill_experts,
         warmup=not args.no_warmup,
         compile_decode=not args.no_compile,
         compile_mtp=not args.no_compile_mtp,

@@ -69,6 +69,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # ~30x a decode step), off on a GPU until the GPU probe says otherwise; 0: off. Always off in a
     # pipeline (each rank would time its own steps, and every rank must take the same ones)
     decode_stall_factor: float | None = None
+    # how a prefill chunk's routed experts run on a CUDA GPU (`engine/models/prefill_options.py`):
+    # "dequantize" for MLX's grouped GEMM, "kernel" our grouped 8-bit GEMM, "library" mlx-vlm's
+    # SwitchGLU; "auto": dequantize. Off a CUDA GPU the library's always
+    prefill_experts: Literal["auto", "dequantize", "kernel", "library"] = "auto"
     # the plain lane's decode step as one compiled function (`engine/lanes/decode_step.py`); off: the
     # same function run eagerly (for debugging: same tokens, slower)
     compile_decode: bool = True

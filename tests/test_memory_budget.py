@@ -18,7 +18,7 @@ import httpx
 import msgspec
 import pytest
 
-from mlx_relay.engine.memory.kv_budget import KVBudget, plan, working_set_bytes
+from mlx_relay.engine.memory.kv_budget import LAYERS_IN_FLIGHT, KVBudget, plan, working_set_bytes
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.reference import greedy_reference
@@ -46,7 +46,7 @@ def test_the_plan_bounds_the_attention_block_from_what_is_left() -> None:
                               "moe_intermediate_size": 512, "dtype": "bfloat16"}}
     gib = 1 << 30
     h100, options = plan(config, limit=76 * gib, weights=39 * gib, prefix_cache=15 * gib, chunk_tokens=2048,
-                         grouped_experts=True, mtp_head=True)
+                         experts="dequantize", mtp_head=True)
     assert options.attention_bytes == (76 - 39 - 15) * gib // 8
     assert h100.per_token == 11 * 2 * 2 * 256 * 2  # ten attention layers and the head's, keys and values
     assert h100.working_set == working_set_bytes(chunk_tokens=2048, hidden=2048,
@@ -55,7 +55,7 @@ def test_the_plan_bounds_the_attention_block_from_what_is_left() -> None:
     assert h100.memory_tokens > 262_144  # one row of the whole context fits on an 80 GB card
     assert h100.fits([4096] * 64) and not h100.fits([4096] * 63 + [131_072])  # not 64 rows padded to 128K
     small, small_options = plan(config, limit=45 * gib, weights=39 * gib, prefix_cache=5 * gib, chunk_tokens=2048,
-                                grouped_experts=True, mtp_head=True)
+                                experts="dequantize", mtp_head=True)
     assert small_options.attention_bytes == 256 * MIB and small.available == 0 and small.memory_tokens == 0
 
 
@@ -75,8 +75,8 @@ def _limit_for(loaded: Any, probe: KVBudget, chunk_tokens: int, tokens: int) -> 
 
     def budget(limit: int) -> KVBudget:
         b, _ = plan(config, limit=limit, weights=probe.weights, prefix_cache=probe.prefix_cache,
-                    chunk_tokens=chunk_tokens, grouped_experts=False, mtp_head=probe.per_token > plan(
-                        config, limit=limit, weights=0, prefix_cache=0, chunk_tokens=1, grouped_experts=False,
+                    chunk_tokens=chunk_tokens, experts="library", mtp_head=probe.per_token > plan(
+                        config, limit=limit, weights=0, prefix_cache=0, chunk_tokens=1, experts="library",
                         mtp_head=False)[0].per_token)
         return b
 
@@ -164,7 +164,7 @@ def test_a_prompt_past_the_memory_is_refused_before_it_runs(gpu: Callable, loade
         assert first.relay is not None and first.relay.info is not None
         roomy = first.relay.info.memory_tokens
     working = plan(read_config(fp32_model), limit=1 << 40, weights=0, prefix_cache=0, chunk_tokens=chunk,
-                   grouped_experts=False, mtp_head=False)[0].working_set
+                   experts="library", mtp_head=False)[0].working_set
     held = (1 << 40) - working - probe.per_row - roomy * probe.per_token
     engine = msgspec.structs.replace(probe, weights=held, prefix_cache=0)
     config = msgspec.structs.replace(config, engine=msgspec.structs.replace(
@@ -192,3 +192,19 @@ def test_a_prompt_past_the_memory_is_refused_before_it_runs(gpu: Callable, loade
         clamped = _post(live.url, "/v1/chat/completions",
                         {"model": "tiny", "max_tokens": 100_000, "messages": [{"role": "user", "content": "hi"}]})
         assert clamped.status_code == 200  # max_tokens past the memory is cut there (the clamp policy)
+
+
+def test_the_experts_path_is_configured_and_only_dequantizing_holds_float_experts() -> None:
+    from mlx_relay.engine.models.prefill_options import PrefillOptions, prefill_experts
+
+    assert prefill_experts("auto", "cpu") == prefill_experts("kernel", "cpu") == "library"
+    assert prefill_experts("auto", "cuda") == "dequantize" and prefill_experts("kernel", "cuda") == "kernel"
+    kernel = PrefillOptions().with_experts("kernel")
+    assert kernel.grouped_experts and kernel.quantized_kernel
+    assert not PrefillOptions().with_experts("library").grouped_experts
+    config = {"text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
+                              "num_experts": 256, "moe_intermediate_size": 512, "dtype": "bfloat16"}}
+    sets = {e: plan(config, limit=76 << 30, weights=39 << 30, prefix_cache=0, chunk_tokens=2048, experts=e,
+                    mtp_head=False)[0].working_set for e in ("dequantize", "kernel", "library")}
+    assert sets["dequantize"] - sets["kernel"] == LAYERS_IN_FLIGHT * 3 * 256 * 512 * 2048 * 2
+    assert sets["kernel"] == sets["library"]

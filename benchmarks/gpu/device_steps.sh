@@ -36,6 +36,12 @@
 #   parts    (issue 43.2) prefill_parts.py: a prefill chunk of PARTS_CHUNK (2048) tokens at each context of
 #            PARTS_CONTEXT (0,28672), the library's forward beside ours with each lever off in turn, and per
 #            part (GatedDeltaNet mixer, experts, attention). Results: prefill_parts.{json,txt}
+#   sbl      (issue 43.3) device_short_behind_long.sh run inside this job (its knobs: BUDGETS, FACTORS,
+#            OURS_FLAGS, STREAMS, LONG_TOKENS, WINDOW), so it follows the jobs before it on the same
+#            machine. Results: short_behind_long.tgz, sbl.txt
+#   With QMM_FLAGS (e.g. "--prefill-experts kernel"): the prefill and sbl jobs add them to our server's
+#   flags only if the kernels job ran first and passed our grouped 8-bit kernel (grouped_qmm and the
+#   grouped experts through it); qmm.txt says which.
 #   agree    (issue 17.5) per rate of AGREE (default "0.6 0.75 0.8"): build a model whose MTP head agrees
 #            at that block-2 acceptance (build_random_model.py --mtp-agree, 38.6 GB) into AGREE_DIR
 #            (/root/agree-model), bench_mtp.py on it at batch 1 (BLOCK 2, MTP_TOKENS 128, REPEATS 2),
@@ -70,6 +76,15 @@ cat > $RUN/run.sh <<'EOS'
 set -uo pipefail
 O=$RUN/out; t0=$(date +%s)
 say() { echo "$(( $(date +%s) - t0 ))s $*" | tee -a $RUN/progress.txt; }
+qmm_flags() {  # QMM_FLAGS when this run's kernel check passed our grouped 8-bit kernel, else nothing
+  [ -n "${QMM_FLAGS:-}" ] && [ -f $O/kernel_check.json ] && python3 - $O/kernel_check.json <<'PY' && echo "$QMM_FLAGS"
+import json, sys
+c = json.load(open(sys.argv[1]))["checks"]
+ok = c["grouped_qmm"] and all(x["ok"] for x in c["grouped_qmm"])
+ok = ok and all(x["ok"] for x in c["grouped_experts"] if x.get("kernel"))
+sys.exit(0 if ok else 1)
+PY
+}
 for job in $JOBS; do case $job in
 agree)
   [ "$LOCAL" = 1 ] || rm -rf "$MODEL"  # the plain model (38 GB): two do not fit on the disk
@@ -144,7 +159,7 @@ prefill)
   python3 benchmarks/bench_prefill.py "$MODEL" --sizes "${PREFILL_SIZES:-2048,8192,32768,131072}" \
     --cached "${PREFILL_CACHED:-28672+4096}" --repeats "${REPEATS:-3}" --order "${PREFILL_ORDER:-auto}" \
     --targets "${PREFILL_TARGETS:-ours,raw}" \
-    --ours-flags="$PREFILL_FLAGS" --out $O/prefill.json > $O/prefill.txt 2>&1
+    --ours-flags="$PREFILL_FLAGS $(qmm_flags | tee -a $O/qmm.txt)" --out $O/prefill.json > $O/prefill.txt 2>&1
   say "prefill (rc $?): $(grep -h '^order\|^| [0-9]\|^- ' $O/prefill.txt | tr '\n' ' ')" ;;
 parts)
   for chunk in ${PARTS_CHUNK:-2048}; do
@@ -152,6 +167,11 @@ parts)
       --repeats "${REPEATS:-3}" --out $O/prefill_parts_$chunk.json > $O/prefill_parts_$chunk.txt 2>&1
     say "parts $chunk (rc $?): $(grep -h '^  library\|^  ours ' $O/prefill_parts_$chunk.txt | tr -s ' ' | tr '\n' ';')"
   done ;;
+sbl)
+  LOCAL=1 RUN=/root/sbl OUT=$O OURS_FLAGS="${OURS_FLAGS:-} $(qmm_flags | tee -a $O/qmm.txt)" \
+    bash benchmarks/gpu/device_short_behind_long.sh start > $O/sbl.txt 2>&1
+  LOCAL=1 RUN=/root/sbl OUT=$O bash benchmarks/gpu/device_short_behind_long.sh wait 3000 >> $O/sbl.txt 2>&1
+  say "sbl: $(tail -n 4 $O/sbl.txt | tr '\n' ' ')" ;;
 snapio)
   python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
   say "snapio done (rc $?)" ;;
@@ -168,6 +188,6 @@ setsid nohup env RUN="$RUN" MODEL="${MODEL:-}" PYTHONPATH="$RUN/src:${PYTHONPATH
   POOL_TOKENS="${POOL_TOKENS:-}" POOL_FLAGS="${POOL_FLAGS:-}" COMMIT="${COMMIT:-}" \
   CLIENTS="${CLIENTS:-}" CLIENT_REQUESTS="${CLIENT_REQUESTS:-}" PREFILL_SIZES="${PREFILL_SIZES:-}" \
   PREFILL_CACHED="${PREFILL_CACHED:-}" PREFILL_ORDER="${PREFILL_ORDER:-}" PREFILL_FLAGS="${PREFILL_FLAGS:-}" PREFILL_TARGETS="${PREFILL_TARGETS:-}" \
-  PARTS_CHUNK="${PARTS_CHUNK:-}" PARTS_CONTEXT="${PARTS_CONTEXT:-}" AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
+  QMM_FLAGS="${QMM_FLAGS:-}" PARTS_CHUNK="${PARTS_CHUNK:-}" PARTS_CONTEXT="${PARTS_CONTEXT:-}" AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
   bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "steps started (pid $!)"

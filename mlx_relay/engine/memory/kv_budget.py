@@ -38,7 +38,7 @@ from mlx_relay.engine.lanes.decode_state import batch_bucket
 from mlx_relay.engine.models.checkpoint import read_config
 from mlx_relay.engine.models.footprint import cache_shape
 from mlx_relay.engine.models.loader import device_memory_bytes, prefix_cache_budget
-from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.models.prefill_options import PrefillExperts, PrefillOptions, prefill_experts
 
 
 class KVBudget(msgspec.Struct, frozen=True):
@@ -91,9 +91,11 @@ ATTENTION_BYTES = (256 << 20, 8 << 30)
 
 
 def plan(model_config: dict[str, Any], *, limit: int, weights: int, prefix_cache: int, chunk_tokens: int,
-         grouped_experts: bool, mtp_head: bool) -> tuple[KVBudget, PrefillOptions]:
+         experts: PrefillExperts, mtp_head: bool) -> tuple[KVBudget, PrefillOptions]:
     """The budget and the prefill's options for a model (its checkpoint's config) on a device
-    that may hold `limit` bytes, `weights` of them the model's."""
+    that may hold `limit` bytes, `weights` of them the model's, its experts run as `experts` says
+    (`PrefillOptions.with_experts`; "dequantize" holds a projection's experts in float while a
+    layer runs)."""
     text = model_config.get("text_config", model_config)
     shape = cache_shape(model_config)
     itemsize = 4 if str(text.get("dtype") or text.get("torch_dtype") or "") == "float32" else 2
@@ -101,10 +103,11 @@ def plan(model_config: dict[str, Any], *, limit: int, weights: int, prefix_cache
     head_dim = int(text.get("head_dim") or int(text.get("hidden_size", 0)) // max(heads, 1))
     per_token = shape.per_token + (2 * kv_heads * head_dim * itemsize if mtp_head else 0)
     hidden = int(text.get("hidden_size", 0))
-    experts = int(text.get("num_experts", 0) or 0)
-    expert_bytes = experts * int(text.get("moe_intermediate_size", 0) or 0) * hidden * 2 if grouped_experts else 0
+    routed = int(text.get("num_experts", 0) or 0) if experts == "dequantize" else 0
+    expert_bytes = routed * int(text.get("moe_intermediate_size", 0) or 0) * hidden * 2
     low, high = ATTENTION_BYTES
     options = PrefillOptions(attention_bytes=min(high, max(low, (limit - weights - prefix_cache) // ATTENTION_SHARE)))
+    options = options.with_experts(experts)
     working = working_set_bytes(chunk_tokens=chunk_tokens, hidden=hidden, attention_bytes=options.attention_bytes,
                                 expert_bytes=expert_bytes, itemsize=itemsize)
     budget = KVBudget(limit=limit, weights=weights, prefix_cache=prefix_cache, working_set=working,
@@ -124,7 +127,7 @@ def engine_plan(loaded: Any, config: EngineConfig, *, prefix_cache: bool, chunk_
     limit = config.memory_limit_bytes or int(device_memory_bytes()[0] * DEVICE_SHARE)
     return plan(read_config(Path(info.model_path)), limit=limit, weights=mx.get_active_memory(),
                 prefix_cache=prefix_cache_budget(config) if prefix_cache else 0, chunk_tokens=chunk_tokens,
-                grouped_experts=info.backend == "cuda", mtp_head=config.mtp and info.has_mtp)
+                experts=prefill_experts(config.prefill_experts, info.backend), mtp_head=config.mtp and info.has_mtp)
 
 
 def with_held_weights(budget: KVBudget) -> KVBudget:

@@ -15,7 +15,15 @@ the lanes' `stage_forward.ModelForward`.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+#: how a prefill chunk's routed experts run (`EngineConfig.prefill_experts`, `--prefill-experts`):
+#: "dequantize" each projection's experts to float for MLX's grouped GEMM (`kernels/grouped_experts.py`),
+#: "kernel" our grouped 8-bit GEMM reading them in place (`kernels/grouped_qmm.py`), "library"
+#: mlx-vlm's `SwitchGLU` (MLX's `gather_qmm`, a matmul per routed pair on CUDA)
+PrefillExperts = Literal["dequantize", "kernel", "library"]
 
 #: copies of a block's scores alive at once in MLX's unfused attention (scores, masked, softmax)
 SCORE_COPIES = 3
@@ -34,8 +42,21 @@ class PrefillOptions(msgspec.Struct, frozen=True):
     # passed it on a GPU and prefill_parts.py has timed it (written 2026-11-28 after the lease)
     quantized_kernel: bool = False
 
+    def with_experts(self, experts: PrefillExperts) -> PrefillOptions:
+        """These options with the experts run as `experts` says."""
+        return msgspec.structs.replace(self, grouped_experts=experts != "library",
+                                       quantized_kernel=experts == "kernel")
+
     def attention_rows(self, rows: int, heads: int, keys: int, itemsize: int) -> int:
         """Queries per attention block for `rows` rows of `heads` query heads over `keys` keys."""
         per_query = max(1, rows * heads * keys * itemsize * SCORE_COPIES)
         fit = self.attention_bytes // per_query
         return max(ROW_GRANULE, fit - fit % ROW_GRANULE)
+
+
+def prefill_experts(configured: PrefillExperts | Literal["auto"], backend: str) -> PrefillExperts:
+    """The experts' path on `backend`: as configured; "auto" dequantizes on a CUDA GPU (our kernel
+    not yet passed there by benchmarks/gpu/kernel_check.py); off a CUDA GPU only the library's runs."""
+    if backend != "cuda":
+        return "library"
+    return "dequantize" if configured == "auto" else configured
