@@ -178,7 +178,7 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
         mx.eval(rows, experts)
         parts["moe_grouped_gemm_up"] = run(lambda: mx.gather_mm(rows, weights[1].swapaxes(-1, -2), rhs_indices=experts,
                                                                  sorted_indices=True))
-        attempt("parts_ms", "moe_grouped_qmm_up", lambda: grouped_qmm(rows[:, 0, :], switch.up_proj, experts))
+        attempt("parts_ms", "moe_grouped_qmm_up", lambda: grouped_qmm(rows, switch.up_proj, experts))
         del weights
 
     parts["attention_library"] = run(lambda: att.self_attn(x, mask="causal", cache=restore(lm, saved)[att_i],

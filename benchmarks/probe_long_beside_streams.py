@@ -3,7 +3,9 @@
 Against a running server (ours or any OpenAI-compatible one), in one run:
 
 (a) long alone:   one prompt of `--long-tokens` random token ids (raw completion, 1 token out):
-                  its time to first token (TTFT: the whole request);
+                  its time to first token (TTFT: the whole request), after one such prompt of
+                  other ids warmed every chunk shape and context length (its TTFT reported as
+                  `long_first_ttft_s`: on an H200 it was 1.6x the warm one, 2026-11-28);
 (b) streams:      `--streams` workers, each sending short chat requests (short_chat's shape: a
                   one-line instruction, `--stream-tokens` tokens out, greedy) one after another,
                   streamed; for `--window` seconds every gap between two content deltas of one
@@ -11,8 +13,8 @@ Against a running server (ours or any OpenAI-compatible one), in one run:
 (c) beside:       the same streams go on, and a new long prompt (fresh ids) is sent: its TTFT, and
                   the streams' ITL samples while it is in flight.
 
-Targets (issue 30.6, on the 35B-A3B shape, c=8): the streams' ITL p90 in (c) within 2x of (b),
-the long prompt's TTFT in (c) within 1.2x of (a).
+Targets (issue 43.3, on the 35B-A3B shape, c=8): the streams' ITL p90 in (c) within 2x of (b),
+the long prompt's TTFT in (c) within 1.3x of (a).
 
     python benchmarks/probe_long_beside_streams.py URL [--streams 8] [--long-tokens 30000]
         [--vocab 240000] [--window 30] [--json FILE]
@@ -99,6 +101,7 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
         out: dict[str, Any] = {"url": args.url, "model": model, "streams": args.streams,
                                "long_tokens": args.long_tokens}
         await long_request(client, model, 512, args.vocab, seed=7)  # warm the path
+        out["long_first_ttft_s"] = round(await long_request(client, model, args.long_tokens, args.vocab, 3), 3)
         out["long_alone_ttft_s"] = round(await long_request(client, model, args.long_tokens, args.vocab, 1), 3)
         streams = Streams(client, model, args.streams, args.stream_tokens)
         workers = [asyncio.create_task(streams.worker(i)) for i in range(args.streams)]
@@ -117,7 +120,7 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
     out["itl_p90_ratio"] = round(b / a, 2) if a and b else None
     out["long_ttft_ratio"] = round(out["long_beside_ttft_s"] / out["long_alone_ttft_s"], 3)
     out["targets_met"] = {"itl_p90_within_2x": out["itl_p90_ratio"] is not None and out["itl_p90_ratio"] <= 2,
-                          "long_ttft_within_1.2x": out["long_ttft_ratio"] <= 1.2}
+                          "long_ttft_within_1.3x": out["long_ttft_ratio"] <= 1.3}
     return out
 
 

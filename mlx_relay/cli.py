@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting for a slot before new ones get 429 (default 64)")
-    serve.add_argument("--prefill-step-size", type=int, default=2048,
-                       help="the longest prefill chunk in tokens, its rows together (default 2048)")
+    serve.add_argument("--prefill-step-size", type=int, default=None,
+                       help="the longest prefill chunk in tokens, its rows together (default 4096 on a CUDA GPU, "
+                            "2048 elsewhere)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="tokens one engine step runs: decoding rows first, prefill chunks in the rest, "
                             "shared equally by the prompts prefilling, so a running stream waits on at most "
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "on CPU, off on a GPU; 0: off)")
     serve.add_argument("--prefill-experts", choices=("auto", "dequantize", "kernel", "library"), default="auto",
                        help="a prefill chunk's routed experts on a CUDA GPU: dequantized for MLX's grouped GEMM, our "
-                            "grouped 8-bit kernel, or the library's SwitchGLU (default auto: dequantize)")
+                            "grouped 8-bit kernel, or the library's SwitchGLU (default auto: our kernel)")
     serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
     serve.add_argument("--default-max-tokens", type=int, default=4096,
                        help="max_tokens when a request gives none (default 4096)")

@@ -47,7 +47,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     model_path: str
     max_num_seqs: int = 16
     prefill_batch_size: int = 8
-    prefill_step_size: int = 2048  # the longest prefill chunk (tokens) a step runs, all its rows together
+    # the longest prefill chunk (tokens) a step runs, all its rows together. None: 4096 on a CUDA GPU
+    # (where a chunk of 4,096 ran 1.3x faster a token than one of 2,048: its fixed costs, the experts'
+    # weights read once a chunk, halve a token; benchmarks/results/prefill-h200-2026-11-28/), 2048
+    # elsewhere (mlx-lm's own); on CUDA never more than one launch's routed rows allow (`lanes/build.py`)
+    prefill_step_size: int | None = None
     # the engine step's token budget (`engine/step/token_budget.py`, vLLM's max_num_batched_tokens):
     # decoding rows first (a plain row 1 token, an MTP row its verify block), then prefill chunks
     # in what is left (at least 16 tokens), shared equally by the rows prefilling (a short prompt
@@ -71,7 +75,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     decode_stall_factor: float | None = None
     # how a prefill chunk's routed experts run on a CUDA GPU (`engine/models/prefill_options.py`):
     # "dequantize" for MLX's grouped GEMM, "kernel" our grouped 8-bit GEMM, "library" mlx-vlm's
-    # SwitchGLU; "auto": dequantize. Off a CUDA GPU the library's always
+    # SwitchGLU; "auto": our kernel for 8-bit experts in groups of 64 (else dequantized). Off a CUDA
+    # GPU the library's always
     prefill_experts: Literal["auto", "dequantize", "kernel", "library"] = "auto"
     # the plain lane's decode step as one compiled function (`engine/lanes/decode_step.py`); off: the
     # same function run eagerly (for debugging: same tokens, slower)

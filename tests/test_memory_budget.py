@@ -18,6 +18,7 @@ import httpx
 import msgspec
 import pytest
 
+from mlx_relay.engine.lanes.build import DEFAULT_STEP_ELSEWHERE
 from mlx_relay.engine.memory.kv_budget import LAYERS_IN_FLIGHT, KVBudget, plan, working_set_bytes
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.testing.engine_driver import Driver
@@ -148,7 +149,6 @@ def test_a_prompt_past_the_memory_is_refused_before_it_runs(gpu: Callable, loade
     fixture's 4K context: a longer prompt gets the route's context error naming the limit
     (OpenAI's shape on /v1/chat/completions, Anthropic's on /v1/messages), a request that fits
     beside it runs, and the server goes on serving."""
-    from mlx_relay.config import EngineConfig
     from mlx_relay.engine.models.checkpoint import read_config
     from mlx_relay.relay import default_config
     from mlx_relay.testing.live_server import LiveServer
@@ -157,7 +157,7 @@ def test_a_prompt_past_the_memory_is_refused_before_it_runs(gpu: Callable, loade
     # first start under a limit far above it (this test process's MLX holds other tests' arrays):
     # its memory_tokens, less its caches' and working set's bytes
     probe = gpu(lambda: Driver(loaded, memory_limit_bytes=1 << 40).engine.kv_budget)
-    chunk = EngineConfig(model_path="m").prefill_step_size
+    chunk = DEFAULT_STEP_ELSEWHERE  # the CPU's prefill step
     config = default_config(fp32_model, served_model_name="tiny", engine_process="on", warmup=False,
                             memory_limit_bytes=1 << 40)
     with LiveServer(config) as first:
@@ -198,12 +198,19 @@ def test_the_experts_path_is_configured_and_only_dequantizing_holds_float_expert
     from mlx_relay.engine.models.prefill_options import PrefillOptions, prefill_experts
 
     assert prefill_experts("auto", "cpu") == prefill_experts("kernel", "cpu") == "library"
-    assert prefill_experts("auto", "cuda") == "dequantize" and prefill_experts("kernel", "cuda") == "kernel"
+    assert prefill_experts("auto", "cuda") == prefill_experts("kernel", "cuda") == "kernel"
+    assert prefill_experts("dequantize", "cuda") == "dequantize"
     kernel = PrefillOptions().with_experts("kernel")
     assert kernel.grouped_experts and kernel.quantized_kernel
     assert not PrefillOptions().with_experts("library").grouped_experts
     config = {"text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
-                              "num_experts": 256, "moe_intermediate_size": 512, "dtype": "bfloat16"}}
+                              "num_experts": 256, "moe_intermediate_size": 512, "dtype": "bfloat16"},
+              "quantization": {"bits": 8, "group_size": 64}}
+    four_bit = {**config, "quantization": {"bits": 4, "group_size": 64}}
+    assert plan(four_bit, limit=76 << 30, weights=39 << 30, prefix_cache=0, chunk_tokens=2048, experts="kernel",
+                mtp_head=False)[0].working_set == plan(four_bit, limit=76 << 30, weights=39 << 30, prefix_cache=0,
+                                                        chunk_tokens=2048, experts="dequantize",
+                                                        mtp_head=False)[0].working_set
     sets = {e: plan(config, limit=76 << 30, weights=39 << 30, prefix_cache=0, chunk_tokens=2048, experts=e,
                     mtp_head=False)[0].working_set for e in ("dequantize", "kernel", "library")}
     assert sets["dequantize"] - sets["kernel"] == LAYERS_IN_FLIGHT * 3 * 256 * 512 * 2048 * 2

@@ -198,6 +198,8 @@ def test_a_cuda_prefill_chunk_routes_at_most_65535_rows() -> None:
     dense = SimpleNamespace(args=SimpleNamespace())
     assert prefill_step_size(moe, EngineConfig(model_path="m", prefill_step_size=8192), "cuda") == 8191
     assert prefill_step_size(moe, EngineConfig(model_path="m", prefill_step_size=4096), "cuda") == 4096
+    assert prefill_step_size(moe, EngineConfig(model_path="m"), "cuda") == 4096  # the default on CUDA
+    assert prefill_step_size(moe, EngineConfig(model_path="m"), "cpu") == 2048
     assert prefill_step_size(moe, EngineConfig(model_path="m", prefill_step_size=8192), "cpu") == 8192
     assert prefill_step_size(dense, EngineConfig(model_path="m", prefill_step_size=16384), "cuda") == 16384
 

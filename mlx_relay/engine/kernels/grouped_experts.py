@@ -57,18 +57,23 @@ def expert_weights(m: Any) -> mx.array:
 def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array, *, kernel: bool = True) -> mx.array:
     """`switch(x, inds)` (mlx-vlm's `SwitchGLU`: [..., k, H]) with each projection a grouped GEMM:
     quantized experts by `grouped_qmm` (with `kernel`, our kernel where it runs: 8-bit weights read
-    in place; else dequantized), float ones as they are, through MLX's sorted `gather_mm`."""
+    in place; else dequantized), float ones as they are, through MLX's sorted `gather_mm`.
+
+    The rows go in as [pairs, 1, H] made by the gather itself: on MLX 0.32.4's CUDA backend the sorted
+    `gather_mm` (CUTLASS's grouped GEMM) given the same rows as a [pairs, H] array expanded to
+    [pairs, 1, H] returns wrong values (relative error ~1.3 against a float32 truth on an H200, where
+    this form is 0.006 as the library's `SwitchGLU` is: benchmarks/gpu/experts_truth.py,
+    benchmarks/results/prefill-h200-2026-11-28/)."""
     k = inds.shape[-1]
     flat = inds.flatten()
     order = mx.argsort(flat)
-    rows = x.reshape(-1, x.shape[-1])[order // k]  # one row per pair, grouped by expert
+    rows = x.reshape(-1, 1, x.shape[-1])[order // k]  # one row per pair, grouped by expert
     experts = flat[order]
 
     def project(m: Any, a: mx.array) -> mx.array:
         if "scales" in m:
             return grouped_qmm(a, m, experts, kernel=kernel)
-        return mx.gather_mm(a[:, None, :], m["weight"].swapaxes(-1, -2), rhs_indices=experts,
-                            sorted_indices=True)[:, 0, :]
+        return mx.gather_mm(a, m["weight"].swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
 
     up = project(switch.up_proj, rows)
     gate = project(switch.gate_proj, rows)

@@ -1,10 +1,12 @@
 """One projection of a mixture of experts over rows grouped by expert, its 8-bit weights read in
 place (GPU thread only; called by `kernels/grouped_experts.py`).
 
-    y = grouped_qmm(rows, proj, experts)     # rows [R, K] sorted by expert, experts [R] -> y [R, N]
+    y = grouped_qmm(rows, proj, experts)     # rows [R, 1, K] sorted by expert, experts [R] -> y [R, 1, N]
 
 `proj` is mlx-vlm's `QuantizedSwitchLinear` (weights [E, N, K] affine-quantized, `scales` and
-`biases` per group of `group_size` along K): row r of the output is rows[r] @ W[experts[r]]^T.
+`biases` per group of `group_size` along K): row r of the output is rows[r] @ W[experts[r]]^T. The
+rows are [R, 1, K] as MLX's sorted `gather_mm` takes them (the fallback's; made by a gather, not
+expanded from [R, K]: `grouped_experts.grouped_switch_glu` says why).
 
 On a CUDA GPU, for 8-bit weights in groups of 64, this is one launch (`_CUDA_SOURCE`): a thread
 block per tile of 64 rows of one expert and 64 output columns, staging 64 of K at a time in shared
@@ -132,14 +134,15 @@ def kernel_fits(rows: mx.array, proj: Any) -> bool:
         return False
     N = proj["weight"].shape[1]
     K = rows.shape[-1]
-    return (proj.bits == 8 and proj.group_size == TILE_K and proj.mode == "affine" and K % TILE_K == 0
+    return (rows.ndim == 3 and rows.shape[1] == 1 and proj.bits == 8 and proj.group_size == TILE_K
+            and proj.mode == "affine" and K % TILE_K == 0
             and N % TILE_COLS == 0 and rows.dtype in (mx.bfloat16, mx.float16)
             and proj["scales"].dtype == rows.dtype)
 
 
 def grouped_qmm(rows: mx.array, proj: Any, experts: mx.array, *, kernel: bool = True) -> mx.array:
-    """See the module docstring: `rows` [R, K], `experts` [R] (sorted) -> [R, N]; `kernel` off:
-    the fallback everywhere."""
+    """See the module docstring: `rows` [R, 1, K], `experts` [R] (sorted) -> [R, 1, N]; `kernel`
+    off: the fallback everywhere."""
     if kernel and cuda_kernels_available() and kernel_fits(rows, proj):
         return cuda_grouped_qmm(rows, proj, experts)
     return fallback(rows, proj, experts)
@@ -158,7 +161,7 @@ def _tiles(experts: mx.array, num_experts: int) -> tuple[mx.array, mx.array, int
 def cuda_grouped_qmm(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
     """The kernel (CUDA only)."""
     E, N, _ = proj["weight"].shape
-    R, K = rows.shape
+    R, _, K = rows.shape
     row_off, tile_off, max_tiles = _tiles(experts, E)
     kernel = mx.fast.cuda_kernel(
         name="relay_grouped_qmm8", input_names=["x", "w", "scales", "biases", "row_off", "tile_off"],
@@ -167,7 +170,7 @@ def cuda_grouped_qmm(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
         inputs=[rows, proj["weight"], proj["scales"], proj["biases"], row_off, tile_off],
         template=[("N", N), ("K", K), ("E", E), ("T", rows.dtype)],
         grid=(max_tiles * THREADS, N // TILE_COLS, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(R, N)], output_dtypes=[rows.dtype])
+        output_shapes=[(R, 1, N)], output_dtypes=[rows.dtype])
     return y
 
 
@@ -176,6 +179,4 @@ def fallback(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
     (on CUDA: CUTLASS's grouped GEMM)."""
     from mlx_relay.engine.kernels.grouped_experts import expert_weights
 
-    out = mx.gather_mm(rows[:, None, :], expert_weights(proj).swapaxes(-1, -2), rhs_indices=experts,
-                       sorted_indices=True)
-    return out[:, 0, :]
+    return mx.gather_mm(rows, expert_weights(proj).swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)

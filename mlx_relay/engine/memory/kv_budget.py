@@ -103,7 +103,10 @@ def plan(model_config: dict[str, Any], *, limit: int, weights: int, prefix_cache
     head_dim = int(text.get("head_dim") or int(text.get("hidden_size", 0)) // max(heads, 1))
     per_token = shape.per_token + (2 * kv_heads * head_dim * itemsize if mtp_head else 0)
     hidden = int(text.get("hidden_size", 0))
-    routed = int(text.get("num_experts", 0) or 0) if experts == "dequantize" else 0
+    quant = model_config.get("quantization") or {}
+    kernel_fits = quant.get("bits") == 8 and quant.get("group_size") == 64  # else the kernel's fallback dequantizes
+    dequantized = experts == "dequantize" or (experts == "kernel" and not kernel_fits)
+    routed = int(text.get("num_experts", 0) or 0) if dequantized else 0
     expert_bytes = routed * int(text.get("moe_intermediate_size", 0) or 0) * hidden * 2
     low, high = ATTENTION_BYTES
     options = PrefillOptions(attention_bytes=min(high, max(low, (limit - weights - prefix_cache) // ATTENTION_SHARE)))

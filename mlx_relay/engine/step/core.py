@@ -103,8 +103,10 @@ class EngineCore:
         tok = loaded.processor.tokenizer if hasattr(loaded.processor, "tokenizer") else loaded.processor
         self._tokenizer = tok
         self.vocab_size = info.vocab_size
+        # the longest prefill chunk, within what one forward can run on this backend (`lanes/build.py`)
+        step = prefill_step_size(loaded.model.language_model, config, info.backend)
         # the step's token budget: decoding rows first, prefill chunks in what is left
-        self.token_budget = step_budget(config.max_num_batched_tokens, config.prefill_step_size, info.backend,
+        self.token_budget = step_budget(config.max_num_batched_tokens, step, info.backend,
                                         config.max_num_seqs * max(1, config.mtp_block_size))
         # while rows decode, prefill within a share of the time (`interleave.py`; None: off). Off
         # in a pipeline: every rank must take the same steps, and each would time its own
@@ -112,7 +114,6 @@ class EngineCore:
                          if stage is None else None)
         # the rows' caches within the device's memory, the prefill's working set bounded from it
         # (`memory/kv_budget.py`; not counted on a pipeline stage, whose ranks hold different layers)
-        step = prefill_step_size(loaded.model.language_model, config, info.backend)
         budget, prefill_options = engine_plan(loaded, config, prefix_cache=prefix_cache, chunk_tokens=step)
         self.lanes = build_lanes(loaded, config, prefix_cache=prefix_cache, token_budget=self.token_budget,
                                  stage=stage, step=step, prefill_options=prefill_options)
@@ -126,7 +127,7 @@ class EngineCore:
             raise UnsupportedModel(f"SpecPrefill needs a model family of the engine's own "
                                    f"({info.model_type} is served through its library's forward)")
         # the draft (a much smaller model) reads at most a budget's worth of a prompt per step
-        self.scoring = ScoringStage(draft_model, tok, min(config.prefill_step_size, self.token_budget))
+        self.scoring = ScoringStage(draft_model, tok, min(step, self.token_budget))
         self.output = OutputStage()
         self.chains = LogitsChains(tok, info.vocab_size, info.eos_token_ids, config.seed)
         # snapshots, features, memory; what MLX may keep cached while idle (EngineConfig.idle_cache_bytes)
