@@ -40,20 +40,47 @@ def _run(policy: DecodePriority, steps: int, *, decode_s: float, token_s: float,
 def test_prefill_takes_its_share_of_the_time() -> None:
     p = DecodePriority(factor=3.0, min_chunk=16)
     p.observe(0.012, 2, 0)  # a decode step: 12 ms
-    # cheap prefill (1 ms a token): every step prefills what (3 - 1) x 12 ms buys
+    # cheap prefill (1 ms a token, no fixed cost): every step prefills what (3 - 1) x 12 ms buys
     ran = _run(p, 50, decode_s=0.012, token_s=0.001)
-    assert ran[:2] == [16, 0]  # the first prefill measures the token cost (and is paid back)
+    assert ran[:2] == [16, 0]  # the first prefill measures the chunk cost (and is paid back)
     # then what 24 ms buys every step, but a step after 32 that measures the decode alone
     assert ran[2:34] == [24] * 32 and ran[34] == 0 and ran[35:] == [24] * 15, ran
-    # prefill 4 ms a token and 30 ms a call: a 16-token chunk every few steps, never a burst,
-    # and over the run the prefill's time is (3 - 1) x the decode steps' time
+    assert p.cost.line() == (0.0, pytest.approx(0.001))
+    # prefill 4 ms a token and 30 ms a call (a prompt alone ran a 256-token chunk first): chunks
+    # of the fewest tokens that pay their fixed cost (30 ms at most a quarter: 23) every few steps,
+    # never a burst, and over the run the prefill's time is (3 - 1) x the decode steps' time
     p = DecodePriority(factor=3.0, min_chunk=16)
+    p.observe(0.030 + 256 * 0.004, 0, 256)
     p.observe(0.012, 2, 0)
     ran = _run(p, 400, decode_s=0.012, token_s=0.004, fixed_s=0.030)
-    assert max(ran) <= 25 and 0 in ran
+    fixed, per_token = p.cost.line()
+    assert fixed == pytest.approx(0.030) and per_token == pytest.approx(0.004)
+    assert ran[:3] == [0, 0, 16]  # the line through the alone chunk only: no fixed part yet
+    assert p.smallest_chunk(256) == 23 and set(ran[3:]) == {0, 23}
     prefill_s = sum(0.030 + n * 0.004 for n in ran if n)
     assert 0.8 * 2 * 400 * 0.012 <= prefill_s <= 1.05 * 2 * 400 * 0.012
     assert p.held == ran.count(0)
+
+
+def test_a_chunk_with_a_large_fixed_cost_runs_large_and_seldom() -> None:
+    """An H200's shape (benchmarks/results/prefill-h200-2026-11-28/): a decode step 21 ms, a chunk
+    ~60 ms before its first token and 0.11 ms a token beyond, a step's prefill up to 4,096 tokens.
+    Priced by its tokens alone the prefill ran 16-token chunks, each nearly all fixed cost (a 30K
+    prompt 36x slower); with the fixed part fitted, chunks big enough to pay it, as often as the
+    factor allows."""
+    decode_s, fixed_s, token_s = 0.021, 0.060, 0.00011
+    p = DecodePriority(factor=2.0, min_chunk=16)
+    p.observe(fixed_s + 4096 * token_s, 0, 4096)  # the prompt alone before the streams came
+    p.observe(decode_s, 8, 0)
+    ran = _run(p, 2000, decode_s=decode_s, token_s=token_s, fixed_s=fixed_s, budget=4096)
+    chunks = [n for n in ran if n]
+    assert min(chunks[1:]) >= p.smallest_chunk(4096) >= 3 * fixed_s / token_s  # fixed cost <= a quarter
+    prefill_s = sum(fixed_s + n * token_s for n in chunks)
+    assert 0.8 * 2000 * decode_s <= prefill_s <= 1.05 * 2000 * decode_s  # (2 - 1) x the decode time
+    # at least 0.75 of what the prefill's time buys at the largest chunk's cost a token
+    assert sum(chunks) >= 0.75 * prefill_s / (fixed_s / 4096 + token_s)
+    # where 16-token chunks in the same time would have prefilled a twentieth of it
+    assert sum(chunks) > 20 * prefill_s / (fixed_s + 16 * token_s) * 16
 
 
 def test_prompts_alone_and_off() -> None:
@@ -61,10 +88,12 @@ def test_prompts_alone_and_off() -> None:
     assert p.allowance(256) == 0  # nothing measured yet: a decode step alone first
     p.observe(0.010, 2, 0)
     assert p.allowance(256) == 16  # then a small chunk
-    p.observe(0.5, 0, 256)  # no row decoded: no debt; a prompt alone runs larger (cheaper) chunks
-    assert p.credit_s == 0.0 and p.token_s is None
-    p.observe(0.010 + 0.032, 2, 16)  # beside a decoding row: the token cost
-    assert p.token_s == pytest.approx(0.002) and p.credit_s == pytest.approx(-0.032)
+    p.observe(0.5, 0, 256)  # no row decoded: no debt; a prompt alone's chunk is measured
+    assert p.credit_s == 0.0 and p.cost.line() == (0.0, pytest.approx(0.5 / 256))
+    p.observe(0.010 + 0.032, 2, 16)  # beside a decoding row: the chunk less the decode
+    fixed, per_token = p.cost.line()
+    assert per_token == pytest.approx((0.5 - 0.032) / 240) and fixed == pytest.approx(0.032 - 16 * per_token)
+    assert p.credit_s == pytest.approx(-0.032)
     p.observe(0.3, 0, 256)  # a prompt alone again: the debt stays (no credit saved either)
     assert p.credit_s == pytest.approx(-0.032)
     assert decode_priority(None, "cpu", 16) is not None

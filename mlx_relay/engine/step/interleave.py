@@ -12,23 +12,30 @@ costs: with a stall factor F, while rows decode, the prefill run beside them may
 (F - 1) times the time the decode steps take, so a decoding row's inter-token latency stays
 within about F times its latency alone, and the prompts still get (F - 1) / F of the time:
 - `decode_s`: a step that only decodes (an exponential average of their durations);
-- `token_s`: a prompt token of prefill (the step's time less `decode_s`, per prefill token);
+- `cost`: a prefill chunk's time as a line, fixed + tokens x per token (`ChunkCost`), fitted to
+  the chunks the engine ran (their time less `decode_s` when rows decoded beside them), beside
+  decoding rows or alone, averaged per size class so the large chunks a prompt alone runs keep
+  their weight beside the many small ones. The fixed part is what a chunk costs before its first
+  token (on an H200 ~60 ms for the 35B-A3B shape: a 256-token chunk 74-88 ms against ~0.11 ms a
+  token beyond, `benchmarks/results/prefill-h200-2026-11-28/`), so a chunk priced by its tokens
+  alone ran 16 tokens a time there, nearly all fixed cost: a 30K prompt 36x slower beside streams;
 - a credit in seconds: each step in which rows decode and prompts wait adds (F - 1) x
-  `decode_s`, capped at one step's credit or `min_chunk` tokens' cost, whichever is more (so
-  the prefill comes as small chunks spread over the steps, never as a saved-up burst);
-  the prefill a step runs is charged at its measured cost (so a chunk that cost more than
-  estimated is paid back by the steps after it; a debt of `DEBT_CHUNKS` chunks' worth at most).
-A step runs as many prefill tokens as its credit buys (at most the budget), none when that is
-fewer than `min_chunk` (the credit carries to the next step): prefill runs every step when
-chunks are cheap, every Nth step when they are not. When no row decodes, the prompts get the
+  `decode_s`, capped at one step's credit or the cost of the smallest chunk worth its fixed cost
+  (`EFFICIENT`: the fixed part at most a quarter of it), whichever is more (so the prefill comes
+  as chunks spread over the steps, never as a saved-up burst); the prefill a step runs is charged
+  at its measured cost (so a chunk that cost more than estimated is paid back by the steps after
+  it; a debt of `DEBT_CHUNKS` chunks' worth at most).
+A step runs as many prefill tokens as its credit buys (at most the budget), none while that is
+fewer than the smallest efficient chunk (the credit carries to the next step): prefill runs every
+step when chunks are cheap, every Nth step when they are not. When no row decodes, the prompts get the
 whole budget every step, as before. Until the decode step is measured, a step holds prefill back
 (and so measures it; again after `REMEASURE` steps in a row that prefilled, as the decoding rows
-change); until the prefill is, a step runs `min_chunk` tokens.
+change); until a chunk is, a step runs `min_chunk` tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: the stall factor's default per backend (EngineConfig.decode_stall_factor None): on CPU below the
 #: issue's target (a stream's ITL within 3x of alone while long prompts prefill), as the server's
@@ -41,12 +48,55 @@ DEBT_CHUNKS = 4  # the most debt the prefill may run up, in chunks' worth of cre
 REMEASURE = 32  # steps in a row that prefill beside decoding rows before one measures the decode alone
 
 
+#: a chunk worth running beside decoding rows: its fixed cost at most 1 / (1 + EFFICIENT) of it
+EFFICIENT = 3.0
+
+
+@dataclass
+class ChunkCost:
+    """A prefill chunk's seconds as fixed + tokens x per_token: least squares over size classes
+    (powers of two), each class an exponential average of the chunks of its size measured."""
+
+    classes: dict[int, tuple[float, float]] = field(default_factory=dict)  # class -> (tokens, seconds)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        key = max(1, tokens).bit_length()
+        old = self.classes.get(key)
+        self.classes[key] = (float(tokens), seconds) if old is None else (
+            _average(old[0], float(tokens)), _average(old[1], seconds))
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.classes)
+
+    def line(self) -> tuple[float, float]:
+        """(fixed seconds, seconds a token). One size class measured, or a fit that says a token
+        costs nothing: through the origin (no fixed part)."""
+        points = list(self.classes.values())
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx_) ** 2 for x in xs)
+        if len(points) > 1 and var > 0:
+            slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+            if slope > 0:
+                fixed = my - slope * mx_
+                if fixed >= 0:
+                    return fixed, slope
+                # a negative intercept: a line through the origin and the largest chunk (no fixed part)
+        x, y = max(points)
+        return 0.0, y / max(x, 1.0)
+
+    def seconds(self, tokens: int) -> float:
+        fixed, per_token = self.line()
+        return fixed + tokens * per_token
+
+
 @dataclass
 class DecodePriority:
     factor: float  # F > 1: a decoding row's steps take at most about F times a decode step
     min_chunk: int = 16  # the fewest prefill tokens worth a step (fewer: the credit carries on)
     decode_s: float | None = None
-    token_s: float | None = None
+    cost: ChunkCost = field(default_factory=ChunkCost)
     credit_s: float = 0.0
     held: int = 0  # steps whose prefill was held back (rows decoding, prompts waiting)
     since_decode: int = 0  # steps since the last that only decoded
@@ -55,19 +105,27 @@ class DecodePriority:
         if self.factor <= 1:
             raise ValueError("the decode stall factor must be more than 1")
 
+    def smallest_chunk(self, budget: int) -> int:
+        """The fewest prefill tokens worth a step beside decoding rows: `min_chunk`, or more where a
+        chunk's fixed cost would be over a quarter of it (within `budget`)."""
+        fixed, per_token = self.cost.line()
+        efficient = int(EFFICIENT * fixed / per_token + 0.999) if per_token > 0 else 0
+        return min(budget, max(self.min_chunk, efficient))
+
     def allowance(self, budget: int) -> int:
         """The prefill tokens of a step in which rows decode and prompts wait, out of `budget`
         (what the token budget leaves); 0 holds the prefill back this step."""
-        floor = min(self.min_chunk, budget)
         if self.decode_s is None or self.since_decode >= REMEASURE:
             self.held += 1
             return 0  # measure a decode step
-        if self.token_s is None or self.token_s <= 0:
-            return floor  # measure the prefill
+        if not self.cost.measured:
+            return min(self.min_chunk, budget)  # measure a chunk
+        fixed, per_token = self.cost.line()
+        smallest = self.smallest_chunk(budget)
         earned = (self.factor - 1) * self.decode_s
-        self.credit_s = min(self.credit_s + earned, max(earned, self.min_chunk * self.token_s))
-        tokens = min(budget, int(self.credit_s / self.token_s + 1e-6))
-        if tokens < floor:
+        self.credit_s = min(self.credit_s + earned, max(earned, self.cost.seconds(smallest)))
+        tokens = min(budget, int((self.credit_s - fixed) / per_token + 1e-6)) if per_token > 0 else budget
+        if tokens < smallest:
             self.held += 1
             return 0
         return tokens
@@ -79,19 +137,17 @@ class DecodePriority:
                 self.decode_s = _average(self.decode_s, seconds)
                 self.since_decode = 0
             return
-        self.since_decode += 1
-        prefill_s = max(0.0, seconds - ((self.decode_s or 0.0) if decode_tokens > 0 else 0.0))
-        if decode_tokens <= 0:
-            self.credit_s = min(self.credit_s, 0.0)  # nothing decoded: no saved credit (a debt stays)
+        if decode_tokens <= 0:  # a prompt alone: its chunk's cost; no saved credit (a debt stays)
+            self.cost.add(prefill_tokens, seconds)
+            self.credit_s = min(self.credit_s, 0.0)
             return
-        # the cost of a token in the chunks run beside decoding rows (a prompt alone runs larger
-        # ones, cheaper per token); a chunk of a few tokens costs mostly the call's own
-        if prefill_tokens >= self.min_chunk:
-            self.token_s = _average(self.token_s, prefill_s / prefill_tokens)
-        if self.decode_s is not None and self.token_s is not None:
+        self.since_decode += 1
+        prefill_s = max(0.0, seconds - (self.decode_s or 0.0))
+        self.cost.add(prefill_tokens, prefill_s)
+        if self.decode_s is not None:
             # the debt at most a few chunks' worth (a one-off slow step, a compile, does not hold
             # the prompts back for long)
-            cap = max((self.factor - 1) * self.decode_s, self.min_chunk * self.token_s)
+            cap = max((self.factor - 1) * self.decode_s, self.cost.seconds(self.min_chunk))
             self.credit_s = max(self.credit_s - prefill_s, -DEBT_CHUNKS * cap)
 
 
