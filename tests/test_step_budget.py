@@ -18,7 +18,14 @@ from typing import Any
 import pytest
 
 from mlx_relay.engine.models.loader import load_model
-from mlx_relay.engine.step.token_budget import fair_shares, prefill_budget, split_by_rows, step_budget
+from mlx_relay.engine.step.token_budget import (
+    fair_shares,
+    finishing_shares,
+    prefill_budget,
+    shortest_first,
+    split_by_rows,
+    step_budget,
+)
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.messages.prefix_cache import PrefixPlan
 from mlx_relay.testing.engine_driver import Driver
@@ -28,6 +35,21 @@ BUDGET = 48
 LONG = [list(range(3, 603)), list(range(700, 1000)) * 2]  # 600 tokens each
 SHORT = [5, 6, 7, 8, 9]
 SHORT_TOKENS = 6
+
+
+def test_shortest_first_and_finishing_steps() -> None:
+    assert shortest_first([5, 600, 600], 48) == [5, 22, 21]  # as max-min when one row fits
+    assert shortest_first([30, 40, 600], 48) == [30, 9, 9]  # the shortest finishes (max-min: 16 each)
+    assert shortest_first([40, 600], 40) == [40, 0]  # nothing left: the long row waits this step
+    assert shortest_first([100, 9000], 256, 64) == [100, 128]
+    # a prompt that can finish runs alone (each lane the share its finishing rows cost), the
+    # cheapest first while they fit; an ordinary step when none can, or all can
+    assert finishing_shares([[15, 1800], [18000]], 256, 3) == [15, 0]
+    assert finishing_shares([[40], [100, 18000], [300]], 256, 4) == [40, 100, 0]
+    assert finishing_shares([[15], []], 256, 3) == [15, 0]  # a lane that cannot finish its rows lists none
+    assert finishing_shares([[18000], [9000]], 256, 2) is None
+    assert finishing_shares([[15], [20]], 256, 2) is None
+    assert finishing_shares([[15, 18000]], 0, 2) is None  # prefill held back
 
 
 def test_shares_are_max_min_fair() -> None:
@@ -78,15 +100,25 @@ def test_short_request_passes_long_prefills(gpu: Callable, fp32_model: Path, lon
         ref = greedy_reference(fp32_model, [*LONG, SHORT], max(4, SHORT_TOKENS))
         outs = [d.tokens[s] for s in (*longs, short)]
         snaps = [[s.length for s in d.snapshots[i] if s.kind == "system"] for i in longs]
+        finishing = d.engine.finishing_steps
         d.engine.close()
-        return trace, outs, ref, snaps, (long_lanes, short_lane)
+        return trace, outs, ref, snaps, (long_lanes, short_lane), finishing
 
-    trace, outs, ref, snaps, lanes = gpu(run)
+    trace, outs, ref, snaps, lanes, finishing = gpu(run)
+    # the short prompt's step was a finishing step: its tokens alone (in the plain lane's one
+    # forward, each row of the chunk as many: the long rows beside it 5 tokens each), not the budget
+    assert finishing >= 1 and trace[0][1] <= 3 * len(SHORT), trace
     assert lanes == ({"mtp" if long_mtp else "plain"}, "mtp" if short_mtp else "plain")
     first = next(i for i, (n, _, _) in enumerate(trace) if n > 0)
-    assert first <= 2, trace  # its prefill in the next step, its first token out of the one after
-    # from its first token to its last, a token every step, while the long prompts still prefill
-    counts = [n for n, _, _ in trace[first:]]
+    # its prefill in the next step, and its first token out of that step (the MTP lane and now the
+    # plain lane too: its decode batch feeds that token on the following step, and emits what
+    # follows it one step later, as it emits every token: so the plain lane has one step without a
+    # token after the first, each token out no later than before)
+    assert first == 0, trace
+    second = first + (2 if lanes[1] == "plain" else 1)
+    assert trace[second - 1][0] == 1 and trace[second][0] == 2, trace
+    # from its second token to its last, a token every step, while the long prompts still prefill
+    counts = [n for n, _, _ in trace[second:]]
     assert all(b > a for a, b in pairwise(counts)), trace
     assert all(longs == 0 for _, _, longs in trace), trace
     # no step ran more prefill than the budget, and the long prompts went on in every step

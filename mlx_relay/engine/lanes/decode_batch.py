@@ -10,9 +10,11 @@ tokens are queued with `mx.async_eval` and read at step N+1, so the host prepare
 while the device runs this one.
 
 Rows join from a prefill chunk (their mlx-vlm batch caches converted once), several at once when
-the chunk finishes them together, and leave through `filter`; the batch runs padded with idle
-rows to its bucket size (`decode_state.batch_bucket`); `extract` copies one row's state as
-library caches (its turn snapshot).
+the chunk finishes them together, their first tokens already emitted by the lane in the step that
+finished their prompts (`early`: the batch feeds them on its next step without emitting them
+again, so a request's first token never waits for a whole further step), and leave through
+`filter`; the batch runs padded with idle rows to its bucket size (`decode_state.batch_bucket`);
+`extract` copies one row's state as library caches (its turn snapshot).
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ class DecodeBatch:
         self.processors: list[list[Any]] = []
         self._state: DecodeState | None = None
         self._tokens: mx.array | None = None  # [B] the token each row emits next (maybe still computing)
+        self.early: set[int] = set()  # rows whose pending token (their first) was emitted when they joined
 
     def __len__(self) -> int:
         return len(self.rids)
 
     def join(self, rids: list[int], caches: list[Any], first: mx.array, rope_deltas: list[int],
              processors: list[list[Any]]) -> None:
-        """Prefilled rows join: `caches` their mlx-vlm batch caches, `first` [len(rids)] their first tokens."""
+        """Prefilled rows join: `caches` their mlx-vlm batch caches, `first` [len(rids)] their first
+        tokens (emitted by the lane as they join: the next step feeds them and emits what follows)."""
         state = DecodeState.from_batch_caches(caches, rope_deltas)
         if self._state is None:
             self._state, tokens = state, first
@@ -51,12 +55,14 @@ class DecodeBatch:
             self._state.extend(state)
             tokens = mx.concatenate([self._tokens[:n], first])
         self.rids.extend(rids)
+        self.early.update(rids)
         self.processors.extend(processors)
         self._pad(tokens)
 
     def remove(self, rid: int) -> None:
         if rid not in self.rids:
             return
+        self.early.discard(rid)
         keep = [i for i, r in enumerate(self.rids) if r != rid]
         self.rids = [self.rids[i] for i in keep]
         self.processors = [self.processors[i] for i in keep]
@@ -76,6 +82,10 @@ class DecodeBatch:
         idle = size - tokens.shape[0]
         self._tokens = mx.concatenate([tokens, mx.zeros((idle,), dtype=mx.int32)]) if idle > 0 else tokens
 
+    def fed(self, rid: int, emitted: int) -> int:
+        """Of a row's `emitted` tokens, how many its state holds (all but a first token not yet fed)."""
+        return emitted - (1 if rid in self.early else 0)
+
     def extract(self, rid: int) -> list[Any]:
         """Row `rid`'s state as batch-1 library caches (every token it has been fed)."""
         assert self._state is not None
@@ -83,14 +93,17 @@ class DecodeBatch:
         return self._state.row_caches(self.rids.index(rid))
 
     def step(self) -> list[tuple[int, int]]:
-        """Emit each row's pending token and queue the next: [(row, token)]."""
+        """Emit each row's pending token (but a first token emitted as the row joined) and queue the
+        next: [(row, token)]."""
         if not self.rids:
             return []
         inputs = self._tokens
         assert inputs is not None
         self._tokens = self._next(inputs)
         mx.async_eval(self._tokens)
-        return list(zip(self.rids, inputs.tolist()[:len(self.rids)], strict=True))
+        early, self.early = self.early, set()
+        return [(rid, tok) for rid, tok in zip(self.rids, inputs.tolist()[:len(self.rids)], strict=True)
+                if rid not in early]
 
     def _next(self, inputs: mx.array) -> mx.array:
         assert self._state is not None

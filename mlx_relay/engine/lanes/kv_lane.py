@@ -98,6 +98,10 @@ class KVLane:
     def prefilling(self) -> int:
         return len(self._prefilling)
 
+    @property
+    def finishing_costs(self) -> list[int]:
+        return [len(self.rows[rid].spec.prompt) - self.rows[rid].done for rid in self._prefilling]
+
     def add(self, spec: RowSpec) -> None:
         if spec.positions is not None:
             raise ValueError(f"{self.model.model_type} rows take no explicit positions (sparse prefill)")

@@ -109,6 +109,13 @@ class Lane(Protocol):
         """Rows whose prefill would run this step (the lane's claim on the prefill budget)."""
         ...
 
+    @property
+    def finishing_costs(self) -> list[int]:
+        """For each row whose prefill would run this step: the prefill share (tokens, padding
+        included) with which this lane's next step finishes that row's prompt (the engine's
+        finishing steps, `token_budget.finishing_shares`); none where the lane cannot say."""
+        ...
+
     def add(self, spec: RowSpec) -> None: ...
 
     def step(self, prefill_budget: int | None = None) -> LaneStep: ...

@@ -56,6 +56,10 @@ class LibraryLane:
     def prefilling(self) -> int:
         return 0  # the generator prefills at its own chunk size (the engine caps it at the budget)
 
+    @property
+    def finishing_costs(self) -> list[int]:
+        return []
+
     def add(self, spec: RowSpec) -> None:
         kwargs = spec.prompt_kwargs
         if kwargs is None:

@@ -129,6 +129,10 @@ class MTPLane:
     def prefilling(self) -> int:
         return len(self._prefill.rows)
 
+    @property
+    def finishing_costs(self) -> list[int]:
+        return self._prefill.finishing_costs()
+
     def step(self, prefill_budget: int | None = None) -> LaneStep:
         """One round of each cohort, then a prefill chunk of every joining row, the rows sharing
         `prefill_budget` tokens (`token_budget.fair_shares`; None: the oldest row alone, one

@@ -5,8 +5,8 @@ A row starts from scratch or from a prefix snapshot (the target's state, and the
 snapshot has it), takes snapshots at its snapshot lengths (the prompt's end included: the state
 its last chunk leaves, before the first token is drawn), and once its prompt is done draws its
 first token and the head's first draft and is handed to the lane (`on_done`), which merges it
-into a cohort. Joining rows share the step's prefill budget (`token_budget.fair_shares`): a short
-prompt is not held behind a long one's remaining chunks.
+into a cohort. Joining rows share the step's prefill budget shortest first (`token_budget.shortest_first`):
+a short prompt is not held behind a long one's remaining chunks.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from mlx_relay.engine.lanes.mtp_rows import MTPRow
 from mlx_relay.engine.lanes.mtp_sampling import first_token, propose
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.memory.snapshots import Snapshot, restore_caches, snapshot_caches
-from mlx_relay.engine.step.token_budget import PREFILL_GRANULE, fair_shares
+from mlx_relay.engine.step.token_budget import PREFILL_GRANULE, shortest_first
 
 #: A row whose prompt is done: (row, its first token [1], the head's first draft [1, 1], that
 #: draft's log q (sampling rows), the head's hidden state that proposed it [1, 1, H]).
@@ -68,10 +68,14 @@ class MTPPrefill:
                 return True
         return False
 
+    def finishing_costs(self) -> list[int]:
+        """Each joining row's tokens to the end of its prompt (each is prefilled alone: no padding)."""
+        return [len(row.prompt) - row.pre.done for row in self.rows if row.pre is not None]
+
     def step(self, budget: int | None, on_done: OnDone) -> tuple[list[tuple[MTPRow, int]], int]:
         """Advance the joining rows: each by a chunk of at most `prefill_step_size` tokens (up to
-        its next snapshot length), together at most `budget` tokens, shared fairly (a short row
-        takes all it needs, the long ones split the rest); None: the oldest row alone. Returns
+        its next snapshot length), together at most `budget` tokens, shortest first (a row that
+        fits takes all it needs, the long ones split the rest); None: the oldest row alone. Returns
         the rows whose prompts are done (each handed to `on_done` as it finished), each with its
         first token (then emitted), and the tokens prefilled."""
         if not self.rows:
@@ -81,7 +85,7 @@ class MTPPrefill:
         for row in rows:
             assert row.pre is not None
             needs.append(row.pre.next_end(self.prefill_step_size) - row.pre.done)
-        takes = [needs[0]] + [0] * (len(rows) - 1) if budget is None else fair_shares(needs, budget, PREFILL_GRANULE)
+        takes = [needs[0]] + [0] * (len(rows) - 1) if budget is None else shortest_first(needs, budget, PREFILL_GRANULE)
         joined, tokens = [], 0
         for row, take in zip(rows, takes, strict=True):
             if take <= 0:

@@ -10,7 +10,8 @@ hand it, nor stop at a boundary to let us copy its state. This lane owns both ha
   snapshot asked for at the prompt's very end (what an agent's next tool round restores) is
   taken here, from the caches the finished rows leave the prefill with, before they decode;
 - decode: `decode_batch.DecodeBatch`, the rows a chunk finished joining it together, each with
-  its own M-RoPE delta, stepped by one compiled function (`decode_step.DecodeStep`). A row's
+  its own M-RoPE delta, stepped by one compiled function (`decode_step.DecodeStep`). A row's first
+  token comes out in the step that finished its prompt (the batch feeds it on its next step). A row's
   sequence ends at end-of-sequence or max_tokens (reported in `LaneStep`), but the row stays in
   the batch until the engine removes it, so its turn snapshot can still be taken.
 
@@ -79,6 +80,10 @@ class PlainLane:
     def prefilling(self) -> int:
         return min(len(self.prefill), self.prefill.max_rows)
 
+    @property
+    def finishing_costs(self) -> list[int]:
+        return self.prefill.finishing_costs()
+
     def add(self, spec: RowSpec) -> None:
         pre = RowPrefill(prompt=spec.prompt, cache=self.lm.make_cache(), embeds=spec.embeds, positions=spec.positions,
                          rope_delta=spec.rope_delta)
@@ -108,7 +113,7 @@ class PlainLane:
         row = self.rows.get(rid)
         if row is None or rid in self.prefill:
             return None
-        length = len(row.spec.prompt) + row.emitted
+        length = len(row.spec.prompt) + self._batch.fed(rid, row.emitted)
         entries, nbytes = snapshot_caches(self._batch.extract(rid), length)
         return Snapshot(length=length, target=entries, nbytes=nbytes)
 
@@ -144,8 +149,8 @@ class PlainLane:
 
     def step(self, prefill_budget: int | None = None) -> LaneStep:
         """One decode step of the decoding rows, then one prefill chunk of the joining rows, of at
-        most `prefill_budget` tokens (the rows it finishes join the decode batch; their first
-        tokens come out of its next step)."""
+        most `prefill_budget` tokens (the rows it finishes join the decode batch, their first
+        tokens out with this step's)."""
         out = LaneStep()
         for rid, token in self._batch.step():
             row = self.rows[rid]
@@ -159,6 +164,11 @@ class PlainLane:
                 out.snapshots.extend(_ends(done))
                 self._batch.join([r.rid for r in done.rows], done.caches, done.first,
                                  [r.pre.rope_delta for r in done.rows], [r.processors for r in done.rows])
+                for r, token in zip(done.rows, done.first.tolist(), strict=True):
+                    row = self.rows[r.rid]
+                    row.emitted += 1
+                    out.tokens.append(RowTokens(r.rid, [token], sequence_end(token, row.emitted, row.spec.max_tokens,
+                                                                             self.eos)))
         return out
 
 

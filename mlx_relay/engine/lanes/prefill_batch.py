@@ -187,6 +187,20 @@ class PrefillBatch:
         within = [n for n in self.lengths if n * rows <= limit]
         return within[-1] if within else self.lengths[0]
 
+    def finishing_costs(self) -> list[int]:
+        """For each row the next chunk would run (those in the batch, then those it would admit):
+        the budget with which that chunk finishes the row's prompt: every row of the chunk runs as
+        many positions (the chunk's length, at least the row's remaining tokens), so the rows times
+        that length; none for a row the chunk cannot finish within the token budget."""
+        rows = [*self.rows, *self.waiting[:self.max_rows - len(self.rows)]]
+        out = []
+        for row in rows:
+            left = len(row.pre.prompt) - row.pre.done
+            n = left if self.lengths is None else next((n for n in self.lengths if n >= left), None)
+            if n is not None and n * len(rows) <= self.token_budget:
+                out.append(n * len(rows))
+        return out
+
     def _takes(self, budget: int | None) -> list[int]:
         """Each row's tokens in this chunk: up to the cap, its next snapshot length, its prompt's
         end."""

@@ -62,7 +62,13 @@ from mlx_relay.engine.step.logits import LogitsChains
 from mlx_relay.engine.step.output import OutputStage, RowCounts, RowEnd
 from mlx_relay.engine.step.rows import LaneName, Row
 from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
-from mlx_relay.engine.step.token_budget import MIN_PREFILL_TOKENS, prefill_budget, split_by_rows, step_budget
+from mlx_relay.engine.step.token_budget import (
+    MIN_PREFILL_TOKENS,
+    finishing_shares,
+    prefill_budget,
+    split_by_rows,
+    step_budget,
+)
 from mlx_relay.engine.step.warmup import warm_up
 from mlx_relay.errors import GenerationFailed
 from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, WarmupReport
@@ -141,6 +147,8 @@ class EngineCore:
         self.prefill_rows = 0  # rows over those chunks
         self.prefill_tokens = 0  # prompt tokens the lanes' prefill ran, padding included (all steps)
         self.last_prefill_budget = (0, 0)  # the last step's decoding tokens and the prefill it allowed
+        self.finishing_steps = 0  # steps that ran only prompts they finished (`token_budget.finishing_shares`)
+        self._finished_last = False  # the last step was one (the next is an ordinary step)
 
     @property
     def draft(self) -> DraftInfo | None:
@@ -264,14 +272,19 @@ class EngineCore:
     def _prefill_shares(self) -> dict[LaneName, int]:
         """Each lane's prefill tokens this step: the budget less every lane's decoding tokens
         (`token_budget.py`), within the decode-priority allowance while rows decode
-        (`interleave.py`), split over the lanes by the rows each has prefilling."""
+        (`interleave.py`), split over the lanes by the rows each has prefilling; or, every other
+        step at most, all of it to prompts that finish in it (`token_budget.finishing_shares`)."""
         lanes = [(name, lane) for name, lane in self.lanes.items() if lane.has_work]
         decode = sum(lane.decode_tokens for _, lane in lanes)
         budget = prefill_budget(self.token_budget, decode)
         if self.priority is not None and decode and any(lane.prefilling for _, lane in lanes):
             budget = self.priority.allowance(budget)
         self.last_prefill_budget = (decode, budget)
-        split = split_by_rows([lane.prefilling for _, lane in lanes], budget)
+        finishing = None if self._finished_last else finishing_shares(
+            [lane.finishing_costs for _, lane in lanes], budget, sum(lane.prefilling for _, lane in lanes))
+        self._finished_last = finishing is not None
+        self.finishing_steps += self._finished_last
+        split = finishing or split_by_rows([lane.prefilling for _, lane in lanes], budget)
         return {name: share for (name, _), share in zip(lanes, split, strict=True)}
 
     def _update(self, executed: _Executed) -> _Updated:

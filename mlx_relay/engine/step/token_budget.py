@@ -66,6 +66,38 @@ def fair_shares(needs: Sequence[int], budget: int, granule: int = 1) -> list[int
     return shares
 
 
+def shortest_first(needs: Sequence[int], budget: int, granule: int = 1) -> list[int]:
+    """`budget` over rows that need `needs` tokens each: rows that fit whole in what is left take
+    all they need, shortest first (a prompt that can finish, finishes); the others split the rest
+    max-min fair (`fair_shares`), none when nothing is left."""
+    shares = [0] * len(needs)
+    left, rest = max(budget, 0), []
+    for i in sorted(range(len(needs)), key=lambda i: needs[i]):
+        if 0 < needs[i] <= left:
+            shares[i], left = needs[i], left - needs[i]
+        elif needs[i] > 0:
+            rest.append(i)
+    for i, share in zip(rest, fair_shares([needs[i] for i in rest], left, granule), strict=True):
+        shares[i] = share
+    return shares
+
+
+def finishing_shares(costs: Sequence[Sequence[int]], budget: int, prefilling: int) -> list[int] | None:
+    """A finishing step: the prompts that can finish in it, cheapest first while they fit in
+    `budget` (each lane's `finishing_costs`: the share with which its next step finishes that
+    row), run alone, each lane its finishing rows' share and the others none; None (an ordinary
+    step) when no prompt can finish within the budget or every one of the `prefilling` rows can. So a short prompt that
+    arrives while long ones prefill is prefilled in a step of its own, not beside a full step of
+    their chunks (the engine runs one at most every other step: the long ones go on)."""
+    ranked = sorted((c, lane) for lane, lane_costs in enumerate(costs) for c in lane_costs if c > 0)
+    shares, left, taken = [0] * len(costs), max(budget, 0), 0
+    for cost, lane in ranked:
+        if cost > left:
+            break
+        shares[lane], left, taken = shares[lane] + cost, left - cost, taken + 1
+    return shares if 0 < taken < prefilling else None
+
+
 def split_by_rows(rows: Sequence[int], budget: int) -> list[int]:
     """`budget` split over consumers (lanes) in proportion to the rows each has prefilling, so
     every prefilling row gets about the same share whichever lane it is in; a consumer with rows
