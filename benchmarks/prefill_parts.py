@@ -8,7 +8,10 @@ and a chunk of `--chunk` tokens after them, medians over `--repeats` runs (each 
 the caches, evaluated and synchronized around the timed call) of:
 - `chunk`: the whole chunk through mlx-vlm's forward (`library`) and ours (`ours`,
   `ModelForward.prefill`), and ours with one lever the other way at a time (`PrefillOptions`:
-  `ours_without_recurrence`, `ours_with_conv`, `ours_without_experts`, `ours_with_qmm`);
+  `ours_without_recurrence`, `ours_with_conv`, `ours_without_experts`, `ours_without_qmm`); ours
+  unpaced (its whole graph built, then evaluated: `ours_unpaced`) and of that the host's graph
+  building alone (`ours_graph_build`: what a chunk costs before the device runs anything, the
+  part of a small chunk's fixed cost that compiling the forward would remove);
 - per part, on the first layer of each kind with a random residual stream: the GatedDeltaNet mixer
   (`gdn`: the library's module; ours; ours without our recurrence kernel or our conv), the mixture
   of experts with its router, shared expert and combine (`moe`: the library's block; ours grouped;
@@ -87,6 +90,17 @@ def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
     return out
 
 
+def build_then_eval(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(ms to build `fn`'s graph, ms to evaluate it): the inputs settled first."""
+    mx.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    t1 = time.perf_counter()
+    mx.eval(out)
+    mx.synchronize()
+    return (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
+
+
 LEVERS = {"recurrence": "recurrence_kernel", "conv": "shifted_conv", "experts": "grouped_experts",
           "qmm": "quantized_kernel"}
 
@@ -137,6 +151,15 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
 
     result["chunk_ms"]["library"] = run(library_chunk)
     result["chunk_ms"]["ours"] = run(ours_chunk(ours_all))
+    # the host's part: building the chunk's whole graph (unpaced), nothing evaluated, then the rest
+    unpaced = PrefillOptions(paced=False)
+    built = []
+    for _ in range(repeats + 1):  # (the first compiles this shape's kernels: dropped)
+        caches = restore(lm, saved)
+        built.append(build_then_eval(lambda c=caches: ModelForward(lm, unpaced).prefill(ids, None, c, pos)))
+    built = built[1:]
+    result["chunk_ms"]["ours_unpaced"] = [b + e for b, e in built]
+    result["chunk_ms"]["ours_graph_build"] = [b for b, _ in built]
     for lever, field in LEVERS.items():
         flipped = "with" if not getattr(ours_all, field) else "without"
         attempt("chunk_ms", f"ours_{flipped}_{lever}", ours_chunk(without(lever)))

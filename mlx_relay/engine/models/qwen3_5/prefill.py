@@ -75,7 +75,7 @@ def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: lis
 
     # (on a GPU, where the grouped experts' transients are large; on the CPU the library's one
     # evaluation a chunk: a wait a layer cost two 18K-token prompts a third more time there)
-    pace = one_layer_ahead if cuda_kernels_available() else None
+    pace = one_layer_ahead if options.paced and cuda_kernels_available() else None
     return model.norm(run_layers(model.layers, h, linear, attend, prefill=options, after=pace))
 
 
