@@ -219,7 +219,8 @@ def test_sigterm_drains_and_exits_0_and_a_second_sigint_exits_at_once(fp32_model
     wait_streaming(out)
     proc.send_signal(signal.SIGINT)
     wait_draining(url)
-    tic = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    assert wait_exit(proc, 15) == 1 and time.monotonic() - tic < 15  # not the 60 s drain
+    # exit status 1: the second signal's (a drain that ends, at its 60 s deadline or before, exits
+    # 0); the 90 s only guards against a hang
+    assert wait_exit(proc, 90) == 1
     thread.join(10)

