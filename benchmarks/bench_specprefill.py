@@ -19,7 +19,7 @@ Each cell is the median of the repeats; `speedup` is TTFT(off) / TTFT(mode) of t
         [--keeps 0.3,0.2] [--repeats 2] [--out DIR]
     python benchmarks/bench_specprefill.py --target MODEL --no-specprefill   # the `off` path alone
 
-CPU smoke run: `--target $(fixture bf16) --draft mlx_relay/models/relay-tiny-coder --lengths 1024,2048`
+CPU smoke run: `--target $(fixture bf16) --draft models/relay-tiny-coder --lengths 1024,2048`
 (both use the fixtures' 1026-token tokenizer).
 """
 

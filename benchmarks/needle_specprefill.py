@@ -1,6 +1,6 @@
 """SpecPrefill's quality cost, measured: needle retrieval on the trained small model, with and without it.
 
-Model: `mlx_relay/models/relay-tiny-coder` (a raw-completion model of Python source, 8 hybrid
+Model: `models/relay-tiny-coder` (a raw-completion model of Python source, 8 hybrid
 layers, trained on 256-token windows of the CPython 3.11 stdlib; its README). Requests are raw
 completions (token ids, no chat template), greedy, through the in-process `Relay` with the
 prefix cache and MTP off.
@@ -480,7 +480,7 @@ async def amain(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=REPO / "mlx_relay" / "models" / "relay-tiny-coder")
+    ap.add_argument("--model", type=Path, default=REPO / "models" / "relay-tiny-coder")
     ap.add_argument("--draft", type=Path, default=None, help="SpecPrefill's draft (default: the model itself)")
     ap.add_argument("--no-specprefill", action="store_true", help="the baseline sweep alone")
     ap.add_argument("--sweep-lengths", default="256,512,1024,2048,3500",

@@ -2,7 +2,8 @@
 the small trained checkpoint shipped in the package (`mlx_relay/models/relay-tiny-agent`: a
 Qwen3.5-style hybrid with an MTP head, trained on an agent curriculum to think, call declared
 tools, answer tool results and write JSON). `relay-tiny-coder` (trained on the Python standard
-library) ships beside it for the tests and benchmarks that use it."""
+library) is the repository's, for the tests and benchmarks (`models/relay-tiny-coder`, not in the
+package)."""
 
 from __future__ import annotations
 

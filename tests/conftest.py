@@ -20,6 +20,12 @@ from mlx_relay.testing.live_server import LiveServer
 
 
 @pytest.fixture(scope="session")
+def tiny_coder() -> Path:
+    """The repository's small trained checkpoint of Python source (`models/relay-tiny-coder`, not in the package)."""
+    return Path(__file__).resolve().parents[1] / "models" / "relay-tiny-coder"
+
+
+@pytest.fixture(scope="session")
 def fp32_model() -> Path:
     return fixture_path(FixtureSpec(variant="fp32", seed=0))
 

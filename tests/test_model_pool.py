@@ -34,9 +34,8 @@ SETTINGS: dict[str, Any] = dict(warmup=False, max_num_seqs=2, max_model_len=2048
                                 cache_limit_bytes=8 << 20, speculation="mtp")
 
 
-def paths(fp32_model: Path) -> dict[str, Path]:
-    embedded = default_model_path().parent
-    return {"agent": embedded / "relay-tiny-agent", "coder": embedded / "relay-tiny-coder", "rand": fp32_model}
+def paths(fp32_model: Path, tiny_coder: Path) -> dict[str, Path]:
+    return {"agent": default_model_path(), "coder": tiny_coder, "rand": fp32_model}
 
 
 def build_pool(models: dict[str, Path], *, budget: int | None, pinned: tuple[str, ...] = (),
@@ -88,9 +87,9 @@ def stream_chat(url: str, body: dict[str, Any], out: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def roomy(fp32_model: Path) -> Iterator[LiveServer]:
+def roomy(fp32_model: Path, tiny_coder: Path) -> Iterator[LiveServer]:
     """Three models, no budget: nothing is unloaded to make room."""
-    with serve(build_pool(paths(fp32_model), budget=None)) as live:
+    with serve(build_pool(paths(fp32_model, tiny_coder), budget=None)) as live:
         yield live
 
 
@@ -166,8 +165,8 @@ def test_an_unloaded_model_frees_its_prefix_cache_and_keeps_its_disk_tier(fp32_m
         assert counter(live.url, "model_loads_total", model_name="rand") == 2
 
 
-def test_a_budget_for_two_of_three_unloads_the_least_recently_used(fp32_model: Path) -> None:
-    models = paths(fp32_model)
+def test_a_budget_for_two_of_three_unloads_the_least_recently_used(fp32_model: Path, tiny_coder: Path) -> None:
+    models = paths(fp32_model, tiny_coder)
     sizes = {m.name: m.reservation.total for m in build_pool(models, budget=None).models}
     budget = sum(sizes.values()) - min(sizes.values())  # any two fit, all three do not
     with serve(build_pool(models, budget=budget)) as live:
@@ -180,8 +179,8 @@ def test_a_budget_for_two_of_three_unloads_the_least_recently_used(fp32_model: P
         assert counter(url, "model_memory_reserved_peak_bytes") <= budget
 
 
-def test_pinned_models_are_never_unloaded_for_room(fp32_model: Path) -> None:
-    models = paths(fp32_model)
+def test_pinned_models_are_never_unloaded_for_room(fp32_model: Path, tiny_coder: Path) -> None:
+    models = paths(fp32_model, tiny_coder)
     sizes = {m.name: m.reservation.total for m in build_pool(models, budget=None).models}
     budget = sum(sizes.values()) - min(sizes.values())
     with serve(build_pool(models, budget=budget, pinned=("agent",))) as live:
@@ -194,8 +193,8 @@ def test_pinned_models_are_never_unloaded_for_room(fp32_model: Path) -> None:
         assert counter(url, "model_evictions_total", reason="budget") == 3
 
 
-def test_two_loads_that_do_not_fit_together_are_serialized(fp32_model: Path) -> None:
-    models = {k: v for k, v in paths(fp32_model).items() if k != "agent"}
+def test_two_loads_that_do_not_fit_together_are_serialized(fp32_model: Path, tiny_coder: Path) -> None:
+    models = {k: v for k, v in paths(fp32_model, tiny_coder).items() if k != "agent"}
     sizes = {m.name: m.reservation.total for m in build_pool(models, budget=None).models}
     budget = max(sizes.values())  # one at a time
     with serve(build_pool(models, budget=budget)) as live:
@@ -208,8 +207,9 @@ def test_two_loads_that_do_not_fit_together_are_serialized(fp32_model: Path) -> 
         assert list(states(url).values()).count("ready") == 1
 
 
-def test_a_model_waiting_for_room_is_not_starved_by_a_steady_stream_to_another(fp32_model: Path) -> None:
-    models = {k: v for k, v in paths(fp32_model).items() if k != "agent"}
+def test_a_model_waiting_for_room_is_not_starved_by_a_steady_stream_to_another(fp32_model: Path,
+                                                                               tiny_coder: Path) -> None:
+    models = {k: v for k, v in paths(fp32_model, tiny_coder).items() if k != "agent"}
     sizes = {m.name: m.reservation.total for m in build_pool(models, budget=None).models}
     with serve(build_pool(models, budget=max(sizes.values()))) as live:
         url, done, out = live.url, [], []
@@ -238,8 +238,8 @@ def test_a_model_waiting_for_room_is_not_starved_by_a_steady_stream_to_another(f
         assert counter(url, "model_memory_reserved_peak_bytes") <= max(sizes.values())
 
 
-def test_contention_fail_answers_503_with_retry_after(fp32_model: Path) -> None:
-    models = {k: v for k, v in paths(fp32_model).items() if k != "agent"}
+def test_contention_fail_answers_503_with_retry_after(fp32_model: Path, tiny_coder: Path) -> None:
+    models = {k: v for k, v in paths(fp32_model, tiny_coder).items() if k != "agent"}
     sizes = {m.name: m.reservation.total for m in build_pool(models, budget=None).models}
     with serve(build_pool(models, budget=max(sizes.values()), pinned=("coder",), contention="fail")) as live:
         refused = ask(live.url, "rand")
@@ -327,8 +327,8 @@ def test_loading_and_unloading_by_hand_need_the_api_key(fp32_model: Path) -> Non
         assert httpx.get(live.url + "/health", timeout=30).json()["models"] == {"rand": "unloaded"}
 
 
-async def test_the_in_process_api_chats_with_each_model_by_name(fp32_model: Path) -> None:
-    models = {k: v for k, v in paths(fp32_model).items() if k != "agent"}
+async def test_the_in_process_api_chats_with_each_model_by_name(fp32_model: Path, tiny_coder: Path) -> None:
+    models = {k: v for k, v in paths(fp32_model, tiny_coder).items() if k != "agent"}
     pool_cfg = build_pool(models, budget=None)
     first = pool_cfg.models[0].config
     async with ModelPool.run(pool_cfg, build_config(first.model, served_model_name="coder", **SETTINGS)) as pool:

@@ -17,10 +17,7 @@ from typing import Any
 
 import pytest
 
-import mlx_relay
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
-
-CODER = Path(mlx_relay.__file__).resolve().parent / "models" / "relay-tiny-coder"
 
 PROMPTS = [list(range(10, 50)), list(range(60, 75)), list(range(90, 161)), list(range(200, 207))]
 TOKENS = 20
@@ -43,9 +40,9 @@ def _load(gpu: Callable, path: Path) -> tuple[Any, Any]:
 
 
 @pytest.fixture(scope="module")
-def coder(gpu: Callable) -> tuple[Any, Any]:
+def coder(gpu: Callable, tiny_coder: Path) -> tuple[Any, Any]:
     """(language model, MTP head) of relay-tiny-coder, loaded once."""
-    return _load(gpu, CODER)
+    return _load(gpu, tiny_coder)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The committed small trained checkpoint ``mlx_relay/models/relay-tiny-coder`` (issue 4, point 6):
+"""The committed small trained checkpoint ``models/relay-tiny-coder`` (issue 4, point 6):
 small enough to ship, loads strictly with mlx_vlm and its MTP drafter, greedy decoding with the
 drafter gives exactly the tokens of plain greedy decoding, and the head's drafts are mostly accepted."""
 
@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import mlx_relay
-
-CHECKPOINT = Path(mlx_relay.__file__).resolve().parent / "models" / "relay-tiny-coder"
+CHECKPOINT = Path(__file__).resolve().parents[1] / "models" / "relay-tiny-coder"  # as conftest's tiny_coder
 
 # Held-out-style prompts: stdlib-like code the model has not seen verbatim.
 PROMPTS = [
@@ -66,3 +64,12 @@ def test_mtp_greedy_is_exact_and_drafts_are_accepted() -> None:
                 rounds += len(drafter.accept_lens)
     assert rounds > 0
     assert accepted / rounds >= 0.5, f"MTP acceptance at block 2 is {accepted / rounds:.2f}"
+
+
+def test_only_the_default_model_ships_in_the_package() -> None:
+    """relay-tiny-coder is the repository's (tests, benchmarks): the package's models folder, which
+    the wheel's package data takes whole, holds the embedded default model alone."""
+    from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+    assert [p.name for p in default_model_path().parent.iterdir() if p.is_dir()] == [DEFAULT_MODEL_NAME]
+    assert (CHECKPOINT / "model.safetensors").is_file()

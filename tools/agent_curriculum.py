@@ -46,7 +46,7 @@ split, i))`` with split 0 = train, 1 = held-out; the evaluation uses split 1 onl
 
 CLI::
 
-    python tools/agent_curriculum.py show --model mlx_relay/models/relay-tiny-coder --family tool
+    python tools/agent_curriculum.py show --model models/relay-tiny-coder --family tool
     python tools/agent_curriculum.py stats --model DIR --count 200 --length 4096
 """
 

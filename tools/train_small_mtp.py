@@ -4,7 +4,7 @@ The result is a complete Hugging Face-layout Qwen3.5 vision-language checkpoint 
 layout, config, tokenizer, chat template and processor files as the fixtures of
 :mod:`mlx_relay.testing.fixtures`, just larger and trained): ``mlx_vlm.load(out)`` loads it
 strictly and ``mlx_vlm.speculative.drafters.load_drafter(out, kind="mtp")`` loads its head.
-The committed result is ``mlx_relay/models/relay-tiny-coder`` (its README has the figures).
+The committed result is ``models/relay-tiny-coder`` (its README has the figures).
 
 Corpus: the ``*.py`` files of a CPython standard library (``--stdlib``, default the running
 interpreter's ``sysconfig.get_paths()["stdlib"]``), licensed under the Python Software
