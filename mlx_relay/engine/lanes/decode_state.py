@@ -109,11 +109,11 @@ class DecodeState:
         self.left_padding = mx.concatenate([self.left_padding, mx.full((k,), self.idx, dtype=mx.int32)])
         self.deltas = mx.concatenate([self.deltas, mx.zeros((k,), dtype=mx.int32)])
 
-    def ensure_room(self) -> None:
-        """Grow the KV buffers when the next column would not fit."""
-        if self.idx < self.cap:
+    def ensure_room(self, columns: int = 1) -> None:
+        """Grow the KV buffers when the next `columns` columns would not fit."""
+        if self.idx + columns <= self.cap:
             return
-        cap = _cap_for(self.idx + 1)
+        cap = _cap_for(self.idx + columns)
         self.kv = [(_shift(k, 0, cap), _shift(v, 0, cap)) for k, v in self.kv]
 
     def extend(self, other: DecodeState) -> None:

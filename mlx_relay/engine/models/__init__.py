@@ -56,13 +56,14 @@ class ModelFamily(Protocol):
         ...
 
     def forward_block(self, lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[mx.array],
-                      ssm: list[mx.array], *, keep_states: bool, stage: Stage | None
-                      ) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
+                      ssm: list[mx.array], *, keep_states: bool, stage: Stage | None,
+                      prefill: PrefillOptions | None = None) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
         """The final-normed hidden states [B, T, H] of `tokens` [B, T] over explicit caches, and the
         caches after: keys and values written where `at` says; per recurrent layer the conv window
         and the SSM state after the block, or (`keep_states`) the whole conv input [B, K-1+T, C] and
         the state after each position [B, T, ...] for the caller to commit from. Under a pipeline
-        `stage`, this stage's layers only; every rank gets the last stage's hidden states."""
+        `stage`, this stage's layers only; every rank gets the last stage's hidden states. With
+        `prefill` options, a block of many positions runs its experts as a prefill chunk's do."""
         ...
 
     def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],

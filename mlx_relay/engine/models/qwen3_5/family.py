@@ -27,9 +27,10 @@ class Qwen3_5Family:
         return tuple(bool(layer.is_linear) for layer in layers.decoder_layers(lm))
 
     def forward_block(self, lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[mx.array],
-                      ssm: list[mx.array], *, keep_states: bool, stage: Stage | None
-                      ) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
-        return layers.forward_block(lm, tokens, at, kv, conv, ssm, keep_states=keep_states, stage=stage)
+                      ssm: list[mx.array], *, keep_states: bool, stage: Stage | None,
+                      prefill: PrefillOptions | None = None) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
+        return layers.forward_block(lm, tokens, at, kv, conv, ssm, keep_states=keep_states, stage=stage,
+                                    prefill=prefill)
 
     def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
                         positions: mx.array, options: PrefillOptions) -> mx.array:

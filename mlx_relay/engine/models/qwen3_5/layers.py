@@ -200,7 +200,8 @@ def run_layers(layers: list[Any], h: mx.array, linear: Mixer, attend: Mixer, row
 
 
 def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[mx.array], ssm: list[mx.array],
-                  *, keep_states: bool, stage: Stage | None) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
+                  *, keep_states: bool, stage: Stage | None, prefill: PrefillOptions | None = None
+                  ) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
     """`models.ModelFamily.forward_block`: the layer loop over explicit caches."""
     h = lm.model.embed_tokens(tokens)
     wire = h.dtype  # what a stage boundary carries in this step (`receive` takes the embedding's)
@@ -223,7 +224,7 @@ def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[m
         new_kv.append((keys_buf, values_buf))
         return r
 
-    h = run_layers(lm.model.layers, h, linear, attend, expert_rows(lm.model.layers, tokens))
+    h = run_layers(lm.model.layers, h, linear, attend, expert_rows(lm.model.layers, tokens), prefill=prefill)
     if stage is not None:  # every rank: the last stage's hidden states, every position
         if h.dtype != wire:
             # the next rank receives, and the others share, it as the embedding's dtype: a stage
