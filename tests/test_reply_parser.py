@@ -219,17 +219,16 @@ def test_parallel_calls_are_numbered_whitespace_between_dropped_other_text_kept(
     assert len(set(reply.ids)) == 3
 
 
-def test_tool_call_start_is_emitted_as_soon_as_the_function_name_is_read() -> None:
+def test_a_tool_call_starts_when_its_block_is_whole() -> None:
+    """(Until issue 44.8 the call started as soon as its name was read, and one cut by max_tokens
+    then had to end with arguments `{}`, which its schema may refuse.)"""
     parser = ReplyParser(tools=TOOLS)
     assert parser.feed("<tool_call>\n<function=read_fi") == []
-    events = parser.feed("le>\n<parameter=path>\nsrc/")
-    assert len(events) == 1 and isinstance(events[0], ToolCallStart)
-    assert (events[0].index, events[0].name) == (0, "read_file")
-    assert parser.calls == 0
-    events = parser.feed("main.py\n</parameter>\n</function>\n</tool_")
-    assert events == []
+    assert parser.feed("le>\n<parameter=path>\nsrc/") == []
+    assert parser.feed("main.py\n</parameter>\n</function>\n</tool_") == []
     events = parser.feed("call>")
-    assert [type(e) for e in events] == [ToolCallArguments, ToolCallEnd]
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArguments, ToolCallEnd]
+    assert (events[0].index, events[0].name) == (0, "read_file")
     assert parser.calls == 1
     assert parser.finish() == []
 
@@ -250,7 +249,7 @@ def test_an_undeclared_function_is_delivered_as_written_and_reported() -> None:
     """The agent rejects it and tells the model; nothing fails."""
     parser = ReplyParser(tools=TOOLS, on_invalid=lambda reason, what: seen.append((reason, what)))
     seen: list[tuple[str, str]] = []
-    [start] = parser.feed("<tool_call>\n<function=delete_all>\n")
+    start, *_ = parser.feed("<tool_call>\n<function=delete_all>\n</function>\n</tool_call>")
     assert isinstance(start, ToolCallStart) and start.name == "delete_all"
     assert seen == [("undeclared_tool", "the model called 'delete_all', which is not a declared tool "
                                         "(declared: read_file, search, now)")]
@@ -288,8 +287,9 @@ def test_unreadable_blocks_are_content_as_written() -> None:
         assert (reply.content, reply.calls, reply.reasons) == ("Here: " + block + "Done.", [], ["unreadable"]), block
 
 
-def test_an_announced_call_that_cannot_be_read_ends_with_empty_arguments() -> None:
-    """Once ToolCallStart went out the call is a call: it ends, with arguments `{}`."""
+def test_a_block_that_names_its_function_but_cannot_be_read_is_a_call_with_empty_arguments() -> None:
+    """An XML block that names its function is a call, however the rest reads: it ends, with
+    arguments `{}` (the reason says why)."""
     tools = [ToolDef(FunctionDef(name="scale", parameters={"type": "object", "properties": {"k": {"type": "number"}}}))]
     reply = parse(xml_call("scale", k="NaN"), tools=tools)  # mlx-lm reads a float NaN, which JSON cannot carry
     assert reply.calls == [(0, "scale", {})] and reply.reasons == ["unreadable"]
@@ -300,12 +300,15 @@ def test_json_block_may_hold_a_list_of_calls() -> None:
     assert parse(text, tool_format="json").calls == [(0, "now", {}), (1, "read_file", {"path": "a"})]
 
 
-def test_a_call_cut_by_max_tokens_is_dropped_or_ended_with_empty_arguments() -> None:
+def test_a_call_cut_by_max_tokens_is_dropped() -> None:
+    """Issue 44.8: a call starts (`ToolCallStart`) only when its block is whole, so one cut by
+    max_tokens never reaches the client, with `{}` or any arguments its schema refuses."""
     cut = "Let me look.\n" + xml_call("read_file", path="a")[:-20]
     parser = ReplyParser(tools=TOOLS, tool_format="qwen3_coder")
-    events = [*parser.feed(cut), *parser.finish("length")]
-    reply = merge(events)
-    assert reply.calls == [(0, "read_file", {})]  # announced: it ends, never with arguments ""
+    streamed = parser.feed(cut)
+    assert not any(isinstance(e, ToolCallStart) for e in streamed)  # the name was read, not announced
+    reply = merge([*streamed, *parser.finish("length")])
+    assert reply.calls == [] and reply.invalid == []
     assert reply.content.strip() == "Let me look."
     reply = parse('Let me look.\n<tool_call>\n{"name": "read_file", "argu', reason="length")
     assert (reply.content.strip(), reply.calls, reply.invalid) == ("Let me look.", [], [])  # not announced: dropped

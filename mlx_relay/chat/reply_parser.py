@@ -30,9 +30,9 @@ its reason (`chat.output.INVALID_REASONS`, counted in `/metrics`):
   or content as above);
 - `stray_markup`: a closing tag with no opener, dropped.
 
-A call cut by max_tokens ("length") is no error: a block not yet announced is dropped, an
-announced one ends with arguments `{}` (the reply says "length"). Arguments are always a JSON
-object string, never "".
+A call cut by max_tokens ("length") is no error: it is dropped (a call starts, `ToolCallStart`, only
+when its block is whole, so none is ever announced and then cut: the reply says "length" and has
+no call with arguments its schema refuses). Arguments are always a JSON object string, never "".
 
 Every feed looks only at the text held back so far plus the new piece (a call block keeps its
 pieces in a list and only the last few characters are searched again), so feeding a long reply
@@ -204,16 +204,13 @@ class ReplyParser:
     def finish(self, reason: str = "stop") -> list[ReplyEvent]:
         """The reply ended (`reason`: the engine's "stop" or "length"): held text that never became
         a tag is content (reasoning inside an unclosed thinking block). A tool call cut by
-        max_tokens is dropped, or ends with arguments `{}` if it was announced; one the model left
-        unclosed otherwise is read as if closed here (`unclosed`)."""
+        max_tokens is dropped (it was never announced); one the model left unclosed otherwise is
+        read as if closed here (`unclosed`)."""
         out: list[ReplyEvent] = []
         if self._mode is _Mode.CALL:
             call, self._call, self._mode = self._call, None, _Mode.CONTENT
             assert call is not None
-            if reason == "length":
-                if call.id is not None:
-                    self._end_call(call, {}, out)
-            else:
+            if reason != "length":  # cut by max_tokens: dropped (never announced)
                 self._invalid("unclosed", f"the reply ended inside {_what(call)} (no {call.end})")
                 self._close_call(call, "".join(call.parts), out, closed=False)
             return self._attach_logprobs(out)
@@ -317,8 +314,10 @@ class ReplyParser:
     # -- tool calls ---------------------------------------------------------------------------
 
     def _read_name(self, call: _Call, text: str, out: list[ReplyEvent]) -> None:
-        """Start the call (`ToolCallStart`) as soon as an XML block's `<function=NAME>` is read."""
-        if call.head is None:
+        """Read an XML block's `<function=NAME>` as it streams (the call itself starts, `ToolCallStart`,
+        only when its block is whole: a call cut by max_tokens is never announced, so it never
+        reaches the client with arguments its schema refuses)."""
+        if call.head is None or call.name is not None:
             return
         call.head += text
         if call.head.lstrip().startswith(("{", "[")) or len(call.head) > _HEAD_LIMIT:  # JSON, or no name early
@@ -326,8 +325,7 @@ class ReplyParser:
             return
         name = _function_name(call.head)
         if name is not None:
-            call.head = None
-            self._start_call(call, name, out)
+            call.head, call.name = None, name
 
     def _start_call(self, call: _Call, name: str, out: list[ReplyEvent]) -> None:
         if name not in self._defs:
@@ -350,18 +348,14 @@ class ReplyParser:
             self._invalid("unreadable", f"{e}: {text[:200]!r}")
             name = call.name or _function_name(text)
             if name is not None:  # an XML block that names its function is a call, however it streamed
-                if call.id is None:
-                    self._start_call(call, name, out)
+                self._start_call(call, name, out)
                 self._end_call(call, {}, out)
             else:
                 out.append(ContentDelta(call.written + (CALL_END if closed and call.end == CALL_END else "")))
             return
         for n, (name, arguments) in enumerate(parsed):
-            if n == 0 and call.name is not None:
-                this = call  # announced under the name read first
-            else:
-                this = _Call(self.calls)
-                self._start_call(this, name, out)
+            this = call if n == 0 else _Call(self.calls)
+            self._start_call(this, name, out)
             problem = tool_schema.argument_error(self._keys[name], arguments) if name in self._keys else None
             if problem is not None:
                 self._invalid("schema_mismatch", f"invalid arguments in the tool call to {name}: {problem}")
