@@ -589,6 +589,29 @@ def test_assembler_length_cut_marks_the_open_item_incomplete() -> None:
     assert final["output"][0]["status"] == "incomplete"
 
 
+def test_a_reply_of_reasoning_alone_still_closes_a_message() -> None:
+    """Issue 44.8: a reply cut while it reasons (or that wrote nothing) ends with its message item
+    opened and closed, empty, its output_text.done sent; one that called a tool needs none."""
+    for fed in ([ReasoningDelta("thinking it over")], []):
+        a = ResponseAssembler(_response())
+        events = a.start()
+        for ev in [*fed, ReplyDone("length", 3, 16, reasoning_tokens=16)]:
+            events += a.feed(ev)
+        dicts = _dicts(events)
+        final = check_stream(dicts)
+        assert [o["type"] for o in final["output"]] == ["reasoning"] * len(fed) + ["message"]
+        assert final["output"][-1]["content"] == [{"type": "output_text", "text": "", "annotations": [],
+                                                   "logprobs": []}]
+        assert final["output"][-1]["status"] == "incomplete"
+        assert [d["type"] for d in dicts].count("response.output_text.done") == 1
+    a = ResponseAssembler(_response())
+    events = a.start()
+    for ev in [ToolCallStart(0, "call_a", "shell"), ToolCallEnd(0, "call_a", "shell", "{}"),
+               ReplyDone("tool_calls", 3, 5)]:
+        events += a.feed(ev)
+    assert [o["type"] for o in check_stream(_dicts(events))["output"]] == ["function_call"]
+
+
 def test_response_store_bounds() -> None:
     store: ResponseStore[str] = ResponseStore(max_entries=3, max_bytes=100)
     for key in ("a", "b", "c"):

@@ -139,6 +139,8 @@ class ResponseAssembler:
     def _finish(self, done: ReplyDone) -> list[StreamEvent]:
         out: list[StreamEvent] = []
         cut = done.finish_reason == "length"
+        if not self._answered():  # a reply of reasoning alone (or nothing) still has its message, empty
+            self._ensure(out, "message")
         self._close(out, "incomplete" if cut else "completed")
         r = self.response
         speculation = speculation_usage([done])
@@ -160,6 +162,13 @@ class ResponseAssembler:
             out.append(ResponseCompleted(response=self._snapshot()))
         self.finished = True
         return out
+
+    def _answered(self) -> bool:
+        """Whether the reply has a message or a call so far (open or done): every response that
+        ends has one, its text events closed, as a client that reads `output_text.done` expects."""
+        if self._open is not None and self._open.kind != "reasoning":
+            return True
+        return any(isinstance(item, (OutputMessage, OutputFunctionCall)) for item in self.response.output)
 
     def _numbered(self, events: list[StreamEvent]) -> list[StreamEvent]:
         for ev in events:
