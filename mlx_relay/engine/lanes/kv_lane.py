@@ -100,7 +100,8 @@ class KVLane:
 
     @property
     def finishing_costs(self) -> list[int]:
-        return [len(self.rows[rid].spec.prompt) - self.rows[rid].done for rid in self._prefilling]
+        left = [len(self.rows[rid].spec.prompt) - self.rows[rid].done for rid in self._prefilling]
+        return [n for n in left if n <= self.prefill_step_size]  # the rows one chunk can finish
 
     def add(self, spec: RowSpec) -> None:
         if spec.positions is not None:

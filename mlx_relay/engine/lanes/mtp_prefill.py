@@ -69,8 +69,10 @@ class MTPPrefill:
         return False
 
     def finishing_costs(self) -> list[int]:
-        """Each joining row's tokens to the end of its prompt (each is prefilled alone: no padding)."""
-        return [len(row.prompt) - row.pre.done for row in self.rows if row.pre is not None]
+        """Each joining row's tokens to the end of its prompt (each is prefilled alone: no padding),
+        for the rows one chunk can finish."""
+        left = [len(row.prompt) - row.pre.done for row in self.rows if row.pre is not None]
+        return [n for n in left if n <= self.prefill_step_size]
 
     def step(self, budget: int | None, on_done: OnDone) -> tuple[list[tuple[MTPRow, int]], int]:
         """Advance the joining rows: each by a chunk of at most `prefill_step_size` tokens (up to
