@@ -156,6 +156,15 @@ class KVLane:
         length = len(row.spec.prompt) + row.emitted
         return _snapshot(caches, length) if caches[0].offset == length else None
 
+    def close(self) -> None:
+        pass
+
+    def drafts(self, rid: int) -> None:
+        return None
+
+    def warm(self, vocab_size: int, max_rows: int) -> str:
+        return ""  # the library's forward over its caches traces nothing ahead
+
     def cache_layout(self) -> CacheLayout:
         """What a snapshot file of this model must hold (the disk tier's check): one token through
         fresh caches; every layer an attention layer."""

@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 
 import mlx.core as mx
 
+from mlx_relay.engine.memory.snapshot_codec import CacheLayout
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.step.processors import GrammarMask
 from mlx_relay.engine.step.sampling import RowSampler
@@ -126,7 +127,25 @@ class Lane(Protocol):
 
     def clear(self) -> None: ...
 
+    def close(self) -> None:
+        """The engine is shutting down: release what the lane holds beyond its rows (threads)."""
+        ...
+
     def cached_tokens(self, rid: int) -> int: ...
+
+    def drafts(self, rid: int) -> dict[str, tuple[int, int]] | None:
+        """Per draft source, (drafted, accepted) of a row so far; None in a lane that does not speculate."""
+        ...
+
+    def cache_layout(self) -> CacheLayout | None:
+        """What a snapshot of this lane's rows holds (the disk tier's check: one token through fresh
+        caches); None for a lane that takes no snapshots."""
+        ...
+
+    def warm(self, vocab_size: int, max_rows: int) -> str:
+        """Run every shape the lane's steps can meet, up to `max_rows` rows, before traffic (no
+        request meets a first-shape compile); what it ran, for the log ("" when nothing)."""
+        ...
 
 
 def sequence_end(token: int, emitted: int, max_tokens: int, eos: frozenset[int]) -> SequenceEnd | None:

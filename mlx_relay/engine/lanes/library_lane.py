@@ -90,6 +90,15 @@ class LibraryLane:
     def close(self) -> None:
         self._gen.close()
 
+    def drafts(self, rid: int) -> None:
+        return None
+
+    def cache_layout(self) -> None:
+        return None  # mlx-vlm's generator keeps its rows' caches: no snapshots
+
+    def warm(self, vocab_size: int, max_rows: int) -> str:
+        return ""
+
     def step(self, prefill_budget: int | None = None) -> LaneStep:
         """One `next()` of the generator: a decode step of its rows, then (decode first, as our
         lanes) one prompt chunk of its joining rows at its own chunk size; `prefill_budget` is

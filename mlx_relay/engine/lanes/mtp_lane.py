@@ -41,6 +41,7 @@ from mlx_relay.engine.lanes.mtp_rows import MTPRow
 from mlx_relay.engine.lanes.mtp_step import MTPStep
 from mlx_relay.engine.lanes.mtp_verify import BatchedVerifier, ExactVerifier
 from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
+from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models import UnsupportedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
@@ -182,6 +183,16 @@ class MTPLane:
         self._prefill.rows = []
         for cohort in self._cohorts():
             cohort.clear()
+
+    def close(self) -> None:
+        pass
+
+    def cache_layout(self) -> CacheLayout:
+        """The target's layout and, where the head drafts, the head's (a snapshot carries both)."""
+        return probe_layout(self.lm, self.head if self.head.drafts else None)
+
+    def warm(self, vocab_size: int, max_rows: int) -> str:
+        return f"compiled MTP round traced at {self.warm_rounds(max_rows)} batch sizes"
 
     def warm_rounds(self, max_rows: int) -> int:
         """Trace the compiled round at every batch size its cohort can run at (idle rows from a

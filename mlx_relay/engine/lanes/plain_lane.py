@@ -22,6 +22,7 @@ together equal rows prefilled alone.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,9 +38,12 @@ from mlx_relay.engine.lanes.prefill_batch import PrefillBatch, Prefilled, Prefil
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
 from mlx_relay.engine.memory.batch_caches import as_batch_caches
+from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot, restore_caches, snapshot_caches
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,6 +111,20 @@ class PlainLane:
         self.prefill.clear()
         self.rows.clear()
         self._batch = DecodeBatch(self._step)
+
+    def close(self) -> None:
+        pass
+
+    def drafts(self, rid: int) -> None:
+        return None
+
+    def cache_layout(self) -> CacheLayout:
+        return probe_layout(self.lm)
+
+    def warm(self, vocab_size: int, max_rows: int) -> str:
+        shapes = self.warm_prefill(vocab_size, lambda rows, n, seconds: log.info(
+            "warm-up: prefill of %d row(s) x %d tokens took %.2fs", rows, n, seconds))
+        return f"prefill run at {shapes} chunk shapes, decode step traced at {self.warm_decode(max_rows)} batch sizes"
 
     def extract(self, rid: int) -> Snapshot | None:
         """The state of a decoding row: its prompt and every token it has emitted."""

@@ -28,16 +28,14 @@ from typing import Any
 
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.lanes.build import build_lanes, prefill_step_size
-from mlx_relay.engine.lanes.kv_lane import KVLane
 from mlx_relay.engine.lanes.lane import Lane, LaneStep, MTPCounts, RowSpec
-from mlx_relay.engine.lanes.library_lane import LibraryLane
-from mlx_relay.engine.lanes.mtp_lane import MTPLane
 from mlx_relay.engine.lanes.row_prefill import sparse_row
 from mlx_relay.engine.memory.held import HeldMemory
 from mlx_relay.engine.memory.kv_budget import engine_plan, with_held_weights
-from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
+from mlx_relay.engine.memory.snapshot_codec import CacheLayout
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models import UnsupportedModel
+from mlx_relay.engine.models.library_kv import uses_library_forward
 from mlx_relay.engine.models.loader import LoadedModel, device_memory_bytes
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.protocol import (
@@ -127,9 +125,8 @@ class EngineCore:
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
                                    mtp_block=config.mtp_block_size if "mtp" in self.lanes else None,
                                    mtp_max_batch=config.mtp_max_batch,
-                                   own_prefill=prefix_cache or stage is not None
-                                   or isinstance(self.lanes["plain"], KVLane), budget=self.kv_budget)
-        if draft_model is not None and isinstance(self.lanes["plain"], KVLane):
+                                   own_prefill="library" not in self.lanes, budget=self.kv_budget)
+        if draft_model is not None and uses_library_forward(loaded.model.language_model):
             raise UnsupportedModel(f"SpecPrefill needs a model family of the engine's own "
                                    f"({info.model_type} is served through its library's forward)")
         # the draft (a much smaller model) reads at most a budget's worth of a prompt per step
@@ -204,11 +201,10 @@ class EngineCore:
         return self.memory.layout()
 
     def _probe_layout(self) -> CacheLayout:
-        if isinstance(kv := self.lanes["plain"], KVLane):
-            return kv.cache_layout()
-        mtp = self.lanes.get("mtp")
-        head = mtp.head if isinstance(mtp, MTPLane) and mtp.head.drafts else None
-        return probe_layout(self._model.language_model, head)
+        """The MTP lane's layout (its head's included) where it runs, else the plain lane's."""
+        layout = self.lanes["mtp" if "mtp" in self.lanes else "plain"].cache_layout()
+        assert layout is not None  # (the plain and MTP lanes take snapshots)
+        return layout
 
     def close(self) -> StepOutput:
         """End every request (the engine is shutting down) and drop all device state."""
@@ -216,8 +212,7 @@ class EngineCore:
             self._drop(row, GenerationFailed("the engine is shutting down"))
         for lane in self.lanes.values():
             lane.clear()
-        if isinstance(lib := self.lanes.get("library"), LibraryLane):
-            lib.close()
+            lane.close()
         self.scoring.clear()
         self.memory.clear()
         return StepOutput(self.output.take())
@@ -370,8 +365,7 @@ class EngineCore:
         assert row.lane is not None
         lane = self.lanes[row.lane]
         counts = RowCounts(cached_tokens=lane.cached_tokens(row.rid))
-        if isinstance(lane, MTPLane):
-            drafts = lane.drafts(row.rid)
+        if (drafts := lane.drafts(row.rid)) is not None:  # a lane that speculates
             counts.mtp_drafted, counts.mtp_accepted = drafts.get("mtp", (0, 0))
             counts.context_drafted, counts.context_accepted = drafts.get("context", (0, 0))
             updated.mtp.append(MTPOutcome(counts.mtp_drafted, counts.mtp_accepted,

@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from mlx_relay.engine.lanes.mtp_lane import MTPLane
-from mlx_relay.engine.lanes.plain_lane import PlainLane
 from mlx_relay.messages.gpu import Generate, SamplingParams, Speculate, TokenDelta, WarmupReport
 
 if TYPE_CHECKING:
@@ -43,14 +41,10 @@ def warm_up(core: EngineCore) -> WarmupReport:
             core.add(-(2 * wave + j + 1), Generate(f"warmup-{wave}-{j}", prompt, params, speculate=speculate))
         while core.has_work:
             core.step()
-    if isinstance(plain := core.lanes["plain"], PlainLane):  # the KV lane traces nothing ahead
-        shapes = plain.warm_prefill(core.vocab_size, lambda rows, n, seconds: log.info(
-            "warm-up: prefill of %d row(s) x %d tokens took %.2fs", rows, n, seconds))
-        sizes = plain.warm_decode(core.config.max_num_seqs)
-        log.info("prefill run at %d chunk shapes, decode step traced at %d batch sizes", shapes, sizes)
-    if isinstance(mtp := core.lanes.get("mtp"), MTPLane):
-        rounds = mtp.warm_rounds(min(core.config.mtp_max_batch, core.config.max_num_seqs))
-        log.info("compiled MTP round traced at %d batch sizes", rounds)
+    for name, lane in core.lanes.items():
+        rows = core.config.max_num_seqs if name != "mtp" else min(core.config.mtp_max_batch, core.config.max_num_seqs)
+        if said := lane.warm(core.vocab_size, rows):
+            log.info("%s lane: %s", name, said)
     cost = mtp_round_cost(core, prompt) if "mtp" in core.lanes else None
     mx.clear_cache()  # the warm-up's buffers, dozens of shapes of them
     return WarmupReport(time.perf_counter() - tic, cost)
