@@ -1,7 +1,7 @@
 """How `make agents` sets up each coding agent for mlx-relay: the configuration files, environment
 and command line each agent's own docs give for a custom endpoint and a headless turn.
 
-This is the source of truth for the README's "Using it with coding agents" (its snippets are these
+This is the source of truth for docs/agents.md ("Using it with coding agents") (its snippets are these
 files and commands with the harness's paths and port replaced by the defaults). Each setup gets a
 fresh HOME and working directory (`Sandbox`), an API key that means nothing (the server runs
 without `--api-key`; agents insist on sending one) and the variables that turn off each agent's
