@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 
 from mlx_relay.chat.grammar import OutputConstraint, build_grammar, lazy_tool_grammar
 from mlx_relay.chat.types import FunctionDef, ToolDef
-from mlx_relay.engine.step.processors import GrammarMask
+from mlx_relay.engine.sampling.processors import GrammarMask
 from mlx_relay.testing.qwen_vocab import qwen35_tokenizer_path
 
 TOOLS = [

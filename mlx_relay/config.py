@@ -52,7 +52,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # weights read once a chunk, halve a token; benchmarks/results/prefill-h200-2026-11-28/), 2048
     # elsewhere (mlx-lm's own); on CUDA never more than one launch's routed rows allow (`lanes/build.py`)
     prefill_step_size: int | None = None
-    # the engine step's token budget (`engine/step/token_budget.py`, vLLM's max_num_batched_tokens):
+    # the engine step's token budget (`engine/scheduling/token_budget.py`, vLLM's max_num_batched_tokens):
     # decoding rows first (a plain row 1 token, an MTP row its verify block), then prefill chunks
     # in what is left (at least 16 tokens), shared equally by the rows prefilling (a short prompt
     # runs whole beside long ones' smaller chunks), each chunk also at most prefill_step_size.

@@ -18,8 +18,8 @@ import pytest
 
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.models.loader import load_model
+from mlx_relay.engine.scheduling.token_budget import fair_shares, split_by_rows
 from mlx_relay.engine.step.interleave import DecodePriority, decode_priority
-from mlx_relay.engine.step.token_budget import fair_shares, split_by_rows
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.reference import greedy_reference

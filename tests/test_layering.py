@@ -26,7 +26,7 @@ NO_MLX = ["mlx_relay", "mlx_relay.cli", "mlx_relay.relay", "mlx_relay.http.serve
           "mlx_relay.engine.protocol", "mlx_relay.engine.hosting.wire", "mlx_relay.engine.hosting.engine_process",
           "mlx_relay.engine.hosting.placement", "mlx_relay.engine.hosting.handle",
           "mlx_relay.engine.hosting.pipeline_watch", "mlx_relay.engine.models.checkpoint",
-          "mlx_relay.engine.models", "mlx_relay.engine.step.token_budget", "mlx_relay.engine.memory.cuda_memory",
+          "mlx_relay.engine.models", "mlx_relay.engine.scheduling.token_budget", "mlx_relay.engine.memory.cuda_memory",
           # the engine's role folders: importing a folder imports none of its modules
           *(f"mlx_relay.engine.{p.parent.name}" for p in sorted((PACKAGE / "engine").glob("*/__init__.py"))),
           "mlx_relay.media.preprocess",
@@ -53,6 +53,15 @@ def test_the_runtime_http_the_request_path_and_every_actor_but_the_gpu_executor_
     assert "mlx_relay.http.server" in NO_MLX and "mlx_relay.http.streaming" in NO_MLX
     assert "mlx_relay.http.formats.responses.routes" in NO_MLX and "mlx_relay.pool.pool" in NO_MLX
     assert {"mlx_relay.engine.hosting", "mlx_relay.engine.lanes", "mlx_relay.engine.step"} <= set(NO_MLX)
+
+
+def test_the_lanes_import_nothing_of_the_engine_step() -> None:
+    """The step drives the lanes; what both use (the sampling processors, the token budget, the
+    lane names) lives where both import it (`engine/sampling/`, `engine/scheduling/`, `lanes/lane.py`)."""
+    for path in sorted((PACKAGE / "engine" / "lanes").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module is not None:
+                assert not node.module.startswith("mlx_relay.engine.step"), (path.name, node.module)
 
 
 def test_the_engines_thread_host_is_where_mlx_is() -> None:

@@ -138,7 +138,7 @@ def _exact_two_token_distribution(path: Path, prompt: list[int], params: Samplin
     import mlx.core as mx
     import mlx_vlm
 
-    from mlx_relay.engine.step.sampling import processed_logprobs
+    from mlx_relay.engine.sampling.row_sampler import processed_logprobs
 
     model, _ = mlx_vlm.load(str(path))
     lm = model.language_model

@@ -123,7 +123,7 @@ def test_a_forced_call_through_mtp_is_a_valid_call(gpu: Callable, choice: str) -
 def _exact_masked_two_tokens(path: Path, prompt: list[int], grammar: str,
                              params: SamplingParams) -> dict[tuple[int, int], float]:
     """p'(t1) p'(t2 | t1): the model's logits masked by the grammar, then the request's processing."""
-    from mlx_relay.engine.step.processors import GrammarMask
+    from mlx_relay.engine.sampling.processors import GrammarMask
 
     tok = AutoTokenizer.from_pretrained(str(path))
     eos = tok.convert_tokens_to_ids("<|im_end|>")

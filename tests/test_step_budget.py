@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from mlx_relay.engine.models.loader import load_model
-from mlx_relay.engine.step.token_budget import (
+from mlx_relay.engine.scheduling.token_budget import (
     fair_shares,
     finishing_shares,
     prefill_budget,

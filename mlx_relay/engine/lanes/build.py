@@ -22,7 +22,7 @@ from pathlib import Path
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.kernels.backend import max_chunk_tokens
 from mlx_relay.engine.lanes.kv_lane import KVLane
-from mlx_relay.engine.lanes.lane import Lane
+from mlx_relay.engine.lanes.lane import Lane, LaneName
 from mlx_relay.engine.lanes.library_lane import LibraryLane
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
@@ -32,7 +32,6 @@ from mlx_relay.engine.models.library_kv import uses_library_forward
 from mlx_relay.engine.models.loader import LoadedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
-from mlx_relay.engine.step.rows import LaneName
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 
 A lane decodes a set of rows in one batch: `add` queues a row (from scratch or restored from a
 snapshot, with snapshot points), `step` runs one decode step of its joined rows and then prefill
-chunks of its joining rows within the step's prefill budget (`token_budget.py`; the engine gives
+chunks of its joining rows within the step's prefill budget (`scheduling/token_budget.py`; the engine gives
 each lane its share after counting `decode_tokens` of every lane), `extract` copies a row's
 whole state (its turn snapshot), `remove` lets a row go, `clear` drops everything (after a
 failed step). Three lanes exist:
@@ -26,8 +26,8 @@ import mlx.core as mx
 
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout
 from mlx_relay.engine.memory.snapshots import Snapshot
-from mlx_relay.engine.step.processors import GrammarMask
-from mlx_relay.engine.step.sampling import RowSampler
+from mlx_relay.engine.sampling.processors import GrammarMask
+from mlx_relay.engine.sampling.row_sampler import RowSampler
 
 #: How a lane ended a row's sequence: end-of-sequence ("stop") or its last allowed token ("length").
 SequenceEnd = Literal["stop", "length"]
@@ -92,8 +92,13 @@ class LaneStep:
     mtp: MTPCounts = field(default_factory=MTPCounts)  # the MTP lane's rounds this step
 
 
+#: The engine's lanes by name (the all-attention lane of a model served through its library's
+#: forward takes the plain lane's name: it is the one lane then).
+LaneName = Literal["mtp", "plain", "library"]
+
+
 class Lane(Protocol):
-    name: Literal["mtp", "plain", "library"]
+    name: LaneName
 
     @property
     def has_work(self) -> bool: ...

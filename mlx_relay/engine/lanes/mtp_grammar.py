@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from mlx_relay.engine.lanes.mtp_head import MTPHead
-from mlx_relay.engine.step.processors import GrammarMask
+from mlx_relay.engine.sampling.processors import GrammarMask
 
 
 def greedy_walk(grammar: GrammarMask, head: MTPHead, vh: mx.array, drafts: Sequence[int],

@@ -15,10 +15,10 @@ import mlx.core as mx
 from mlx_relay.engine.lanes.lane import MTPCounts
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.memory.snapshots import Snapshot
+from mlx_relay.engine.sampling.processors import GrammarMask
+from mlx_relay.engine.sampling.row_sampler import RowSampler
 from mlx_relay.engine.speculation.context_drafts import ContextDrafts
 from mlx_relay.engine.speculation.earnings import Earnings
-from mlx_relay.engine.step.processors import GrammarMask
-from mlx_relay.engine.step.sampling import RowSampler
 
 
 @dataclass

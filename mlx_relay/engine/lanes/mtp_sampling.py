@@ -19,8 +19,8 @@ import mlx.core as mx
 from mlx_relay.engine.lanes.mtp_grammar import draft_masks
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_rows import MTPRow
-from mlx_relay.engine.step.processors import GrammarMask
-from mlx_relay.engine.step.sampling import RowSampler, processed_logprobs
+from mlx_relay.engine.sampling.processors import GrammarMask
+from mlx_relay.engine.sampling.row_sampler import RowSampler, processed_logprobs
 
 
 def first_token(head: MTPHead, last: mx.array, sampler: RowSampler | None,

@@ -13,7 +13,7 @@ one chunk for up to `max_rows` rows *together*, in one forward of the language m
 - each row takes up to the chunk's length, stopping at its next snapshot length (so at a
   boundary its caches hold exactly its prompt's state there, and its snapshot is taken then) or
   its prompt's end, capped so the chunk holds at most `token_budget` tokens, or the engine
-  step's prefill share when smaller (`token_budget.py`: a decoding row never waits on more);
+  step's prefill share when smaller (`scheduling/token_budget.py`: a decoding row never waits on more);
   every row gets the same cap, so a short prompt that joins runs whole beside the long ones; the chunk is the
   shortest length that holds the longest take. A row that takes less is right-padded: the caches'
   public `prepare(lengths, right_padding)` keeps the padding out of its GatedDeltaNet state and
@@ -43,7 +43,7 @@ from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.lanes.stage_forward import ModelForward
 from mlx_relay.engine.memory.batch_caches import as_batch_caches, extend_caches, take_rows
 from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
-from mlx_relay.engine.step.token_budget import PREFILL_GRANULE
+from mlx_relay.engine.scheduling.token_budget import PREFILL_GRANULE
 
 
 @dataclass

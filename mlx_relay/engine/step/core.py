@@ -2,7 +2,7 @@
 
     plan = scheduler.schedule()      # StepPlan: which rows join which lane, which are scored
     executed = self._execute(plan)   # rows start in their lanes; each lane steps once within the
-                                     # step's token budget (token_budget.py: decodes first); a draft chunk
+                                     # step's token budget (scheduling/token_budget.py: decodes first); a draft chunk
     return self._update(executed)    # output stage: text, stops, endings; rows leave their lanes
 
 vLLM v1's `EngineCore.step` and nano-vllm's `step` have this shape. The pieces, one module each:
@@ -28,7 +28,7 @@ from typing import Any
 
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.lanes.build import build_lanes, prefill_step_size
-from mlx_relay.engine.lanes.lane import Lane, LaneStep, MTPCounts, RowSpec
+from mlx_relay.engine.lanes.lane import Lane, LaneName, LaneStep, MTPCounts, RowSpec
 from mlx_relay.engine.lanes.row_prefill import sparse_row
 from mlx_relay.engine.memory.held import HeldMemory
 from mlx_relay.engine.memory.kv_budget import engine_plan, with_held_weights
@@ -53,20 +53,20 @@ from mlx_relay.engine.protocol import (
     StepOutput,
     Told,
 )
-from mlx_relay.engine.scoring.stage import ScoringStage
-from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
-from mlx_relay.engine.step.interleave import decode_priority
-from mlx_relay.engine.step.logits import LogitsChains
-from mlx_relay.engine.step.output import OutputStage, RowCounts, RowEnd
-from mlx_relay.engine.step.rows import LaneName, Row
-from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
-from mlx_relay.engine.step.token_budget import (
+from mlx_relay.engine.scheduling.token_budget import (
     MIN_PREFILL_TOKENS,
     finishing_shares,
     prefill_budget,
     split_by_rows,
     step_budget,
 )
+from mlx_relay.engine.scoring.stage import ScoringStage
+from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
+from mlx_relay.engine.step.interleave import decode_priority
+from mlx_relay.engine.step.logits import LogitsChains
+from mlx_relay.engine.step.output import OutputStage, RowCounts, RowEnd
+from mlx_relay.engine.step.rows import Row
+from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
 from mlx_relay.engine.step.warmup import warm_up
 from mlx_relay.errors import GenerationFailed
 from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, WarmupReport
@@ -266,7 +266,7 @@ class EngineCore:
 
     def _prefill_shares(self) -> dict[LaneName, int]:
         """Each lane's prefill tokens this step: the budget less every lane's decoding tokens
-        (`token_budget.py`), within the decode-priority allowance while rows decode
+        (`scheduling/token_budget.py`), within the decode-priority allowance while rows decode
         (`interleave.py`), split over the lanes by the rows each has prefilling; or, every other
         step at most, all of it to prompts that finish in it (`token_budget.finishing_shares`)."""
         lanes = [(name, lane) for name, lane in self.lanes.items() if lane.has_work]

@@ -1,6 +1,6 @@
 """Decode-priority interleaving (pure, no MLX): how much prefill an engine step may run while rows decode.
 
-The step's token budget (`token_budget.py`) bounds the prefill tokens a step runs beside the
+The step's token budget (`scheduling/token_budget.py`) bounds the prefill tokens a step runs beside the
 decoding rows, but not what they cost: on the CPU backend a step that prefills even 64 tokens
 costs ~30x a decode step (a decode round ~12 ms, prefill ~3-5 ms a token plus ~30 ms a call for
 mlx-vlm's 64-padded GatedDeltaNet solve), so a stream decoding beside long prompts gets a token

@@ -17,8 +17,8 @@ from typing import Any
 import llguidance
 import llguidance.hf
 
-from mlx_relay.engine.step.processors import GrammarMask, LogprobRecorder, Penalties, ThinkingBudget
-from mlx_relay.engine.step.sampling import RowSampler, needs_sampler
+from mlx_relay.engine.sampling.processors import GrammarMask, LogprobRecorder, Penalties, ThinkingBudget
+from mlx_relay.engine.sampling.row_sampler import RowSampler, needs_sampler
 from mlx_relay.messages.gpu import SamplingParams
 
 

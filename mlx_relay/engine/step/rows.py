@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from mlx_relay.chat.output import TokenLogprob
+from mlx_relay.engine.lanes.lane import LaneName
+from mlx_relay.engine.sampling.processors import GrammarMask, LogprobRecorder
 from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
-from mlx_relay.engine.step.processors import GrammarMask, LogprobRecorder
 from mlx_relay.messages.gpu import Generate
 from mlx_relay.messages.specprefill import SparsePrefill, SpecPrefillReport
-
-LaneName = Literal["mtp", "plain", "library"]
 
 
 @dataclass

@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from mlx_relay.engine.lanes.lane import LaneName
 from mlx_relay.engine.memory.kv_budget import KVBudget
-from mlx_relay.engine.step.rows import LaneName, Row
+from mlx_relay.engine.step.rows import Row
 
 
 def reserved_tokens(row: Row) -> int:
