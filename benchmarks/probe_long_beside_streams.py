@@ -48,7 +48,15 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 def itl_stats(gaps: list[float]) -> dict[str, Any]:
     return {"n": len(gaps), "p50_ms": _ms(percentile(gaps, 0.5)), "p90_ms": _ms(percentile(gaps, 0.9)),
-            "p99_ms": _ms(percentile(gaps, 0.99))}
+            "p99_ms": _ms(percentile(gaps, 0.99)), "max_ms": _ms(max(gaps) if gaps else None)}
+
+
+def share_over(gaps: list[float], bound_s: float | None) -> float | None:
+    """The share of `gaps` longer than `bound_s`: what a p90 hides (a policy that stalls the streams
+    for half a second every tenth token keeps its p90 and not its p99)."""
+    if not gaps or bound_s is None:
+        return None
+    return round(sum(g > bound_s for g in gaps) / len(gaps), 4)
 
 
 def _ms(x: float | None) -> float | None:
@@ -113,9 +121,13 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
         ttft = await long_request(client, model, args.long_tokens, args.vocab, 2)
         t2 = time.perf_counter()
         out["long_beside_ttft_s"] = round(ttft, 3)
-        out["streams_beside_itl"] = itl_stats(streams.between(t2 - ttft, t2))
+        out["_beside_gaps"] = streams.between(t2 - ttft, t2)
+        out["streams_beside_itl"] = itl_stats(out["_beside_gaps"])
         streams.stop.set()
         await asyncio.gather(*workers, return_exceptions=True)
+    alone_p90 = out["streams_alone_itl"]["p90_ms"]
+    out["beside_itl_share_over_2x_alone_p90"] = share_over(out.pop("_beside_gaps"),
+                                                           2 * alone_p90 / 1000 if alone_p90 else None)
     a, b = out["streams_alone_itl"]["p90_ms"], out["streams_beside_itl"]["p90_ms"]
     out["itl_p90_ratio"] = round(b / a, 2) if a and b else None
     out["long_ttft_ratio"] = round(out["long_beside_ttft_s"] / out["long_alone_ttft_s"], 3)
