@@ -109,7 +109,8 @@ def restore(lm: Any, saved: list[Any]) -> list[Any]:
     """Fresh caches holding `saved` (copies: the caches update their arrays and lists in place)."""
     caches = lm.make_cache()
     for c, s in zip(caches, saved, strict=True):
-        c.state = [None if x is None else mx.array(x) for x in s]
+        if s is not None and not (isinstance(s, (list, tuple)) and all(x is None for x in s)):
+            c.state = [None if x is None else mx.array(x) for x in s]
     return caches
 
 

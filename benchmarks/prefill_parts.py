@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from prefill_block import positions, restore, timed  # beside this script (benchmarks/)
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.kernels.grouped_experts import expert_weights, grouped_switch_glu
@@ -63,32 +64,8 @@ def commit() -> str:
         return "unknown"
 
 
-def positions(a: int, b: int) -> mx.array:
-    return mx.broadcast_to(mx.arange(a, b, dtype=mx.int32)[None, None, :], (3, 1, b - a))
-
-
 def states(caches: list[Any]) -> list[Any]:
     return [c.state for c in caches]
-
-
-def restore(lm: Any, saved: list[Any]) -> list[Any]:
-    """Fresh caches holding `saved` (copies: the caches update their arrays and lists in place)."""
-    caches = lm.make_cache()
-    for c, s in zip(caches, saved, strict=True):
-        if s is not None and not (isinstance(s, (list, tuple)) and all(x is None for x in s)):
-            c.state = [None if x is None else mx.array(x) for x in s]
-    return caches
-
-
-def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        out.append((time.perf_counter() - t0) * 1000)
-    return out
 
 
 def build_then_eval(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -130,8 +107,7 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
     mx.eval(ids, pos, x)
 
     def run(fn: Callable[[], Any]) -> list[float]:
-        timed(fn, 1)  # warm: this shape's kernels compile
-        return timed(fn, repeats)
+        return timed(fn, repeats)  # (after a dropped first run: this shape's kernels compile)
 
     def library_chunk() -> Any:
         return lm(ids, cache=restore(lm, saved),

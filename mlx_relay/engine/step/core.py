@@ -275,11 +275,12 @@ class EngineCore:
         if self.priority is not None and decode and any(lane.prefilling for _, lane in lanes):
             budget = self.priority.allowance(budget)
         self.last_prefill_budget = (decode, budget)
-        finishing = None if self._finished_last else finishing_shares(
-            [lane.finishing_costs for _, lane in lanes], budget, sum(lane.prefilling for _, lane in lanes))
+        prefilling = [lane.prefilling for _, lane in lanes]
+        finishing = None if self._finished_last or budget <= 0 or sum(prefilling) < 2 else finishing_shares(
+            [lane.finishing_costs for _, lane in lanes], budget, sum(prefilling))
         self._finished_last = finishing is not None
         self.finishing_steps += self._finished_last
-        split = finishing or split_by_rows([lane.prefilling for _, lane in lanes], budget)
+        split = finishing or split_by_rows(prefilling, budget)
         return {name: share for (name, _), share in zip(lanes, split, strict=True)}
 
     def _update(self, executed: _Executed) -> _Updated:

@@ -105,10 +105,11 @@ class DecodePriority:
         if self.factor <= 1:
             raise ValueError("the decode stall factor must be more than 1")
 
-    def smallest_chunk(self, budget: int) -> int:
+    def smallest_chunk(self, budget: int, line: tuple[float, float] | None = None) -> int:
         """The fewest prefill tokens worth a step beside decoding rows: `min_chunk`, or more where a
-        chunk's fixed cost would be over a quarter of it (within `budget`)."""
-        fixed, per_token = self.cost.line()
+        chunk's fixed cost would be over a quarter of it (within `budget`); `line`: the cost's, if
+        the caller has it."""
+        fixed, per_token = line or self.cost.line()
         efficient = int(EFFICIENT * fixed / per_token + 0.999) if per_token > 0 else 0
         return min(budget, max(self.min_chunk, efficient))
 
@@ -120,10 +121,10 @@ class DecodePriority:
             return 0  # measure a decode step
         if not self.cost.measured:
             return min(self.min_chunk, budget)  # measure a chunk
-        fixed, per_token = self.cost.line()
-        smallest = self.smallest_chunk(budget)
+        fixed, per_token = line = self.cost.line()  # (fitted once a step)
+        smallest = self.smallest_chunk(budget, line)
         earned = (self.factor - 1) * self.decode_s
-        self.credit_s = min(self.credit_s + earned, max(earned, self.cost.seconds(smallest)))
+        self.credit_s = min(self.credit_s + earned, max(earned, fixed + smallest * per_token))
         tokens = min(budget, int((self.credit_s - fixed) / per_token + 1e-6)) if per_token > 0 else budget
         if tokens < smallest:
             self.held += 1
