@@ -40,7 +40,7 @@
 #            PARTS_CONTEXT (0,28672) through our prefill forward, the family's block forward eager and
 #            compiled, and a decode step, for scale. Results: prefill_block.{json,txt}
 #   overlap  (issue 43.3) prefill_overlap.py: 8 decoding rows' steps while an OVERLAP_PROMPT (16384)-token
-#            prompt prefills in chunks of each of OVERLAP_CHUNKS (4096 1024), on one stream and on two.
+#            prompt prefills in chunks of each of OVERLAP_CHUNKS (4096 2048), on one stream, on two, and queued a layer at a time on the second (OVERLAP_EVERY, "1,2,4": a decode step every N layers).
 #            Results: prefill_overlap_N.{json,txt}
 #   sbl      (issue 43.3) device_short_behind_long.sh run inside this job (its knobs: BUDGETS, FACTORS,
 #            OURS_FLAGS, STREAMS, LONG_TOKENS, WINDOW), so it follows the jobs before it on the same
@@ -183,10 +183,10 @@ block)
     --context "${PARTS_CONTEXT:-0,28672}" --repeats "${REPEATS:-3}" --out $O/prefill_block.json > $O/prefill_block.txt 2>&1
   say "block (rc $?): $(grep -h '^context' $O/prefill_block.txt | tr '\n' ';')" ;;
 overlap)
-  for c in ${OVERLAP_CHUNKS:-4096 1024}; do
+  for c in ${OVERLAP_CHUNKS:-4096 2048}; do
     python3 benchmarks/prefill_overlap.py "$MODEL" --prompt "${OVERLAP_PROMPT:-16384}" --chunk $c \
-      --steps "${STEPS:-40}" --out $O/prefill_overlap_$c.json > $O/prefill_overlap_$c.txt 2>&1
-    say "overlap $c (rc $?): $(grep -h -E '^(decode|shared|two)' $O/prefill_overlap_$c.txt | cut -c1-300 | tr '\n' ';')"
+      --steps "${STEPS:-40}" --every "${OVERLAP_EVERY:-1,2,4}" --out $O/prefill_overlap_$c.json > $O/prefill_overlap_$c.txt 2>&1
+    say "overlap $c (rc $?): $(grep -h -E "^(decode|shared|two|layered)" $O/prefill_overlap_$c.txt | cut -c1-300 | tr '\n' ';')"
   done ;;
 snapio)
   python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
@@ -204,6 +204,6 @@ setsid nohup env RUN="$RUN" MODEL="${MODEL:-}" PYTHONPATH="$RUN/src:${PYTHONPATH
   POOL_TOKENS="${POOL_TOKENS:-}" POOL_FLAGS="${POOL_FLAGS:-}" COMMIT="${COMMIT:-}" \
   CLIENTS="${CLIENTS:-}" CLIENT_REQUESTS="${CLIENT_REQUESTS:-}" PREFILL_SIZES="${PREFILL_SIZES:-}" \
   PREFILL_CACHED="${PREFILL_CACHED:-}" PREFILL_ORDER="${PREFILL_ORDER:-}" PREFILL_FLAGS="${PREFILL_FLAGS:-}" PREFILL_TARGETS="${PREFILL_TARGETS:-}" \
-  QMM_FLAGS="${QMM_FLAGS:-}" BLOCK_CHUNKS="${BLOCK_CHUNKS:-}" OVERLAP_CHUNKS="${OVERLAP_CHUNKS:-}" OVERLAP_PROMPT="${OVERLAP_PROMPT:-}" PARTS_CHUNK="${PARTS_CHUNK:-}" PARTS_CONTEXT="${PARTS_CONTEXT:-}" AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
+  QMM_FLAGS="${QMM_FLAGS:-}" BLOCK_CHUNKS="${BLOCK_CHUNKS:-}" OVERLAP_CHUNKS="${OVERLAP_CHUNKS:-}" OVERLAP_PROMPT="${OVERLAP_PROMPT:-}" OVERLAP_EVERY="${OVERLAP_EVERY:-}" PARTS_CHUNK="${PARTS_CHUNK:-}" PARTS_CONTEXT="${PARTS_CONTEXT:-}" AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
   bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "steps started (pid $!)"

@@ -21,6 +21,7 @@ forward like the language model (`__call__`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import mlx.core as mx
@@ -44,9 +45,11 @@ class ModelForward:
         self.family = family_of(lm)
         self.options = options or PrefillOptions()
 
-    def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array) -> mx.array:
-        """[B, n, D]: the final hidden states of the chunk (on this rank: see `share`)."""
-        return self.family.prefill_forward(self.lm, ids, embeds, caches, positions, self.options)
+    def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
+                after: Callable[[mx.array], None] | None = None) -> mx.array:
+        """[B, n, D]: the final hidden states of the chunk (on this rank: see `share`); `after`: the
+        family's per-layer hook (`models.ModelFamily.prefill_forward`)."""
+        return self.family.prefill_forward(self.lm, ids, embeds, caches, positions, self.options, after)
 
     def __call__(self, ids: mx.array, inputs_embeds: mx.array | None = None, cache: Any = None,
                  position_ids: Any = None, **_: Any) -> StageOutput:
@@ -67,7 +70,10 @@ class StageForward(ModelForward):
         super().__init__(lm)
         self.stage = stage
 
-    def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array) -> mx.array:
+    def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
+                after: Callable[[mx.array], None] | None = None) -> mx.array:
+        if after is not None:
+            raise ValueError("a pipeline stage runs the library's forward: it has no per-layer hook")
         return self.hidden(ids, embeds, caches, **batched(position_ids=positions))
 
     def __call__(self, ids: mx.array, inputs_embeds: mx.array | None = None, cache: Any = None,

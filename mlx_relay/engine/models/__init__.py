@@ -17,6 +17,7 @@ a checkpoint can be checked anywhere. ARCHITECTURE.md ("Model families") says ho
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from mlx_relay.errors import UnsupportedModel
@@ -67,10 +68,13 @@ class ModelFamily(Protocol):
         ...
 
     def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
-                        positions: mx.array, options: PrefillOptions) -> mx.array:
+                        positions: mx.array, options: PrefillOptions,
+                        after: Callable[[mx.array], None] | None = None) -> mx.array:
         """The final-normed hidden states [B, T, H] of a prefill chunk (token ids [B, T], or the
         prompt embeddings of vision rows) at `positions`, over the library's own caches (kept as
-        the library's forward keeps them), run as `options` say (its levers, its memory bound)."""
+        the library's forward keeps them), run as `options` say (its levers, its memory bound).
+        `after` sees the residual stream after each layer, in place of the family's own pacing
+        (a caller that queues the layers itself, e.g. beside decode steps on another stream)."""
         ...
 
     def logits(self, lm: Any, hidden: mx.array) -> mx.array:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -33,8 +34,9 @@ class Qwen3_5Family:
                                     prefill=prefill)
 
     def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
-                        positions: mx.array, options: PrefillOptions) -> mx.array:
-        return prefill.prefill_forward(lm, ids, embeds, caches, positions, options)
+                        positions: mx.array, options: PrefillOptions,
+                        after: Callable[[mx.array], None] | None = None) -> mx.array:
+        return prefill.prefill_forward(lm, ids, embeds, caches, positions, options, after)
 
     def logits(self, lm: Any, hidden: mx.array) -> mx.array:
         return layers.logits(lm, hidden)

@@ -30,6 +30,7 @@ hidden states and caches against the library's forward, float32).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -44,8 +45,9 @@ from mlx_relay.engine.models.qwen3_5.layers import gated_output, project_qkv, ru
 
 
 def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
-                    options: PrefillOptions) -> mx.array:
-    """`models.ModelFamily.prefill_forward`: see the module docstring. `positions` [3, B, T] (M-RoPE)."""
+                    options: PrefillOptions, after: Callable[[mx.array], None] | None = None) -> mx.array:
+    """`models.ModelFamily.prefill_forward`: see the module docstring. `positions` [3, B, T] (M-RoPE);
+    `after`, the caller's hook after each layer (in place of `one_layer_ahead`)."""
     model = lm.model
     h = embeds if embeds is not None else model.embed_tokens(ids)
     T = h.shape[1]
@@ -75,7 +77,7 @@ def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: lis
 
     # (on a GPU, where the grouped experts' transients are large; on the CPU the library's one
     # evaluation a chunk: a wait a layer cost two 18K-token prompts a third more time there)
-    pace = one_layer_ahead if options.paced and cuda_kernels_available() else None
+    pace = after if after is not None else one_layer_ahead if options.paced and cuda_kernels_available() else None
     return model.norm(run_layers(model.layers, h, linear, attend, prefill=options, after=pace))
 
 
