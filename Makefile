@@ -15,9 +15,11 @@ REPLICAS ?= 2
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# uv resolves and installs the whole set in seconds where pip took ~75 s on a fresh 2-core clone;
+# pip is the fallback (an offline machine with wheels only where pip's configuration points)
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	($(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) -e ".[dev]") \
+	  || $(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

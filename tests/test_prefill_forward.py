@@ -20,6 +20,10 @@ from tests.test_moe_decode import CONFIG as MOE_CONFIG
 from tests.test_moe_decode import build_moe_lm
 
 TOL = 2e-5
+#: a chunk shorter than the library's 64-position scan runs its sequential recurrence on the CPU (our
+#: `kernels/gated_delta_prefill.fallback`) where the library's forward runs the chunked scan: the same
+#: arithmetic in another order, equal to float32 rounding (~3e-5 at most on the fixture's states ~4)
+FORMS_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +48,10 @@ def _states(caches: list[Any]) -> list[Any]:
     return out
 
 
-def _close(a: Any, b: Any) -> bool:
+def _close(a: Any, b: Any, tol: float = TOL) -> bool:
     import mlx.core as mx
 
-    return a.shape == b.shape and bool(mx.allclose(a, b, atol=TOL, rtol=TOL))
+    return a.shape == b.shape and bool(mx.allclose(a, b, atol=tol, rtol=tol))
 
 
 def _ours(lm: Any, ids: Any, caches: list[Any], positions: Any, options: Any = None) -> Any:
@@ -68,7 +72,9 @@ def _library(lm: Any, ids: Any, caches: list[Any], positions: Any) -> Any:
 @pytest.mark.parametrize("attention_bytes", [1 << 30, 1], ids=["one-block", "blocks"])
 def test_a_chunked_prompt_prefills_as_the_library(gpu: Callable, request: pytest.FixtureRequest, model: str,
                                                   attention_bytes: int) -> None:
-    """A lone row's prompt in three chunks (the middle one a single token) into batch-1 caches."""
+    """A lone row's prompt in four chunks into batch-1 caches: 70 tokens (the library's chunked
+    GatedDeltaNet scan), a single token, 29 and 50 (on the CPU its sequential recurrence: within
+    `FORMS_TOL` of the library's scan after them)."""
     lm = request.getfixturevalue(model)
 
     def run() -> tuple[bool, bool]:
@@ -79,13 +85,13 @@ def test_a_chunked_prompt_prefills_as_the_library(gpu: Callable, request: pytest
         prompt = [(7 * i + 3) % 400 + 10 for i in range(150)]
         ours_cache, ref_cache = lm.make_cache(), lm.make_cache()
         hidden_ok = True
-        for a, b in ((0, 70), (70, 71), (71, 150)):
+        for a, b in ((0, 70), (70, 71), (71, 100), (100, 150)):
             ids = mx.array([prompt[a:b]])
             ours = _ours(lm, ids, ours_cache, _positions(a, b), PrefillOptions(attention_bytes=attention_bytes))
             ref = _library(lm, ids, ref_cache, _positions(a, b))
             mx.eval(ours, ref, _states(ours_cache), _states(ref_cache))
-            hidden_ok = hidden_ok and _close(ours, ref)
-        caches_ok = all(_close(x, y) for x, y in zip(_states(ours_cache), _states(ref_cache), strict=True))
+            hidden_ok = hidden_ok and _close(ours, ref, FORMS_TOL if b - a < 64 else TOL)
+        caches_ok = all(_close(x, y, FORMS_TOL) for x, y in zip(_states(ours_cache), _states(ref_cache), strict=True))
         return hidden_ok, caches_ok
 
     assert gpu(run) == (True, True)
