@@ -18,9 +18,9 @@ shape, so a chunk of any length reuses one compiled kernel. It replaces mlx-vlm 
 WY form (`gated_delta_chunked`: plain MLX operations with a Python loop over 64-position chunks
 and a 64-step triangular solve, about 20 ms a layer for 2,048 positions on an H100), as mlx-lm's
 Metal kernel does on Apple GPUs. Elsewhere, and for the speculative verify's per-position states,
-it is `fallback`: the library's own `gated_delta_update`, or on the CPU for a short chunk its
-sequential reference (the float32 tests pin the prefill that calls it, `tests/test_prefill_forward.py`
-both forms; `benchmarks/gpu/kernel_check.py` pins the kernel against it on a GPU).
+it is `fallback`: on the CPU our `gated_delta_cpu.recurrence`, elsewhere the library's own
+`gated_delta_update` (the float32 tests pin the prefill that calls it; `benchmarks/gpu/kernel_check.py`
+pins the kernel against it on a GPU).
 """
 
 from __future__ import annotations
@@ -28,18 +28,14 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_vlm.models.qwen3_5.gated_delta import compute_g, gated_delta_ops, gated_delta_update
+from mlx_vlm.models.qwen3_5.gated_delta import compute_g, gated_delta_update
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
+from mlx_relay.engine.kernels.gated_delta_cpu import recurrence
 
 LANES_PER_ROW = 8  # lanes sharing one value row's state columns
 ROWS_PER_BLOCK = 32  # value rows per thread block (256 threads)
 TILE = 16  # positions staged in shared memory at a time
-#: On the CPU, chunks shorter than the library's scan chunk (64 positions) run its sequential
-#: reference: the chunked scan pads them to 64 and runs a 64-step triangular solve, ~10-13 ms a
-#: layer whatever the length at the embedded models' shapes, where the sequential recurrence takes
-#: 0.2 ms for 1 position, 1.3 ms for 16, 2.9 ms for 32 (and 8 ms against 16 ms at 64)
-SEQUENTIAL_BELOW = 64
 
 CUDA_HEADER = """
 __device__ inline float relay_row_sum8(float v) {
@@ -198,9 +194,9 @@ def cuda_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx
 
 def fallback(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, A_log: mx.array,
              dt_bias: mx.array, state: mx.array, mask: mx.array | None, state_steps: int | None) -> Any:
-    """The library's arithmetic: its `gated_delta_update` (its chunked scan for T > 1 off Metal, its
-    Metal kernel on Apple GPUs), or on the CPU for a chunk shorter than `SEQUENTIAL_BELOW` its
-    sequential reference `gated_delta_ops` (the recurrence its decode step runs, position by position)."""
-    if state_steps is None and q.shape[1] < SEQUENTIAL_BELOW and mx.default_device() == mx.cpu:
-        return gated_delta_ops(q, k, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), state, mask)
+    """On the CPU `gated_delta_cpu.recurrence` (the library's gates); elsewhere, and for the
+    verify's per-position states, the library's `gated_delta_update` (its chunked scan for T > 1
+    off Metal, its Metal kernel on Apple GPUs)."""
+    if state_steps is None and mx.default_device() == mx.cpu:
+        return recurrence(q, k, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), state, mask)
     return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=state, mask=mask, state_steps=state_steps)

@@ -3,8 +3,8 @@
 The step's token budget (`scheduling/token_budget.py`) bounds the prefill tokens a step runs beside the
 decoding rows, but not what they cost: on the CPU backend a step that prefills even 64 tokens
 costs ~30x a decode step (a decode round ~12 ms, prefill ~3-5 ms a token plus ~30 ms a call for
-mlx-vlm's 64-padded GatedDeltaNet solve, which chunks under 64 tokens now skip on the CPU:
-`kernels/gated_delta_prefill.SEQUENTIAL_BELOW`), so a stream decoding beside long prompts gets a
+mlx-vlm's 64-padded GatedDeltaNet solve, which the CPU's prefill no longer runs:
+`kernels/gated_delta_cpu.py`), so a stream decoding beside long prompts gets a
 token every few hundred milliseconds however small the budget (issue 30.6,
 `benchmarks/results/short-behind-long-cpu-2026-11-26/`).
 
