@@ -126,7 +126,7 @@ def test_engine_holds_prefill_for_decoding_rows(gpu: Callable, fp32_model: Path,
         def step() -> None:
             before = d.engine.prefill_tokens
             d.step()
-            decode, allowed = d.engine.last_prefill_budget
+            decode, allowed = d.engine.shares.last_budget
             trace.append((decode, allowed, d.engine.prefill_tokens - before))
 
         for _ in range(3):  # the long prompt alone
@@ -135,7 +135,7 @@ def test_engine_holds_prefill_for_decoding_rows(gpu: Callable, fp32_model: Path,
         while long not in d.finished:
             step()
             assert len(trace) < 2000
-        held = d.engine.priority.held
+        held = d.engine.shares.priority.held
         ref = greedy_reference(fp32_model, [SHORT, LONG], 40)
         outs = [d.tokens[short], d.tokens[long]]
         d.run()

@@ -100,7 +100,7 @@ def test_short_request_passes_long_prefills(gpu: Callable, fp32_model: Path, lon
         ref = greedy_reference(fp32_model, [*LONG, SHORT], max(4, SHORT_TOKENS))
         outs = [d.tokens[s] for s in (*longs, short)]
         snaps = [[s.length for s in d.snapshots[i] if s.kind == "system"] for i in longs]
-        finishing = d.engine.finishing_steps
+        finishing = d.engine.shares.finishing_steps
         d.engine.close()
         return trace, outs, ref, snaps, (long_lanes, short_lane), finishing
 

@@ -28,8 +28,7 @@ from typing import Any
 
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.lanes.build import build_lanes, prefill_step_size
-from mlx_relay.engine.lanes.lane import Lane, LaneName, LaneStep, MTPCounts, RowSpec
-from mlx_relay.engine.lanes.row_prefill import sparse_row
+from mlx_relay.engine.lanes.lane import Lane, LaneName, LaneStep, MTPCounts
 from mlx_relay.engine.memory.held import HeldMemory
 from mlx_relay.engine.memory.kv_budget import engine_plan, with_held_weights
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout
@@ -53,18 +52,14 @@ from mlx_relay.engine.protocol import (
     StepOutput,
     Told,
 )
-from mlx_relay.engine.scheduling.token_budget import (
-    MIN_PREFILL_TOKENS,
-    finishing_shares,
-    prefill_budget,
-    split_by_rows,
-    step_budget,
-)
+from mlx_relay.engine.scheduling.token_budget import MIN_PREFILL_TOKENS, step_budget
 from mlx_relay.engine.scoring.stage import ScoringStage
 from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.engine.step.interleave import decode_priority
+from mlx_relay.engine.step.join import row_spec
 from mlx_relay.engine.step.logits import LogitsChains
 from mlx_relay.engine.step.output import OutputStage, RowCounts, RowEnd
+from mlx_relay.engine.step.prefill_shares import PrefillShares
 from mlx_relay.engine.step.rows import Row
 from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
 from mlx_relay.engine.step.warmup import warm_up
@@ -109,17 +104,17 @@ class EngineCore:
         self.vocab_size = info.vocab_size
         # the longest prefill chunk, within what one forward can run on this backend (`lanes/build.py`)
         step = prefill_step_size(loaded.model.language_model, config, info.backend)
-        # the step's token budget: decoding rows first, prefill chunks in what is left
-        self.token_budget = step_budget(config.max_num_batched_tokens, step, info.backend,
-                                        config.max_num_seqs * max(1, config.mtp_block_size))
-        # while rows decode, prefill within a share of the time (`interleave.py`; None: off). Off
-        # in a pipeline: every rank must take the same steps, and each would time its own
-        self.priority = (decode_priority(config.decode_stall_factor, info.backend, MIN_PREFILL_TOKENS)
-                         if stage is None else None)
+        # the step's token budget: decoding rows first, prefill chunks in what is left; while rows
+        # decode, prefill within a share of the time (`interleave.py`; None: off). Off in a
+        # pipeline: every rank must take the same steps, and each would time its own
+        token_budget = step_budget(config.max_num_batched_tokens, step, info.backend,
+                                   config.max_num_seqs * max(1, config.mtp_block_size))
+        self.shares = PrefillShares(token_budget, decode_priority(
+            config.decode_stall_factor, info.backend, MIN_PREFILL_TOKENS) if stage is None else None)
         # the rows' caches within the device's memory, the prefill's working set bounded from it
         # (`memory/kv_budget.py`; not counted on a pipeline stage, whose ranks hold different layers)
         budget, prefill_options = engine_plan(loaded, config, prefix_cache=prefix_cache, chunk_tokens=step)
-        self.lanes = build_lanes(loaded, config, prefix_cache=prefix_cache, token_budget=self.token_budget,
+        self.lanes = build_lanes(loaded, config, prefix_cache=prefix_cache, token_budget=token_budget,
                                  stage=stage, step=step, prefill_options=prefill_options)
         self.kv_budget = with_held_weights(budget) if stage is None else None
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
@@ -130,7 +125,7 @@ class EngineCore:
             raise UnsupportedModel(f"SpecPrefill needs a model family of the engine's own "
                                    f"({info.model_type} is served through its library's forward)")
         # the draft (a much smaller model) reads at most a budget's worth of a prompt per step
-        self.scoring = ScoringStage(draft_model, tok, min(step, self.token_budget))
+        self.scoring = ScoringStage(draft_model, tok, min(step, token_budget))
         self.output = OutputStage()
         self.chains = LogitsChains(tok, info.vocab_size, info.eos_token_ids, config.seed)
         # snapshots, features, memory; what MLX may keep cached while idle (EngineConfig.idle_cache_bytes)
@@ -143,9 +138,6 @@ class EngineCore:
         self.prefill_chunks = 0  # steps whose prefill ran
         self.prefill_rows = 0  # rows over those chunks
         self.prefill_tokens = 0  # prompt tokens the lanes' prefill ran, padding included (all steps)
-        self.last_prefill_budget = (0, 0)  # the last step's decoding tokens and the prefill it allowed
-        self.finishing_steps = 0  # steps that ran only prompts they finished (`token_budget.finishing_shares`)
-        self._finished_last = False  # the last step was one (the next is an ordinary step)
 
     @property
     def draft(self) -> DraftInfo | None:
@@ -222,9 +214,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         tic = time.perf_counter()
         executed = self._execute(plan)
-        if self.priority is not None:
-            self.priority.observe(time.perf_counter() - tic, self.last_prefill_budget[0],
-                                  sum(s.prefill_tokens for s in executed.steps))
+        self.shares.observe(time.perf_counter() - tic, sum(s.prefill_tokens for s in executed.steps))
         updated = self._update(executed)
         out = StepOutput(events=self.output.take(), snapshots=updated.snapshots, scored=executed.scored,
                          features=executed.features, mtp=updated.mtp)
@@ -265,22 +255,10 @@ class EngineCore:
         return executed
 
     def _prefill_shares(self) -> dict[LaneName, int]:
-        """Each lane's prefill tokens this step: the budget less every lane's decoding tokens
-        (`scheduling/token_budget.py`), within the decode-priority allowance while rows decode
-        (`interleave.py`), split over the lanes by the rows each has prefilling; or, every other
-        step at most, all of it to prompts that finish in it (`token_budget.finishing_shares`)."""
+        """Each working lane's prefill tokens this step (`prefill_shares.py`)."""
         lanes = [(name, lane) for name, lane in self.lanes.items() if lane.has_work]
-        decode = sum(lane.decode_tokens for _, lane in lanes)
-        budget = prefill_budget(self.token_budget, decode)
-        if self.priority is not None and decode and any(lane.prefilling for _, lane in lanes):
-            budget = self.priority.allowance(budget)
-        self.last_prefill_budget = (decode, budget)
-        prefilling = [lane.prefilling for _, lane in lanes]
-        finishing = None if self._finished_last or budget <= 0 or sum(prefilling) < 2 else finishing_shares(
-            [lane.finishing_costs for _, lane in lanes], budget, sum(prefilling))
-        self._finished_last = finishing is not None
-        self.finishing_steps += self._finished_last
-        split = finishing or split_by_rows(prefilling, budget)
+        split = self.shares.split(sum(lane.decode_tokens for _, lane in lanes), [lane.prefilling for _, lane in lanes],
+                                  lambda: [lane.finishing_costs for _, lane in lanes])
         return {name: share for (name, _), share in zip(lanes, split, strict=True)}
 
     def _update(self, executed: _Executed) -> _Updated:
@@ -309,40 +287,11 @@ class EngineCore:
 
     # -- execute: a row joins its lane --------------------------------------------------------
     def _join(self, row: Row) -> FeaturesEncoded | None:
-        """The row starts in its lane; the image features it encoded, if any."""
-        req = row.req
+        """The row starts in its lane (`join.py`); the image features it encoded, if any."""
         assert row.lane is not None
-        lane = self.lanes[row.lane]
-        restore, snapshot_at = self._restore(req.prefix)
-        spec = RowSpec(rid=row.rid, prompt=list(req.prompt_tokens), max_tokens=req.sampling.max_tokens,
-                       restore=restore, snapshot_at=snapshot_at)
-        encoded = None
-        chain = self.chains.build(req.sampling)
-        row.recorder, row.grammar = chain.recorder, chain.grammar
-        if row.lane == "mtp":
-            # the MTP lane samples and applies the grammar inside its round; its rows have no
-            # other processor (the TextMTPExecutor plans the others into the plain lane)
-            assert req.speculate is not None and chain.recorder is None
-            spec.sampler, spec.grammar = chain.sampler, chain.grammar
-            spec.block_size, spec.use_head = req.speculate.block_size, req.speculate.head
-            spec.context_drafts = req.speculate.context
-        else:
-            spec.processors = chain.processors
-        if req.vision is not None:
-            kwargs, hashes = self.features.prompt_kwargs(self._model, spec.prompt, req.vision)
-            if hashes:
-                encoded = FeaturesEncoded(req.request_id, hashes)
-            if row.lane == "library":
-                spec.prompt_kwargs = kwargs
-            else:
-                deltas = kwargs.get("rope_deltas")
-                spec.embeds, spec.positions = kwargs["inputs_embeds"], kwargs.get("position_ids")
-                spec.rope_delta = int(deltas.reshape(-1)[0].item()) if deltas is not None else 0
-        elif row.sparse is not None:
-            spec.prompt, kw, spec.snapshot_at = sparse_row(spec.prompt, row.sparse,
-                                                           restore.length if restore else 0, snapshot_at)
-            spec.positions, spec.rope_delta = kw["positions"], kw["rope_delta"]
-        lane.add(spec)
+        restore, snapshot_at = self._restore(row.req.prefix)
+        spec, encoded = row_spec(row, restore, snapshot_at, self.chains, self.features, self._model)
+        self.lanes[row.lane].add(spec)
         return encoded
 
     def _restore(self, plan: PrefixPlan | None) -> tuple[Snapshot | None, list[int]]:
