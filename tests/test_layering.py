@@ -64,6 +64,17 @@ def test_the_lanes_import_nothing_of_the_engine_step() -> None:
                 assert not node.module.startswith("mlx_relay.engine.step"), (path.name, node.module)
 
 
+MAX_CLASS_LINES = 300  # small files with one job: no class of the product over this (ARCHITECTURE.md)
+
+
+def test_no_class_of_the_product_is_over_300_lines() -> None:
+    root = Path(mlx_relay.__file__).parent
+    over = [(f"{path.relative_to(root)}:{node.name}", node.end_lineno - node.lineno + 1)
+            for path in root.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    assert not over, over
+
+
 def test_the_engines_thread_host_is_where_mlx_is() -> None:
     code = "import sys, mlx_relay.engine.hosting.local_engine; print('mlx.core' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -26,11 +26,9 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 from anyio.abc import TaskGroup
 
 from mlx_relay.chat.output import ReplyEvent
@@ -38,8 +36,6 @@ from mlx_relay.chat.reply import ChatReply
 from mlx_relay.chat.types import ChatMessage
 from mlx_relay.config import ServerConfig
 from mlx_relay.errors import (
-    InvalidModelPath,
-    InvalidRequest,
     ModelLoadError,
     ModelLoadFailed,
     ModelLoading,
@@ -50,12 +46,14 @@ from mlx_relay.errors import (
 from mlx_relay.http.served import BootServed, Served
 from mlx_relay.http.types import HealthBody, LoadModelBody, ModelCard
 from mlx_relay.messages.admission import AdmissionStats
-from mlx_relay.pool.build import gib, over_budget, pooled_model
-from mlx_relay.pool.config import PoolConfig, PooledModel
+from mlx_relay.pool.build import gib
+from mlx_relay.pool.config import PoolConfig
 from mlx_relay.pool.metrics import PoolMetrics
-from mlx_relay.pool.reservation import Resident, make_room
+from mlx_relay.pool.names import ModelNames
+from mlx_relay.pool.reservation import make_room
+from mlx_relay.pool.room import no_room, resident, yielding
 from mlx_relay.pool.slot import RESIDENT, ModelSlot, UnloadReason
-from mlx_relay.pool.views import admission_total, card_of, exposition, loaded
+from mlx_relay.pool.views import admission_total, card_of, exposition, loaded, ready_line
 from mlx_relay.relay import DrainReport, Relay
 from mlx_relay.service import ChatService
 
@@ -69,10 +67,9 @@ class ModelPool:
         self.config = config
         self.template = template  # the server's flags: what a model registered at run time is served with
         self.slots: dict[str, ModelSlot] = {}
-        self.names: dict[str, str] = {}  # every name a request may use -> the model's name
-        self.catch_all: str | None = None  # the model the alias "*" gives any other name
+        self.names = ModelNames(self.slots, config.memory_budget_bytes)  # which model a request's name means
         for model in config.models:
-            self._add(model)
+            self.names.add(model)
         self.metrics = PoolMetrics()
         self.state = "loading"  # loading (the pinned models) / ready / draining / failed
         self.ready, self.failed = anyio.Event(), anyio.Event()
@@ -113,20 +110,6 @@ class ModelPool:
             finally:
                 tg.cancel_scope.cancel()
 
-    def _add(self, model: PooledModel) -> None:
-        names = [model.name, model.config.model, *model.config.model_aliases]
-        taken = [n for n in names if n != "*" and self.names.get(n, model.name) != model.name]
-        if taken or model.name in self.slots:
-            raise ValueError(f"the model name '{(taken or [model.name])[0]}' is given to two models")
-        if "*" in model.config.model_aliases:
-            if self.catch_all is not None:
-                raise ValueError(f"the alias '*' is given to two models ('{self.catch_all}', '{model.name}')")
-            self.catch_all = model.name
-        if (problem := over_budget(model, self.config.memory_budget_bytes)) is not None:
-            raise ValueError(problem)
-        self.slots[model.name] = ModelSlot(model)
-        self.names.update({n: model.name for n in names if n != "*"})
-
     async def _start(self, progress: Callable[[str], None]) -> None:
         """Load the pinned models; the pool is ready once they are (failed if one cannot load)."""
         pinned = [slot for slot in self.slots.values() if slot.model.pinned]
@@ -154,13 +137,13 @@ class ModelPool:
     # -- loading and unloading ---------------------------------------------------------------------------
     async def _ready(self, slot: ModelSlot, arrived: float) -> None:
         """Return once `slot` is loaded: start its load if nobody has, wait for the load under way.
-        A request that `arrived` after the model was ready waits while the model yields (`_yielding`);
+        A request that `arrived` after the model was ready waits while the model yields (`room.yielding`);
         one that waited for this load is served by it."""
         while True:
             if self.state in ("draining", "failed") and self.ready.is_set():
                 raise NotReady(f"the server is {self.state}")
             match slot.state:
-                case "ready" if arrived <= slot.ready_since or slot.name not in self._yielding():
+                case "ready" if arrived <= slot.ready_since or slot.name not in yielding(self.slots, self.config):
                     return
                 case "ready" | "loading" | "unloading":
                     await self._changes()
@@ -168,42 +151,14 @@ class ModelPool:
                     if slot.state == "failed" and time.monotonic() - slot.failed_at < FAILED_RETRY_S:
                         raise ModelLoadFailed(f"the model '{slot.name}' failed to load: {slot.error}",
                                               retry_after_s=FAILED_RETRY_S)
-                    victims = make_room(slot.model.reservation.total, self._resident(busy_too=False),
+                    victims = make_room(slot.model.reservation.total, resident(self.slots.values(), busy_too=False),
                                         self.config.memory_budget_bytes)
                     if victims is None:
                         if self.config.contention == "fail":
-                            raise NoRoomForModel(self._no_room(slot))
+                            raise NoRoomForModel(no_room(slot, self.slots.values(), self.config.memory_budget_bytes))
                         await self._changes()
                         continue
                     self._begin_load(slot, victims)
-
-    def _yielding(self) -> list[str]:
-        """The ready models that admit no new request now: those to be unloaded for the model that
-        has waited longest for room (their running requests finish first), once it has waited, and
-        they have served since they became ready, as long as its last load took (so a swap is
-        followed by at least about as much serving as it cost; a model never loaded is owed its
-        turn at once). No model's requests wait for ever behind a steady stream to another.
-        Empty where nobody waits for room."""
-        budget = self.config.memory_budget_bytes
-        waiting = [s for s in self.slots.values() if s.waiters and s.state in ("unloaded", "failed")]
-        if budget is None or not waiting or self.config.contention == "fail":
-            return []
-        first = min(waiting, key=lambda s: s.waiting_since)
-        victims = make_room(first.model.reservation.total, self._resident(busy_too=True), budget) or []
-        since = max([first.waiting_since, *(self.slots[name].ready_since for name in victims)])
-        return victims if time.monotonic() - since >= first.last_load_s else []
-
-    def _resident(self, *, busy_too: bool) -> list[Resident]:
-        """The models holding memory, as `make_room` sees them: evictable when ready and unpinned,
-        and idle unless `busy_too` (which the fairness rule asks: whom to stop admitting to)."""
-        return [Resident(s.name, s.reserved, s.evictable() or (busy_too and s.state == "ready" and not s.model.pinned),
-                         s.last_used) for s in self.slots.values() if s.state in RESIDENT]
-
-    def _no_room(self, slot: ModelSlot) -> str:
-        busy = ", ".join(f"{s.name} ({s.state}{', pinned' if s.model.pinned else ''}, {s.active} requests)"
-                         for s in self.slots.values() if s.state in RESIDENT)
-        return (f"the model '{slot.name}' ({gib(slot.model.reservation.total)}) does not fit the memory budget "
-                f"({gib(self.config.memory_budget_bytes or 0)}) beside the models in use: {busy}; retry")
 
     def _begin_load(self, slot: ModelSlot, victims: list[str]) -> None:
         waits = []
@@ -293,14 +248,7 @@ class ModelPool:
 
     # -- Served: what the app asks -------------------------------------------------------------------------
     def resolve(self, model: str | None) -> str:
-        if model is None:
-            return next(iter(self.slots))
-        if (name := self.names.get(model)) is not None:
-            return name
-        if self.catch_all is not None:
-            return self.catch_all
-        raise ModelNotFound(f"the model '{model}' does not exist; this server serves {', '.join(self.slots)}",
-                            model=model, param="model")
+        return self.names.resolve(model)
 
     @asynccontextmanager
     async def use(self, name: str) -> AsyncIterator[ChatService]:
@@ -320,7 +268,7 @@ class ModelPool:
             self._changed()
         if waited:
             if slot.state in ("unloaded", "failed"):  # never got room within the wait
-                raise NoRoomForModel(self._no_room(slot))
+                raise NoRoomForModel(no_room(slot, self.slots.values(), self.config.memory_budget_bytes))
             raise ModelLoading(f"the model '{name}' is {slot.state}; it was not ready within "
                                f"{self.config.load_wait_s:g}s", retry_after_s=10)
         assert slot.relay is not None and slot.relay.service is not None
@@ -382,40 +330,10 @@ class ModelPool:
                                 self.peak_reserved)
 
     async def load(self, name: str, body: LoadModelBody) -> ModelCard:
-        if body.path is not None:
-            name = self._register(name, body)
-        else:
-            if name not in self.names:
-                raise ModelNotFound(f"the model '{name}' is not configured; this server serves "
-                                    f"{', '.join(self.slots)} (give a \"path\" to load another)", model=name)
-            name = self.names[name]
+        name = self.names.register(name, body, self.template) if body.path is not None else self.names.configured(name)
         async with self.use(name):
             pass
         return await card_of(self.slots[name], int(time.time()))
-
-    def _register(self, name: str, body: LoadModelBody) -> str:
-        """A model named at run time by its local checkpoint directory, served with the server's flags."""
-        path = Path(body.path or "").expanduser()
-        if not path.is_dir() or not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
-            raise InvalidModelPath(f"'{body.path}' is not a model checkpoint directory (config.json and "
-                                   "*.safetensors)", param="path")
-        path = path.resolve()
-        if name in self.slots:
-            if Path(self.slots[name].model.config.engine.model_path) != path:
-                raise InvalidRequest(f"the model '{name}' is served from another path", param="path")
-            return name
-        if name in self.names:
-            raise InvalidRequest(f"'{name}' already names the model '{self.names[name]}'", param="model")
-        config = msgspec.structs.replace(
-            self.template, model=str(path), served_model_name=name, model_aliases=tuple(body.aliases),
-            engine=msgspec.structs.replace(self.template.engine, model_path=str(path)))
-        try:
-            self._add(pooled_model(config, pinned=body.pinned, idle_ttl_s=body.idle_ttl_s,
-                                   budget=self.config.memory_budget_bytes))
-        except (ValueError, OSError, KeyError) as exc:
-            raise InvalidModelPath(str(exc), param="path") from None
-        log.info("model %s registered from %s", name, path)
-        return name
 
     async def unload(self, name: str) -> ModelCard:
         slot = self.slots[self.resolve(name)] if name in self.names else None
@@ -433,18 +351,15 @@ class ModelPool:
         tic, ended = time.monotonic(), self.ended
         self.state = "draining"
         self._changed()
-        resident = [slot for slot in self.slots.values() if slot.state in RESIDENT]
-        for slot in resident:
+        holding = [slot for slot in self.slots.values() if slot.state in RESIDENT]
+        for slot in holding:
             self._unload(slot, "shutdown")
-        for slot in resident:
+        for slot in holding:
             await slot.unloaded.wait()
         return DrainReport(seconds=round(time.monotonic() - tic, 3), ended=self.ended - ended)
 
     def ready_line(self) -> str:
-        budget = self.config.memory_budget_bytes
-        pinned = [s.name for s in self.slots.values() if s.model.pinned]
-        return (f"{len(self.slots)} models ({', '.join(self.slots)}; pinned: {', '.join(pinned) or 'none'}), "
-                f"memory budget {gib(budget) if budget is not None else 'none'}")
+        return ready_line(list(self.slots.values()), self.config.memory_budget_bytes)
 
 
 async def _first(*waits: Callable[[], object]) -> None:

@@ -1,6 +1,7 @@
 """What the pool shows of its models (read-only views over its slots, `slot.py`): a model's card
 for `/v1/models`, every loaded model's admission counts summed for `/health` and `/v1/loads`, and
-the one `/metrics` exposition of every model's series beside the pool's own (`metrics.py`)."""
+the one `/metrics` exposition of every model's series beside the pool's own (`metrics.py`), and
+the line it logs once ready."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from mlx_relay.http.served import model_card
 from mlx_relay.http.types import ModelMemory, PooledModelCard
 from mlx_relay.messages.admission import REJECT_REASONS, AdmissionStats
 from mlx_relay.metrics.server import MergedCollector
+from mlx_relay.pool.build import gib
 from mlx_relay.pool.metrics import PoolMetrics
 from mlx_relay.pool.slot import ModelSlot
 from mlx_relay.relay import Relay
@@ -76,3 +78,10 @@ async def exposition(metrics: PoolMetrics, slots: Sequence[ModelSlot], budget: i
                 pass
         collectors.append(slot.metrics.collector(snapshot))
     return generate_latest(MergedCollector(collectors))
+
+
+def ready_line(slots: list[ModelSlot], budget: int | None) -> str:
+    """The pool's line when it is ready: its models, the pinned ones, its memory budget."""
+    pinned = [s.name for s in slots if s.model.pinned]
+    return (f"{len(slots)} models ({', '.join(s.name for s in slots)}; pinned: {', '.join(pinned) or 'none'}), "
+            f"memory budget {gib(budget) if budget is not None else 'none'}")
