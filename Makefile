@@ -34,11 +34,9 @@ cluster: install
 	$(VENV)/bin/mlx-relay cluster $(MODEL) --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
 
 ## Lint, then run the whole test suite on the tiny models (TEST_WORKERS processes, a file each at a time).
-## Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: the servers, engine processes and ranks
-## the tests start then load what the first compiled, instead of each compiling every module it imports.
 test: install
 	$(PY) -m ruff check mlx_relay tests benchmarks tools
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(PY) -m ruff check mlx_relay tests benchmarks tools
