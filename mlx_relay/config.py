@@ -73,6 +73,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # ~30x a decode step), off on a GPU until the GPU probe says otherwise; 0: off. Always off in a
     # pipeline (each rank would time its own steps, and every rank must take the same ones)
     decode_stall_factor: float | None = None
+    # in a step that decodes rows and prefills a chunk, the plain lane's decode step rides in the
+    # chunk's forward (`engine/models/qwen3_5/mixed.py`: one forward, each layer's weights read once
+    # for both, as vLLM v1 batches decode tokens with prefill chunks); off: two forwards a step, the
+    # decode step's compiled one first
+    mixed_steps: bool = True
     # how a prefill chunk's routed experts run on a CUDA GPU (`engine/models/prefill_options.py`):
     # "dequantize" for MLX's grouped GEMM, "kernel" our grouped 8-bit GEMM, "library" mlx-vlm's
     # SwitchGLU; "auto": our kernel for 8-bit experts in groups of 64 (else dequantized). Off a CUDA

@@ -42,6 +42,10 @@
 #   overlap  (issue 43.3) prefill_overlap.py: 8 decoding rows' steps while an OVERLAP_PROMPT (16384)-token
 #            prompt prefills in chunks of each of OVERLAP_CHUNKS (4096 2048), on one stream, on two, and queued a layer at a time on the second (OVERLAP_EVERY, "1,2,4": a decode step every N layers).
 #            Results: prefill_overlap_N.{json,txt}
+#   mixed    (issue 43.3) mixed_step.py: MIXED_ROWS (8) decoding rows' step alone, then beside a slice of a
+#            prompt MIXED_CONTEXT (16384) tokens in, for each of MIXED_SLICES (16,64,128,256,512,1024): two
+#            forwards (the decode step, the chunk's) against one (the plain lane's mixed step); a lone
+#            4,096-token chunk's rate for the TTFT ratio. Results: mixed_step.{json,txt}
 #   sbl      (issue 43.3) device_short_behind_long.sh run inside this job (its knobs: BUDGETS, FACTORS,
 #            OURS_FLAGS, STREAMS, LONG_TOKENS, WINDOW), so it follows the jobs before it on the same
 #            machine. Results: short_behind_long.tgz, sbl.txt
@@ -188,6 +192,11 @@ overlap)
       --steps "${STEPS:-40}" --every "${OVERLAP_EVERY:-1,2,4}" --out $O/prefill_overlap_$c.json > $O/prefill_overlap_$c.txt 2>&1
     say "overlap $c (rc $?): $(grep -h -E "^(decode|shared|two|layered)" $O/prefill_overlap_$c.txt | cut -c1-300 | tr '\n' ';')"
   done ;;
+mixed)
+  python3 benchmarks/mixed_step.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
+    --slices "${MIXED_SLICES:-16,64,128,256,512,1024}" --steps "${STEPS:-8}" --alone-chunk 4096 \
+    --out $O/mixed_step.json > $O/mixed_step.txt 2>&1
+  say "mixed (rc $?): $(tail -n 8 $O/mixed_step.txt | tr -s ' ' | tr '\n' ';')" ;;
 snapio)
   python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
   say "snapio done (rc $?)" ;;

@@ -153,6 +153,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     feature_bytes: int = 0
     prefill_chunks: int = 0  # prefill forwards of our own lanes since start
     prefill_rows: int = 0  # rows those chunks carried (rows / chunks: how many were prefilled together)
+    mixed_steps: int = 0  # of those chunks, the ones whose forward carried decoding rows too
     # MLX's allocator, read on the GPU thread: memory in arrays now, freed buffers it keeps cached
     # for reuse, and the most it held at once since start
     active_memory_bytes: int = 0

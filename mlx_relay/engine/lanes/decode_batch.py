@@ -92,22 +92,29 @@ class DecodeBatch:
         mx.eval(self._tokens, self._state.arrays())
         return self._state.row_caches(self.rids.index(rid))
 
-    def step(self) -> list[tuple[int, int]]:
+    def pending(self) -> tuple[mx.array, DecodeState]:
+        """What the next step feeds: each row's pending token [B] (idle rows included) and the state."""
+        assert self._tokens is not None and self._state is not None
+        return self._tokens, self._state
+
+    def step(self, logits: mx.array | None = None) -> list[tuple[int, int]]:
         """Emit each row's pending token (but a first token emitted as the row joined) and queue the
-        next: [(row, token)]."""
+        next: [(row, token)]. `logits`: the step's, already run over `pending()` (the step rode
+        in a prefill chunk's forward: `DecodeStep.beside`), else the step runs here."""
         if not self.rids:
             return []
         inputs = self._tokens
         assert inputs is not None
-        self._tokens = self._next(inputs)
+        self._tokens = self._next(inputs, logits)
         mx.async_eval(self._tokens)
         early, self.early = self.early, set()
         return [(rid, tok) for rid, tok in zip(self.rids, inputs.tolist()[:len(self.rids)], strict=True)
                 if rid not in early]
 
-    def _next(self, inputs: mx.array) -> mx.array:
+    def _next(self, inputs: mx.array, logits: mx.array | None) -> mx.array:
         assert self._state is not None
-        logits = self._forward(inputs, self._state)
+        if logits is None:
+            logits = self._forward(inputs, self._state)
         if any(self.processors):
             last = inputs.tolist()
             rows = []

@@ -20,6 +20,10 @@ As a pipeline stage (`pipeline_stage.Stage`) the step runs the stage's layers on
 the first receives its hidden states from the previous one, a stage before the last sends them on,
 and every rank takes the last stage's output (`Stage.share`), so every rank computes the same
 logits; the sends and receives are traced into the compiled function like any other op.
+
+`beside` runs the same step inside a prefill chunk's forward (`models.ModelFamily.mixed_forward`,
+eager: the chunk's shapes change from step to step), the plain lane's step while a prompt
+prefills: the rows' positions ride with the chunk's through every layer, one forward for both.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.engine.lanes.decode_state import DecodeState
-from mlx_relay.engine.models import UnsupportedModel, family_of
+from mlx_relay.engine.models import Block, Chunk, UnsupportedModel, family_of
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.positions import Positions
+from mlx_relay.engine.models.prefill_options import PrefillOptions
 
 __all__ = ["DecodeStep", "UnsupportedModel"]
 
@@ -55,15 +60,33 @@ class DecodeStep:
         state.idx += 1
         return logits
 
+    def beside(self, chunk: Chunk, tokens: mx.array, state: DecodeState, options: PrefillOptions
+               ) -> tuple[mx.array, mx.array]:
+        """The step riding in a prefill chunk's forward (`models.ModelFamily.mixed_forward`, eager):
+        the chunk's final hidden states and the rows' logits [B, V], updating `state` as a call does."""
+        state.ensure_room()
+        idx = mx.array(state.idx, dtype=mx.int32)
+        block = Block(tokens[:, None], _at(idx, state.left_padding, state.deltas, state.cap), state.kv, state.conv,
+                      state.ssm)
+        hidden, h, state.kv, state.conv, state.ssm = self.family.mixed_forward(self.lm, chunk, block, options)
+        state.idx += 1
+        return hidden, self.family.logits(self.lm, h)[:, -1, :]
+
     def _step(self, tokens: mx.array, idx: mx.array, left_padding: mx.array, deltas: mx.array,
               kv: list[tuple[mx.array, mx.array]], conv: list[mx.array], ssm: list[mx.array]
               ) -> tuple[mx.array, list[tuple[mx.array, mx.array]], list[mx.array], list[mx.array]]:
-        B = tokens.shape[0]
-        offsets = idx - left_padding + deltas
-        positions = mx.broadcast_to(offsets[None, :, None], (3, B, 1))
-        columns = mx.arange(kv[0][0].shape[2])
-        valid = ((columns[None, :] >= left_padding[:, None]) & (columns[None, :] <= idx))[:, None, None, :]
-        at = Positions.at_column(idx, positions, valid, offsets)
+        at = _at(idx, left_padding, deltas, kv[0][0].shape[2])
         h, kv, conv, ssm = self.family.forward_block(self.lm, tokens[:, None], at, kv, conv, ssm, keep_states=False,
                                                      stage=self.stage)
         return self.family.logits(self.lm, h)[:, -1, :], kv, conv, ssm
+
+
+def _at(idx: mx.array, left_padding: mx.array, deltas: mx.array, cap: int) -> Positions:
+    """Where each row's one position sits: column `idx` of buffers of `cap` columns, rotated to its
+    tokens in cache (less its left padding) + its M-RoPE delta, attending to its own columns."""
+    B = left_padding.shape[0]
+    offsets = idx - left_padding + deltas
+    positions = mx.broadcast_to(offsets[None, :, None], (3, B, 1))
+    columns = mx.arange(cap)
+    valid = ((columns[None, :] >= left_padding[:, None]) & (columns[None, :] <= idx))[:, None, None, :]
+    return Positions.at_column(idx, positions, valid, offsets)

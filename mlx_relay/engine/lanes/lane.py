@@ -89,6 +89,7 @@ class LaneStep:
     snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (row, snapshot) taken in prefill
     prefill_rows: int = 0  # rows in this step's prefill chunk (0: none ran)
     prefill_tokens: int = 0  # prompt tokens the step's prefill ran (padding included)
+    mixed: bool = False  # the prefill chunk's forward carried the decoding rows' step
     mtp: MTPCounts = field(default_factory=MTPCounts)  # the MTP lane's rounds this step
 
 

@@ -13,7 +13,10 @@ hand it, nor stop at a boundary to let us copy its state. This lane owns both ha
   its own M-RoPE delta, stepped by one compiled function (`decode_step.DecodeStep`). A row's first
   token comes out in the step that finished its prompt (the batch feeds it on its next step). A row's
   sequence ends at end-of-sequence or max_tokens (reported in `LaneStep`), but the row stays in
-  the batch until the engine removes it, so its turn snapshot can still be taken.
+  the batch until the engine removes it, so its turn snapshot can still be taken;
+- mixed (`mixed`, on by default): in a step that runs both, the decode step rides in the prefill
+  chunk's forward (`DecodeStep.beside`: one forward, each layer's weights read once for both, as
+  vLLM v1 batches decode tokens with prefill chunks); else the decode step is queued first.
 
 tests/test_prefix_cache.py pins that image rows decode here exactly as on mlx-vlm's
 BatchGenerator (same tokens, cache or not); tests/test_prefix_engine.py that rows prefilled
@@ -40,6 +43,7 @@ from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
 from mlx_relay.engine.memory.batch_caches import as_batch_caches
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot, restore_caches, snapshot_caches
+from mlx_relay.engine.models import Chunk
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 
@@ -58,8 +62,11 @@ class PlainLane:
 
     def __init__(self, lm: Any, *, prefill_batch_size: int, prefill_step_size: int, eos_token_ids: list[int],
                  compiled: bool = True, fixed_prefill_shapes: bool = False, stage: Stage | None = None,
-                 prefill_options: PrefillOptions | None = None) -> None:
+                 prefill_options: PrefillOptions | None = None, mixed: bool = True) -> None:
         self.lm = lm
+        # the decode step rides in the prefill chunk's forward (not on a pipeline stage, whose
+        # prefill is the library's forward)
+        self.mixed = mixed and stage is None
         self.eos = frozenset(eos_token_ids)
         self.prefill = PrefillBatch(lm, max_rows=prefill_batch_size, token_budget=prefill_step_size,
                                     fixed_shapes=fixed_prefill_shapes,
@@ -166,28 +173,41 @@ class PlainLane:
         return len(sizes)
 
     def step(self, prefill_budget: int | None = None) -> LaneStep:
-        """One decode step of the decoding rows, then one prefill chunk of the joining rows, of at
+        """One decode step of the decoding rows and one prefill chunk of the joining rows, of at
         most `prefill_budget` tokens (the rows it finishes join the decode batch, their first
-        tokens out with this step's)."""
+        tokens out with this step's): one forward for both where the lane mixes, else the decode
+        step queued first."""
         out = LaneStep()
-        for rid, token in self._batch.step():
-            row = self.rows[rid]
-            row.emitted += 1
-            out.tokens.append(RowTokens(rid, [token], sequence_end(token, row.emitted, row.spec.max_tokens, self.eos)))
-        if len(self.prefill):
-            chunk = self.prefill.step(prefill_budget)
+        if self.mixed and len(self._batch) and len(self.prefill) and (prefill_budget is None or prefill_budget > 0):
+            tokens, state = self._batch.pending()
+            logits: list[mx.array] = []
+
+            def beside(chunk: Chunk) -> mx.array:
+                hidden, rows = self._step.beside(chunk, tokens, state, self.prefill.forward.options)
+                logits.append(rows)
+                return hidden
+
+            chunk = self.prefill.step(prefill_budget, run=beside)
+            out.mixed = bool(logits)
+            self._emit(self._batch.step(logits[0] if logits else None), out)
+        else:
+            self._emit(self._batch.step(), out)
+            chunk = self.prefill.step(prefill_budget) if len(self.prefill) else None
+        if chunk is not None:
             out.prefill_rows, out.prefill_tokens = chunk.rows, chunk.tokens
             out.snapshots.extend(chunk.snapshots)
             if (done := chunk.done) is not None:
                 out.snapshots.extend(_ends(done))
                 self._batch.join([r.rid for r in done.rows], done.caches, done.first,
                                  [r.pre.rope_delta for r in done.rows], [r.processors for r in done.rows])
-                for r, token in zip(done.rows, done.first.tolist(), strict=True):
-                    row = self.rows[r.rid]
-                    row.emitted += 1
-                    out.tokens.append(RowTokens(r.rid, [token], sequence_end(token, row.emitted, row.spec.max_tokens,
-                                                                             self.eos)))
+                self._emit(list(zip([r.rid for r in done.rows], done.first.tolist(), strict=True)), out)
         return out
+
+    def _emit(self, tokens: list[tuple[int, int]], out: LaneStep) -> None:
+        for rid, token in tokens:
+            row = self.rows[rid]
+            row.emitted += 1
+            out.tokens.append(RowTokens(rid, [token], sequence_end(token, row.emitted, row.spec.max_tokens, self.eos)))
 
 
 def _ends(done: Prefilled) -> list[tuple[int, Snapshot]]:

@@ -33,7 +33,7 @@ the batched chunk runs as one forward and equals each row alone).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.lanes.stage_forward import ModelForward
 from mlx_relay.engine.memory.batch_caches import as_batch_caches, extend_caches, take_rows
 from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
+from mlx_relay.engine.models import Chunk
 from mlx_relay.engine.scheduling.token_budget import PREFILL_GRANULE
 
 
@@ -126,10 +127,11 @@ class PrefillBatch:
         self._caches = []
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self, budget: int | None = None) -> PrefillStep:
+    def step(self, budget: int | None = None, run: Callable[[Chunk], mx.array] | None = None) -> PrefillStep:
         """Admit waiting rows, then run one chunk for every row in the batch, of at most
         `budget` tokens (padding included; None or more than `token_budget`: `token_budget`;
-        0: none this step, the engine holds prefill back while rows decode)."""
+        0: none this step, the engine holds prefill back while rows decode). `run`: the chunk's
+        forward in place of `forward.prefill` (the plain lane's decode step riding in it)."""
         out = PrefillStep()
         if budget is not None and budget <= 0:
             return out
@@ -145,7 +147,8 @@ class PrefillBatch:
             for c in self._caches:
                 c.prepare(lengths=takes, right_padding=[n - t for t in takes])
         ids, embeds, positions = self._inputs(n, takes)
-        hidden = self.forward.prefill(ids, embeds, self._caches, positions)
+        hidden = run(Chunk(ids, embeds, self._caches, positions)) if run is not None \
+            else self.forward.prefill(ids, embeds, self._caches, positions)
         if padded:
             for c in self._caches:
                 c.finalize()

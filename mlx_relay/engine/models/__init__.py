@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 from mlx_relay.errors import UnsupportedModel
 
@@ -31,12 +31,35 @@ if TYPE_CHECKING:
     from mlx_relay.engine.models.positions import Positions
     from mlx_relay.engine.models.prefill_options import PrefillOptions
 
-__all__ = ["FAMILY_PACKAGES", "ModelFamily", "UnsupportedModel", "family_for", "family_of", "served_by_family"]
+__all__ = ["FAMILY_PACKAGES", "Block", "Chunk", "ModelFamily", "UnsupportedModel", "family_for", "family_of",
+           "served_by_family"]
 
 #: The families' packages; each has `MODEL_TYPES` (its `__init__`) and `family.FAMILY`.
 FAMILY_PACKAGES: Final[tuple[str, ...]] = ("mlx_relay.engine.models.qwen3_5",)
 
 KV = list[tuple["mx.array", "mx.array"]]
+
+
+class Chunk(NamedTuple):
+    """A prefill chunk as a family's forwards take it: token ids [B, T] (or, for vision rows, the
+    prompt embeddings [B, T, H]) at M-RoPE `positions` [3, B, T], into the library's own caches."""
+
+    ids: mx.array
+    embeds: mx.array | None
+    caches: list[Any]
+    positions: mx.array
+
+
+class Block(NamedTuple):
+    """Decoding rows as a family's forwards take them: `tokens` [B, T] at `at`, over explicit
+    caches (keys and values per attention layer; conv window and recurrent state per recurrent
+    layer, in layer order)."""
+
+    tokens: mx.array
+    at: Positions
+    kv: KV
+    conv: list[mx.array]
+    ssm: list[mx.array]
 
 
 class ModelFamily(Protocol):
@@ -75,6 +98,15 @@ class ModelFamily(Protocol):
         the library's forward keeps them), run as `options` say (its levers, its memory bound).
         `after` sees the residual stream after each layer, in place of the family's own pacing
         (a caller that queues the layers itself, e.g. beside decode steps on another stream)."""
+        ...
+
+    def mixed_forward(self, lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
+                      after: Callable[[mx.array], None] | None = None
+                      ) -> tuple[mx.array, mx.array, KV, list[mx.array], list[mx.array]]:
+        """A prefill chunk and decoding rows in one forward: the chunk's final-normed hidden states
+        [B, T, H] (its caches kept as `prefill_forward` keeps them), the rows' [B', T', H] and their
+        caches after (as `forward_block` without `keep_states`). Each position's arithmetic is that
+        of the forward it would otherwise run in; the layers' weights are read once for both."""
         ...
 
     def logits(self, lm: Any, hidden: mx.array) -> mx.array:

@@ -137,6 +137,7 @@ class EngineCore:
         self.mtp_totals = MTPCounts()
         self.prefill_chunks = 0  # steps whose prefill ran
         self.prefill_rows = 0  # rows over those chunks
+        self.mixed_steps = 0  # chunks whose forward carried decoding rows too
         self.prefill_tokens = 0  # prompt tokens the lanes' prefill ran, padding included (all steps)
 
     @property
@@ -272,6 +273,7 @@ class EngineCore:
             if lane_step.prefill_rows:
                 self.prefill_chunks += 1
                 self.prefill_rows += lane_step.prefill_rows
+                self.mixed_steps += lane_step.mixed
             for rid, snap in lane_step.snapshots:
                 if (row := self._rows.get(rid)) is not None:
                     updated.snapshots.append(self._keep(row, snap, "system"))
@@ -372,4 +374,5 @@ class EngineCore:
                            mtp_fallback_rounds=totals.fallback_rounds,
                            context_drafted=totals.context_drafted, context_accepted=totals.context_accepted,
                            wide_rounds=totals.wide_rounds,
-                           prefill_chunks=self.prefill_chunks, prefill_rows=self.prefill_rows, **self.memory.stats())
+                           prefill_chunks=self.prefill_chunks, prefill_rows=self.prefill_rows,
+                           mixed_steps=self.mixed_steps, **self.memory.stats())

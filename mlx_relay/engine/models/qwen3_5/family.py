@@ -8,11 +8,11 @@ from typing import Any, Final
 
 import mlx.core as mx
 
-from mlx_relay.engine.models import KV, ModelFamily
+from mlx_relay.engine.models import KV, Block, Chunk, ModelFamily
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
-from mlx_relay.engine.models.qwen3_5 import MODEL_TYPES, layers, mtp, pipeline, prefill
+from mlx_relay.engine.models.qwen3_5 import MODEL_TYPES, layers, mixed, mtp, pipeline, prefill
 
 
 class Qwen3_5Family:
@@ -37,6 +37,11 @@ class Qwen3_5Family:
                         positions: mx.array, options: PrefillOptions,
                         after: Callable[[mx.array], None] | None = None) -> mx.array:
         return prefill.prefill_forward(lm, ids, embeds, caches, positions, options, after)
+
+    def mixed_forward(self, lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
+                      after: Callable[[mx.array], None] | None = None
+                      ) -> tuple[mx.array, mx.array, KV, list[mx.array], list[mx.array]]:
+        return mixed.mixed_forward(lm, chunk, block, options, after)
 
     def logits(self, lm: Any, hidden: mx.array) -> mx.array:
         return layers.logits(lm, hidden)

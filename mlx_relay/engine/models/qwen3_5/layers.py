@@ -46,13 +46,17 @@ def decoder_layers(lm: Any) -> list[Any]:
     return list(layers)
 
 
+def gdn_projections(la: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A GatedDeltaNet mixer's input projections of `x`: (qkv, z, b, a), as the library's."""
+    return la.in_proj_qkv(x), la.in_proj_z(x), la.in_proj_b(x), la.in_proj_a(x)
+
+
 def gated_delta_net(la: Any, x: mx.array, conv_state: mx.array, ssm: mx.array, *, keep_states: bool
                     ) -> tuple[mx.array, mx.array, mx.array]:
     """Output [B, T, H] and, per `models.ModelFamily.forward_block`: the conv window and recurrent
     state after the block, or (`keep_states`) the conv input [B, K-1+T, C] and the state after
     each position [B, T, Hv, Dv, Dk]. Between the projections: `kernels.gated_delta`."""
-    out, conv_state, ssm = gated_delta_mixer(la, la.in_proj_qkv(x), la.in_proj_z(x), la.in_proj_b(x),
-                                             la.in_proj_a(x), conv_state, ssm, keep_states=keep_states)
+    out, conv_state, ssm = gated_delta_mixer(la, *gdn_projections(la, x), conv_state, ssm, keep_states=keep_states)
     return la.out_proj(out), conv_state, ssm
 
 
@@ -81,32 +85,56 @@ def _rotate(sa: Any, queries: mx.array, keys: mx.array, at: Positions, periods: 
                  for t in (queries, keys))  # type: ignore[return-value]
 
 
-def project_qkv(sa: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """The library's gated attention up to the rotary embedding: queries, keys and values
-    [B, heads, T, D] (queries and keys normed) and the output gate [B, T, heads * D]."""
-    B, T, _ = x.shape
-    queries, gate = mx.split(sa.q_proj(x).reshape(B, T, sa.num_attention_heads, -1), 2, axis=-1)
+def qkv_projections(sa: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The gated attention's input projections of `x` [B, T, H]: (queries with their gate, keys, values)."""
+    return sa.q_proj(x), sa.k_proj(x), sa.v_proj(x)
+
+
+def qkv_heads(sa: Any, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The library's gated attention from its projections [B, T, *] up to the rotary embedding:
+    queries, keys and values [B, heads, T, D] (queries and keys normed) and the output gate [B, T, heads * D]."""
+    B, T, _ = q.shape
+    queries, gate = mx.split(q.reshape(B, T, sa.num_attention_heads, -1), 2, axis=-1)
     gate = gate.reshape(B, T, -1)
     queries = sa.q_norm(queries).transpose(0, 2, 1, 3)
-    keys = sa.k_norm(sa.k_proj(x).reshape(B, T, sa.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-    values = sa.v_proj(x).reshape(B, T, sa.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    keys = sa.k_norm(k.reshape(B, T, sa.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+    values = v.reshape(B, T, sa.num_key_value_heads, -1).transpose(0, 2, 1, 3)
     return queries, keys, values, gate
+
+
+def project_qkv(sa: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """`qkv_heads` of `x`'s projections."""
+    return qkv_heads(sa, *qkv_projections(sa, x))
+
+
+def gated(out: mx.array, gate: mx.array) -> mx.array:
+    """The attention's output [B, heads, T, D] gated, before its output projection: [B, T, heads * D]."""
+    B, _, T, _ = out.shape
+    return out.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate)
 
 
 def gated_output(sa: Any, out: mx.array, gate: mx.array) -> mx.array:
     """The attention's output [B, heads, T, D] gated and projected: the mixer's output [B, T, H]."""
-    B, _, T, _ = out.shape
-    return sa.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate))
+    return sa.o_proj(gated(out, gate))
+
+
+def attend_explicit(sa: Any, queries: mx.array, keys: mx.array, values: mx.array, keys_buf: mx.array,
+                    values_buf: mx.array, at: Positions, periods: mx.array | None = None
+                    ) -> tuple[mx.array, mx.array, mx.array]:
+    """Queries, keys and values [B, heads, T, D] rotated to where `at` says, the keys and values
+    written there: the attention's output [B, heads, T, D] and the buffers after."""
+    queries, keys = _rotate(sa, queries, keys, at, periods)
+    keys_buf = at.write(keys_buf, keys)
+    values_buf = at.write(values_buf, values)
+    out = mx.fast.scaled_dot_product_attention(queries, keys_buf, values_buf, scale=sa.scale, mask=at.mask)
+    return out, keys_buf, values_buf
 
 
 def attention(sa: Any, x: mx.array, keys_buf: mx.array, values_buf: mx.array, at: Positions,
               periods: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """Gated attention of T queries per row; their keys and values written where `at` says."""
     queries, keys, values, gate = project_qkv(sa, x)
-    queries, keys = _rotate(sa, queries, keys, at, periods)
-    keys_buf = at.write(keys_buf, keys)
-    values_buf = at.write(values_buf, values)
-    out = mx.fast.scaled_dot_product_attention(queries, keys_buf, values_buf, scale=sa.scale, mask=at.mask)
+    out, keys_buf, values_buf = attend_explicit(sa, queries, keys, values, keys_buf, values_buf, at, periods)
     return gated_output(sa, out, gate), keys_buf, values_buf
 
 

@@ -41,7 +41,7 @@ from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.kernels.gated_delta import causal_conv, normalize_qk
 from mlx_relay.engine.kernels.gated_delta_prefill import delta_rule
 from mlx_relay.engine.models.prefill_options import PrefillOptions
-from mlx_relay.engine.models.qwen3_5.layers import gated_output, project_qkv, run_layers
+from mlx_relay.engine.models.qwen3_5.layers import gated_output, gdn_projections, project_qkv, run_layers
 
 
 def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
@@ -51,9 +51,9 @@ def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: lis
     model = lm.model
     h = embeds if embeds is not None else model.embed_tokens(ids)
     T = h.shape[1]
-    attn_mask = _attention_mask(caches[model.fa_idx], T)
-    ssm_mask = _recurrent_mask(caches[model.ssm_idx], T)
-    rotary = _position_embeddings(model.layers, h, positions)
+    attn_mask = attention_mask(caches[model.fa_idx], T)
+    ssm_mask = recurrent_mask(caches[model.ssm_idx], T)
+    rotary = position_embeddings(model.layers, h, positions)
     cache_of = iter(caches)  # one per layer, in layer order: the mixers take theirs as they run
 
     def linear(la: Any, x: mx.array) -> mx.array:
@@ -62,6 +62,17 @@ def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: lis
     def attend(sa: Any, x: mx.array) -> mx.array:
         return attention(sa, x, next(cache_of), positions, rotary, attn_mask, options)
 
+    return model.norm(run_layers(model.layers, h, linear, attend, prefill=options, after=pacing(options, after)))
+
+
+def pacing(options: PrefillOptions, after: Callable[[mx.array], None] | None) -> Callable[[mx.array], None] | None:
+    """The per-layer hook of a chunk's forward: the caller's `after`, else on a GPU (and
+    `options.paced`) `one_layer_ahead`'s, else none (on the CPU the library's one evaluation a
+    chunk: a wait a layer cost two 18K-token prompts a third more time there)."""
+    if after is not None:
+        return after
+    if not options.paced or not cuda_kernels_available():
+        return None
     in_flight: list[mx.array] = []
 
     def one_layer_ahead(layer_out: mx.array) -> None:
@@ -75,13 +86,10 @@ def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: lis
             mx.eval(in_flight.pop())
         in_flight.append(layer_out)
 
-    # (on a GPU, where the grouped experts' transients are large; on the CPU the library's one
-    # evaluation a chunk: a wait a layer cost two 18K-token prompts a third more time there)
-    pace = after if after is not None else one_layer_ahead if options.paced and cuda_kernels_available() else None
-    return model.norm(run_layers(model.layers, h, linear, attend, prefill=options, after=pace))
+    return one_layer_ahead
 
 
-def _attention_mask(cache: Any, T: int) -> Any:
+def attention_mask(cache: Any, T: int) -> Any:
     """The attention mask of a T-token chunk: "causal" (the attention masks it itself, aligned to
     the last key) unless a row of the batch carries left padding, then the cache's own mask array."""
     left = getattr(cache, "left_padding", None)
@@ -90,7 +98,7 @@ def _attention_mask(cache: Any, T: int) -> Any:
     return "causal" if T > 1 else None
 
 
-def _recurrent_mask(cache: Any, T: int) -> mx.array | None:
+def recurrent_mask(cache: Any, T: int) -> mx.array | None:
     """[B, T]: which positions of a chunk are real (a right-padded row's padding is not, nor a
     left-padded row's), as the library's model asks the recurrent layers' cache; None when the
     cache knows of no padding."""
@@ -100,7 +108,7 @@ def _recurrent_mask(cache: Any, T: int) -> mx.array | None:
     return mask
 
 
-def _position_embeddings(layers: list[Any], h: mx.array, positions: mx.array) -> Any:
+def position_embeddings(layers: list[Any], h: mx.array, positions: mx.array) -> Any:
     """As the library's model: the rotary embedding's (cos, sin) computed once for the chunk, or
     None where its attention layers apply it themselves (`fused_apply`)."""
     sa = next((layer.self_attn for layer in layers if not layer.is_linear), None)
@@ -113,6 +121,13 @@ def attention(sa: Any, x: mx.array, cache: Any, positions: mx.array, rotary: Any
               options: PrefillOptions) -> mx.array:
     """The library's gated attention over its KV cache, the scores in blocks of queries."""
     queries, keys, values, gate = project_qkv(sa, x)
+    return gated_output(sa, attend_cached(sa, queries, keys, values, cache, positions, rotary, mask, options), gate)
+
+
+def attend_cached(sa: Any, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, positions: mx.array,
+                  rotary: Any, mask: Any, options: PrefillOptions) -> mx.array:
+    """Queries, keys and values [B, heads, T, D] rotated to `positions`, the keys and values into the
+    library's KV cache: the attention's output [B, heads, T, D], its scores in blocks of queries."""
     if rotary is None:
         queries, keys = sa.rotary_emb.apply_rotary(queries, keys, positions, unsqueeze_dim=1)
     else:
@@ -120,7 +135,7 @@ def attention(sa: Any, x: mx.array, cache: Any, positions: mx.array, rotary: Any
     keys, values = cache.update_and_fetch(keys, values)
     B, heads, _, _ = queries.shape
     max_rows = options.attention_rows(B, heads, keys.shape[2], queries.dtype.size)
-    return gated_output(sa, blocked_attention(queries, keys, values, sa.scale, mask, max_rows), gate)
+    return blocked_attention(queries, keys, values, sa.scale, mask, max_rows)
 
 
 def blocked_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any, max_rows: int) -> mx.array:
@@ -143,13 +158,17 @@ def blocked_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask:
 def gated_delta_net(la: Any, x: mx.array, cache: Any, mask: mx.array | None, options: PrefillOptions) -> mx.array:
     """The library's `Qwen3_5GatedDeltaNet` over a chunk, its conv window and recurrent state in
     `cache` (an `ArraysCache`: [0] the window, [1] the state), kept as the library keeps them."""
-    B, T, _ = x.shape
-    qkv, z = la.in_proj_qkv(x), la.in_proj_z(x)
-    b, a = la.in_proj_b(x), la.in_proj_a(x)
+    return la.out_proj(gated_delta_core(la, *gdn_projections(la, x), cache, mask, options))
+
+
+def gated_delta_core(la: Any, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: Any,
+                     mask: mx.array | None, options: PrefillOptions) -> mx.array:
+    """`gated_delta_net` from the mixer's projections [B, T, *] up to its output projection: [B, T, Hv * Dv]."""
+    B, T, _ = qkv.shape
     width = la.conv_kernel_size - 1
     window = cache[0]
     if window is None or window.shape[0] != B:
-        window = mx.zeros((B, width, la.conv_dim), dtype=x.dtype)
+        window = mx.zeros((B, width, la.conv_dim), dtype=qkv.dtype)
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
     conv_in = mx.concatenate([window, qkv], axis=1)
@@ -169,7 +188,7 @@ def gated_delta_net(la: Any, x: mx.array, cache: Any, mask: mx.array | None, opt
     out, _ = cache.update_recurrent(1, T, update)
     cache.advance(T)
     out = la.norm(out, z.reshape(B, T, -1, la.head_v_dim))
-    return la.out_proj(out.reshape(B, T, -1))
+    return out.reshape(B, T, -1)
 
 
 def depthwise_conv(la: Any, conv_in: mx.array, T: int, shifted: bool = True) -> mx.array:

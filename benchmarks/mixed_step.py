@@ -1,0 +1,154 @@
+"""What a step costs that decodes rows and prefills a slice of a long prompt (issue 43.3): one
+forward for both (`DecodeStep.beside`, the plain lane's mixed step) against two (the decode step,
+then the chunk's forward), per slice size.
+
+    python benchmarks/mixed_step.py MODEL [--rows 8] [--context 8192] [--slices 16,64,128,256,512,1024]
+        [--steps 8] [--out mixed.json]
+
+One process, one model, the lane's own parts: `--rows` decoding rows (a `DecodeState` after a
+64-token context, padded to the batch's bucket, stepped by the compiled `DecodeStep`) and a prompt
+whose first `--context` tokens are in the library's caches, fed `slice` more tokens a step through
+`ModelForward.prefill`'s options (paced a layer ahead on a GPU, as the lane runs it). For each
+slice, `--steps` steps each way, alternating the modes step by step, every step evaluated and
+synchronized (the prompt's caches grow by the slice each step, so the context is reported):
+- `decode`: the decode step alone;
+- `two`: the decode step, then the chunk's forward (the lane with `--no-mixed-steps`);
+- `mixed`: one forward for both (the default).
+Reports, per slice and mode, the step's median and p90 (ms), its ratio to the decode step alone
+(what a decoding stream's ITL becomes) and the prompt's rate beside the rows (tokens a second of
+steps); with `--alone-chunk N` also a lone N-token chunk's rate (the prompt's rate alone: the TTFT
+ratio beside is the one over the other). Writes JSON (the commit, the card, every sample).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from prefill_block import context_caches, positions
+
+from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
+from mlx_relay.engine.lanes.decode_step import DecodeStep
+from mlx_relay.engine.lanes.stage_forward import ModelForward
+from mlx_relay.engine.memory.batch_caches import as_batch_caches
+from mlx_relay.engine.models import Chunk
+from mlx_relay.engine.models.loader import load_model
+from mlx_relay.engine.models.prefill_options import PrefillOptions
+
+MODES = ("decode", "two", "mixed")
+
+
+class Bench:
+    def __init__(self, lm: Any, rows: int, context: int, seed: int) -> None:
+        self.lm, self.rows = lm, batch_bucket(rows)
+        self.step = DecodeStep(lm)
+        self.forward = ModelForward(lm, PrefillOptions())
+        state = DecodeState.from_batch_caches(as_batch_caches(context_caches(lm, 64, 64, seed)), [0])
+        state.pad_to(self.rows)
+        self.state = state
+        self.tokens = mx.zeros((self.rows,), dtype=mx.int32)
+        self.caches = as_batch_caches(context_caches(lm, context, 2048, seed + 1))
+        self.done = context
+        mx.eval(state.arrays(), [c.state for c in self.caches])
+
+    def chunk(self, n: int) -> Chunk:
+        ids = mx.random.randint(0, self.lm.args.vocab_size, (1, n)).astype(mx.int32)
+        chunk = Chunk(ids, None, self.caches, positions(self.done, self.done + n))
+        self.done += n
+        return chunk
+
+    def run(self, mode: str, n: int) -> float:
+        """One step of `mode` with an `n`-token slice: its milliseconds, evaluated and synchronized."""
+        mx.synchronize()
+        t0 = time.perf_counter()
+        if mode == "mixed":
+            hidden, logits = self.step.beside(self.chunk(n), self.tokens, self.state, self.forward.options)
+            out = [hidden[:, -1:], logits]
+        else:
+            logits = self.step(self.tokens, self.state)
+            out = [logits]
+            if mode == "two":
+                mx.async_eval(logits)
+                chunk = self.chunk(n)
+                out.append(self.forward.prefill(chunk.ids, None, chunk.caches, chunk.positions)[:, -1:])
+        self.tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        mx.eval(out, self.tokens, self.state.arrays(), [c.state for c in self.caches])
+        mx.synchronize()
+        return (time.perf_counter() - t0) * 1000
+
+
+def lone_chunk_rate(bench: Bench, n: int, repeats: int) -> float:
+    """A lone `n`-token chunk's tokens a second (the prompt's rate with no rows decoding)."""
+    times = []
+    for _ in range(repeats):
+        chunk = bench.chunk(n)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(bench.forward.prefill(chunk.ids, None, chunk.caches, chunk.positions)[:, -1:],
+                [c.state for c in bench.caches])
+        mx.synchronize()
+        times.append(time.perf_counter() - t0)
+    return n / statistics.median(times)
+
+
+def measure(bench: Bench, slices: list[int], steps: int) -> dict[str, Any]:
+    for mode in MODES:  # warm: every shape once (compiles, plans)
+        for n in slices:
+            bench.run(mode, n)
+    out: dict[str, Any] = {}
+    for n in slices:
+        context = bench.done
+        samples: dict[str, list[float]] = {m: [] for m in MODES}
+        for _ in range(steps):
+            for mode in MODES:
+                samples[mode].append(bench.run(mode, n))
+        decode = statistics.median(samples["decode"])
+        out[str(n)] = {"context": context, "samples_ms": samples, **{
+            mode: {"median_ms": statistics.median(v), "p90_ms": sorted(v)[int(0.9 * (len(v) - 1))],
+                   "itl_ratio": statistics.median(v) / decode,
+                   "prompt_tok_s": n / (statistics.median(v) / 1000) if mode != "decode" else 0.0}
+            for mode, v in samples.items()}}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--slices", default="16,64,128,256,512,1024")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--alone-chunk", type=int, default=0, help="also time lone chunks of this many tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    lm = load_model(Path(args.model)).model.language_model
+    bench = Bench(lm, args.rows, args.context, args.seed)
+    slices = [int(s) for s in args.slices.split(",")]
+    result = measure(bench, slices, args.steps)
+    alone = lone_chunk_rate(bench, args.alone_chunk, 3) if args.alone_chunk else None
+    print(f"{bench.rows} decoding rows, prompt context {args.context}+; ms a step (median), ITL ratio to decode alone")
+    print(f"{'slice':>6} {'decode':>8} {'two':>8} {'mixed':>8} {'two x':>6} {'mixed x':>7} {'two tok/s':>9} "
+          f"{'mixed tok/s':>11}" + (" mixed TTFT x" if alone else ""))
+    for n, r in result.items():
+        line = (f"{n:>6} {r['decode']['median_ms']:8.1f} {r['two']['median_ms']:8.1f} {r['mixed']['median_ms']:8.1f} "
+                f"{r['two']['itl_ratio']:6.2f} {r['mixed']['itl_ratio']:7.2f} {r['two']['prompt_tok_s']:9.0f} "
+                f"{r['mixed']['prompt_tok_s']:11.0f}")
+        print(line + (f" {alone / r['mixed']['prompt_tok_s']:12.2f}" if alone else ""))
+    if alone:
+        print(f"lone {args.alone_chunk}-token chunk: {alone:.0f} tok/s")
+    if args.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        args.out.write_text(json.dumps({"commit": commit, "device": str(mx.default_device()), "rows": bench.rows,
+                                        "context": args.context, "alone_chunk": args.alone_chunk,
+                                        "alone_tok_s": alone, "slices": result}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
