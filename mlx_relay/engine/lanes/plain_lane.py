@@ -14,7 +14,7 @@ hand it, nor stop at a boundary to let us copy its state. This lane owns both ha
   token comes out in the step that finished its prompt (the batch feeds it on its next step). A row's
   sequence ends at end-of-sequence or max_tokens (reported in `LaneStep`), but the row stays in
   the batch until the engine removes it, so its turn snapshot can still be taken;
-- mixed (`mixed`, on by default): in a step that runs both, the decode step rides in the prefill
+- mixed (`mixed`; `EngineConfig.mixed_steps`): in a step that runs both, the decode step rides in the prefill
   chunk's forward (`DecodeStep.beside`: one forward, each layer's weights read once for both, as
   vLLM v1 batches decode tokens with prefill chunks); else the decode step is queued first.
 
