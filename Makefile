@@ -25,25 +25,33 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
+# On Linux MLX's CPU wheel links the reference BLAS: its float matmuls through the OpenBLAS numpy
+# ships instead (tools/cpu_blas/: a preloaded shim, built on first use; nothing where it does not
+# apply), one OpenBLAS thread a process (its idle threads spin: with the suite's processes sharing
+# two cores, its default of one a core made `make test` slower, not faster). Evaluated when a
+# recipe runs, after the install
+CPU_BLAS = $(shell $(PY) tools/cpu_blas/build.py $(VENV)/lib 2>/dev/null)
+RUN_ENV = $(if $(CPU_BLAS),LD_PRELOAD=$(CPU_BLAS) OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1})
+
 ## Serve the embedded tiny model (or MODEL=<hf-dir-or-repo>) on $(HOST):$(PORT).
 serve: install
-	$(VENV)/bin/mlx-relay serve $(MODEL) --host $(HOST) --port $(PORT)
+	$(RUN_ENV) $(VENV)/bin/mlx-relay serve $(MODEL) --host $(HOST) --port $(PORT)
 
 ## $(REPLICAS) replicas of the embedded model (or MODEL=...) on $(PORT)+1.. behind SMG's cache-aware router on $(PORT).
 cluster: install
-	$(VENV)/bin/mlx-relay cluster $(MODEL) --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
+	$(RUN_ENV) $(VENV)/bin/mlx-relay cluster $(MODEL) --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
 
 ## Lint, then run the whole test suite on the tiny models (TEST_WORKERS processes, a file each at a time).
 test: install
 	$(PY) -m ruff check mlx_relay tests benchmarks tools
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+	$(RUN_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(PY) -m ruff check mlx_relay tests benchmarks tools
 
 ## First benchmark: raw library loop vs in-process API vs HTTP streaming on the tiny model.
 bench: install
-	$(PY) benchmarks/bench_decode.py
+	$(RUN_ENV) $(PY) benchmarks/bench_decode.py
 
 AGENTS_CACHE := .cache/agents
 AGENTS_STAMP := $(AGENTS_CACHE)/.installed-stamp
@@ -60,7 +68,7 @@ $(AGENTS_STAMP): benchmarks/agents/package.json
 ## Not part of `make test`: the pinned coding agents (npm, under .cache/agents/), one headless turn each
 ## against `mlx-relay serve` with an MCP tool, recorded (benchmarks/agents/; AGENTS=claude-code,codex,...).
 agents: install $(AGENTS_STAMP)
-	$(PY) benchmarks/agents/run_agents.py --agents $(AGENTS) $(AGENTS_FLAGS)
+	$(RUN_ENV) $(PY) benchmarks/agents/run_agents.py --agents $(AGENTS) $(AGENTS_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
