@@ -50,7 +50,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # the longest prefill chunk (tokens) a step runs, all its rows together. None: 4096 on a CUDA GPU
     # (where a chunk of 4,096 ran 1.3x faster a token than one of 2,048: its fixed costs, the experts'
     # weights read once a chunk, halve a token; benchmarks/results/prefill-h200-2026-11-28/), 2048
-    # elsewhere (mlx-lm's own); on CUDA never more than one launch's routed rows allow (`lanes/build.py`)
+    # elsewhere (mlx-lm's own); on CUDA never more than one launch's routed rows allow (`engine/lane_set.py`)
     prefill_step_size: int | None = None
     # the engine step's token budget (`engine/scheduling/token_budget.py`, vLLM's max_num_batched_tokens):
     # decoding rows first (a plain row 1 token, an MTP row its verify block), then prefill chunks

@@ -55,13 +55,17 @@ def test_the_runtime_http_the_request_path_and_every_actor_but_the_gpu_executor_
     assert {"mlx_relay.engine.hosting", "mlx_relay.engine.lanes", "mlx_relay.engine.step"} <= set(NO_MLX)
 
 
-def test_the_lanes_import_nothing_of_the_engine_step() -> None:
-    """The step drives the lanes; what both use (the sampling processors, the token budget, the
-    lane names) lives where both import it (`engine/sampling/`, `engine/scheduling/`, `lanes/lane.py`)."""
-    for path in sorted((PACKAGE / "engine" / "lanes").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module is not None:
-                assert not node.module.startswith("mlx_relay.engine.step"), (path.name, node.module)
+def test_the_lanes_and_the_engine_step_import_nothing_of_each_other() -> None:
+    """The step drives the lanes through their interface; what both use (the interface and its
+    values, the sampling processors, the token budget) lives where both import it (`engine/lane.py`,
+    `engine/sampling/`, `engine/scheduling/`), and which lanes run is chosen in `engine/lane_set.py`."""
+    for package, other in (("lanes", "step"), ("step", "lanes")):
+        for path in sorted((PACKAGE / "engine" / package).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [node.module] if isinstance(node, ast.ImportFrom) and node.module is not None else \
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                for name in names:
+                    assert not name.startswith(f"mlx_relay.engine.{other}"), (package, path.name, name)
 
 
 MAX_CLASS_LINES = 300  # small files with one job: no class of the product over this (ARCHITECTURE.md)

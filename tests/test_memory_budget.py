@@ -18,7 +18,7 @@ import httpx
 import msgspec
 import pytest
 
-from mlx_relay.engine.lanes.build import DEFAULT_STEP_ELSEWHERE
+from mlx_relay.engine.lane_set import DEFAULT_STEP_ELSEWHERE
 from mlx_relay.engine.memory.kv_budget import LAYERS_IN_FLIGHT, KVBudget, plan, working_set_bytes
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.testing.engine_driver import Driver

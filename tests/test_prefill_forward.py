@@ -198,7 +198,7 @@ def test_a_cuda_prefill_chunk_routes_at_most_65535_rows() -> None:
     from types import SimpleNamespace
 
     from mlx_relay.config import EngineConfig
-    from mlx_relay.engine.lanes.build import prefill_step_size
+    from mlx_relay.engine.lane_set import prefill_step_size
 
     moe = SimpleNamespace(args=SimpleNamespace(num_experts_per_tok=8))
     dense = SimpleNamespace(args=SimpleNamespace())

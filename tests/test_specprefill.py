@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from mlx_relay.engine.lanes.row_prefill import sparse_row
+from mlx_relay.engine.lane import sparse_row
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.messages.specprefill import ScorePlan, SparsePrefill

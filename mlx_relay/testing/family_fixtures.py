@@ -1,6 +1,6 @@
 """Tiny real checkpoints of two more model families, built from a seed (as `fixtures` builds the
 Qwen3.5 ones): the engine serves them through the library's own forward over KV caches
-(`engine/models/library_kv.py`, `engine/kv_lane.py`).
+(`engine/models/library_kv.py`, `engine/lanes/kv_lane.py`).
 
 - ``qwen3``: a dense attention-only Qwen3 text model (``Qwen3ForCausalLM``, model type ``qwen3``),
   loaded by mlx-lm; the fixture tokenizer (byte-level BPE and Qwen's 26 added tokens, which are

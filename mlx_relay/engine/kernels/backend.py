@@ -1,6 +1,6 @@
 """Where our kernels run (GPU thread only): asked by each kernel's dispatch in `kernels/` when a
 step is traced; and what MLX's CUDA backend cannot run, which the engine keeps its work within
-(`lanes/build.py`)."""
+(`engine/lane_set.py`)."""
 
 from __future__ import annotations
 

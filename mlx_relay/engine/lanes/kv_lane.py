@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, sequence_end
+from mlx_relay.engine.lane import LaneStep, RowSpec, RowTokens, sequence_end
 from mlx_relay.engine.memory.batch_caches import extend_caches
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, kv_layout
 from mlx_relay.engine.memory.snapshots import Snapshot
@@ -71,7 +71,7 @@ def _processed(logits: mx.array, processors: list[Any], last: int) -> mx.array:
 
 
 class KVLane:
-    name: Literal["plain"] = "plain"
+    name: Literal["kv"] = "kv"
 
     def __init__(self, lm: Any, *, prefill_step_size: int, eos_token_ids: list[int]) -> None:
         self.model = KVModel(lm)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_vlm.generate.ar import BatchGenerator
 
-from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens
+from mlx_relay.engine.lane import LaneStep, RowSpec, RowTokens
 from mlx_relay.engine.memory.snapshots import Snapshot
 
 

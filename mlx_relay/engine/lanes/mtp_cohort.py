@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.speculative.cache_state import abort_speculative_round, commit_speculative_round
 
-from mlx_relay.engine.lanes.lane import MTPCounts
+from mlx_relay.engine.lane import MTPCounts
 from mlx_relay.engine.lanes.mtp_grammar import feed, greedy_walk
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_rows import MTPRow, RoundResult

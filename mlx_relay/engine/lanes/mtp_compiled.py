@@ -23,8 +23,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_relay.engine.lane import MTPCounts
 from mlx_relay.engine.lanes.decode_state import batch_bucket
-from mlx_relay.engine.lanes.lane import MTPCounts
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_rows import MTPRow, RoundResult
 from mlx_relay.engine.lanes.mtp_state import MTPState

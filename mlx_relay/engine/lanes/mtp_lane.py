@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, sequence_end
+from mlx_relay.engine.lane import LaneStep, RowSpec, RowTokens, sequence_end
 from mlx_relay.engine.lanes.mtp_cohort import EagerCohort
 from mlx_relay.engine.lanes.mtp_compiled import CompiledCohort
 from mlx_relay.engine.lanes.mtp_head import MTPHead

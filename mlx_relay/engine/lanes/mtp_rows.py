@@ -12,7 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.lanes.lane import MTPCounts
+from mlx_relay.engine.lane import MTPCounts
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.sampling.processors import GrammarMask

@@ -33,10 +33,10 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
+from mlx_relay.engine.lane import LaneStep, RowSpec, RowTokens, sequence_end
 from mlx_relay.engine.lanes.decode_batch import DecodeBatch
 from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
 from mlx_relay.engine.lanes.decode_step import DecodeStep
-from mlx_relay.engine.lanes.lane import LaneStep, RowSpec, RowTokens, sequence_end
 from mlx_relay.engine.lanes.prefill_batch import PrefillBatch, Prefilled, PrefillRow
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward

@@ -16,8 +16,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mlx_relay.engine.lane import MTPCounts
 from mlx_relay.engine.lanes.decode_state import batch_bucket
-from mlx_relay.engine.lanes.lane import MTPCounts
 from mlx_relay.engine.lanes.mtp_rows import MTPRow
 from mlx_relay.engine.speculation.earnings import RoundCosts, agreed
 

@@ -11,7 +11,7 @@ Positions are always explicit (M-RoPE triples: `position_ids` [3, 1, T]), so a r
 chunked row never depends on state the model keeps between calls. Vision rows carry their
 prompt embeddings (image features merged) and M-RoPE positions from the vision path; their
 `rope_delta` (position - index after the image) continues into decoding. SpecPrefill rows
-(`sparse_row`) prefill only their kept tokens at their original positions the same way.
+(`engine/lane.sparse_row`) prefill only their kept tokens at their original positions the same way.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-
-from mlx_relay.messages.specprefill import SparsePrefill
 
 
 @dataclass
@@ -61,25 +59,3 @@ class RowPrefill:
         out = lm(chunk, inputs_embeds=emb, cache=self.cache, position_ids=pos, **kwargs)
         self.done = end
         return out
-
-
-def sparse_row(prompt: list[int], sparse: SparsePrefill, restored: int, snapshot_at: list[int]
-               ) -> tuple[list[int], dict[str, Any], list[int]]:
-    """SpecPrefill's row: only the kept tokens, each at its original position (the attention
-    layers' RoPE sees the true positions, the recurrent layers the kept subsequence); decoding
-    continues at the prompt's true end (`rope_delta` = positions skipped). Snapshots are taken
-    only inside the dense head, where the kept state is the prompt's exact state.
-    Returns (tokens to prefill, RowPrefill keyword arguments, snapshot lengths)."""
-    ranges = sparse.ranges
-    n = len(prompt)
-    ok = bool(ranges) and ranges[-1][1] == n and all(
-        0 <= a < b <= n and (i == 0 or ranges[i - 1][1] <= a) for i, (a, b) in enumerate(ranges))
-    if not ok:
-        raise ValueError("the SpecPrefill selection must be ascending ranges inside the prompt, ending at its end")
-    dense = ranges[0][1] if ranges[0][0] == 0 else 0
-    if restored > dense:
-        raise ValueError("the SpecPrefill selection drops tokens the restored prefix covers")
-    kept = [p for a, b in ranges for p in range(a, b)]
-    positions = mx.broadcast_to(mx.array(kept, dtype=mx.int32)[None, None, :], (3, 1, len(kept)))
-    kw: dict[str, Any] = {"positions": positions, "rope_delta": n - len(kept)}
-    return [prompt[p] for p in kept], kw, [s for s in snapshot_at if s <= dense]

@@ -6,7 +6,7 @@
     return self._update(executed)    # output stage: text, stops, endings; rows leave their lanes
 
 vLLM v1's `EngineCore.step` and nano-vllm's `step` have this shape. The pieces, one module each:
-`scheduler.py` (queue, slots, lane routing), the lanes behind `lanes/lane.Lane` (`lanes/build.py`
+`scheduler.py` (queue, slots, lane routing), the lanes behind `lane.Lane` (`engine/lane_set.py`
 says which run), `scoring/stage.py` (SpecPrefill's draft, where it lives), `output.py`
 (detokenizing, stop strings, finishing), `logits.py` (each row's processor chain),
 `memory/held.py` (prefix-cache snapshots and image features behind handles, their file bytes,
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_relay.config import EngineConfig
-from mlx_relay.engine.lanes.build import build_lanes, prefill_step_size
-from mlx_relay.engine.lanes.lane import Lane, LaneName, LaneStep, MTPCounts
+from mlx_relay.engine.lane import Lane, LaneName, LaneStep, MTPCounts
+from mlx_relay.engine.lane_set import build_lanes, prefill_step_size
 from mlx_relay.engine.memory.held import HeldMemory
 from mlx_relay.engine.memory.kv_budget import engine_plan, with_held_weights
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout
@@ -102,7 +102,7 @@ class EngineCore:
         tok = loaded.processor.tokenizer if hasattr(loaded.processor, "tokenizer") else loaded.processor
         self._tokenizer = tok
         self.vocab_size = info.vocab_size
-        # the longest prefill chunk, within what one forward can run on this backend (`lanes/build.py`)
+        # the longest prefill chunk, within what one forward can run on this backend (`engine/lane_set.py`)
         step = prefill_step_size(loaded.model.language_model, config, info.backend)
         # the step's token budget: decoding rows first, prefill chunks in what is left; while rows
         # decode, prefill within a share of the time (`interleave.py`; None: off). Off in a
@@ -120,7 +120,8 @@ class EngineCore:
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
                                    mtp_block=config.mtp_block_size if "mtp" in self.lanes else None,
                                    mtp_max_batch=config.mtp_max_batch,
-                                   own_prefill="library" not in self.lanes, budget=self.kv_budget)
+                                   own_prefill="library" not in self.lanes, budget=self.kv_budget,
+                                   sole="kv" if "kv" in self.lanes else None)
         if draft_model is not None and uses_library_forward(loaded.model.language_model):
             raise UnsupportedModel(f"SpecPrefill needs a model family of the engine's own "
                                    f"({info.model_type} is served through its library's forward)")
@@ -194,9 +195,9 @@ class EngineCore:
         return self.memory.layout()
 
     def _probe_layout(self) -> CacheLayout:
-        """The MTP lane's layout (its head's included) where it runs, else the plain lane's."""
-        layout = self.lanes["mtp" if "mtp" in self.lanes else "plain"].cache_layout()
-        assert layout is not None  # (the plain and MTP lanes take snapshots)
+        """The MTP lane's layout (its head's included) where it runs, else the plain (or KV) lane's."""
+        layout = next(self.lanes[n] for n in ("mtp", "plain", "kv") if n in self.lanes).cache_layout()
+        assert layout is not None  # (the plain, MTP and KV lanes take snapshots)
         return layout
 
     def close(self) -> StepOutput:

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_relay.engine.lanes.lane import RowSpec
-from mlx_relay.engine.lanes.row_prefill import sparse_row
+from mlx_relay.engine.lane import RowSpec, sparse_row
 from mlx_relay.engine.memory.features import FeatureStore
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.step.logits import LogitsChains

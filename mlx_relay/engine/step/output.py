@@ -1,6 +1,6 @@
 """The engine's output stage (GPU thread, no MLX): tokens become text and rows end.
 
-For each row's new tokens (`lanes/lane.RowTokens`) in order: its logprobs are taken from its recorder,
+For each row's new tokens (`lane.RowTokens`) in order: its logprobs are taken from its recorder,
 a grammar in an error state ends it with that error, the token is detokenized (UTF-8 safe) and
 stop strings are matched (text that could still become a stop string is held back). A row ends
 at a stop string, or where its lane said its sequence ended (end-of-sequence, max_tokens). What
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from mlx_relay.engine.lanes.lane import RowTokens
+from mlx_relay.engine.lane import RowTokens
 from mlx_relay.engine.protocol import Event
 from mlx_relay.engine.step.rows import Row
 from mlx_relay.errors import GenerationFailed

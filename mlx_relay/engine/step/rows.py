@@ -1,7 +1,7 @@
 """One request's state inside the engine (GPU thread only), from arrival to its last event.
 
 A `Row` moves through the engine's stages: waiting (the scheduler's queue), scoring (SpecPrefill's
-draft, `scoring/stage.py`), running in one lane (`lanes/lane.py`), finished. The scheduler owns where a row
+draft, `scoring/stage.py`), running in one lane (`engine/lane.py`), finished. The scheduler owns where a row
 is; the output stage (`output.py`) owns its text (detokenizer, stop strings, pending deltas);
 the lanes own its device state, keyed by the row's id.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_relay.chat.output import TokenLogprob
-from mlx_relay.engine.lanes.lane import LaneName
+from mlx_relay.engine.lane import LaneName
 from mlx_relay.engine.sampling.processors import GrammarMask, LogprobRecorder
 from mlx_relay.engine.step.detokenizer import IncrementalDetokenizer, StopMatcher
 from mlx_relay.messages.gpu import Generate

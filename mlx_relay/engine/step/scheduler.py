@@ -10,6 +10,7 @@ than `max_num_seqs` run, each in one lane for its whole life:
 - `plain`: our own prefill (restorable, snapshottable: the prefix cache is on, or the row is a
   sparse SpecPrefill row);
 - `library`: mlx-vlm's BatchGenerator (prefix cache off), which prefills joining rows together.
+- `kv`: every row, where the engine runs that one lane (a model served through its library's forward).
 A row joins only when its caches fit beside the running rows' (`memory.kv_budget.KVBudget.fits`,
 each row reserved at its prompt plus its `max_tokens`); otherwise it and every row after it wait
 (first come, first served) until rows end, rather than run the device out of memory.
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlx_relay.engine.lanes.lane import LaneName
+from mlx_relay.engine.lane import LaneName
 from mlx_relay.engine.memory.kv_budget import KVBudget
 from mlx_relay.engine.step.rows import Row
 
@@ -39,7 +40,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, mtp_block: int | None, mtp_max_batch: int, own_prefill: bool,
-                 budget: KVBudget | None = None) -> None:
+                 budget: KVBudget | None = None, sole: LaneName | None = None) -> None:
+        self.sole = sole  # the engine's one lane, where it runs one (a model served through its library's forward)
         self.max_num_seqs = max_num_seqs
         self.budget = budget  # the device's memory for the rows' caches (None: not counted)
         self.memory_waits = 0  # steps in which the next row waited for memory
@@ -91,6 +93,8 @@ class Scheduler:
         return self.budget.fits([*(reserved_tokens(r) for r in self.running.values()), reserved_tokens(row)])
 
     def _lane_for(self, row: Row) -> LaneName:
+        if self.sole is not None:
+            return self.sole
         plan = row.req.speculate
         if plan is not None and plan.block_size == self.mtp_block and len(self.running) < self.mtp_max_batch:
             return "mtp"

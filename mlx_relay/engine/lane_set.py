@@ -21,8 +21,8 @@ from pathlib import Path
 
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.kernels.backend import max_chunk_tokens
+from mlx_relay.engine.lane import Lane, LaneName
 from mlx_relay.engine.lanes.kv_lane import KVLane
-from mlx_relay.engine.lanes.lane import Lane, LaneName
 from mlx_relay.engine.lanes.library_lane import LibraryLane
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
@@ -66,7 +66,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool
         if stage is not None:
             raise UnsupportedModel(f"a pipeline split needs a model family of the engine's own "
                                    f"({info.model_type} is served through its library's forward)")
-        return {"plain": KVLane(lm, prefill_step_size=min(step, token_budget),
+        return {"kv": KVLane(lm, prefill_step_size=min(step, token_budget),
                                 eos_token_ids=info.eos_token_ids)}
     lanes: dict[LaneName, Lane] = {
         "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,

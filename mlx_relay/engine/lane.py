@@ -7,10 +7,10 @@ chunks of its joining rows within the step's prefill budget (`scheduling/token_b
 each lane its share after counting `decode_tokens` of every lane), `extract` copies a row's
 whole state (its turn snapshot), `remove` lets a row go, `clear` drops everything (after a
 failed step). Three lanes exist:
-`mtp_lane.MTPLane` (text rows with MTP speculative decoding), `plain_lane.PlainLane` (our own
-restorable prefill, then mlx-vlm's `GenerationBatch`) and `library_lane.LibraryLane` (mlx-vlm's
+`lanes/mtp_lane.MTPLane` (text rows with MTP speculative decoding), `lanes/plain_lane.PlainLane` (our own
+restorable prefill, then our compiled decode step) and `lanes/library_lane.LibraryLane` (mlx-vlm's
 `BatchGenerator`, which prefills joining rows together: used with the prefix cache off); a
-model of no family of ours runs `kv_lane.KVLane` alone (its library's forward over KV caches).
+model of no family of ours runs `lanes/kv_lane.KVLane` alone (its library's forward over KV caches).
 
 A lane reports each row's new tokens and, where the lane knows it (end-of-sequence, max_tokens),
 that the row's sequence ended; the output stage adds stop strings and finishes rows.
@@ -28,6 +28,7 @@ from mlx_relay.engine.memory.snapshot_codec import CacheLayout
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.sampling.processors import GrammarMask
 from mlx_relay.engine.sampling.row_sampler import RowSampler
+from mlx_relay.messages.specprefill import SparsePrefill
 
 #: How a lane ended a row's sequence: end-of-sequence ("stop") or its last allowed token ("length").
 SequenceEnd = Literal["stop", "length"]
@@ -93,9 +94,9 @@ class LaneStep:
     mtp: MTPCounts = field(default_factory=MTPCounts)  # the MTP lane's rounds this step
 
 
-#: The engine's lanes by name (the all-attention lane of a model served through its library's
-#: forward takes the plain lane's name: it is the one lane then).
-LaneName = Literal["mtp", "plain", "library"]
+#: The engine's lanes by name ("kv": the all-attention lane of a model served through its library's
+#: forward, the engine's one lane then).
+LaneName = Literal["mtp", "plain", "library", "kv"]
 
 
 class Lane(Protocol):
@@ -159,3 +160,25 @@ def sequence_end(token: int, emitted: int, max_tokens: int, eos: frozenset[int])
     if token in eos:
         return "stop"
     return "length" if emitted >= max_tokens else None
+
+
+def sparse_row(prompt: list[int], sparse: SparsePrefill, restored: int, snapshot_at: list[int]
+               ) -> tuple[list[int], dict[str, Any], list[int]]:
+    """SpecPrefill's row: only the kept tokens, each at its original position (the attention
+    layers' RoPE sees the true positions, the recurrent layers the kept subsequence); decoding
+    continues at the prompt's true end (`rope_delta` = positions skipped). Snapshots are taken
+    only inside the dense head, where the kept state is the prompt's exact state.
+    Returns (tokens to prefill, RowPrefill keyword arguments, snapshot lengths)."""
+    ranges = sparse.ranges
+    n = len(prompt)
+    ok = bool(ranges) and ranges[-1][1] == n and all(
+        0 <= a < b <= n and (i == 0 or ranges[i - 1][1] <= a) for i, (a, b) in enumerate(ranges))
+    if not ok:
+        raise ValueError("the SpecPrefill selection must be ascending ranges inside the prompt, ending at its end")
+    dense = ranges[0][1] if ranges[0][0] == 0 else 0
+    if restored > dense:
+        raise ValueError("the SpecPrefill selection drops tokens the restored prefix covers")
+    kept = [p for a, b in ranges for p in range(a, b)]
+    positions = mx.broadcast_to(mx.array(kept, dtype=mx.int32)[None, None, :], (3, 1, len(kept)))
+    kw: dict[str, Any] = {"positions": positions, "rope_delta": n - len(kept)}
+    return [prompt[p] for p in kept], kw, [s for s in snapshot_at if s <= dense]
