@@ -68,6 +68,23 @@ def test_the_lanes_and_the_engine_step_import_nothing_of_each_other() -> None:
                     assert not name.startswith(f"mlx_relay.engine.{other}"), (package, path.name, name)
 
 
+def test_nothing_outside_the_models_package_imports_a_family() -> None:
+    """A family is reached through the registry (`engine/models/__init__.py`: `family_for`,
+    `family_of`, `declared`), never by importing its package: adding a family edits no module
+    outside `engine/models/`."""
+    from mlx_relay.engine.models import FAMILY_PACKAGES
+
+    models = PACKAGE / "engine" / "models"
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if models in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module is not None else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                assert not any(name == p or name.startswith(p + ".") for p in FAMILY_PACKAGES), (str(path), name)
+
+
 MAX_CLASS_LINES = 300  # small files with one job: no class of the product over this (ARCHITECTURE.md)
 
 

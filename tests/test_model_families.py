@@ -41,7 +41,25 @@ def test_the_steps_refuse_a_language_model_of_another_family() -> None:
 
 
 def test_the_registry_imports_no_mlx() -> None:
-    code = ("import sys, mlx_relay.engine.models; "
-            "import mlx_relay.engine.models.qwen3_5; print('mlx.core' in sys.modules)")
+    code = ("import sys, mlx_relay.engine.models as m; "
+            "import mlx_relay.engine.models.qwen3_5; m.declarations(); m.declared('qwen3_5'); "
+            "import mlx_relay.media.served; print('mlx.core' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_family_declares_its_loader_and_media_processor() -> None:
+    """What the loader, the media router and SpecPrefill's draft read of a family, from its package."""
+    from mlx_relay.engine.models import declared
+    from mlx_relay.engine.models.library_kv import loads_with_mlx_lm
+    from mlx_relay.engine.scoring.draft_library import draft_library
+    from mlx_relay.media.preprocess import load_vision_processor
+    from mlx_relay.media.served import MEDIA_PROCESSORS
+
+    family = declared("qwen3_5_moe_text")
+    assert family is not None and family.library == "mlx-vlm" and family.media_processor == "qwen-vl"
+    assert declared("llama") is None
+    assert all(MEDIA_PROCESSORS[t] is load_vision_processor for t in MODEL_TYPES)
+    assert not loads_with_mlx_lm({"model_type": "qwen3_5_text"}) and loads_with_mlx_lm({"model_type": "llama"})
+    assert draft_library({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}}) == "mlx-vlm"
+    assert draft_library({"model_type": "qwen3"}) == "mlx-lm"

@@ -12,16 +12,21 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Final
 
-from mlx_relay.engine.models.qwen3_5 import MODEL_TYPES as QWEN3_5_TYPES
+from mlx_relay.engine.models import declarations
 from mlx_relay.media.gemma3 import load_gemma3_processor
 from mlx_relay.media.preprocess import load_vision_processor
 from mlx_relay.media.processor import MediaProcessor
 
 __all__ = ["MEDIA_PROCESSORS", "load_media_processor", "unserved_vision"]
 
-#: A checkpoint's model type -> its media processor's loader (runs in a worker thread).
+#: A media processor's kind (as a model family declares it: `engine.models.Declared`) -> its loader.
+LOADERS: Final[Mapping[str, Callable[[Path], MediaProcessor]]] = MappingProxyType({"qwen-vl": load_vision_processor})
+
+#: A checkpoint's model type -> its media processor's loader (runs in a worker thread): the engine's
+#: families' as they declare them, and Gemma 3's (served through its library's forward).
 MEDIA_PROCESSORS: Final[Mapping[str, Callable[[Path], MediaProcessor]]] = MappingProxyType(
-    dict.fromkeys(QWEN3_5_TYPES, load_vision_processor) | {"gemma3": load_gemma3_processor})
+    {t: LOADERS[d.media_processor] for d in declarations() if d.media_processor for t in d.model_types}
+    | {"gemma3": load_gemma3_processor})
 
 
 def _config(model_path: Path) -> dict:

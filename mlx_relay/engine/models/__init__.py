@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, Protocol
 
 from mlx_relay.errors import UnsupportedModel
 
@@ -31,11 +31,52 @@ if TYPE_CHECKING:
     from mlx_relay.engine.models.positions import Positions
     from mlx_relay.engine.models.prefill_options import PrefillOptions
 
-__all__ = ["FAMILY_PACKAGES", "Block", "Chunk", "ModelFamily", "UnsupportedModel", "family_for", "family_of",
-           "served_by_family"]
+__all__ = [
+    "FAMILY_PACKAGES",
+    "Block",
+    "Chunk",
+    "Declared",
+    "Library",
+    "ModelFamily",
+    "UnsupportedModel",
+    "declarations",
+    "declared",
+    "family_for",
+    "family_of",
+    "served_by_family",
+]
 
-#: The families' packages; each has `MODEL_TYPES` (its `__init__`) and `family.FAMILY`.
+#: The families' packages; each has, in its `__init__` (no MLX), `MODEL_TYPES`, `LIBRARY` and
+#: `MEDIA_PROCESSOR` (what `Declared` holds), and `family.FAMILY`.
 FAMILY_PACKAGES: Final[tuple[str, ...]] = ("mlx_relay.engine.models.qwen3_5",)
+
+#: The library that loads a family's checkpoints (`engine/models/loader.py`).
+Library = Literal["mlx-vlm", "mlx-lm"]
+
+
+class Declared(NamedTuple):
+    """What a family's package declares without MLX (its `__init__`), for the parts of the server
+    that must know a family's model types before, or without, the engine: the loader, the media
+    router, SpecPrefill's draft."""
+
+    package: str
+    model_types: frozenset[str]
+    library: Library  # loads its checkpoints
+    media_processor: str | None  # its media processor's kind (`media/served.py`), None: text only
+
+
+def declarations() -> list[Declared]:
+    """Every family's declaration (imports no MLX)."""
+    out = []
+    for package in FAMILY_PACKAGES:
+        module = importlib.import_module(package)
+        out.append(Declared(package, module.MODEL_TYPES, module.LIBRARY, module.MEDIA_PROCESSOR))
+    return out
+
+
+def declared(model_type: str) -> Declared | None:
+    """The declaration of the family serving `model_type`, None when none does (imports no MLX)."""
+    return next((d for d in declarations() if model_type in d.model_types), None)
 
 KV = list[tuple["mx.array", "mx.array"]]
 
@@ -137,17 +178,16 @@ class ModelFamily(Protocol):
 
 def served_by_family(model_type: str) -> bool:
     """Whether a family of the engine's own serves `model_type` (imports no MLX)."""
-    return any(model_type in importlib.import_module(p).MODEL_TYPES for p in FAMILY_PACKAGES)
+    return declared(model_type) is not None
 
 
 def family_for(model_type: str) -> ModelFamily:
     """The family serving `model_type` (a checkpoint's or a language model's); `UnsupportedModel`
     when none does."""
-    for package in FAMILY_PACKAGES:
-        if model_type in importlib.import_module(package).MODEL_TYPES:
-            family: ModelFamily = importlib.import_module(f"{package}.family").FAMILY
-            return family
-    served = sorted(t for p in FAMILY_PACKAGES for t in importlib.import_module(p).MODEL_TYPES)
+    if (found := declared(model_type)) is not None:
+        family: ModelFamily = importlib.import_module(f"{found.package}.family").FAMILY
+        return family
+    served = sorted(t for d in declarations() for t in d.model_types)
     raise UnsupportedModel(f"model type {model_type!r} is not served by the engine's decode step "
                            f"(model families: {', '.join(served)})")
 

@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import mlx.core as mx
 
-from mlx_relay.engine.models import UnsupportedModel, family_for, family_of
+from mlx_relay.engine.models import UnsupportedModel, declared, family_of
 
 __all__ = ["WINDOW_MASKED_TYPES", "KVModel", "TextModel", "check", "load_text_model", "loads_with_mlx_lm",
            "uses_library_forward"]
@@ -57,14 +57,12 @@ class TextModel:
 
 def loads_with_mlx_lm(config: dict[str, Any]) -> bool:
     """Whether a checkpoint (its config.json) loads with mlx-lm: a text model (no vision tower) of
-    no family of our own (those, text-only or not, load with mlx-vlm as before)."""
+    no family of our own, or of a family that declares mlx-lm (`models.Declared.library`; Qwen3.5's,
+    text-only or not, loads with mlx-vlm)."""
     if config.get("vision_config"):
         return False
-    try:
-        family_for(str(config.get("model_type")))
-    except UnsupportedModel:
-        return True
-    return False
+    family = declared(str(config.get("model_type")))
+    return family is None or family.library == "mlx-lm"
 
 
 def load_text_model(path: Path, *, lazy: bool = False) -> tuple[TextModel, Any]:

@@ -44,10 +44,9 @@ from mlx_lm.models.cache import KVCache as LmKVCache
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_vlm.models.cache import KVCache as VlmKVCache
 
-from mlx_relay.engine.models.qwen3_5 import MODEL_TYPES
+from mlx_relay.engine.models import declared
 
 __all__ = [
-    "QWEN3_5_FAMILY",
     "DraftLibrary",
     "LoadedDraft",
     "cache_arrays",
@@ -63,9 +62,6 @@ __all__ = [
 
 DraftLibrary = Literal["mlx-lm", "mlx-vlm"]
 
-#: Model types whose draft is run by mlx-vlm (the chunked GatedDeltaNet prefill off Metal): the Qwen3.5 family's.
-QWEN3_5_FAMILY: Final[frozenset[str]] = MODEL_TYPES
-
 _ATTENTION_CACHES: Final[tuple[type, ...]] = (LmKVCache, VlmKVCache)
 
 
@@ -79,12 +75,14 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def draft_library(config: dict[str, Any]) -> DraftLibrary:
-    """mlx-vlm for a qwen3_5-family checkpoint (itself or its ``text_config``), else mlx-lm."""
+    """The library of the engine's family that serves the checkpoint (itself or its ``text_config``),
+    as it declares it (Qwen3.5's: mlx-vlm, the chunked GatedDeltaNet prefill off Metal), else mlx-lm."""
     text_config = config.get("text_config")
-    types = {config.get("model_type")}
+    types = [config.get("model_type")]
     if isinstance(text_config, dict):
-        types.add(text_config.get("model_type"))
-    return "mlx-vlm" if types & QWEN3_5_FAMILY else "mlx-lm"
+        types.append(text_config.get("model_type"))
+    libraries = [d.library for t in types if isinstance(t, str) and (d := declared(t)) is not None]
+    return libraries[0] if libraries else "mlx-lm"
 
 
 @dataclass(frozen=True)
