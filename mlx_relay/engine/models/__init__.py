@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     import mlx.core as mx
 
+    from mlx_relay.engine.models.footprint import CacheShape
     from mlx_relay.engine.models.pipeline_stage import Stage
     from mlx_relay.engine.models.positions import Positions
     from mlx_relay.engine.models.prefill_options import PrefillOptions
@@ -46,8 +47,8 @@ __all__ = [
     "served_by_family",
 ]
 
-#: The families' packages; each has, in its `__init__` (no MLX), `MODEL_TYPES`, `LIBRARY` and
-#: `MEDIA_PROCESSOR` (what `Declared` holds), and `family.FAMILY`.
+#: The families' packages; each has, in its `__init__` (no MLX), `MODEL_TYPES`, `LIBRARY`,
+#: `MEDIA_PROCESSOR` and `cache_shape` (what `Declared` holds), and `family.FAMILY`.
 FAMILY_PACKAGES: Final[tuple[str, ...]] = ("mlx_relay.engine.models.qwen3_5",)
 
 #: The library that loads a family's checkpoints (`engine/models/loader.py`).
@@ -63,6 +64,9 @@ class Declared(NamedTuple):
     model_types: frozenset[str]
     library: Library  # loads its checkpoints
     media_processor: str | None  # its media processor's kind (`media/served.py`), None: text only
+    # a checkpoint config's cache bytes per token and per row (`footprint.CacheShape`: the pool's
+    # and the engine's memory budgets)
+    cache_shape: Callable[[dict[str, Any]], CacheShape]
 
 
 def declarations() -> list[Declared]:
@@ -70,7 +74,7 @@ def declarations() -> list[Declared]:
     out = []
     for package in FAMILY_PACKAGES:
         module = importlib.import_module(package)
-        out.append(Declared(package, module.MODEL_TYPES, module.LIBRARY, module.MEDIA_PROCESSOR))
+        out.append(Declared(package, module.MODEL_TYPES, module.LIBRARY, module.MEDIA_PROCESSOR, module.cache_shape))
     return out
 
 
