@@ -37,15 +37,15 @@ import mlx.core as mx
 from prefill_block import positions, restore, timed  # beside this script (benchmarks/)
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
-from mlx_relay.engine.kernels.grouped_experts import expert_weights, grouped_switch_glu
-from mlx_relay.engine.kernels.grouped_qmm import grouped_qmm
-from mlx_relay.engine.kernels.moe import route_topk
 from mlx_relay.engine.lanes.stage_forward import ModelForward
 from mlx_relay.engine.memory.batch_caches import batched
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.models.qwen3_5 import layers as qlayers
 from mlx_relay.engine.models.qwen3_5 import prefill as qprefill
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import expert_weights, grouped_switch_glu
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import grouped_qmm
+from mlx_relay.engine.models.qwen3_5.kernels.moe import route_topk
 
 
 def card() -> str:

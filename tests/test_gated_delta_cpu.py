@@ -1,4 +1,4 @@
-"""The CPU's GatedDeltaNet recurrence (`engine/kernels/gated_delta_cpu.py`) is the library's: both
+"""The CPU's GatedDeltaNet recurrence (`engine/models/qwen3_5/kernels/gated_delta_cpu.py`) is the library's: both
 forms (position by position under 16 positions, chunkwise from there) against mlx-vlm's sequential
 reference `gated_delta_ops`, float32, from a nonzero state, with grouped heads, padding masked and
 gates that underflow to 0."""
@@ -19,7 +19,7 @@ def test_both_forms_equal_the_librarys_sequential_recurrence(gpu: Callable, T: i
         import mlx.core as mx
         from mlx_vlm.models.qwen3_5.gated_delta import gated_delta_ops
 
-        from mlx_relay.engine.kernels.gated_delta_cpu import chunkwise, recurrence
+        from mlx_relay.engine.models.qwen3_5.kernels.gated_delta_cpu import chunkwise, recurrence
 
         mx.random.seed(T)
         B, Hk, Hv, Dk, Dv = 2, 2, 4, 16, 8

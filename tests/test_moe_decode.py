@@ -112,7 +112,7 @@ def test_the_fallback_router_is_the_librarys(gpu: Callable, lm: Any) -> None:
     """`route_topk` + `combine` (fallback) over a layer's input give the library block's output exactly."""
     import mlx.core as mx
 
-    from mlx_relay.engine.kernels.moe import fallback_combine, fallback_route_topk
+    from mlx_relay.engine.models.qwen3_5.kernels.moe import fallback_combine, fallback_route_topk
 
     def run() -> float:
         mlp = lm.model.layers[0].mlp

@@ -171,7 +171,7 @@ def test_grouped_experts_are_the_librarys(gpu: Callable, moe: Any, bits: int | N
         import mlx.core as mx
         import mlx.nn as nn
 
-        from mlx_relay.engine.kernels.grouped_experts import grouped_switch_glu
+        from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import grouped_switch_glu
 
         switch = moe.model.layers[0].mlp.switch_mlp
         if bits is not None:
@@ -218,7 +218,7 @@ def test_the_grouped_qmm_tiles_cover_every_row_once(gpu: Callable) -> None:
     def run() -> list[tuple[int, list[int]]]:
         import mlx.core as mx
 
-        from mlx_relay.engine.kernels.grouped_qmm import TILE_ROWS, _tiles
+        from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import TILE_ROWS, _tiles
 
         out = []
         for seed, rows, experts in ((0, 1000, 16), (1, 64, 8), (2, 5000, 256)):

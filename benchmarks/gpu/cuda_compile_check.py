@@ -61,7 +61,7 @@ def build(spec: KernelSpec) -> str:
 
 def specs() -> list[KernelSpec]:
     """Each kernel of `mlx_relay/engine/kernels/` whose source this checks, at the 35B-A3B shape."""
-    from mlx_relay.engine.kernels import gated_delta_prefill as gdp
+    from mlx_relay.engine.models.qwen3_5.kernels import gated_delta_prefill as gdp
 
     out = []
     for has_mask in (False, True):
@@ -72,7 +72,7 @@ def specs() -> list[KernelSpec]:
                                   inputs, [("y", dtype), ("state_out", "float32")],
                                   [("Dk", 128), ("Dv", 128), ("Hk", 16), ("Hv", 32),
                                    ("InT", dtype), ("StT", "float32")]))
-    from mlx_relay.engine.kernels import grouped_qmm as gq
+    from mlx_relay.engine.models.qwen3_5.kernels import grouped_qmm as gq
 
     for dtype in ("bfloat16", "float16"):
         for n, k in ((512, 2048), (2048, 512)):

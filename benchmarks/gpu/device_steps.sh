@@ -10,7 +10,7 @@
 #            a steady a/b mix against a alone (SWAPS 4, REPEATS 3, POOL_TOKENS 128, POOL_FLAGS e.g.
 #            --no-warmup; CLIENTS N, CLIENT_REQUESTS 4: N clients at once, a alone then half a, half b).
 #            Results: pool_swap.*
-#   kernels  kernel_check.py (issue 32.1): each CUDA kernel of mlx_relay/engine/kernels against its fallback
+#   kernels  kernel_check.py (issue 32.1): each CUDA kernel of the model families (engine/models/*/kernels/) against its fallback
 #   count    bench_decode_step.py --count-ops --by-layer (issue 32.1): launches per step and per layer part
 #   probe    memory_release_probe.py: does freed MLX memory go back to the device (CUDA backend)
 #   step     bench_decode_step.py: mlx-vlm's own decode step vs ours (eager, compiled), per token

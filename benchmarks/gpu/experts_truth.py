@@ -70,7 +70,7 @@ def rel(a: mx.array, ref: mx.array) -> float:
 
 
 def sorted_gather(switch: Any, x: mx.array, inds: mx.array, gathered: bool) -> mx.array:
-    from mlx_relay.engine.kernels.grouped_experts import expert_weights
+    from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import expert_weights
 
     k = inds.shape[-1]
     flat = inds.flatten()
@@ -90,7 +90,7 @@ PATHS = ("library", "dequantize", "kernel", "gather_mm_expanded", "gather_mm_gat
 
 
 def run_path(name: str, switch: Any, x: mx.array, inds: mx.array) -> mx.array:
-    from mlx_relay.engine.kernels.grouped_experts import grouped_switch_glu
+    from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import grouped_switch_glu
 
     if name == "library":
         return switch(x, inds)

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_vlm.models.switch_layers import SwitchGLU
 
-from mlx_relay.engine.kernels.grouped_experts import grouped_switch_glu
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import grouped_switch_glu
 
 H = 2048
 

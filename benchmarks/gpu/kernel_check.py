@@ -39,11 +39,16 @@ from build_random_model import TEXT_35B_A3B  # beside this script (benchmarks/gp
 from experts_truth import float_weights, quantized_switch, truth
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
-from mlx_relay.engine.kernels.gated_delta import cuda_mixer, fallback_mixer
-from mlx_relay.engine.kernels.gated_delta_prefill import cuda_delta_rule
-from mlx_relay.engine.kernels.gated_delta_prefill import fallback as delta_rule_fallback
-from mlx_relay.engine.kernels.grouped_experts import grouped_switch_glu
-from mlx_relay.engine.kernels.moe import cuda_combine, cuda_route_topk, fallback_combine, fallback_route_topk
+from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import cuda_mixer, fallback_mixer
+from mlx_relay.engine.models.qwen3_5.kernels.gated_delta_prefill import cuda_delta_rule
+from mlx_relay.engine.models.qwen3_5.kernels.gated_delta_prefill import fallback as delta_rule_fallback
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import grouped_switch_glu
+from mlx_relay.engine.models.qwen3_5.kernels.moe import (
+    cuda_combine,
+    cuda_route_topk,
+    fallback_combine,
+    fallback_route_topk,
+)
 
 TOLERANCE = 2e-2  # relative to the reference's largest magnitude: a few bf16 roundings (eps 2^-7)
 
@@ -172,8 +177,8 @@ def check_grouped_qmm(T: int, skewed: bool) -> dict[str, Any]:
     against a float32 truth (`experts_truth.float_weights`, one matmul per expert), the up
     projection's shape and the down projection's, experts routed evenly or most rows to a few
     experts (many tiles of one expert, many experts without a row)."""
-    from mlx_relay.engine.kernels.grouped_qmm import fallback as qmm_fallback
-    from mlx_relay.engine.kernels.grouped_qmm import grouped_qmm
+    from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import fallback as qmm_fallback
+    from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import grouped_qmm
 
     H, F = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"]
     E, k = SHAPE["num_experts"], SHAPE["num_experts_per_tok"]

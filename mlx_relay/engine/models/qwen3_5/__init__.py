@@ -4,6 +4,8 @@ without a vision tower, with an MTP head): the model types it serves (this modul
     layers.py    the decoder's one layer loop over explicit caches (decode step and MTP verify)
     mtp.py       the MTP head: loading it, its input, its layers over explicit caches
     pipeline.py  the split by layers over a pipeline's ranks
+    prefill.py   a prefill chunk over the library's caches; mixed.py: a chunk and decoding rows in one forward
+    kernels/     its CUDA kernels (GatedDeltaNet, experts), each beside its plain-MLX fallback
     family.py    `FAMILY`, the `models.ModelFamily` the engine calls
 """
 

@@ -10,7 +10,7 @@ library's own decode (`tests/test_decode_step.py`, `tests/test_mtp_step.py` and
 `tests/test_moe_decode.py` pin the greedy tokens, float32). Where the library runs a chain of small
 operations the loop calls one launch instead (issue 32: the step is launch-bound on a GPU): a
 GatedDeltaNet layer between its projections and a mixture of experts' router and combine through
-`engine/kernels/` (CUDA kernels, the library's ops elsewhere), text positions rotated with MLX's
+`kernels/` (this family's CUDA kernels, the library's ops elsewhere), text positions rotated with MLX's
 fused rope, and the expert matmuls' row indices made once per step (`ExpertRows`).
 
 The loop itself (`run_layers`: each layer's mixer, then its MLP or mixture of experts, on the
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 
-from mlx_relay.engine.kernels.gated_delta import gated_delta_mixer
-from mlx_relay.engine.kernels.grouped_experts import grouped_switch_glu, use_grouped
-from mlx_relay.engine.kernels.moe import combine, route_topk
 from mlx_relay.engine.models import KV, UnsupportedModel
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import grouped_switch_glu, use_grouped
+from mlx_relay.engine.models.qwen3_5.kernels.moe import combine, route_topk
 
 if TYPE_CHECKING:
     from mlx_relay.engine.models.pipeline_stage import Stage

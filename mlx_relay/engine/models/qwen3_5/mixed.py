@@ -26,9 +26,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.kernels.gated_delta import gated_delta_mixer
 from mlx_relay.engine.models import KV, Block, Chunk
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer
 from mlx_relay.engine.models.qwen3_5.layers import (
     attend_explicit,
     gated,

@@ -38,9 +38,9 @@ import mlx.nn as nn
 from mlx_vlm.models.qwen3_5.language import apply_multimodal_rotary_pos_emb
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
-from mlx_relay.engine.kernels.gated_delta import causal_conv, normalize_qk
-from mlx_relay.engine.kernels.gated_delta_prefill import delta_rule
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import causal_conv, normalize_qk
+from mlx_relay.engine.models.qwen3_5.kernels.gated_delta_prefill import delta_rule
 from mlx_relay.engine.models.qwen3_5.layers import gated_output, gdn_projections, project_qkv, run_layers
 
 

@@ -177,6 +177,6 @@ def cuda_grouped_qmm(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
 def fallback(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
     """The weights dequantized (as the quantized matmul reads them) and MLX's sorted `gather_mm`
     (on CUDA: CUTLASS's grouped GEMM)."""
-    from mlx_relay.engine.kernels.grouped_experts import expert_weights
+    from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import expert_weights
 
     return mx.gather_mm(rows, expert_weights(proj).swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)

@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx_vlm.models.qwen3_5.gated_delta import compute_g, gated_delta_update
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
-from mlx_relay.engine.kernels.gated_delta_cpu import recurrence
+from mlx_relay.engine.models.qwen3_5.kernels.gated_delta_cpu import recurrence
 
 LANES_PER_ROW = 8  # lanes sharing one value row's state columns
 ROWS_PER_BLOCK = 32  # value rows per thread block (256 threads)

@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
-from mlx_relay.engine.kernels.grouped_qmm import grouped_qmm
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import grouped_qmm
 
 #: (token, expert) pairs from which the grouped path pays on a GPU: below it the library's
 #: per-pair quantized matmul reads less than one dequantization of every expert writes.
