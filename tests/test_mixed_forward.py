@@ -14,22 +14,9 @@ from typing import Any
 import pytest
 
 from tests.test_decode_step import PROMPTS, _positions, _state
-from tests.test_moe_decode import build_moe_lm
-from tests.test_prefill_forward import _close, _states
+from tests.test_prefill_forward import _close, _states, dense, moe  # noqa: F401 (the fixtures, shared)
 
 TOL = 2e-5
-
-
-@pytest.fixture(scope="module")
-def dense(gpu: Callable, fp32_model: Path) -> Any:
-    from mlx_relay.engine.models.loader import load_model
-
-    return gpu(lambda: load_model(fp32_model).model.language_model)
-
-
-@pytest.fixture(scope="module")
-def moe(gpu: Callable) -> Any:
-    return gpu(lambda: build_moe_lm(7))
 
 
 def _decoding(lm: Any) -> tuple[Any, Any]:
