@@ -78,9 +78,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # for both, as vLLM v1 batches decode tokens with prefill chunks); off: two forwards a step, the
     # decode step's compiled one first. None: on the CPU backend, off on a GPU, where one forward
     # saved 11-19 ms a step against two but every new (chunk, decoding rows) shape cost its first
-    # step 1.4-2.4 s (MLX's per-shape setup on CUDA, cuDNN's conv plan a part of it), which the
-    # warm-up's prefill shapes do not cover: 8 streams beside a 30K prompt had ITL p90 127x
-    # (benchmarks/results/mixed-steps-h200-2026-11-28/)
+    # step 1.4-2.4 s (our MoE combine kernel compiled for each count of positions, since fixed;
+    # cuDNN's conv plan), which the warm-up's prefill shapes do not cover: 8 streams beside a 30K
+    # prompt had ITL p90 127x (benchmarks/results/mixed-steps-h200-2026-11-28/); on again once a
+    # lease measures it without the compiles
     mixed_steps: bool | None = None
     # how a prefill chunk's routed experts run on a CUDA GPU (`engine/models/prefill_options.py`):
     # "dequantize" for MLX's grouped GEMM, "kernel" our grouped 8-bit GEMM, "library" mlx-vlm's

@@ -46,6 +46,8 @@ def build(spec: KernelSpec) -> str:
             params.append(f"    const __grid_constant__ Shape {name}_shape")
         if ndim > 0 and f"{name}_strides" in spec.source:
             params.append(f"    const __grid_constant__ Strides {name}_strides")
+        if ndim > 0 and f"{name}_ndim" in spec.source:
+            params.append(f"    const __grid_constant__ int {name}_ndim")
     params += [f"    {CUDA_TYPES[dtype]}* {name}" for name, dtype in spec.outputs]
     lines.append(",\n".join(params) + ") {")
     for name, value in spec.template:
@@ -60,7 +62,7 @@ def build(spec: KernelSpec) -> str:
 
 
 def specs() -> list[KernelSpec]:
-    """Each kernel of `mlx_relay/engine/kernels/` whose source this checks, at the 35B-A3B shape."""
+    """Each kernel of the families' `kernels/` whose source this checks, at the 35B-A3B shape."""
     from mlx_relay.engine.models.qwen3_5.kernels import gated_delta_prefill as gdp
 
     out = []
@@ -80,6 +82,13 @@ def specs() -> list[KernelSpec]:
                       ("row_off", "int32", 1), ("tile_off", "int32", 1)]
             out.append(KernelSpec(f"grouped_qmm8_{dtype}_{n}x{k}", gq.cuda_source(), gq.CUDA_HEADER, inputs,
                                   [("y", dtype)], [("N", n), ("K", k), ("E", 256), ("T", dtype)]))
+    from mlx_relay.engine.models.qwen3_5.kernels import moe
+
+    for dtype in ("bfloat16", "float32"):
+        inputs = [("h", dtype, 3), ("expert_out", dtype, 4), ("scores", dtype, 3), ("shared_gate", dtype, 3),
+                  ("shared_out", dtype, 3)]
+        out.append(KernelSpec(f"moe_combine_{dtype}", moe.COMBINE_SOURCE, "", inputs, [("out", dtype)],
+                              [("D", 2048), ("KTOP", 8), ("OutT", dtype)]))
     return out
 
 

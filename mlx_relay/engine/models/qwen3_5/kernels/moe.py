@@ -79,9 +79,15 @@ _ROUTE_SOURCE = """
 """
 
 # One thread per output element; D, KTOP, OutT template.
-_COMBINE_SOURCE = """
+# the positions' count is read from `shared_gate`'s shape ([..., 1]) at run time, not a template
+# argument: a template argument is compiled into the kernel, so every new count of positions (each
+# prefill chunk length, each mixed step's) compiled it anew, ~1.5 s a count on an H200
+# (benchmarks/results/mixed-steps-h200-2026-11-28/)
+COMBINE_SOURCE = """
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= (size_t)N * D) return;
+  size_t N = 1;
+  for (int a = 0; a < shared_gate_ndim; ++a) N *= (size_t)shared_gate_shape[a];
+  if (i >= N * D) return;
   const size_t n = i / D, d = i % D;
   auto rq_ = [](float x) { return static_cast<float>(static_cast<OutT>(x)); };
   float acc = 0.f;
@@ -140,10 +146,10 @@ def cuda_combine(h: mx.array, expert_out: mx.array, scores: mx.array, shared_gat
     N = h.size // D
     kernel = mx.fast.cuda_kernel(name="relay_moe_combine",
                                  input_names=["h", "expert_out", "scores", "shared_gate", "shared_out"],
-                                 output_names=["out"], source=_COMBINE_SOURCE)
+                                 output_names=["out"], source=COMBINE_SOURCE)
     (out,) = kernel(
         inputs=[h, expert_out, scores, shared_gate, shared_out],
-        template=[("N", N), ("D", D), ("KTOP", k), ("OutT", h.dtype)],
+        template=[("D", D), ("KTOP", k), ("OutT", h.dtype)],
         grid=(N * D, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[h.shape], output_dtypes=[h.dtype])
     return out
