@@ -258,7 +258,7 @@ class PrefillBatch:
         rows = mx.array(finished, dtype=mx.int32)
         cols = mx.array([takes[i] - 1 for i in finished], dtype=mx.int32)  # each row's last real token
         last = self.forward.share(hidden[rows, cols])[:, None, :]
-        logits = self.lm.speculative_logits_from_hidden(last)[:, -1, :]
+        logits = self.forward.family.verify_logits(self.lm, last)[:, -1, :]
         rows = []
         for j, i in enumerate(finished):
             row_logits = logits[j:j + 1]

@@ -27,6 +27,8 @@ from mlx_vlm.models.cache import ArraysCache, KVCache
 
 from mlx_relay.cache.snapshot_files import SnapshotCorrupt, SnapshotLayoutError
 from mlx_relay.engine.memory.snapshots import Snapshot
+from mlx_relay.engine.models import family_of
+from mlx_relay.engine.models.prefill_options import PrefillOptions
 
 __all__ = ["CacheLayout", "LayerLayout", "decode", "dtype_name", "encode", "kv_layout", "probe_layout"]
 
@@ -75,11 +77,12 @@ def _layer_layout(cache: Any) -> LayerLayout:
 
 
 def probe_layout(lm: Any, head: Any | None = None) -> CacheLayout:
-    """The cache layout of `lm` (and of the MTP `head`): one token through fresh caches."""
-    caches = lm.make_cache()
+    """The cache layout of `lm` (and of the MTP `head`): one token through fresh caches (the family's
+    own, through its prefill)."""
+    family = family_of(lm)
+    caches = family.make_caches(lm)
     positions = mx.zeros((3, 1, 1), dtype=mx.int32)
-    out = lm(mx.array([[0]]), cache=caches, position_ids=positions, return_hidden=True, skip_logits=True)
-    hidden = out.hidden_states[-1]
+    hidden = family.prefill_forward(lm, mx.array([[0]]), None, caches, positions, PrefillOptions())
     head_layout = None
     if head is not None:
         dcache = head.make_cache()

@@ -124,6 +124,17 @@ class ModelFamily(Protocol):
         it keeps attention keys and values (`decode_state` / `mtp_state` hold the arrays in this order)."""
         ...
 
+    def make_caches(self, lm: Any) -> list[Any]:
+        """Empty caches of the library's own kinds, one per layer, that the family's prefill keeps
+        (`prefill_forward`, `mixed_forward`) and the engine moves rows in and out of (its decode
+        state, its snapshots): mlx-vlm's `KVCache` and `ArraysCache`, whichever library loaded `lm`."""
+        ...
+
+    def verify_logits(self, lm: Any, hidden: mx.array) -> mx.array:
+        """The logits of final hidden states as the library's speculative decoding takes them (a
+        prompt's first token: on Metal batch-invariant, as the MTP lane's verify), not traced."""
+        ...
+
     def forward_block(self, lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[mx.array],
                       ssm: list[mx.array], *, keep_states: bool, stage: Stage | None,
                       prefill: PrefillOptions | None = None) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:

@@ -27,6 +27,14 @@ class Qwen3_5Family:
     def cache_layout(self, lm: Any) -> tuple[bool, ...]:
         return tuple(bool(layer.is_linear) for layer in layers.decoder_layers(lm))
 
+    def make_caches(self, lm: Any) -> list[Any]:
+        caches: list[Any] = lm.make_cache()
+        return caches
+
+    def verify_logits(self, lm: Any, hidden: mx.array) -> mx.array:
+        logits: mx.array = lm.speculative_logits_from_hidden(hidden)
+        return logits
+
     def forward_block(self, lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[mx.array],
                       ssm: list[mx.array], *, keep_states: bool, stage: Stage | None,
                       prefill: PrefillOptions | None = None) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
