@@ -14,8 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "cpu_blas"))
-import build as cpu_blas
+ROOT = Path(__file__).resolve().parents[1]
 
 TIMED = """
 import statistics, sys, time
@@ -49,7 +48,10 @@ def main() -> None:
     shape = [int(v) for v in args.shape.split(",")]
     shipped = median_ms(shape, args.repeats, None)
     print(f"{'x'.join(map(str, shape))} float32: {shipped:.2f} ms as shipped")
-    built = cpu_blas.build(Path(".venv/lib"))
+    # the preload as `make` builds it (its path, or nothing where it does not apply)
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "cpu_blas" / "build.py"), str(ROOT / ".venv" / "lib")],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    built = Path(out) if out else None
     if built is None:
         print("no preload applies here")
         return

@@ -8,16 +8,28 @@ with it too."""
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools" / "cpu_blas"))
-import build as cpu_blas  # noqa: E402
+
+
+def _load_cpu_blas() -> ModuleType:
+    """`tools/cpu_blas/build.py` as a module of its own name (its file name is a common one)."""
+    spec = importlib.util.spec_from_file_location("mlx_relay_cpu_blas_build", ROOT / "tools" / "cpu_blas" / "build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cpu_blas = _load_cpu_blas()
 
 CASES = """
 import json, sys

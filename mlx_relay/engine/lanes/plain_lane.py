@@ -43,7 +43,7 @@ from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
 from mlx_relay.engine.memory.batch_caches import as_batch_caches
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot, restore_caches, snapshot_caches
-from mlx_relay.engine.models import Chunk, family_of
+from mlx_relay.engine.models import Chunk
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 
@@ -64,7 +64,6 @@ class PlainLane:
                  compiled: bool = True, fixed_prefill_shapes: bool = False, stage: Stage | None = None,
                  prefill_options: PrefillOptions | None = None, mixed: bool = True) -> None:
         self.lm = lm
-        self.family = family_of(lm)
         # the decode step rides in the prefill chunk's forward (not on a pipeline stage, whose
         # prefill is the library's forward)
         self.mixed = mixed and stage is None
@@ -97,7 +96,7 @@ class PlainLane:
         return self.prefill.finishing_costs()
 
     def add(self, spec: RowSpec) -> None:
-        pre = RowPrefill(prompt=spec.prompt, cache=self.family.make_caches(self.lm), embeds=spec.embeds,
+        pre = RowPrefill(prompt=spec.prompt, cache=self._step.family.make_caches(self.lm), embeds=spec.embeds,
                          positions=spec.positions, rope_delta=spec.rope_delta)
         if spec.restore is not None:
             pre.cache, pre.done = restore_caches(spec.restore.target), spec.restore.length
@@ -153,7 +152,7 @@ class PlainLane:
             tic = time.perf_counter()
             for j in range(rows):
                 prompt = [(7 * j + i) % max(1, vocab_size - 1) + 1 for i in range(n)]
-                caches = self.family.make_caches(self.lm)
+                caches = self._step.family.make_caches(self.lm)
                 self.prefill.add(PrefillRow(-(j + 1), RowPrefill(prompt=prompt, cache=caches)))
             while len(self.prefill):
                 self.prefill.step()
@@ -164,8 +163,8 @@ class PlainLane:
     def warm_decode(self, max_rows: int) -> int:
         """Trace the decode step at every batch size it can run at (idle rows only), so no
         request meets a first-shape compile; returns how many sizes."""
-        cache = self.family.make_caches(self.lm)
-        self.family.prefill_forward(self.lm, mx.array([[0]]), None, cache, mx.zeros((3, 1, 1), dtype=mx.int32),
+        cache = self._step.family.make_caches(self.lm)
+        self._step.family.prefill_forward(self.lm, mx.array([[0]]), None, cache, mx.zeros((3, 1, 1), dtype=mx.int32),
                                     self.prefill.forward.options)
         mx.eval([c.state for c in cache])
         sizes = sorted({batch_bucket(n) for n in range(1, max_rows + 1)})
