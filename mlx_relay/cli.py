@@ -102,9 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "decode steps' time, measured by the engine, so their inter-token latency stays "
                             "within about this factor of alone; prompts alone get the whole budget (default: 2.5 "
                             "on CPU, off on a GPU; 0: off)")
-    serve.add_argument("--mixed-steps", choices=("auto", "on", "off"), default="auto",
-                       help="a step's decode rows and its prefill chunk in one forward (on) or two (off); auto: "
-                            "one on CPU, two on a GPU (where each new shape of a mixed step costs seconds once)")
+    serve.add_argument("--mixed-steps", choices=("on", "off"), default="on",
+                       help="a step's decode rows and its prefill chunk in one forward (on, the default) or two (off)")
     serve.add_argument("--prefill-experts", choices=("auto", "dequantize", "kernel", "library"), default="auto",
                        help="a prefill chunk's routed experts on a CUDA GPU: dequantized for MLX's grouped GEMM, our "
                             "grouped 8-bit kernel, or the library's SwitchGLU (default auto: our kernel)")
@@ -372,7 +371,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         prefill_experts=args.prefill_experts,
         warmup=not args.no_warmup,
         compile_decode=not args.no_compile,
-        mixed_steps=None if args.mixed_steps == "auto" else args.mixed_steps == "on",
+        mixed_steps=args.mixed_steps == "on",
         compile_mtp=not args.no_compile_mtp,
         prefill_shapes=args.prefill_shapes,
         engine_process=args.engine_process,

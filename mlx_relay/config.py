@@ -70,19 +70,17 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # costs), so a decoding stream's inter-token latency stays within about this factor of its
     # latency alone and the prompts still get (factor - 1) / factor of the time; prompts alone get
     # the whole budget every step. None: 2.5 on the CPU backend (where a step that prefills costs
-    # ~30x a decode step), off on a GPU until the GPU probe says otherwise; 0: off. Always off in a
+    # ~30x a decode step), off on a GPU (an H200 at 2: 8 streams' ITL p90 1.56x of alone, but a 30K
+    # prompt beside them 3.05x its TTFT alone; off: 24x and 1.04x); 0: off. Always off in a
     # pipeline (each rank would time its own steps, and every rank must take the same ones)
     decode_stall_factor: float | None = None
     # in a step that decodes rows and prefills a chunk, the plain lane's decode step rides in the
     # chunk's forward (`engine/models/qwen3_5/mixed.py`: one forward, each layer's weights read once
     # for both, as vLLM v1 batches decode tokens with prefill chunks); off: two forwards a step, the
-    # decode step's compiled one first. None: on the CPU backend, off on a GPU, where one forward
-    # saved 11-19 ms a step against two but every new (chunk, decoding rows) shape cost its first
-    # step 1.4-2.4 s (our MoE combine kernel compiled for each count of positions, since fixed;
-    # cuDNN's conv plan), which the warm-up's prefill shapes do not cover: 8 streams beside a 30K
-    # prompt had ITL p90 127x (benchmarks/results/mixed-steps-h200-2026-11-28/); on again once a
-    # lease measures it without the compiles
-    mixed_steps: bool | None = None
+    # decode step's compiled one first. On an H200 one forward saves 8-19 ms a step against two, and
+    # 8 streams beside a 30K prompt had ITL p90 24.2x / long TTFT 1.04x against 26.3x / 1.13x
+    # (benchmarks/results/mixed-steps-h200-2026-11-28/)
+    mixed_steps: bool = True
     # how a prefill chunk's routed experts run on a CUDA GPU (`engine/models/prefill_options.py`):
     # "dequantize" for MLX's grouped GEMM, "kernel" our grouped 8-bit GEMM, "library" mlx-vlm's
     # SwitchGLU; "auto": our kernel for 8-bit experts in groups of 64 (else dequantized). Off a CUDA

@@ -75,7 +75,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool
                            fixed_prefill_shapes=config.prefill_shapes == "fixed"
                            or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage,
                            prefill_options=prefill_options,
-                           mixed=config.mixed_steps if config.mixed_steps is not None else info.backend == "cpu")}
+                           mixed=config.mixed_steps)}
     # a pipeline stage runs no library lane: mlx-vlm's BatchGenerator runs the whole model
     if not prefix_cache and stage is None:
         lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
