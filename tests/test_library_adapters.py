@@ -72,7 +72,7 @@ def _steps_until_first_token(gen: Any, uid: int, limit: int = 20) -> int:
 
 def test_batch_generator_needs_headroom_to_admit_while_decoding(gpu: Callable, loaded: Any) -> None:
     """With completion_batch_size == running rows + less than prefill_batch_size, a new prompt
-    waits for rows to finish; BatchEngine gives the generator `max_num_seqs + prefill_batch_size`."""
+    waits for rows to finish; the raw-loop driver (`bench/rawloop.py`) gives the generator that headroom."""
     prompt = list(range(5, 25))
 
     def run(completion: int) -> int:

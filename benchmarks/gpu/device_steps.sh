@@ -46,9 +46,6 @@
 #            prompt MIXED_CONTEXT (16384) tokens in, for each of MIXED_SLICES (16,64,128,256,512,1024): two
 #            forwards (the decode step, the chunk's) against one (the plain lane's mixed step); a lone
 #            4,096-token chunk's rate for the TTFT ratio. Results: mixed_step.{json,txt}
-#   lanes    (issue 44.6) library_lane.py: the library lane (prefix cache off) against the plain lane in process,
-#            per ROWS:PROMPT:TOKENS of LANES_WORKLOADS (default "16:256:64 64:512:128 8:4096:32"), REPEATS each.
-#            Results: library_lane_*.txt
 #   sbl      (issue 43.3) device_short_behind_long.sh run inside this job (its knobs: BUDGETS, FACTORS,
 #            OURS_FLAGS, STREAMS, LONG_TOKENS, WINDOW), so it follows the jobs before it on the same
 #            machine. Results: short_behind_long.tgz, sbl.txt
@@ -200,13 +197,6 @@ mixed)
     --slices "${MIXED_SLICES:-16,64,128,256,512,1024}" --steps "${STEPS:-8}" --alone-chunk 4096 \
     --out $O/mixed_step.json > $O/mixed_step.txt 2>&1
   say "mixed (rc $?): $(tail -n 8 $O/mixed_step.txt | tr -s ' ' | tr '\n' ';')" ;;
-lanes)
-  for w in ${LANES_WORKLOADS:-16:256:64 64:512:128 8:4096:32}; do
-    IFS=: read -r rows prompt tokens <<< "$w"
-    python3 benchmarks/library_lane.py "$MODEL" --rows $rows --prompt $prompt --tokens $tokens --repeats "${REPEATS:-3}" \
-      > $O/library_lane_$rows-$prompt-$tokens.txt 2>&1
-    say "lanes $w (rc $?): $(tail -n 3 $O/library_lane_$rows-$prompt-$tokens.txt | tr -s ' ' | tr '\n' ';')"
-  done ;;
 snapio)
   python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
   say "snapio done (rc $?)" ;;

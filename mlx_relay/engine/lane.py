@@ -7,10 +7,9 @@ chunks of its joining rows within the step's prefill budget (`scheduling/token_b
 each lane its share after counting `decode_tokens` of every lane), `extract` copies a row's
 whole state (its turn snapshot), `remove` lets a row go, `clear` drops everything (after a
 failed step). Three lanes exist:
-`lanes/mtp_lane.MTPLane` (text rows with MTP speculative decoding), `lanes/plain_lane.PlainLane` (our own
-restorable prefill, then our compiled decode step) and `lanes/library_lane.LibraryLane` (mlx-vlm's
-`BatchGenerator`, which prefills joining rows together: used with the prefix cache off); a
-model of no family of ours runs `lanes/kv_lane.KVLane` alone (its library's forward over KV caches).
+`lanes/mtp_lane.MTPLane` (text rows with MTP speculative decoding) and `lanes/plain_lane.PlainLane` (our own
+restorable prefill, then our compiled decode step); a model of no family of ours runs
+`lanes/kv_lane.KVLane` alone (its library's forward over KV caches).
 
 A lane reports each row's new tokens and, where the lane knows it (end-of-sequence, max_tokens),
 that the row's sequence ended; the output stage adds stop strings and finishes rows.
@@ -49,7 +48,6 @@ class RowSpec:
     embeds: mx.array | None = None  # [1, L, D]: vision rows (features merged in)
     positions: mx.array | None = None  # [3, 1, L]: M-RoPE positions (vision and sparse rows)
     rope_delta: int = 0  # decode position = index + rope_delta
-    prompt_kwargs: dict[str, Any] | None = None  # the library lane's insert arguments (vision rows)
     block_size: int = 2  # MTP rows: tokens per verify round
     use_head: bool = True  # MTP rows: the head drafts (else only context drafts, where they match)
     context_drafts: int = 0  # MTP rows: at most this many drafts copied from the context per round (0: none)
@@ -96,7 +94,7 @@ class LaneStep:
 
 #: The engine's lanes by name ("kv": the all-attention lane of a model served through its library's
 #: forward, the engine's one lane then).
-LaneName = Literal["mtp", "plain", "library", "kv"]
+LaneName = Literal["mtp", "plain", "kv"]
 
 
 class Lane(Protocol):

@@ -1,14 +1,14 @@
 """Which lanes an engine runs, built from its config (GPU thread only; called by `EngineCore`).
 
-A model of no family of ours (served through its library's forward, `models/library_kv.py`): the
-KV lane alone. Otherwise always the plain lane; the library lane (mlx-vlm's `BatchGenerator`)
-when the prefix cache is off and the engine runs the whole model (a pipeline stage runs none: the
-generator runs the whole
-model); the MTP lane when the checkpoint has an MTP head and the config asks for it, or when
-context drafts are on (`max_draft_tokens`; not on a pipeline stage, whose ranks must all choose
-alike): then a checkpoint without a head gets the lane too, verifying context drafts only (its
-verifier: mlx-vlm's exact one where asked, or on Metal with `mtp_verify="auto"`; the batched
-forward otherwise, and always on a pipeline stage).
+A model of no family of ours (served through its library's forward, `models/library_kv.py`): the KV
+lane alone. Otherwise always the plain lane, with the prefix cache on or off (a lane running mlx-
+vlm's `BatchGenerator` with the cache off was retired: it took 2.3x the plain lane's time and failed
+on CUDA at 4K-token prompts, `benchmarks/results/mixed-steps-h200-2026-11-28/`); the MTP lane when
+the checkpoint has an MTP head and the config asks for it, or when context drafts are on
+(`max_draft_tokens`; not on a pipeline stage, whose ranks must all choose alike): then a checkpoint
+without a head gets the lane too, verifying context drafts only (its verifier: mlx-vlm's exact one
+where asked, or on Metal with `mtp_verify="auto"`; the batched forward otherwise, and always on a
+pipeline stage).
 
 Every lane's prefill chunk stays within what the backend can run in one forward
 (`kernels.backend.max_chunk_tokens`: on CUDA, a mixture of experts' routed rows per launch).
@@ -23,7 +23,6 @@ from mlx_relay.config import EngineConfig
 from mlx_relay.engine.kernels.backend import max_chunk_tokens
 from mlx_relay.engine.lane import Lane, LaneName
 from mlx_relay.engine.lanes.kv_lane import KVLane
-from mlx_relay.engine.lanes.library_lane import LibraryLane
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
 from mlx_relay.engine.lanes.plain_lane import PlainLane
@@ -55,7 +54,7 @@ def prefill_step_size(lm: object, config: EngineConfig, backend: str) -> int:
     return limit
 
 
-def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool, token_budget: int,
+def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
                 stage: Stage | None, step: int, prefill_options: PrefillOptions | None = None
                 ) -> dict[LaneName, Lane]:
     """`step`: every lane's prefill chunk at most (`prefill_step_size`)."""
@@ -76,11 +75,6 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, prefix_cache: bool
                            or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage,
                            prefill_options=prefill_options,
                            mixed=config.mixed_steps)}
-    # a pipeline stage runs no library lane: mlx-vlm's BatchGenerator runs the whole model
-    if not prefix_cache and stage is None:
-        lanes["library"] = LibraryLane(loaded.model, loaded.processor, max_num_seqs=config.max_num_seqs,
-                                       prefill_batch_size=config.prefill_batch_size,
-                                       prefill_step_size=min(step, token_budget))
     has_head = config.mtp and info.has_mtp
     # context drafts need every rank of a pipeline to make the same choices: not in a pipeline
     context = config.max_draft_tokens if stage is None else 0

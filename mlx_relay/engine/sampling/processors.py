@@ -1,11 +1,11 @@
 """Per-row logits processors (GPU thread only): logprobs, penalties, grammars, thinking budgets.
 
-mlx-vlm's `GenerationBatch` (our plain lane) and `BatchGenerator` apply a row's processors to
+The lanes' decoding (`lanes/decode_batch.py`, `lanes/kv_lane.py`) applies a row's processors to
 that row's logits before sampling, calling `process_last_token(last_token, logits)` when a
 processor has it; our own prefill calls them the same way for a row's first token. The first
 call of a row sees the prompt's last token, every later call the token sampled just before.
 
-A row's chain is built by `BatchEngine._processors` in this order: the logprob recorder (it sees
+A row's chain is built by `step/logits.LogitsChains` in this order: the logprob recorder (it sees
 the model's raw distribution), penalties, the thinking budget, the grammar mask (it starts after
 the thinking block when the prompt opened one), and last the `RowSampler` when the row samples.
 Rows with logprobs, penalties or a thinking budget decode in the plain lane, never in the MTP

@@ -1,12 +1,11 @@
 """Per-request sampling inside a shared continuous batch (runs on the GPU thread).
 
-mlx-vlm's `BatchGenerator` has one sampler for the whole batch but applies logits processors
-row by row. A request that samples (temperature > 0) gets a `RowSampler` processor: it applies
-temperature, top-k, top-p and min-p to its own row, draws the token with its own PRNG key
-(seeded per request, so the draw does not depend on what else is in the batch) and returns a
-row whose only finite entry is that token. The batch-wide sampler is argmax, so greedy
-requests carry no processor at all and stay exactly equal to plain greedy decoding.
-"""
+The lanes take one argmax over the whole batch but apply logits processors row by row. A request
+that samples (temperature > 0) gets a `RowSampler` processor: it applies temperature, top-k, top-p
+and min-p to its own row, draws the token with its own PRNG key (seeded per request, so the draw
+does not depend on what else is in the batch) and returns a row whose only finite entry is that
+token. The batch-wide sampler is argmax, so greedy requests carry no processor at all and stay
+exactly equal to plain greedy decoding."""
 
 from __future__ import annotations
 

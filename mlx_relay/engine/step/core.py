@@ -114,13 +114,13 @@ class EngineCore:
         # the rows' caches within the device's memory, the prefill's working set bounded from it
         # (`memory/kv_budget.py`; not counted on a pipeline stage, whose ranks hold different layers)
         budget, prefill_options = engine_plan(loaded, config, prefix_cache=prefix_cache, chunk_tokens=step)
-        self.lanes = build_lanes(loaded, config, prefix_cache=prefix_cache, token_budget=token_budget,
+        self.lanes = build_lanes(loaded, config, token_budget=token_budget,
                                  stage=stage, step=step, prefill_options=prefill_options)
         self.kv_budget = with_held_weights(budget) if stage is None else None
         self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
                                    mtp_block=config.mtp_block_size if "mtp" in self.lanes else None,
                                    mtp_max_batch=config.mtp_max_batch,
-                                   own_prefill="library" not in self.lanes, budget=self.kv_budget,
+                                   budget=self.kv_budget,
                                    sole="kv" if "kv" in self.lanes else None)
         if draft_model is not None and uses_library_forward(loaded.model.language_model):
             raise UnsupportedModel(f"SpecPrefill needs a model family of the engine's own "

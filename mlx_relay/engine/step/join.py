@@ -38,12 +38,9 @@ def row_spec(row: Row, restore: Snapshot | None, snapshot_at: list[int], chains:
         kwargs, hashes = features.prompt_kwargs(model, spec.prompt, req.vision)
         if hashes:
             encoded = FeaturesEncoded(req.request_id, hashes)
-        if row.lane == "library":
-            spec.prompt_kwargs = kwargs
-        else:
-            deltas = kwargs.get("rope_deltas")
-            spec.embeds, spec.positions = kwargs["inputs_embeds"], kwargs.get("position_ids")
-            spec.rope_delta = int(deltas.reshape(-1)[0].item()) if deltas is not None else 0
+        deltas = kwargs.get("rope_deltas")
+        spec.embeds, spec.positions = kwargs["inputs_embeds"], kwargs.get("position_ids")
+        spec.rope_delta = int(deltas.reshape(-1)[0].item()) if deltas is not None else 0
     elif row.sparse is not None:
         spec.prompt, kw, spec.snapshot_at = sparse_row(spec.prompt, row.sparse,
                                                        restore.length if restore else 0, snapshot_at)

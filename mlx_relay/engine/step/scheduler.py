@@ -7,9 +7,7 @@ than `max_num_seqs` run, each in one lane for its whole life:
   at the lane's block size, and fewer than
   `mtp_max_batch` rows are running (a round costs more than a plain step, more so as the batch
   grows: MTP pays only for (nearly) lone rows);
-- `plain`: our own prefill (restorable, snapshottable: the prefix cache is on, or the row is a
-  sparse SpecPrefill row);
-- `library`: mlx-vlm's BatchGenerator (prefix cache off), which prefills joining rows together.
+- `plain`: every other row (our own prefill: restorable, snapshottable);
 - `kv`: every row, where the engine runs that one lane (a model served through its library's forward).
 A row joins only when its caches fit beside the running rows' (`memory.kv_budget.KVBudget.fits`,
 each row reserved at its prompt plus its `max_tokens`); otherwise it and every row after it wait
@@ -39,7 +37,7 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, *, max_num_seqs: int, mtp_block: int | None, mtp_max_batch: int, own_prefill: bool,
+    def __init__(self, *, max_num_seqs: int, mtp_block: int | None, mtp_max_batch: int,
                  budget: KVBudget | None = None, sole: LaneName | None = None) -> None:
         self.sole = sole  # the engine's one lane, where it runs one (a model served through its library's forward)
         self.max_num_seqs = max_num_seqs
@@ -47,7 +45,6 @@ class Scheduler:
         self.memory_waits = 0  # steps in which the next row waited for memory
         self.mtp_block = mtp_block  # the MTP lane's block size (None: no MTP lane)
         self.mtp_max_batch = mtp_max_batch
-        self.own_prefill = own_prefill
         self.waiting: deque[Row] = deque()
         self.running: dict[int, Row] = {}
 
@@ -98,6 +95,4 @@ class Scheduler:
         plan = row.req.speculate
         if plan is not None and plan.block_size == self.mtp_block and len(self.running) < self.mtp_max_batch:
             return "mtp"
-        if self.own_prefill or row.sparse is not None:
-            return "plain"
-        return "library"
+        return "plain"
