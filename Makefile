@@ -69,7 +69,7 @@ $(AGENTS_STAMP): benchmarks/agents/package.json
 ## against `mlx-relay serve` with an MCP tool, recorded (benchmarks/agents/; AGENTS=claude-code,codex,...).
 agents: install $(AGENTS_STAMP)
 	$(RUN_ENV) $(PY) benchmarks/agents/run_agents.py --agents $(AGENTS) $(AGENTS_FLAGS)
-	$(PY) benchmarks/agents/standing.py --write docs/agents.md
+	$(PY) benchmarks/agents/standing.py --write docs/agents.md --write README.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

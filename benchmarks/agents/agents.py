@@ -16,18 +16,43 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from held_out_tools import SCENE_VALUE, scene_tool
+
 MODEL = "relay-tiny-agent"  # the embedded model's served name (`mlx-relay serve` without flags)
 API_KEY = "relay-local-key"  # any string: the server checks keys only with --api-key
-PROMPT = "Please get the stock with path 423."  # the embedded model's curriculum shape for get_stock
-MCP_SERVER = "stock"
-MCP_TOOL = "get_stock"
-VALUE = "123456"  # what get_stock returns (mcp_stock.py); found in a later request, the result went back
+# the bound on a turn the toy model cannot finish, where an agent has one of its own: Claude Code's
+# --max-turns, Qwen Code's --max-session-turns, Cline's --timeout (Codex and OpenCode have none: the
+# harness stops them at its own timeout, reported as such)
+MAX_TURNS = 8
+CLINE_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Task:
+    """What one headless turn asks for: a tool of an MCP server (stdio, `script` in this folder) and
+    the prompt that asks for it; `value` is what the tool returns, found in a later request when the
+    result went back to the model."""
+
+    name: str  # stock (the scene the embedded model was trained on) | held-out (a tool it never saw)
+    server: str
+    tool: str
+    prompt: str
+    value: str
+    script: str
+
+
+STOCK = Task("stock", "stock", "get_stock", "Please get the stock with path 423.", "123456", "mcp_stock.py")
+_HELD = scene_tool()
+HELD_OUT = Task("held-out", _HELD.server, _HELD.tool, _HELD.sentence, SCENE_VALUE, "mcp_held_out.py")
+TASKS: tuple[Task, ...] = (STOCK, HELD_OUT)
 
 
 @dataclass
 class Sandbox:
-    """One run's world: a temp HOME, a temp working directory, the proxy's URL, the MCP server's command."""
+    """One run's world: a temp HOME, a temp working directory, the proxy's URL, the task and its MCP
+    server's command."""
 
+    task: Task
     home: Path
     work: Path
     base_url: str  # http://127.0.0.1:PORT, no /v1
@@ -68,7 +93,7 @@ def _json(obj: object) -> str:
 
 def claude_code(sb: Sandbox) -> Run:
     files: dict[str, str] = {}
-    mcp = _write(sb, "mcp.json", _json({"mcpServers": {MCP_SERVER: {
+    mcp = _write(sb, "mcp.json", _json({"mcpServers": {sb.task.server: {
         "type": "stdio", "command": sb.mcp_command[0], "args": sb.mcp_command[1:]}}}), files)
     env = {
         "ANTHROPIC_BASE_URL": sb.base_url,
@@ -80,8 +105,9 @@ def claude_code(sb: Sandbox) -> Run:
         "DISABLE_ERROR_REPORTING": "1",
         "DISABLE_AUTOUPDATER": "1",
     }
-    argv = [str(sb.bin_dir / "claude"), "-p", PROMPT, "--model", MODEL, "--mcp-config", str(mcp),
-            "--strict-mcp-config", "--allowedTools", f"mcp__{MCP_SERVER}__{MCP_TOOL}", "--output-format", "json"]
+    argv = [str(sb.bin_dir / "claude"), "-p", sb.task.prompt, "--model", MODEL, "--mcp-config", str(mcp),
+            "--strict-mcp-config", "--allowedTools", f"mcp__{sb.task.server}__{sb.task.tool}",
+            "--output-format", "json", "--max-turns", str(MAX_TURNS)]
     return Run(argv, env, files)
 
 
@@ -107,7 +133,7 @@ env_key = "MLX_RELAY_API_KEY"
 wire_api = "responses"
 stream_idle_timeout_ms = 1800000
 
-[mcp_servers.{MCP_SERVER}]
+[mcp_servers.{sb.task.server}]
 command = {json.dumps(sb.mcp_command[0])}
 args = [{args}]
 default_tools_approval_mode = "approve"
@@ -116,7 +142,7 @@ default_tools_approval_mode = "approve"
 enabled = false
 """, files)
     env = {"CODEX_HOME": str(sb.home / ".codex"), "MLX_RELAY_API_KEY": API_KEY}
-    argv = [str(sb.bin_dir / "codex"), "exec", "--skip-git-repo-check", PROMPT]
+    argv = [str(sb.bin_dir / "codex"), "exec", "--skip-git-repo-check", sb.task.prompt]
     return Run(argv, env, files)
 
 
@@ -130,21 +156,22 @@ QWEN_EXTRA_TOOLS = ["agent", "get_goal", "update_goal", "list_agents", "skill", 
 
 def _qwen(sb: Sandbox, slim: bool) -> Run:
     files: dict[str, str] = {}
-    stock: dict[str, object] = {"command": sb.mcp_command[0], "args": sb.mcp_command[1:], "trust": True}
+    mcp: dict[str, object] = {"command": sb.mcp_command[0], "args": sb.mcp_command[1:], "trust": True}
     settings: dict[str, object] = {
         "security": {"auth": {"selectedType": "openai"}},
-        "mcpServers": {MCP_SERVER: stock},
+        "mcpServers": {sb.task.server: mcp},
         "privacy": {"usageStatisticsEnabled": False},
         "telemetry": {"enabled": False},
         "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
     }
     env = {"OPENAI_BASE_URL": f"{sb.base_url}/v1", "OPENAI_API_KEY": API_KEY, "OPENAI_MODEL": MODEL}
-    argv = [str(sb.bin_dir / "qwen"), "-p", PROMPT, "--output-format", "json"]
+    argv = [str(sb.bin_dir / "qwen"), "-p", sb.task.prompt, "--output-format", "json",
+            "--max-session-turns", str(MAX_TURNS)]
     if slim:
         # Qwen Code's own prompt is 31.7K tokens (its system prompt, skills, memory and tool declarations),
         # the MCP tools behind its tool_search bridge: for a small model, a short system prompt, no built-in
         # tools, and the MCP tools declared up front (7.7K tokens, most of them its skills and memory notes)
-        stock["alwaysLoadTools"] = True
+        mcp["alwaysLoadTools"] = True
         settings["tools"] = {"core": ["__none__"], "exclude": QWEN_EXTRA_TOOLS, "toolSearch": {"enabled": False}}
         argv += ["--system-prompt", QWEN_SYSTEM]
     _write(sb, ".qwen/settings.json", _json(settings), files)
@@ -172,13 +199,13 @@ def opencode(sb: Sandbox) -> Run:
             "models": {MODEL: {"name": MODEL}},
         }},
         "model": f"mlx-relay/{MODEL}",
-        "mcp": {MCP_SERVER: {"type": "local", "command": sb.mcp_command, "enabled": True}},
+        "mcp": {sb.task.server: {"type": "local", "command": sb.mcp_command, "enabled": True}},
         "autoupdate": False,
         "share": "disabled",
     }), files)
     env = {"MLX_RELAY_API_KEY": API_KEY, "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1"}
-    argv = [str(sb.bin_dir / "opencode"), "run", "--model", f"mlx-relay/{MODEL}", PROMPT]
+    argv = [str(sb.bin_dir / "opencode"), "run", "--model", f"mlx-relay/{MODEL}", sb.task.prompt]
     return Run(argv, env, files)
 
 
@@ -189,10 +216,10 @@ def cline(sb: Sandbox) -> Run:
     pre = [
         [exe, "auth", "--provider", "openai", "--apikey", API_KEY, "--modelid", MODEL,
          "--baseurl", f"{sb.base_url}/v1"],
-        [exe, "mcp", "add", MCP_SERVER, "--yes", "--", *sb.mcp_command],
+        [exe, "mcp", "add", sb.task.server, "--yes", "--", *sb.mcp_command],
     ]
     env = {"CLINE_NO_AUTO_UPDATE": "1"}
-    return Run([exe, "--json", PROMPT], env, pre=pre)
+    return Run([exe, "--json", "--timeout", str(CLINE_TIMEOUT_S), sb.task.prompt], env, pre=pre)
 
 
 AGENTS: tuple[Agent, ...] = (

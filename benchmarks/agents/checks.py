@@ -168,18 +168,55 @@ class Verdict:
     tool_result_sent: bool = False
     final: str = ""
 
+    retries: int = 0  # POSTs whose body an earlier POST of the turn had already sent
+    task: str = "stock"
+
     @property
     def ok(self) -> bool:
         if self.refused_as_expected:
             return not self.problems
-        return (self.exit_code == 0 and not self.problems and self.requests > 0 and bool(self.tool_called)
-                and self.tool_result_sent)
+        return self.server_ok and self.exit_code == 0 and self.model == "round trip"
+
+    @property
+    def server_ok(self) -> bool:
+        """What the server owes held: every answer 2xx or the well-formed refusal the agent handles, every
+        stream ended by its terminal event (`problems` empty: a hang shows there as a stream without its
+        end). An agent with no turn limit of its own that the harness had to stop on a looping model
+        holds too, and `server` says so."""
+        return not self.problems and self.requests > 0
+
+    @property
+    def server(self) -> str:
+        """The server's verdict, in words: a turn the model could not finish is said as such, not as a pass."""
+        if self.problems:
+            return f"FAIL ({len(self.problems)} problems)"
+        if self.requests == 0:
+            return "FAIL (no request)"
+        if self.exit_code is None:
+            return "held; the agent did not stop (no turn limit of its own: stopped by the harness)"
+        if self.exit_code != 0 or self.model != "round trip":
+            return f"held; the turn unfinished (exit {self.exit_code})"
+        return "ok"
+
+    @property
+    def model(self) -> str:
+        """What the model did: called the declared tool, and its result went back to it."""
+        if self.refused_as_expected:
+            return "refused (prompt over the context)"
+        if self.tool_called and self.tool_result_sent:
+            return "round trip"
+        return "called, no result back" if self.tool_called else "no call"
 
 
 def judge(agent: str, api: str, records: list[Json], exit_code: int | None, final: str, tool: str, value: str,
           expect_refusal: bool) -> Verdict:
     v = Verdict(agent, api, exit_code, requests=len(records), final=final)
+    sent: set[str] = set()
     for r in records:
+        if r["method"] == "POST":
+            key = json.dumps(r.get("body"), sort_keys=True)
+            v.retries += key in sent
+            sent.add(key)
         v.statuses.append(r.get("status", 0))
         if not isinstance(r.get("body"), dict) and r["method"] == "POST":
             v.problems.append(f"{r['seq']:03d} {r['path']}: a body that is not JSON")

@@ -3,7 +3,7 @@
 
 One tool in the embedded model's curriculum shape (`verb_object`, a typed parameter; see
 `tools/agent_curriculum.py`): `get_stock(path: int)`, whose result is a fixed JSON object. The
-harness finds its value (``agents.VALUE``) in a later request to tell that the tool's result went back
+harness finds its value (``agents.STOCK.value``) in a later request to tell that the tool's result went back
 to the model.
 """
 
@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import json
 
-from agents import MCP_SERVER, VALUE
+from agents import STOCK
 from mcp.server.mcpserver import MCPServer
 
-server = MCPServer(MCP_SERVER)
+server = MCPServer(STOCK.server)
 
 
 @server.tool()
 def get_stock(path: int) -> str:
     """Get a stock."""
-    return json.dumps({"status": "ok", "value": VALUE})
+    return json.dumps({"status": "ok", "value": STOCK.value})
 
 
 if __name__ == "__main__":

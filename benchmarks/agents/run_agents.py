@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from agents import AGENTS, MCP_TOOL, VALUE, Agent, Sandbox  # noqa: E402
+from agents import AGENTS, TASKS, Agent, Sandbox, Task  # noqa: E402
 from checks import Verdict, judge  # noqa: E402
 from recorder import Recorder  # noqa: E402
 from turns import RequestCost, costs_table, loop_line, loop_summary, parse_request_log, request_costs  # noqa: E402
@@ -103,18 +103,24 @@ def _capped(text: str, keep: int = 100_000) -> str:
     return f"{text[:keep]}\n\n[... {len(text) - 2 * keep} characters cut ...]\n\n{text[-keep:]}"
 
 
-def run_agent(agent: Agent, recorder: Recorder, results: Path, fixtures: Path | None,
+def label(agent: str, task: str) -> str:
+    """An agent's turn at a task, as the results name it (its folder; the trained scene's is the agent's name)."""
+    return agent if task == "stock" else f"{agent}-{task}"
+
+
+def run_agent(agent: Agent, task: Task, recorder: Recorder, results: Path, fixtures: Path | None,
               timeout: float) -> tuple[Verdict, list[dict[str, Any]]]:
-    """One agent's headless turn: its verdict and its exchanges, whole."""
-    out = results / agent.name
+    """One agent's headless turn at `task`: its verdict and its exchanges, whole."""
+    name = label(agent.name, task.name)
+    out = results / name
     shutil.rmtree(out, ignore_errors=True)  # one run's exchanges alone (an earlier run's would be checked too)
     out.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix=f"agent-{agent.name}-") as tmp:
         home, work = Path(tmp) / "home", Path(tmp) / "work"
         for d in (home, work, home / "tmp"):
             d.mkdir(parents=True)
-        sb = Sandbox(home=home, work=work, base_url=recorder.url, bin_dir=CACHE / "node_modules" / ".bin",
-                     mcp_command=[str(CACHE / "mcp-venv" / "bin" / "python"), str(HERE / "mcp_stock.py")])
+        sb = Sandbox(task=task, home=home, work=work, base_url=recorder.url, bin_dir=CACHE / "node_modules" / ".bin",
+                     mcp_command=[str(CACHE / "mcp-venv" / "bin" / "python"), str(HERE / task.script)])
         run = agent.setup(sb)
         env = base_env(home) | run.env
         for cmd in run.pre:
@@ -123,7 +129,7 @@ def run_agent(agent: Agent, recorder: Recorder, results: Path, fixtures: Path | 
                                                f"{pre.stdout.decode(errors='replace')}{pre.stderr.decode(errors='replace')}\n")
         recorder.record_to(out / "exchanges")
         started = time.monotonic()
-        print(f"[{agent.name}] {' '.join(run.argv[:2])} ... (timeout {timeout:.0f} s)", flush=True)
+        print(f"[{name}] {' '.join(run.argv[:2])} ... (timeout {timeout:.0f} s)", flush=True)
         try:
             proc = subprocess.run(run.argv, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                                   timeout=timeout)
@@ -142,12 +148,15 @@ def run_agent(agent: Agent, recorder: Recorder, results: Path, fixtures: Path | 
             (out / "config" / rel).write_text(text.replace(str(sb.home), "~").replace(str(ROOT), "<repo>"))
     exchanges = sorted((out / "exchanges").glob("*.json"))
     records = [json.loads(p.read_text()) for p in exchanges]
-    verdict = judge(agent.name, agent.api, records, code, stdout.strip()[-500:], MCP_TOOL, VALUE, run.expect_refusal)
+    verdict = judge(agent.name, agent.api, records, code, stdout.strip()[-500:], task.tool, task.value,
+                    run.expect_refusal)
+    verdict.task = task.name
     for p, r in zip(exchanges, records, strict=True):
         p.write_text(json.dumps(cut(r), indent=1, ensure_ascii=False) + "\n")
     if fixtures is not None:
-        save_fixtures(fixtures / agent.name, agent, records, run.expect_refusal)
-    print(f"[{agent.name}] exit {code} after {elapsed:.0f} s, {len(records)} requests, ok={verdict.ok}", flush=True)
+        save_fixtures(fixtures / name, agent, records, run.expect_refusal)
+    print(f"[{name}] exit {code} after {elapsed:.0f} s, {len(records)} requests, server: {verdict.server}; "
+          f"model: {verdict.model}", flush=True)
     return verdict, records
 
 
@@ -185,7 +194,8 @@ def costs_section(verdicts: list[Verdict], costs: dict[str, list[RequestCost]]) 
     parts = ["## Per request (the server's request log)\n\nuncached = prompt - cached; TTFT from the "
              "request's arrival at the server to its first token.\n"]
     for v in verdicts:
-        parts.append(f"### {v.agent}\n\n{loop_line(loop_summary(costs[v.agent]))}\n\n{costs_table(costs[v.agent])}")
+        c = costs[label(v.agent, v.task)]
+        parts.append(f"### {label(v.agent, v.task)}\n\n{loop_line(loop_summary(c))}\n\n{costs_table(c)}")
     return "\n".join(parts)
 
 
@@ -195,15 +205,12 @@ def versions() -> dict[str, str]:
 
 
 def table(verdicts: list[Verdict], pins: dict[str, str]) -> str:
-    rows = ["| agent | version | API | requests | statuses | exit | tool called | result sent back | verdict |",
-            "|---|---|---|---:|---|---:|---|---|---|"]
+    rows = ["| agent | task | version | API | requests | statuses | exit | server | model |",
+            "|---|---|---|---|---:|---|---:|---|---|"]
     for v in verdicts:
         statuses = ",".join(str(s) for s in v.statuses) or "-"
-        verdict = "ok" if v.ok else "FAIL"
-        if v.refused_as_expected:
-            verdict += " (refused as expected)"
-        rows.append(f"| {v.agent} | {pins[v.agent]} | {v.api} | {v.requests} | {statuses} | {v.exit_code} | "
-                    f"{'yes' if v.tool_called else 'no'} | {'yes' if v.tool_result_sent else 'no'} | {verdict} |")
+        rows.append(f"| {v.agent} | {v.task} | {pins[v.agent]} | {v.api} | {v.requests} | {statuses} | {v.exit_code} | "
+                    f"{v.server} | {v.model} |")
     problems = [f"- {v.agent}: {p}" for v in verdicts for p in v.problems]
     notes = [f"- {v.agent}: {n}" for v in verdicts for n in v.notes]
     return ("\n".join(rows) + ("\n\nProblems:\n" + "\n".join(problems) if problems else "")
@@ -215,7 +222,9 @@ def main() -> int:
     ap.add_argument("--agents", default=",".join(a.name for a in AGENTS), help="comma-separated names")
     ap.add_argument("--results", type=Path, default=None, help="default benchmarks/results/agents-<date>/")
     ap.add_argument("--save-fixtures", action="store_true", help="write tests/agent_requests/<agent>/")
-    ap.add_argument("--timeout", type=float, default=1800, help="seconds per agent")
+    ap.add_argument("--tasks", default=",".join(t.name for t in TASKS),
+                    help="comma-separated: stock (the trained scene), held-out (a tool the model never saw)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per agent and task")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="a flag for mlx-relay serve (repeatable; the check proper runs it without any)")
     ap.add_argument("--no-netns", action="store_true", help="run without the loopback-only network namespace")
@@ -227,6 +236,7 @@ def main() -> int:
     chosen = [a for a in AGENTS if a.name in names]
     if len(chosen) != len(names):
         ap.error(f"unknown agents; known: {', '.join(a.name for a in AGENTS)}")
+    tasks = [t for t in TASKS if t.name in args.tasks.split(",")]
     commit, dirty = source_state()
     name = f"agents-{datetime.date.today().isoformat()}-{commit}{'-dirty' if dirty else ''}"
     results = args.results or ROOT / "benchmarks" / "results" / name
@@ -246,9 +256,11 @@ def main() -> int:
     try:
         wait_ready(server_url, server, timeout=900)
         recorder.start()
-        for agent in chosen:
-            verdict, recorded[agent.name] = run_agent(agent, recorder, results, fixtures, args.timeout)
-            verdicts.append(verdict)
+        for task in tasks:
+            for agent in chosen:
+                verdict, recorded[label(agent.name, task.name)] = run_agent(
+                    agent, task, recorder, results, fixtures if task.name == "stock" else None, args.timeout)
+                verdicts.append(verdict)
             # every agent's requests on one server: the summary tells each apart
     finally:
         recorder.stop()
@@ -260,7 +272,8 @@ def main() -> int:
         log.close()
     pins = versions()
     log_lines = parse_request_log((results / "server.log").read_text(errors="replace").splitlines())
-    costs = {v.agent: request_costs(v.api, recorded[v.agent], log_lines) for v in verdicts}
+    costs = {label(v.agent, v.task): request_costs(v.api, recorded[label(v.agent, v.task)], log_lines)
+             for v in verdicts}
     text = f"{table(verdicts, pins)}\n{costs_section(verdicts, costs)}"
     how = " ".join(serve[1:])
     code = f"commit {commit}" + (f", with uncommitted changes: {'; '.join(d.strip() for d in dirty)}" if dirty else "")
@@ -268,14 +281,16 @@ def main() -> int:
     (results / "summary.md").write_text(f"# make agents, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
                                         f"`mlx-relay {how}` at {code}, network namespace: {netns}\n\n{text}")
     (results / "summary.json").write_text(json.dumps(
-        [{"agent": v.agent, "version": pins[v.agent], "api": v.api, "commit": commit, "uncommitted": dirty,
-          "ok": v.ok, "exit_code": v.exit_code,
+        [{"agent": v.agent, "task": v.task, "version": pins[v.agent], "api": v.api, "commit": commit,
+          "uncommitted": dirty, "ok": v.ok, "server": v.server, "server_ok": v.server_ok, "model": v.model,
+          "retries": v.retries, "exit_code": v.exit_code,
           "requests": v.requests, "statuses": v.statuses, "problems": v.problems, "tool_called": v.tool_called,
           "tool_result_sent": v.tool_result_sent, "notes": v.notes, "refused_as_expected": v.refused_as_expected,
-          "tool_loop": loop_summary(costs[v.agent]).as_json(),
-          "per_request": [c.as_json() for c in costs[v.agent]],
+          "tool_loop": loop_summary(costs[label(v.agent, v.task)]).as_json(),
+          "per_request": [c.as_json() for c in costs[label(v.agent, v.task)]],
           "final_output": v.final} for v in verdicts], indent=1) + "\n")
-    return 0 if all(v.ok for v in verdicts) else 1
+    # the server's part must hold everywhere, the model's on the scene it was trained on
+    return 0 if all(v.server_ok and (v.ok or v.task != "stock") for v in verdicts) else 1
 
 
 if __name__ == "__main__":
