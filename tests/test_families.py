@@ -1,7 +1,8 @@
 """Two more model families through the engine (issue 31.4): a dense attention-only Qwen3 text model
-loaded by mlx-lm and a Gemma 3 VLM loaded by mlx-vlm, and that VLM's language model as a text-only
-Gemma 3 loaded by mlx-lm (`mlx_relay/testing/family_fixtures.py`), served by the KV lane
-(`engine/kv_lane.py`) over the library's own forward.
+loaded by mlx-lm, served by the engine's own Qwen3 family in the plain lane (`engine/models/qwen3/`:
+our prefill, the compiled decode step), and a Gemma 3 VLM loaded by mlx-vlm, and that VLM's language
+model as a text-only Gemma 3 loaded by mlx-lm, served by the KV lane (`engine/lanes/kv_lane.py`) over
+the library's own forward (`mlx_relay/testing/family_fixtures.py`).
 
 Greedy exactness on float32: every request's tokens equal the library's plain decoding of the same
 prompt, whether it ran alone, in a batch that rows join and leave at different steps, restored from
@@ -177,7 +178,7 @@ def test_the_text_only_gemma3_is_the_vlms_language_model(gpu: Callable) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 async def test_a_new_server_restores_the_familys_snapshots_from_disk(family: Family, tmp_path: Path) -> None:
     """The prefix cache's disk tier: a server writes a system-prompt snapshot through; a new server on
-    the same directory restores it (checked against the KV lane's cache layout) and answers exactly
+    the same directory restores it (checked against the engine's cache layout) and answers exactly
     what the cold prefill answered."""
     from mlx_relay.relay import Relay
 

@@ -139,7 +139,7 @@ def test_attention_in_blocks_equals_one_block(gpu: Callable) -> None:
     def run() -> list[bool]:
         import mlx.core as mx
 
-        from mlx_relay.engine.models.qwen3_5.prefill import blocked_attention
+        from mlx_relay.engine.models.attention import blocked_attention
 
         mx.random.seed(1)
         q = mx.random.normal((2, 4, 100, 32))

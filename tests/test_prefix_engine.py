@@ -206,11 +206,12 @@ def test_the_prompts_end_is_snapshotted_and_restores_the_next_tool_round(gpu: Ca
     from tests.test_families import library_greedy
 
     kv = lane == "kv-lane"
-    path = family_fixture_path("qwen3") if kv else bigram_model
+    path = family_fixture_path("gemma3_text") if kv else bigram_model  # served through the library's forward
     max_tokens = 6
 
     def run() -> tuple[Any, ...]:
         d = Driver(load_model(path), prefill_step_size=64)
+        assert not kv or list(d.engine.lanes) == ["kv"]
         sp = SamplingParams(max_tokens=max_tokens, mtp=lane == "mtp-lane")
         first = SYSTEM + SUFFIXES[0]
         a = d.add(Generate("a", first, sp, prefix=PrefixPlan(snapshot_at=[len(SYSTEM), len(first)],
@@ -230,7 +231,8 @@ def test_the_prompts_end_is_snapshotted_and_restores_the_next_tool_round(gpu: Ca
         f = d.add(Generate("f", again, sp, prefix=PrefixPlan(cold_end.handle, cold_end.length)))
         d.run()
         prompts = [first, second, cold, third, again]
-        ref = library_greedy(path, "qwen3", prompts, max_tokens) if kv else greedy_reference(path, prompts, max_tokens)
+        ref = library_greedy(path, "gemma3_text", prompts, max_tokens) if kv \
+            else greedy_reference(path, prompts, max_tokens)
         turns = [s for s in d.snapshots[a] if s.generated]
         d.engine.close()
         return d, (a, b, c, e, f), ref, turns

@@ -30,7 +30,7 @@ lane has room (`mtp_max_batch`). Requests with images or video take the vision p
 from __future__ import annotations
 
 from mlx_relay.config import EngineConfig
-from mlx_relay.engine.models import served_by_family
+from mlx_relay.engine.models import served_by_mtp_lane
 from mlx_relay.messages.gpu import ModelInfo, Speculate
 from mlx_relay.messages.text_mtp import (
     GetMTPStats,
@@ -52,11 +52,12 @@ class TextMTPExecutor(Actor):
 
     def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
         self.config = config
-        # the engine's MTP lane: with the checkpoint's head, and/or verifying context drafts
-        self.has_head = config.mtp and info.has_mtp and config.mtp_max_batch > 0
-        # (a model of no family of ours runs its library's forward in one lane: no MTP lane)
-        self.has_context = (config.max_draft_tokens > 0 and config.mtp_max_batch > 0 and not config.pipeline.enabled
-                            and served_by_family(info.model_type))
+        # the engine's MTP lane: with the checkpoint's head, and/or verifying context drafts; only
+        # for a family mlx-vlm loads (`engine/lane_set.py`: a model of no family of ours runs its
+        # library's forward in one lane, a dense Qwen3 the plain lane alone)
+        lane = config.mtp_max_batch > 0 and served_by_mtp_lane(info.model_type)
+        self.has_head = config.mtp and info.has_mtp and lane
+        self.has_context = config.max_draft_tokens > 0 and lane and not config.pipeline.enabled
         self.enabled = self.has_head or self.has_context
         self.round_cost: float | None = None
         self._planned = self._declined = self._requests = self._unpaid = 0

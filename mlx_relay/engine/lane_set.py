@@ -8,7 +8,8 @@ the checkpoint has an MTP head and the config asks for it, or when context draft
 (`max_draft_tokens`; not on a pipeline stage, whose ranks must all choose alike): then a checkpoint
 without a head gets the lane too, verifying context drafts only (its verifier: mlx-vlm's exact one
 where asked, or on Metal with `mtp_verify="auto"`; the batched forward otherwise, and always on a
-pipeline stage).
+pipeline stage). The MTP lane only for a family whose checkpoints mlx-vlm loads
+(`models.served_by_mtp_lane`: the lane calls mlx-vlm's model API), never for a dense Qwen3's.
 
 Every lane's prefill chunk stays within what the backend can run in one forward
 (`kernels.backend.max_chunk_tokens`: on CUDA, a mixture of experts' routed rows per launch).
@@ -26,7 +27,7 @@ from mlx_relay.engine.lanes.kv_lane import KVLane
 from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
 from mlx_relay.engine.lanes.plain_lane import PlainLane
-from mlx_relay.engine.models import UnsupportedModel
+from mlx_relay.engine.models import UnsupportedModel, served_by_mtp_lane
 from mlx_relay.engine.models.library_kv import uses_library_forward
 from mlx_relay.engine.models.loader import LoadedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
@@ -75,9 +76,12 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
                            or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage,
                            prefill_options=prefill_options,
                            mixed=config.mixed_steps)}
-    has_head = config.mtp and info.has_mtp
+    # the MTP lane calls mlx-vlm's language-model API beside the family's steps: only for a family
+    # whose checkpoints mlx-vlm loads (a dense Qwen3, mlx-lm's, decodes in the plain lane alone)
+    speculates = served_by_mtp_lane(info.model_type)
+    has_head = config.mtp and info.has_mtp and speculates
     # context drafts need every rank of a pipeline to make the same choices: not in a pipeline
-    context = config.max_draft_tokens if stage is None else 0
+    context = config.max_draft_tokens if stage is None and speculates else 0
     if (has_head or context > 0) and config.mtp_max_batch > 0:
         # a pipeline stage verifies with the batched forward: mlx-vlm's exact verifier runs the
         # whole model in one call

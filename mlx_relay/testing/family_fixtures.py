@@ -1,6 +1,7 @@
 """Tiny real checkpoints of two more model families, built from a seed (as `fixtures` builds the
-Qwen3.5 ones): the engine serves them through the library's own forward over KV caches
-(`engine/models/library_kv.py`, `engine/lanes/kv_lane.py`).
+Qwen3.5 ones): the engine serves Qwen3 through its own family (`engine/models/qwen3/`: the plain
+lane, our prefill and compiled decode step over mlx-lm's layers) and Gemma 3 through the library's
+own forward over KV caches (`engine/models/library_kv.py`, `engine/lanes/kv_lane.py`).
 
 - ``qwen3``: a dense attention-only Qwen3 text model (``Qwen3ForCausalLM``, model type ``qwen3``),
   loaded by mlx-lm; the fixture tokenizer (byte-level BPE and Qwen's 26 added tokens, which are

@@ -14,7 +14,8 @@ positions are computed inside (tokens in the row's cache + its M-RoPE delta).
 
 mlx-vlm's qwen3_5 decode does the same arithmetic through its stateful caches;
 `tests/test_decode_step.py` pins that this step returns the same greedy tokens (float32), compiled
-or not, alone and in ragged batches.
+or not, alone and in ragged batches (`tests/test_qwen3_family.py` likewise for the dense Qwen3
+family, `models/qwen3/layers.py`, against mlx-lm's decode).
 
 As a pipeline stage (`pipeline_stage.Stage`) the step runs the stage's layers only: a stage after
 the first receives its hidden states from the previous one, a stage before the last sends them on,

@@ -4,9 +4,11 @@
 mlx-vlm's `BatchGenerator` prefills inside the library and cannot start a row from a cache we
 hand it, nor stop at a boundary to let us copy its state. This lane owns both halves:
 - prefill: `prefill_batch.PrefillBatch`, up to `prefill_batch_size` joining rows together, one
-  chunk per step, each row restored from its own snapshot (or from scratch) and snapshotted at
-  its own requested lengths; text rows by token ids, vision rows by their prompt embeddings and
-  M-RoPE positions, sparse SpecPrefill rows by their kept tokens at their true positions. A
+  chunk per step, each row restored from its own snapshot (or from scratch; an attention-only
+  model's snapshot as long as the prompt up to its last token, which runs again for the first
+  token's logits: `snapshots.restore_for`) and snapshotted at its own requested lengths; text
+  rows by token ids, vision rows by their prompt embeddings and M-RoPE positions, sparse
+  SpecPrefill rows by their kept tokens at their true positions. A
   snapshot asked for at the prompt's very end (what an agent's next tool round restores) is
   taken here, from the caches the finished rows leave the prefill with, before they decode;
 - decode: `decode_batch.DecodeBatch`, the rows a chunk finished joining it together, each with
@@ -42,7 +44,7 @@ from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
 from mlx_relay.engine.memory.batch_caches import as_batch_caches
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
-from mlx_relay.engine.memory.snapshots import Snapshot, restore_caches, snapshot_caches
+from mlx_relay.engine.memory.snapshots import Snapshot, restore_for, snapshot_caches
 from mlx_relay.engine.models import Chunk
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
@@ -99,8 +101,8 @@ class PlainLane:
         pre = RowPrefill(prompt=spec.prompt, cache=self._step.family.make_caches(self.lm), embeds=spec.embeds,
                          positions=spec.positions, rope_delta=spec.rope_delta)
         if spec.restore is not None:
-            pre.cache, pre.done = restore_caches(spec.restore.target), spec.restore.length
-            pre.cached_tokens = spec.restore.length
+            pre.cache, pre.done = restore_for(spec.restore, len(spec.prompt))
+            pre.cached_tokens = pre.done
         pre.snapshot_at = sorted(s for s in spec.snapshot_at if pre.done < s <= len(spec.prompt))
         self.rows[spec.rid] = PlainRow(spec, cached_tokens=pre.cached_tokens)
         self.prefill.add(PrefillRow(spec.rid, pre, spec.processors))

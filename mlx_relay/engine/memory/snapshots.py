@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.models.cache import ArraysCache, KVCache
 
-__all__ = ["Snapshot", "SnapshotPool", "restore_caches", "snapshot_caches"]
+__all__ = ["Snapshot", "SnapshotPool", "restore_caches", "restore_for", "snapshot_caches"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,21 @@ def restore_caches(entries: list[tuple[str, Any]]) -> list[Any]:
             c.state = list(value)
         caches.append(c)
     return caches
+
+
+def restore_for(snap: Snapshot, prompt_length: int) -> tuple[list[Any], int]:
+    """Fresh batch-1 caches for a row of `prompt_length` tokens restored from `snap`, and how many
+    tokens they hold: all of the snapshot's where a prompt token is left to run (its logits give the
+    first token); for a snapshot as long as the prompt, its keys and values up to the last prompt
+    token (views: that token runs again). A recurrent state cannot be cut so: `ValueError` (the
+    prefix index never matches a snapshot as long as the prompt, `cache/prefix_index.py`)."""
+    if snap.length < prompt_length:
+        return restore_caches(snap.target), snap.length
+    keep = prompt_length - 1
+    if keep < 1 or any(kind != "kv" for kind, _ in snap.target):
+        raise ValueError(f"a snapshot of {snap.length} tokens cannot restore a prompt of {prompt_length}: "
+                         "at least one prompt token must run, and a recurrent state cannot be cut")
+    return restore_caches([("kv", (k[..., :keep, :], v[..., :keep, :])) for _, (k, v) in snap.target]), keep
 
 
 class SnapshotPool:

@@ -5,7 +5,7 @@ The steps (`decode_step.DecodeStep`, `mtp_step.MTPStep`), the prefill (`stage_fo
 the MTP head (`mtp_head.MTPHead`) and the pipeline split (`pipeline_stage.shard_language_model`) hold
 no family's code: they ask
 `family_of(lm)` (or `family_for(model_type)`) for the family and call it. A family lives in a
-package of its own under this one (`qwen3_5/`): its `__init__` names the model types it serves
+package of its own under this one (`qwen3_5/`, `qwen3/`): its `__init__` names the model types it serves
 (`MODEL_TYPES`, importing no MLX) and its `family` module holds the `FAMILY` object. A model type
 no family serves gets `UnsupportedModel`, a load failure with a message that says why (never a
 wrong token).
@@ -45,11 +45,12 @@ __all__ = [
     "family_for",
     "family_of",
     "served_by_family",
+    "served_by_mtp_lane",
 ]
 
 #: The families' packages; each has, in its `__init__` (no MLX), `MODEL_TYPES`, `LIBRARY`,
 #: `MEDIA_PROCESSOR` and `cache_shape` (what `Declared` holds), and `family.FAMILY`.
-FAMILY_PACKAGES: Final[tuple[str, ...]] = ("mlx_relay.engine.models.qwen3_5",)
+FAMILY_PACKAGES: Final[tuple[str, ...]] = ("mlx_relay.engine.models.qwen3_5", "mlx_relay.engine.models.qwen3")
 
 #: The library that loads a family's checkpoints (`engine/models/loader.py`).
 Library = Literal["mlx-vlm", "mlx-lm"]
@@ -125,9 +126,9 @@ class ModelFamily(Protocol):
         ...
 
     def make_caches(self, lm: Any) -> list[Any]:
-        """Empty caches of the library's own kinds, one per layer, that the family's prefill keeps
-        (`prefill_forward`, `mixed_forward`) and the engine moves rows in and out of (its decode
-        state, its snapshots): mlx-vlm's `KVCache` and `ArraysCache`, whichever library loaded `lm`."""
+        """Empty caches, one per layer, that the family's prefill keeps (`prefill_forward`,
+        `mixed_forward`) and the engine moves rows in and out of (its decode state, its snapshots):
+        mlx-vlm's `KVCache` and `ArraysCache`, whichever library loaded `lm`."""
         ...
 
     def verify_logits(self, lm: Any, hidden: mx.array) -> mx.array:
@@ -194,6 +195,15 @@ class ModelFamily(Protocol):
 def served_by_family(model_type: str) -> bool:
     """Whether a family of the engine's own serves `model_type` (imports no MLX)."""
     return declared(model_type) is not None
+
+
+def served_by_mtp_lane(model_type: str) -> bool:
+    """Whether the engine's MTP lane may serve rows of `model_type` (the head's drafts, or context
+    drafts alone): a family of ours whose checkpoints mlx-vlm loads. Beside the family's steps, that
+    lane calls mlx-vlm's language-model API (`make_cache`, a forward returning hidden states, the
+    speculative cache transaction), which mlx-lm's models do not have (imports no MLX)."""
+    found = declared(model_type)
+    return found is not None and found.library == "mlx-vlm"
 
 
 def family_for(model_type: str) -> ModelFamily:

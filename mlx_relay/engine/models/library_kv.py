@@ -1,9 +1,9 @@
 """Families served through the library's own forward over its attention KV caches (GPU thread only):
 any text model mlx-lm loads and any VLM mlx-vlm loads whose layers keep only attention keys and
-values (Qwen3, Llama, Mistral, Gemma 3, ...).
+values (Llama, Mistral, Gemma 3, ...; a dense Qwen3 has a family of ours, `qwen3/`).
 
 Our compiled decode step and MTP round need a family's layers over explicit caches
-(`models.ModelFamily`, written per family: `qwen3_5/`). A model of no such family is still served
+(`models.ModelFamily`, written per family: `qwen3_5/`, `qwen3/`). A model of no such family is still served
 exactly when every layer's cache is an attention KV cache: the lane `kv_lane.KVLane` then runs the
 library's forward (`lm(ids, cache=...)`) over the library's own caches, batch-1 `KVCache`s while a
 row prefills (restorable from, and snapshotted into, the prefix cache: a snapshot is the keys and
@@ -23,7 +23,8 @@ What this module knows of a model:
 - how to run one forward and read its logits (mlx-lm returns the logits, mlx-vlm an output
   object; vision rows feed their prompt embeddings).
 
-`load_text_model` loads a text checkpoint with mlx-lm (a model mlx-vlm does not load as a VLM):
+`load_text_model` loads a text checkpoint with mlx-lm (a model of no family of ours that mlx-vlm does
+not load as a VLM, or of a family that declares mlx-lm: dense Qwen3):
 the engine reads `model.language_model` and `model.vision_tower` of what it loads, so the mlx-lm
 model is wrapped in `TextModel`, which has both.
 """
@@ -57,8 +58,8 @@ class TextModel:
 
 def loads_with_mlx_lm(config: dict[str, Any]) -> bool:
     """Whether a checkpoint (its config.json) loads with mlx-lm: a text model (no vision tower) of
-    no family of our own, or of a family that declares mlx-lm (`models.Declared.library`; Qwen3.5's,
-    text-only or not, loads with mlx-vlm)."""
+    no family of our own, or of a family that declares mlx-lm (`models.Declared.library`: dense
+    Qwen3's; Qwen3.5's, text-only or not, loads with mlx-vlm)."""
     if config.get("vision_config"):
         return False
     family = declared(str(config.get("model_type")))

@@ -1,8 +1,8 @@
 """Model loading (GPU thread only) and the facts other actors need about the model.
 
 Resolves a Hugging Face repo id or local directory, loads the VLM with mlx-vlm (a text checkpoint
-of no family of ours with mlx-lm: `models.library_kv`) and reports a `ModelInfo`. Called only from
-the GPUExecutor's thread.
+of no family of ours, or of a family that declares mlx-lm, with mlx-lm: `models.library_kv`) and
+reports a `ModelInfo`. Called only from the GPUExecutor's thread.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def load_model(path: Path, *, lazy: bool = False) -> LoadedModel:
     first evaluated (a pipeline stage evaluates only its own layers')."""
     tic = time.perf_counter()
     config = read_config(path)
-    if loads_with_mlx_lm(config):  # a text model of no family of ours: mlx-lm's
+    if loads_with_mlx_lm(config):  # a text model of no family of ours, or of one that declares mlx-lm
         model, processor = load_text_model(path, lazy=lazy)
     else:
         model, processor = mlx_vlm.load(str(path), lazy=lazy)

@@ -40,7 +40,7 @@ class PrefillOptions(msgspec.Struct, frozen=True):
     # our grouped 8-bit kernel inside the grouped experts (`kernels/grouped_qmm.py`); off: every
     # expert dequantized for MLX's grouped GEMM (`prefill_experts` says which the engine runs)
     quantized_kernel: bool = True
-    # on a GPU, queue the chunk's layers one ahead of the device (`qwen3_5/prefill.one_layer_ahead`:
+    # on a GPU, queue the chunk's layers one ahead of the device (`chunk_forward.pacing`:
     # its transient memory two layers'); off, the chunk's graph is built whole and evaluated by the
     # caller (`benchmarks/prefill_parts.py` so times the host's graph building apart)
     paced: bool = True

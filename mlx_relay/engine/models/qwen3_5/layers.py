@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import mlx.core as mx
 
 from mlx_relay.engine.models import KV, UnsupportedModel
+from mlx_relay.engine.models.attention import attend_buffers
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer
@@ -124,10 +125,7 @@ def attend_explicit(sa: Any, queries: mx.array, keys: mx.array, values: mx.array
     """Queries, keys and values [B, heads, T, D] rotated to where `at` says, the keys and values
     written there: the attention's output [B, heads, T, D] and the buffers after."""
     queries, keys = _rotate(sa, queries, keys, at, periods)
-    keys_buf = at.write(keys_buf, keys)
-    values_buf = at.write(values_buf, values)
-    out = mx.fast.scaled_dot_product_attention(queries, keys_buf, values_buf, scale=sa.scale, mask=at.mask)
-    return out, keys_buf, values_buf
+    return attend_buffers(queries, keys, values, keys_buf, values_buf, at, sa.scale)
 
 
 def attention(sa: Any, x: mx.array, keys_buf: mx.array, values_buf: mx.array, at: Positions,

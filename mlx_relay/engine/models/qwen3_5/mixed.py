@@ -21,12 +21,13 @@ chunk's would (grouped on a GPU where the routed pairs are many).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from mlx_relay.engine.models import KV, Block, Chunk
+from mlx_relay.engine.models.attention import attention_mask
+from mlx_relay.engine.models.chunk_forward import Split, pacing
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer
 from mlx_relay.engine.models.qwen3_5.layers import (
@@ -38,29 +39,7 @@ from mlx_relay.engine.models.qwen3_5.layers import (
     rope_periods,
     run_layers,
 )
-from mlx_relay.engine.models.qwen3_5.prefill import (
-    attend_cached,
-    attention_mask,
-    gated_delta_core,
-    pacing,
-    position_embeddings,
-    recurrent_mask,
-)
-
-
-@dataclass(frozen=True)
-class Split:
-    """How one sequence of positions [1, N, F] holds the chunk's [B, T, F] and the rows' [B', T', F]."""
-
-    chunk: tuple[int, int]
-    rows: tuple[int, int]
-
-    def join(self, a: mx.array, b: mx.array) -> mx.array:
-        return mx.concatenate([a.reshape(1, -1, a.shape[-1]), b.reshape(1, -1, b.shape[-1])], axis=1)
-
-    def split(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        n = self.chunk[0] * self.chunk[1]
-        return x[:, :n].reshape(*self.chunk, -1), x[:, n:].reshape(*self.rows, -1)
+from mlx_relay.engine.models.qwen3_5.prefill import attend_cached, gated_delta_core, position_embeddings, recurrent_mask
 
 
 def mixed_forward(lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
@@ -70,7 +49,7 @@ def mixed_forward(lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
     model = lm.model
     h_chunk = chunk.embeds if chunk.embeds is not None else model.embed_tokens(chunk.ids)
     h_rows = model.embed_tokens(block.tokens)
-    split = Split((h_chunk.shape[0], h_chunk.shape[1]), (h_rows.shape[0], h_rows.shape[1]))
+    split = Split.of(h_chunk, h_rows)
     T = h_chunk.shape[1]
     caches = chunk.caches
     attn_mask, ssm_mask = attention_mask(caches[model.fa_idx], T), recurrent_mask(caches[model.ssm_idx], T)

@@ -18,10 +18,10 @@ GPU done otherwise:
   blocks of at most `PrefillOptions.attention_rows` queries, each against the keys up to its last
   position (causal: no block reads a later key), so a long context's scores (MLX's CUDA backend
   has no fused attention for head dim 256: it materializes them) stay within a bound instead of
-  growing with chunk x context (`models/prefill_options.py`). A chunk whose rows carry no left
+  growing with chunk x context (`models/attention.py`, `models/prefill_options.py`). A chunk whose rows carry no left
   padding is masked causally by the attention itself (no mask array of chunk x context).
 
-On a GPU the chunk's layers are queued one ahead of the device (`one_layer_ahead`): its transient
+On a GPU the chunk's layers are queued one ahead of the device (`chunk_forward.pacing`): its transient
 memory is at most two layers', not the chunk's. Each lever can be turned off (`PrefillOptions`: that part
 then runs the library's arithmetic; `benchmarks/prefill_parts.py` measures what each buys). Off a
 GPU every part is the library's own arithmetic (`tests/test_prefill_forward.py` pins the chunk's
@@ -38,6 +38,8 @@ import mlx.nn as nn
 from mlx_vlm.models.qwen3_5.language import apply_multimodal_rotary_pos_emb
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
+from mlx_relay.engine.models.attention import attend_cache, attention_mask
+from mlx_relay.engine.models.chunk_forward import pacing
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import causal_conv, normalize_qk
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta_prefill import delta_rule
@@ -47,7 +49,7 @@ from mlx_relay.engine.models.qwen3_5.layers import gated_output, gdn_projections
 def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
                     options: PrefillOptions, after: Callable[[mx.array], None] | None = None) -> mx.array:
     """`models.ModelFamily.prefill_forward`: see the module docstring. `positions` [3, B, T] (M-RoPE);
-    `after`, the caller's hook after each layer (in place of `one_layer_ahead`)."""
+    `after`, the caller's hook after each layer (in place of `chunk_forward.pacing`'s)."""
     model = lm.model
     h = embeds if embeds is not None else model.embed_tokens(ids)
     T = h.shape[1]
@@ -63,39 +65,6 @@ def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: lis
         return attention(sa, x, next(cache_of), positions, rotary, attn_mask, options)
 
     return model.norm(run_layers(model.layers, h, linear, attend, prefill=options, after=pacing(options, after)))
-
-
-def pacing(options: PrefillOptions, after: Callable[[mx.array], None] | None) -> Callable[[mx.array], None] | None:
-    """The per-layer hook of a chunk's forward: the caller's `after`, else on a GPU (and
-    `options.paced`) `one_layer_ahead`'s, else none (on the CPU the library's one evaluation a
-    chunk: a wait a layer cost two 18K-token prompts a third more time there)."""
-    if after is not None:
-        return after
-    if not options.paced or not cuda_kernels_available():
-        return None
-    in_flight: list[mx.array] = []
-
-    def one_layer_ahead(layer_out: mx.array) -> None:
-        # MLX evaluates a whole chunk's graph at once and may run each layer's independent
-        # inputs (the experts it dequantizes: 1.5 GB of bfloat16 a layer of the 35B-A3B shape)
-        # well before their layer: so this layer is queued, and the one before it awaited. At
-        # most two layers' transients are alive, and the device never waits on the host's graph
-        # building
-        mx.async_eval(layer_out)
-        if in_flight:
-            mx.eval(in_flight.pop())
-        in_flight.append(layer_out)
-
-    return one_layer_ahead
-
-
-def attention_mask(cache: Any, T: int) -> Any:
-    """The attention mask of a T-token chunk: "causal" (the attention masks it itself, aligned to
-    the last key) unless a row of the batch carries left padding, then the cache's own mask array."""
-    left = getattr(cache, "left_padding", None)
-    if isinstance(left, mx.array) and left.size and int(left.max().item()) > 0:
-        return cache.make_mask(T)
-    return "causal" if T > 1 else None
 
 
 def recurrent_mask(cache: Any, T: int) -> mx.array | None:
@@ -132,27 +101,7 @@ def attend_cached(sa: Any, queries: mx.array, keys: mx.array, values: mx.array, 
         queries, keys = sa.rotary_emb.apply_rotary(queries, keys, positions, unsqueeze_dim=1)
     else:
         queries, keys = apply_multimodal_rotary_pos_emb(queries, keys, *rotary)
-    keys, values = cache.update_and_fetch(keys, values)
-    B, heads, _, _ = queries.shape
-    max_rows = options.attention_rows(B, heads, keys.shape[2], queries.dtype.size)
-    return blocked_attention(queries, keys, values, sa.scale, mask, max_rows)
-
-
-def blocked_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any, max_rows: int) -> mx.array:
-    """MLX's attention of q [B, heads, T, D] (the last T positions of the S keys) over k, v
-    [B, kv heads, S, D], in blocks of at most `max_rows` queries, each against the keys up to its
-    own last position. `mask`: None (a single query), "causal", or an array [B, 1, T, S]."""
-    T, S = q.shape[2], k.shape[2]
-    if T <= max_rows:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    blocks = []
-    for start in range(0, T, max_rows):
-        stop = min(T, start + max_rows)
-        keys_end = S - T + stop
-        block_mask = mask if mask is None or isinstance(mask, str) else mask[..., start:stop, :keys_end]
-        blocks.append(mx.fast.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :keys_end],
-                                                           v[:, :, :keys_end], scale=scale, mask=block_mask))
-    return mx.concatenate(blocks, axis=2)
+    return attend_cache(queries, keys, values, cache, sa.scale, mask, options)
 
 
 def gated_delta_net(la: Any, x: mx.array, cache: Any, mask: mx.array | None, options: PrefillOptions) -> mx.array:
