@@ -172,6 +172,28 @@ def commit() -> str:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def write_summary(out: Path, tag: str, args: argparse.Namespace, scenes: list[Scene], verdicts: list[Verdict]
+                  ) -> str:
+    """summary.json (every verdict) and summary.md (the table) of the verdicts so far; the table."""
+    summary = {"commit": tag, "date": str(datetime.date.today()), "max_tokens": args.max_tokens, "seed": args.seed,
+               "per_agent": {s.agent: {k: rates([v for v in verdicts if v.agent == s.agent and v.kind == k])
+                                       for k in ("trained", "held-out")} for s in scenes},
+               "verdicts": [asdict(v) for v in verdicts]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    lines = [f"# The embedded model on held-out tools, `{tag}`, {summary['date']}", "",
+             "`benchmarks/agents/held_out.py` (greedy, through `mlx-relay serve`, each agent's own recorded "
+             "request): the right tool called (deferred: selected by the search tool) / with arguments valid "
+             "for its schema / with the value asked for.", "",
+             "| agent | trained tool: right / valid / exact | held-out tools: right / valid / exact |",
+             "|---|---|---|"]
+    for agent, r in summary["per_agent"].items():
+        cells = [f"{r[k]['right_tool']} / {r[k]['valid']} / {r[k]['exact']} of {r[k]['n']}"
+                 + (f" ({r[k]['errors']} errors)" if r[k]["errors"] else "") for k in ("trained", "held-out")]
+        lines.append(f"| {agent} | {cells[0]} | {cells[1]} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=20, help="held-out tools drawn per agent")
@@ -215,26 +237,11 @@ def main() -> None:
                     verdicts.append(v)
                     print(f"{scene.agent:15s} {kind:8s} {r.status_code} right={v.right_tool:d} valid={v.valid:d} "
                           f"exact={v.exact:d} {v.calls[:2]}", flush=True)
+                write_summary(out, tag, args, scenes[: a + 1], verdicts)  # what is done, should the run stop
     finally:
         server.terminate()
         server.wait(60)
-    summary = {"commit": tag, "date": str(datetime.date.today()), "max_tokens": args.max_tokens, "seed": args.seed,
-               "per_agent": {s.agent: {k: rates([v for v in verdicts if v.agent == s.agent and v.kind == k])
-                                       for k in ("trained", "held-out")} for s in scenes},
-               "verdicts": [asdict(v) for v in verdicts]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    lines = [f"# The embedded model on held-out tools, `{tag}`, {summary['date']}", "",
-             "`benchmarks/agents/held_out.py` (greedy, through `mlx-relay serve`, each agent's own recorded "
-             "request): the right tool called (deferred: selected by the search tool) / with arguments valid "
-             "for its schema / with the value asked for.", "",
-             "| agent | trained tool: right / valid / exact | held-out tools: right / valid / exact |",
-             "|---|---|---|"]
-    for agent, r in summary["per_agent"].items():
-        cells = [f"{r[k]['right_tool']} / {r[k]['valid']} / {r[k]['exact']} of {r[k]['n']}"
-                 + (f" ({r[k]['errors']} errors)" if r[k]["errors"] else "") for k in ("trained", "held-out")]
-        lines.append(f"| {agent} | {cells[0]} | {cells[1]} |")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(write_summary(out, tag, args, scenes, verdicts))
 
 
 if __name__ == "__main__":
