@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from agent_scenes import HARNESS_PROMPT, PHRASINGS, SCENES, Scene, body_of  # noqa: E402
-from held_out_tools import HeldOutTool, draw  # noqa: E402
+from held_out_tools import HeldOutTool, as_object, draw  # noqa: E402
 from run_agents import wait_ready  # noqa: E402
 
 TRAINED = HeldOutTool("stock", "get", "stock", "path", "Get a stock.", HARNESS_PROMPT, 423)
@@ -139,7 +139,7 @@ def judge(agent: str, kind: str, scene: Scene, route: str, t: HeldOutTool, statu
         for name, args in calls:
             if name == scene.via:
                 right = True
-                query = (args if isinstance(args, dict) else _loads(args)).get("query", "")
+                query = (as_object(args) or {}).get("query", "")
                 valid = valid or (isinstance(query, str) and f"mcp__{t.server}__{t.tool}" in query)
         exact = valid
     else:
@@ -150,14 +150,6 @@ def judge(agent: str, kind: str, scene: Scene, route: str, t: HeldOutTool, statu
                 exact = exact or t.exact(args)
     text = json.dumps(reply)[:600] if status == 200 else str(reply)[:600]
     return Verdict(agent, kind, declared, t.sentence, status, calls, right, valid, exact, text)
-
-
-def _loads(s: Any) -> dict[str, Any]:
-    try:
-        out = json.loads(s) if isinstance(s, str) else {}
-    except ValueError:
-        return {}
-    return out if isinstance(out, dict) else {}
 
 
 def rates(verdicts: list[Verdict]) -> dict[str, Any]:

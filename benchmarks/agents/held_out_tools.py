@@ -67,22 +67,23 @@ class HeldOutTool:
 
     def valid(self, arguments: Any) -> bool:
         """Whether a call's arguments are this schema's: an object with the integer parameter, nothing else."""
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return False
-        return (isinstance(arguments, dict) and set(arguments) == {self.param}
-                and isinstance(arguments[self.param], int) and not isinstance(arguments[self.param], bool))
+        args = as_object(arguments)
+        return (args is not None and set(args) == {self.param} and isinstance(args[self.param], int)
+                and not isinstance(args[self.param], bool))
 
     def exact(self, arguments: Any) -> bool:
         """Valid, and the value the user asked for."""
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return False
-        return self.valid(arguments) and arguments[self.param] == self.n
+        return self.valid(arguments) and as_object(arguments)[self.param] == self.n  # type: ignore[index]
+
+
+def as_object(arguments: Any) -> dict[str, Any] | None:
+    """A call's arguments as an object (sent as one, or as its JSON text), else None."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return arguments if isinstance(arguments, dict) else None
 
 
 def draw(key: tuple[int, ...]) -> HeldOutTool:
