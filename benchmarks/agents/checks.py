@@ -187,16 +187,20 @@ class Verdict:
 
     @property
     def server(self) -> str:
-        """The server's verdict, in words: a turn the model could not finish is said as such, not as a pass."""
+        """The server's verdict, in words. `ok`: every answer and stream as owed and the agent ended its
+        turn itself (whether the model did the task is `model`'s to say); a turn the toy model could not
+        finish, where the agent gave up at its own limit or the harness stopped it, is said as such,
+        never as a pass."""
         if self.problems:
             return f"FAIL ({len(self.problems)} problems)"
         if self.requests == 0:
             return "FAIL (no request)"
+        retried = f", {self.retries} requests sent again" if self.retries else ""
         if self.exit_code is None:
-            return "held; the agent did not stop (no turn limit of its own: stopped by the harness)"
-        if self.exit_code != 0 or self.model != "round trip":
-            return f"held; the turn unfinished (exit {self.exit_code})"
-        return "ok"
+            return f"held; the agent stopped by the harness (no turn limit of its own){retried}"
+        if self.exit_code != 0:
+            return f"held; the agent gave up (exit {self.exit_code}, its turn limit){retried}"
+        return f"ok{retried}"
 
     @property
     def model(self) -> str:

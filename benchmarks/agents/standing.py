@@ -19,9 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checks import Verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -43,31 +47,27 @@ class Run:
         return str(self.entry.get("task") or "stock")  # runs before the held-out scene had only the trained one
 
     @property
-    def server(self) -> str:
-        """The server's verdict (`checks.Verdict.server`; derived the same way for runs that predate it)."""
+    def verdict(self) -> Verdict:
+        """The run's verdicts, judged again by `checks.Verdict` from what it recorded (also for runs that
+        predate the split)."""
         e = self.entry
-        if "server" in e:
-            return str(e["server"])
-        if e.get("problems"):
-            return f"FAIL ({len(e['problems'])} problems)"
-        if e.get("exit_code") is None:
-            return "held; the agent did not stop (no turn limit of its own: stopped by the harness)"
-        return "ok" if e.get("ok") else f"held; the turn unfinished (exit {e.get('exit_code')})"
+        return Verdict(e["agent"], e.get("api", ""), e.get("exit_code"), requests=int(e.get("requests") or 0),
+                       statuses=list(e.get("statuses") or []), problems=list(e.get("problems") or []),
+                       refused_as_expected=bool(e.get("refused_as_expected")),
+                       tool_called=list(e.get("tool_called") or []), tool_result_sent=bool(e.get("tool_result_sent")),
+                       retries=int(e.get("retries") or 0), task=self.task)
+
+    @property
+    def server(self) -> str:
+        return self.verdict.server
 
     @property
     def model(self) -> str:
-        e = self.entry
-        if "model" in e:
-            return str(e["model"])
-        if e.get("refused_as_expected"):
-            return "refused (prompt over the context)"
-        if e.get("tool_called") and e.get("tool_result_sent"):
-            return "round trip"
-        return "called, no result back" if e.get("tool_called") else "no call"
+        return self.verdict.model
 
     @property
     def server_held(self) -> bool:
-        return not self.server.startswith("FAIL")
+        return self.verdict.server_ok
 
 
 def runs(results: Path = RESULTS) -> dict[tuple[str, str], list[Run]]:
