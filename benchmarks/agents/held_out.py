@@ -93,6 +93,38 @@ def trained_body(text: str, key: tuple[int, ...]) -> tuple[dict[str, Any], HeldO
     return json.loads(text), HeldOutTool("stock", "get", "stock", "path", "Get a stock.", sentence, n)
 
 
+def jobs(scene: Scene, a: int, seed: int, trained: int, n: int) -> list[tuple[str, dict[str, Any], HeldOutTool]]:
+    """The requests of the `a`-th agent's scene: `trained` with the trained tool, then `n` held-out
+    ones, each (kind, body, its tool), drawn from (seed, a, kind, i)."""
+    _, body = body_of(ROOT / scene.file)
+    text = json.dumps(body)
+    out: list[tuple[str, dict[str, Any], HeldOutTool]] = []
+    for i in range(trained):
+        tb, tt = trained_body(text, (seed, a, 0, i))
+        out.append(("trained", tb, tt))
+    for i in range(n):
+        t = draw((seed, a, 1, i))
+        out.append(("held-out", substitute(text, t), t))
+    return out
+
+
+def rejudge(path: Path) -> str:
+    """A run's summary.json judged again by this file's rules from the calls it recorded (the requests
+    redrawn from its seed), both summary files rewritten; the table."""
+    summary = json.loads(path.read_text())
+    scenes = call_scenes(list(summary["per_agent"]))
+    args = argparse.Namespace(max_tokens=summary["max_tokens"], seed=summary["seed"])
+    recorded = summary["verdicts"]
+    verdicts: list[Verdict] = []
+    for a, scene in enumerate(scenes):
+        mine = [v for v in recorded if v["agent"] == scene.agent]
+        counts = {k: sum(v["kind"] == k for v in mine) for k in ("trained", "held-out")}
+        for (kind, _, t), v in zip(jobs(scene, a, args.seed, counts["trained"], counts["held-out"]), mine, strict=True):
+            assert v["kind"] == kind and v["sentence"] == t.sentence, (v["sentence"], t.sentence)
+            verdicts.append(judge(scene.agent, kind, scene, t, v["status"], [tuple(c) for c in v["calls"]], v["text"]))
+    return write_summary(path.parent, summary["commit"], args, scenes, verdicts)
+
+
 def prepared(route: str, body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     """Not streamed, greedy, at most `max_tokens` (the agents ask for up to 32,000)."""
     body = dict(body, stream=False, temperature=0)
@@ -129,27 +161,29 @@ class Verdict:
     text: str  # the reply's text and reasoning, cut
 
 
-def judge(agent: str, kind: str, scene: Scene, route: str, t: HeldOutTool, status: int, reply: dict[str, Any]
+def judge(agent: str, kind: str, scene: Scene, t: HeldOutTool, status: int, calls: list[tuple[str, Any]], text: str
           ) -> Verdict:
-    calls = calls_of(route, reply) if status == 200 else []
+    """A reply's verdict from its tool calls (`calls_of`)."""
     declared = {"codex": t.tool, "opencode": f"{t.server}_{t.tool}", "cline": f"{t.server}__{t.tool}"}.get(
         agent, f"mcp__{t.server}__{t.tool}")
     right = valid = exact = False
     if scene.via in ("ToolSearch", "tool_search"):
-        for name, args in calls:
-            if name == scene.via:
-                right = True
-                query = (as_object(args) or {}).get("query", "")
-                valid = valid or (isinstance(query, str) and f"mcp__{t.server}__{t.tool}" in query)
-        exact = valid
+        # deferred: the step is the search tool selecting it (calling the search tool for another
+        # name, as the trained `select:mcp__stock__get_stock`, is not the right tool)
+        right = valid = exact = any(deferred_selects(name, args, scene.via, t) for name, args in calls)
     else:
         for name, args in calls:
             if name == declared:
                 right = True
                 valid = valid or t.valid(args)
                 exact = exact or t.exact(args)
-    text = json.dumps(reply)[:600] if status == 200 else str(reply)[:600]
-    return Verdict(agent, kind, declared, t.sentence, status, calls, right, valid, exact, text)
+    return Verdict(agent, kind, declared, t.sentence, status, calls, right, valid, exact, text[:600])
+
+
+def deferred_selects(name: str, args: Any, via: str, t: HeldOutTool) -> bool:
+    """Whether a call is the search tool `via` selecting `t`'s tool by its full name."""
+    query = (as_object(args) or {}).get("query", "") if name == via else ""
+    return isinstance(query, str) and f"mcp__{t.server}__{t.tool}" in query
 
 
 def rates(verdicts: list[Verdict]) -> dict[str, Any]:
@@ -195,7 +229,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=18100)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--rejudge", type=Path, default=None, help="a run's summary.json: judge it again, run nothing")
     args = ap.parse_args()
+    if args.rejudge is not None:
+        print(rejudge(args.rejudge))
+        return
     scenes = call_scenes([a for a in args.agents.split(",") if a] or None)
     tag = commit()
     out = args.out or ROOT / "benchmarks" / "results" / f"held-out-{datetime.date.today()}-{tag}"
@@ -210,22 +248,15 @@ def main() -> None:
         wait_ready(url, server, timeout=900)
         with httpx.Client(base_url=url, timeout=1800) as client:
             for a, scene in enumerate(scenes):
-                route, body = body_of(ROOT / scene.file)
-                text = json.dumps(body)
-                jobs: list[tuple[str, dict[str, Any], HeldOutTool]] = []
-                for i in range(args.trained):
-                    tb, tt = trained_body(text, (args.seed, a, 0, i))
-                    jobs.append(("trained", tb, tt))
-                for i in range(args.n):
-                    t = draw((args.seed, a, 1, i))
-                    jobs.append(("held-out", substitute(text, t), t))
-                for kind, b, t in jobs:
+                route, _ = body_of(ROOT / scene.file)
+                for kind, b, t in jobs(scene, a, args.seed, args.trained, args.n):
                     r = client.post(route, json=prepared(route, b, args.max_tokens),
                                     headers={"authorization": "Bearer x", "x-api-key": "x",
                                              "anthropic-version": "2023-06-01"})
                     reply = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-                    v = judge(scene.agent, kind, scene, route, t, r.status_code, reply if r.status_code == 200
-                              else {"error": r.text[:400]})
+                    ok = r.status_code == 200
+                    v = judge(scene.agent, kind, scene, t, r.status_code, calls_of(route, reply) if ok else [],
+                              json.dumps(reply) if ok else r.text)
                     verdicts.append(v)
                     print(f"{scene.agent:15s} {kind:8s} {r.status_code} right={v.right_tool:d} valid={v.valid:d} "
                           f"exact={v.exact:d} {v.calls[:2]}", flush=True)
