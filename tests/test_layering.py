@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -183,3 +184,29 @@ def test_the_product_does_not_import_the_testing_package() -> None:
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{rel}: {n}" for n in names if n.startswith("mlx_relay.testing")]
     assert offenders == []
+
+
+def test_every_file_architecture_md_names_exists() -> None:
+    """ARCHITECTURE.md stays true to the tree: each file or folder it names in backticks is there
+    (a path with a folder under the repository, the package or its engine; a bare file name
+    somewhere in the repository's code, tests or tools; checkpoint files aside)."""
+    repo = Path(mlx_relay.__file__).parents[1]
+    text = (repo / "ARCHITECTURE.md").read_text()
+    named = set(re.findall(r"`([A-Za-z0-9_./-]+\.(?:py|md|sh|jinja|toml))[`:]", text))
+    named |= set(re.findall(r"`((?:mlx_relay|engine|actors|http|chat|cache|media|tests|benchmarks|tools|docs)/"
+                            r"[A-Za-z0-9_./-]*)`", text))
+    bases = (repo, repo / "mlx_relay", repo / "mlx_relay" / "engine", repo / "mlx_relay" / "engine" / "models")
+    roots = [repo / d for d in ("mlx_relay", "tests", "benchmarks", "tools")]
+
+    def there(name: str) -> bool:
+        folder, _, last = name.rpartition("/")
+        module, dot, symbol = last.partition(".")
+        if dot and symbol.split(".")[0] not in ("py", "md", "sh", "jinja", "toml"):  # `pkg/module.Symbol`
+            files = [base / folder / f"{module}.py" for base in bases]
+            return any(f.exists() and re.search(rf"\b{symbol}\b", f.read_text()) for f in files)
+        if any((base / name).exists() for base in bases):
+            return True
+        return not folder and any(next(r.rglob(name), None) for r in roots)
+
+    missing = [name for name in sorted(named) if not there(name)]
+    assert len(named) > 100 and not missing, missing
