@@ -46,6 +46,10 @@
 #            prompt MIXED_CONTEXT (16384) tokens in, for each of MIXED_SLICES (16,64,128,256,512,1024): two
 #            forwards (the decode step, the chunk's) against one (the plain lane's mixed step); a lone
 #            4,096-token chunk's rate for the TTFT ratio. Results: mixed_step.{json,txt}
+#   explicit (issue 43.3) mixed_explicit.py: MIXED_ROWS (8) rows' step beside a slice of a prompt MIXED_CONTEXT
+#            (16384) tokens in, for each of EXPLICIT_SLICES (16,64,256,512): the compiled decode step alone, the
+#            engine's mixed step, and the mixed step with the chunk's caches explicit too, eager and as one
+#            compiled function (the next lever's ceiling). Results: mixed_explicit.{json,txt}
 #   sbl      (issue 43.3) device_short_behind_long.sh run inside this job (its knobs: BUDGETS, FACTORS,
 #            OURS_FLAGS, STREAMS, LONG_TOKENS, WINDOW), so it follows the jobs before it on the same
 #            machine. Results: short_behind_long.tgz, sbl.txt
@@ -192,6 +196,10 @@ overlap)
       --steps "${STEPS:-40}" --every "${OVERLAP_EVERY:-1,2,4}" --out $O/prefill_overlap_$c.json > $O/prefill_overlap_$c.txt 2>&1
     say "overlap $c (rc $?): $(grep -h -E "^(decode|shared|two|layered)" $O/prefill_overlap_$c.txt | cut -c1-300 | tr '\n' ';')"
   done ;;
+explicit)
+  python3 benchmarks/mixed_explicit.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
+    --slices "${EXPLICIT_SLICES:-16,64,256,512}" --steps "${STEPS:-8}" --out $O/mixed_explicit.json > $O/mixed_explicit.txt 2>&1
+  say "explicit (rc $?): $(tail -n 7 $O/mixed_explicit.txt | tr -s ' ' | tr '\n' ';')" ;;
 mixed)
   python3 benchmarks/mixed_step.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
     --slices "${MIXED_SLICES:-16,64,128,256,512,1024}" --steps "${STEPS:-8}" --alone-chunk 4096 \
@@ -213,6 +221,6 @@ setsid nohup env RUN="$RUN" MODEL="${MODEL:-}" PYTHONPATH="$RUN/src:${PYTHONPATH
   POOL_TOKENS="${POOL_TOKENS:-}" POOL_FLAGS="${POOL_FLAGS:-}" COMMIT="${COMMIT:-}" \
   CLIENTS="${CLIENTS:-}" CLIENT_REQUESTS="${CLIENT_REQUESTS:-}" PREFILL_SIZES="${PREFILL_SIZES:-}" \
   PREFILL_CACHED="${PREFILL_CACHED:-}" PREFILL_ORDER="${PREFILL_ORDER:-}" PREFILL_FLAGS="${PREFILL_FLAGS:-}" PREFILL_TARGETS="${PREFILL_TARGETS:-}" \
-  QMM_FLAGS="${QMM_FLAGS:-}" BLOCK_CHUNKS="${BLOCK_CHUNKS:-}" OVERLAP_CHUNKS="${OVERLAP_CHUNKS:-}" OVERLAP_PROMPT="${OVERLAP_PROMPT:-}" OVERLAP_EVERY="${OVERLAP_EVERY:-}" PARTS_CHUNK="${PARTS_CHUNK:-}" PARTS_CONTEXT="${PARTS_CONTEXT:-}" AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
+  QMM_FLAGS="${QMM_FLAGS:-}" BLOCK_CHUNKS="${BLOCK_CHUNKS:-}" OVERLAP_CHUNKS="${OVERLAP_CHUNKS:-}" OVERLAP_PROMPT="${OVERLAP_PROMPT:-}" OVERLAP_EVERY="${OVERLAP_EVERY:-}" PARTS_CHUNK="${PARTS_CHUNK:-}" EXPLICIT_SLICES="${EXPLICIT_SLICES:-}" MIXED_ROWS="${MIXED_ROWS:-}" MIXED_CONTEXT="${MIXED_CONTEXT:-}" PARTS_CONTEXT="${PARTS_CONTEXT:-}" AGREE_DIR="${AGREE_DIR:-/root/agree-model}" TOK="${TOK:-/root/tok}" BUILD_FLAGS="${BUILD_FLAGS:-}" \
   bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "steps started (pid $!)"
