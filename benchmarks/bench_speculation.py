@@ -135,12 +135,13 @@ def copy_rows(loaded: LoadedModel, n: int, rate: float, length: int, seed: int) 
     rng = random.Random(seed)
     special = min(int(t) for t in loaded.info.eos_token_ids)
     regular = min(special, loaded.info.vocab_size)
-    seeds = [rng.randrange(1000, regular) for _ in range(n)]
+    low = min(1000, regular // 2)  # regular tokens above the byte range; small vocabularies too
+    seeds = [rng.randrange(low, regular) for _ in range(n)]
     cont = run_ours(loaded, [[s] for s in seeds], length, "none", block=2, max_draft=0)["ids"]
     copied = round(10 * rate)
     prompts = []
     for s, c in zip(seeds, cont, strict=True):
-        edited = [t if i % 10 < copied else rng.randrange(1000, regular) for i, t in enumerate(c)]
+        edited = [t if i % 10 < copied else rng.randrange(low, regular) for i, t in enumerate(c)]
         prompts.append([s, *edited, s])
     return prompts, cont
 
