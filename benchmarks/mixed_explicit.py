@@ -13,10 +13,12 @@ step; the same state copied into explicit buffers of the prompt's whole length f
 First a check: one step of each mixed mode from the same state, the chunk's last hidden state and
 the rows' logits compared (max abs difference; float32 on the CPU, where they agree to rounding).
 Then per slice, `--steps` steps of each mode, alternated, each synchronized: `decode` (the compiled
-step alone), `mixed` (the engine's), `explicit` (this forward, eager) and `compiled` (this forward
-through `mx.compile`; its first step per shape traces it). On the CPU the check is what counts:
-there the GatedDeltaNet mixer's fallback runs a block position by position (the CUDA kernel runs
-it in one launch), so the explicit modes' times say nothing of a GPU's.
+step alone), `mixed` (the engine's), `explicit` (this forward, eager), `compiled` (this forward
+through `mx.compile`; its first step per shape traces it) and `compiled_rec` (the same, the chunk's
+GatedDeltaNet run by the decode step's recurrent mixer over its T positions instead of the prefill's
+chunked delta rule). On the CPU the check is what counts (there the chunked path agrees with the
+engine's mixed step exactly, float32; the recurrent one to rounding, and its fallback runs a block
+position by position where the CUDA kernel runs it in one launch).
 
 What the numbers decide: if `compiled` beside 8 rows stays within 2x of `decode` at a slice that
 keeps the prompt near its own rate (issue 43.3's targets), the engine's prefilling rows move into
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from bench_prefill import card, commit
 from mlx_vlm.models.cache import ArraysCache, KVCache
 from prefill_block import context_caches, positions
@@ -47,7 +50,8 @@ from mlx_relay.engine.models.chunk_forward import Split
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
-from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer
+from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer, normalize_qk
+from mlx_relay.engine.models.qwen3_5.kernels.gated_delta_prefill import delta_rule
 from mlx_relay.engine.models.qwen3_5.layers import (
     attend_explicit,
     gated,
@@ -58,8 +62,9 @@ from mlx_relay.engine.models.qwen3_5.layers import (
     rope_periods,
     run_layers,
 )
+from mlx_relay.engine.models.qwen3_5.prefill import depthwise_conv
 
-MODES = ("decode", "mixed", "explicit", "compiled")
+MODES = ("decode", "mixed", "explicit", "compiled", "compiled_rec")
 State = tuple[list[tuple[mx.array, mx.array]], list[mx.array], list[mx.array]]
 
 
@@ -88,8 +93,27 @@ def chunk_positions(done: mx.array, n: int, capacity: int) -> Positions:
     return Positions.at_column(done, rotary, mask, done.reshape(1))
 
 
+def chunk_mixer(la: Any, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, conv: mx.array, ssm: mx.array
+                ) -> tuple[mx.array, mx.array, mx.array]:
+    """A chunk's GatedDeltaNet between its projections as the engine's prefill runs it
+    (`prefill.gated_delta_core`: the depthwise conv, the chunked delta rule), its conv window and
+    recurrent state explicit: the output [B, T, Hv * Dv] and both states after."""
+    B, T, _ = qkv.shape
+    width = la.conv_kernel_size - 1
+    conv_in = mx.concatenate([conv, qkv], axis=1)
+    mixed = nn.silu(depthwise_conv(la, conv_in, T))
+    q, k, v = (x.reshape(B, T, heads, dim) for x, heads, dim in zip(
+        mx.split(mixed, [la.key_dim, 2 * la.key_dim], -1), (la.num_k_heads, la.num_k_heads, la.num_v_heads),
+        (la.head_k_dim, la.head_k_dim, la.head_v_dim), strict=True))
+    q, k = normalize_qk(q, k)
+    y, state = delta_rule(q, k, v, a, b, la.A_log, la.dt_bias, ssm)
+    out = la.norm(y, z.reshape(B, T, -1, la.head_v_dim))
+    return out.reshape(B, T, -1), conv_in[:, -width:], state
+
+
 def explicit_forward(lm: Any, ids: mx.array, done: mx.array, chunk: State, tokens: mx.array, rows_at: Positions,
-                     rows: State, options: PrefillOptions) -> tuple[mx.array, mx.array, State, State]:
+                     rows: State, options: PrefillOptions, chunked: bool = True
+                     ) -> tuple[mx.array, mx.array, State, State]:
     """The chunk's last hidden state, the rows' logits, and both states after: the joined positions
     through every shared part, each mixer split by part, every cache explicit."""
     model = lm.model
@@ -107,7 +131,10 @@ def explicit_forward(lm: Any, ids: mx.array, done: mx.array, chunk: State, token
         for part, projections in zip(("chunk", "rows"), zip(*(split.split(p) for p in gdn_projections(la, x)),
                                                              strict=True), strict=True):
             conv, ssm = next(gdn_in[part])
-            r, conv, ssm = gated_delta_mixer(la, *projections, conv, ssm, keep_states=False)
+            if part == "chunk" and chunked:
+                r, conv, ssm = chunk_mixer(la, *projections, conv, ssm)
+            else:
+                r, conv, ssm = gated_delta_mixer(la, *projections, conv, ssm, keep_states=False)
             out[part][1].append(conv)
             out[part][2].append(ssm)
             parts.append(r)
@@ -142,12 +169,13 @@ class Bench:
         self.tokens = mx.zeros((self.rows,), dtype=mx.int32)
         self.done = context
         self.compiled = mx.compile(self._explicit)
+        self.compiled_rec = mx.compile(lambda *a: self._explicit(*a, chunked=False))
         mx.eval(self.state.arrays(), [c.state for c in self.caches], self.chunk_state)
 
     def _explicit(self, ids: mx.array, done: mx.array, chunk: State, tokens: mx.array, idx: mx.array,
-                  left_padding: mx.array, deltas: mx.array, rows: State) -> tuple[Any, ...]:
+                  left_padding: mx.array, deltas: mx.array, rows: State, chunked: bool = True) -> tuple[Any, ...]:
         at = _at(idx, left_padding, deltas, rows[0][0][0].shape[2])
-        return explicit_forward(self.lm, ids, done, chunk, tokens, at, rows, self.options)
+        return explicit_forward(self.lm, ids, done, chunk, tokens, at, rows, self.options, chunked)
 
     def outputs(self, mode: str, n: int) -> list[Any]:
         """One step of `mode` with an `n`-token slice (unevaluated), the states updated."""
@@ -163,7 +191,7 @@ class Bench:
         st.ensure_room()
         args = (ids, mx.array(self.done, dtype=mx.int32), self.chunk_state, self.tokens, mx.array(st.idx, mx.int32),
                 st.left_padding, st.deltas, (st.kv, st.conv, st.ssm))
-        fn = self.compiled if mode == "compiled" else self._explicit
+        fn = {"compiled": self.compiled, "compiled_rec": self.compiled_rec}.get(mode, self._explicit)
         hidden, lg, self.chunk_state, (st.kv, st.conv, st.ssm) = fn(*args)
         st.idx += 1
         self.done += n
@@ -181,10 +209,10 @@ class Bench:
 
 
 def check(lm: Any, args: argparse.Namespace, n: int) -> dict[str, float]:
-    """One step each of `mixed`, `explicit` and `compiled` from the same state: their chunk's last
+    """One step of each mixed mode from the same state: their chunk's last
     hidden state and rows' logits against `mixed`'s (max abs difference)."""
     outs = {}
-    for mode in ("mixed", "explicit", "compiled"):
+    for mode in ("mixed", "explicit", "compiled", "compiled_rec"):
         mx.random.seed(args.seed + 7)
         bench = Bench(lm, args.rows, args.context, args.capacity, args.seed)
         mx.random.seed(args.seed + 11)
@@ -193,7 +221,7 @@ def check(lm: Any, args: argparse.Namespace, n: int) -> dict[str, float]:
         outs[mode] = out[:2]
     return {f"{mode} {what}": float(mx.max(mx.abs(outs[mode][i].astype(mx.float32)
                                                   - outs["mixed"][i].astype(mx.float32))).item())
-            for mode in ("explicit", "compiled") for i, what in enumerate(("hidden", "logits"))}
+            for mode in ("explicit", "compiled", "compiled_rec") for i, what in enumerate(("hidden", "logits"))}
 
 
 def main() -> None:
