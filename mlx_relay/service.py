@@ -335,9 +335,8 @@ class ChatService:
             return None  # off, or media that cannot be keyed
         stack.push_async_callback(_tell_shielded, store, Release(rid))
         # a request: a plan restored from disk is answered once the file is loaded, off the store's mailbox
-        return await store.request(Lookup(rid, prompt.token_ids, prompt.media, prompt.system_end, prompt.reply_start,
-                                          round_start=prompt.round_start, multi_turn=prompt.multi_turn,
-                                          has_tools=bool(req.tools)))
+        return await store.request(Lookup(rid, prompt.token_ids, prompt.media, prompt.boundaries,
+                                          multi_turn=prompt.multi_turn, has_tools=bool(req.tools)))
 
     async def _plan_decode(self, rid: str, req: ChatRequest, prompt: Prompt, params: SamplingParams,
                            plan: PrefixPlan | None, stack: AsyncExitStack) -> Generate:

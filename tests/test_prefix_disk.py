@@ -47,6 +47,7 @@ from mlx_relay.messages.prefix_cache import (
     SnapshotSaved,
     SnapshotTaken,
 )
+from mlx_relay.messages.prompt import Boundaries
 from mlx_relay.relay import Relay
 
 SYSTEM = ("You are a careful coding agent. Follow the repository's conventions, keep changes small, "
@@ -340,7 +341,7 @@ async def test_store_writes_system_through_spills_evictions_and_skips_superseded
     await store.on_start()
     system = list(range(5, 205))
     first = [*system, *range(300, 320)]
-    plan = await store.receive(Lookup("a", first, system_end=200, reply_start=len(first), has_tools=True), None)
+    plan = await store.receive(Lookup("a", first, boundaries=Boundaries([200], len(first)), has_tools=True), None)
     assert isinstance(plan, PrefixPlan) and plan.snapshot_at == [200, len(first)] and plan.snapshot_turn
     await store.receive(SnapshotTaken("a", 1, 200, 100, "system"), None)
     reply = [7, 8, 9]
@@ -350,7 +351,7 @@ async def test_store_writes_system_through_spills_evictions_and_skips_superseded
     assert saves[0].metadata["relay.length"] == "200" and saves[0].metadata["relay.model"] == identity.model
     await store.receive(Release("a"), None)
     second = [*first, *reply, 400, 401]
-    plan = await store.receive(Lookup("b", second, system_end=200, reply_start=len(second), has_tools=True), None)
+    plan = await store.receive(Lookup("b", second, boundaries=Boundaries([200], len(second)), has_tools=True), None)
     assert isinstance(plan, PrefixPlan) and plan.restore == 2
     await store.receive(SnapshotTaken("b", 4, len(second), 100, "system"), None)  # its prompt's end
     await store.receive(SnapshotTaken("b", 3, len(second) + 3, 100, "turn", [10, 11, 12]), None)

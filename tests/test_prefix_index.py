@@ -22,6 +22,7 @@ from mlx_relay.messages.prefix_cache import (
     Release,
     SnapshotTaken,
 )
+from mlx_relay.messages.prompt import Boundaries
 from mlx_relay.runtime import ActorRef
 
 SYSTEM = list(range(100, 300))  # 200 tokens: three full blocks and a tail
@@ -152,10 +153,10 @@ async def test_store_plans_turn_snapshots_only_where_a_next_turn_is_likely(multi
                              cast(ActorRef, _NoGPU()))
     prompt = [*SYSTEM, *range(1, 20)]
     # Qwen-style: the next turn repeats the prompt up to the reply's header (len - 3)
-    header = await store.receive(Lookup("a", prompt, system_end=200, reply_start=len(prompt) - 3,
+    header = await store.receive(Lookup("a", prompt, boundaries=Boundaries([200], len(prompt) - 3),
                                         multi_turn=multi_turn, has_tools=has_tools), None)
     # exact history rendering: the whole state after the reply, taken by the engine at finish
-    whole = await store.receive(Lookup("b", [*prompt, 5], system_end=200, reply_start=len(prompt) + 1,
+    whole = await store.receive(Lookup("b", [*prompt, 5], boundaries=Boundaries([200], len(prompt) + 1),
                                        multi_turn=multi_turn, has_tools=has_tools), None)
     assert isinstance(header, PrefixPlan) and isinstance(whole, PrefixPlan)
     assert header.snapshot_at == ([200, len(prompt) - 3] if taken else [200])
@@ -218,7 +219,7 @@ async def test_store_restores_each_round_and_holds_one_round_of_a_long_loop() ->
     restored: list[int] = []
     for k in range(120):
         rid = f"r{k}"
-        plan = await store.receive(Lookup(rid, prompt, system_end=200, reply_start=header, round_start=len(prompt),
+        plan = await store.receive(Lookup(rid, prompt, boundaries=Boundaries([200], header, len(prompt)),
                                           multi_turn=k > 0, has_tools=True), None)
         assert isinstance(plan, PrefixPlan) and plan.snapshot_turn
         restored.append(plan.restore_length)

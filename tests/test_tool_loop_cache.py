@@ -144,10 +144,11 @@ def test_the_next_rounds_prompt_starts_with_the_boundary_the_renderer_found(
     for k, (this, after) in enumerate(itertools.pairwise(rendered)):
         repeated = common_prefix(this.token_ids, after.token_ids)
         if k == 0 and guessed:
-            assert this.round_start == len(this.token_ids) == repeated + 1
+            assert this.boundaries.round_start == len(this.token_ids) == repeated + 1
         else:
-            assert this.round_start == repeated, (k, this.round_start, repeated, len(this.token_ids))
-        assert this.reply_start <= this.round_start
+            b = this.boundaries
+            assert b.round_start == repeated, (k, b.round_start, repeated, len(this.token_ids))
+        assert this.boundaries.reply_start <= this.boundaries.round_start
 
 
 class Usage:
@@ -333,3 +334,37 @@ async def test_a_long_loop_holds_one_rounds_snapshots() -> None:
     assert turn["inserts"] == 1 + LONG_ROUNDS and turn["superseded"] == turn["inserts"] - 2
     assert (kinds["system"]["entries"], turn["entries"]) == (1, 2)
     assert pc["bytes"] == stats["snapshots"]["bytes"] and stats["snapshots"]["held"] == pc["entries"] == 3
+
+
+@pytest.mark.parametrize("template", ["qwen3_5", "qwen3"])
+def test_a_new_session_of_an_agent_restores_its_instructions(servers: dict[Template, LiveServer],
+                                                             template: Template) -> None:
+    """An agent that sends its own instructions and then its session's environment as two system
+    messages (Claude Code: its prompt, then the working directory, the date, its MCP tools): the
+    prompt's boundaries hold the end of each (`Boundaries.system`), the prefix cache snapshots
+    both, and a new session whose environment differs restores the instructions, not nothing."""
+    from transformers import AutoTokenizer
+
+    from mlx_relay.chat.prompt_render import PromptRenderer
+    from mlx_relay.chat.types import ChatMessage
+    from mlx_relay.messages.prompt import Render
+
+    server = servers[template]
+
+    def body(session: str) -> Json:
+        return {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [
+            {"role": "system", "content": "Review every change twice before you write it. " * 8},
+            {"role": "system", "content": f"Environment: session {session}, working directory /work/{session}."},
+            {"role": "user", "content": "Hello."}]}
+
+    path = fixture_path(FixtureSpec(variant="fp32", seed=0)) if template == "qwen3_5" else family_fixture_path("qwen3")
+    renderer = PromptRenderer(AutoTokenizer.from_pretrained(str(path)), None)
+    rendered = renderer.render(Render([ChatMessage(m["role"], m["content"]) for m in body("a")["messages"]]))
+    instructions, whole = rendered.boundaries.system
+    assert 8 < instructions < whole < len(rendered.token_ids)
+    cached = []
+    for session in ("a", "b"):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body(session), timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] < instructions and instructions <= cached[1] < whole, (cached, instructions, whole)

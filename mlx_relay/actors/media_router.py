@@ -57,8 +57,7 @@ class MediaRouter(Actor):
     async def receive(self, msg: Route, stream: ReplyStream | None) -> Routed:
         parts = media_parts(msg.messages)
         if not parts:
-            return Routed(path="text", prompt_tokens=msg.prompt_tokens, vision=None, system_end=msg.system_end,
-                          reply_start=msg.reply_start, round_start=msg.round_start)
+            return Routed(path="text", prompt_tokens=msg.prompt_tokens, vision=None, boundaries=msg.boundaries)
         if self.processor is None:
             raise InvalidRequest(self.unserved or "this model has no vision tower: send text only", param="messages")
         kinds = media_kinds(parts)
@@ -72,17 +71,10 @@ class MediaRouter(Actor):
 
 
 def routed_vision(msg: Route, tokens: list[int], vision: VisionInputs) -> Routed:
-    """The expanded prompt with its boundaries moved: the system prompt's end holds if no media
-    item was expanded before it (else 0); the reply's start (and the next tool round's) follows
-    every message, so every expanded item precedes it and it moves by the whole expansion."""
+    """The expanded prompt with its boundaries moved past the expansion (`Boundaries.moved`)."""
     media: list[MediaSpan] | None = None
     if len(vision.spans) == len(vision.content_hashes):  # every item keyed: its prefix can be reused
         media = [MediaSpan(a, b, h) for (a, b), h in zip(vision.spans, vision.content_hashes, strict=True)]
-    system_end = msg.system_end
-    if vision.spans and system_end > vision.spans[0][0]:
-        system_end = 0
-    grown = len(tokens) - len(msg.prompt_tokens)
-    reply_start = msg.reply_start + grown if msg.reply_start else 0
-    round_start = msg.round_start + grown if msg.round_start else 0
-    return Routed(path="vision", prompt_tokens=tokens, vision=vision, system_end=system_end, reply_start=reply_start,
-                  media=media, round_start=round_start)
+    boundaries = msg.boundaries.moved(vision.spans[0][0] if vision.spans else None,
+                                      len(tokens) - len(msg.prompt_tokens))
+    return Routed(path="vision", prompt_tokens=tokens, vision=vision, boundaries=boundaries, media=media)

@@ -98,13 +98,10 @@ class Normalizer(Actor):
 
     async def _prepare(self, msg: Render, lane: anyio.CapacityLimiter) -> Prompt:
         rendered = await self._render(msg, lane)
-        routed = Routed("text", rendered.token_ids, None, rendered.system_end, rendered.reply_start,
-                        round_start=rendered.round_start)
+        routed = Routed("text", rendered.token_ids, None, rendered.boundaries)
         if rendered.num_media:
-            routed = await self.media.ask(Route(rendered.messages, rendered.token_ids, rendered.system_end,
-                                                rendered.reply_start, rendered.round_start))
-        return Prompt(routed.prompt_tokens, routed.vision, routed.media, routed.system_end, routed.reply_start,
-                      round_start=routed.round_start,
+            routed = await self.media.ask(Route(rendered.messages, rendered.token_ids, rendered.boundaries))
+        return Prompt(routed.prompt_tokens, routed.vision, routed.media, routed.boundaries,
                       multi_turn=any(m.role in ("assistant", "tool") for m in rendered.messages),
                       think_open=rendered.think_open, grammar=rendered.grammar, tool_format=rendered.tool_format,
                       loose_tools=rendered.loose_tools)

@@ -12,17 +12,18 @@ array: the snapshots themselves live on the GPU executor's thread behind integer
 Its byte budget is the GPUExecutor's (`ModelInfo.prefix_cache_bytes`: a share of the device's
 memory unless configured).
 
-Snapshot boundaries are the ones agents reuse: the end of the (normalized) system prompt, the
-end of the prompt's last image or video (asked about again with another question), and the end
-of each turn as the next request will repeat it, for each of the two ways a conversation goes on
-(the Normalizer renders both): a next user turn (`reply_start`), and, with tools declared, the
-agent's next tool round (`round_start`). Where the next request repeats the whole prompt, the
-prompt's end is snapshotted, and so is the whole state after the reply (prompt + reply, taken
-when the request ends), which the next request restores when the template renders the reply
-exactly as it was generated; else the state up to where it stops repeating (Qwen templates drop
-a past reply's `<think>` block once a new user query follows, so a next user turn repeats up to
-the reply's header; inside a tool loop Qwen3.5's and Qwen3's keep it, so each tool round
-repeats the previous request's whole prompt).
+Snapshot boundaries are the ones agents reuse (the Normalizer's `Boundaries`): the end of the
+(normalized) system prompt and of each of the client's system texts before its last (an agent's
+instructions before its session's environment: a new session restores them), the end of the prompt's
+last image or video (asked about again with another question), and the end of each turn as the next
+request will repeat it, for each of the two ways a conversation goes on (the Normalizer renders
+both): a next user turn (`reply_start`), and, with tools declared, the agent's next tool round
+(`round_start`). Where the next request repeats the whole prompt, the prompt's end is snapshotted,
+and so is the whole state after the reply (prompt + reply, taken when the request ends), which the
+next request restores when the template renders the reply exactly as it was generated; else the
+state up to where it stops repeating (Qwen templates drop a past reply's `<think>` block once a new
+user query follows, so a next user turn repeats up to the reply's header; inside a tool loop
+Qwen3.5's and Qwen3's keep it, so each tool round repeats the previous request's whole prompt).
 
 Snapshots a conversation moves past are freed first, as a radix cache reuses a growing path:
 once a request's own turn snapshot is in, the turn snapshots its prompt has gone past (earlier
@@ -229,7 +230,8 @@ class PrefixCacheStore(Actor):
         # header, for templates that render past replies differently from the generation
         # prompt), its next tool round (with tools declared); at most the prompt's end, and the
         # whole turn (prompt + reply) where one repeats the whole prompt
-        reach = [msg.reply_start, *([msg.round_start] if msg.has_tools and msg.round_start else [])]
+        b = msg.boundaries
+        reach = [b.reply_start, *([b.round_start] if msg.has_tools and b.round_start else [])]
         points = sorted({min(p, n) for p in reach if p > 0}) if self.config.snapshot_turns else []
         whole_turn = bool(points) and max(reach) >= n
         # those (a turn snapshot only where a next turn is likely), the system prompt's end, and
@@ -237,7 +239,7 @@ class PrefixCacheStore(Actor):
         # up to it is reused, the vision tower is skipped)
         candidates: dict[int, SnapshotKind] = dict.fromkeys(points, "turn")
         candidates[max((m.end for m in msg.media), default=0)] = "media"
-        candidates[msg.system_end] = "system"
+        candidates.update(dict.fromkeys(b.system, "system"))
         planned = {s: kind for s, kind in candidates.items()
                    if done < s <= n and s >= self.config.min_snapshot_tokens and not self.index.has(keys, s)}
         if not self._next_turn_likely(msg):

@@ -107,6 +107,14 @@ def _join_optional_text(left: str | None, right: str | None) -> str | None:
     return left + _SEPARATOR + right
 
 
+def system_prefixes(messages: list[ChatMessage]) -> list[str]:
+    """The one system prompt rule (b) makes of the system (and developer) messages, as it stands
+    after each of their non-empty texts in turn (the last: the whole). The prefix cache snapshots
+    where each ends (`chat.prompt_render`): a new conversation may share the first parts only."""
+    texts = [t for i, m in enumerate(messages) if m.role in ("system", "developer") if (t := _system_text(m, i))]
+    return [_SEPARATOR.join(texts[:j]) for j in range(1, len(texts) + 1)]
+
+
 def _system_text(message: ChatMessage, index: int) -> str:
     content = message.content
     if content is None or isinstance(content, str):

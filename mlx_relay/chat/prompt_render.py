@@ -38,12 +38,18 @@ from mlx_relay.chat.grammar import (
     lazy_tool_grammar,
     lazy_tools,
 )
-from mlx_relay.chat.normalize import NormalizationError, media_parts, normalize_messages, to_template_messages
+from mlx_relay.chat.normalize import (
+    NormalizationError,
+    media_parts,
+    normalize_messages,
+    system_prefixes,
+    to_template_messages,
+)
 from mlx_relay.chat.template_sandbox import TemplateFailed, TemplateSandbox
 from mlx_relay.chat.tool_prompt import fold_tools, renders_tools
 from mlx_relay.chat.types import ChatMessage, TextPart
 from mlx_relay.errors import InvalidRequest, PromptTooLong
-from mlx_relay.messages.prompt import Render, RenderedPrompt
+from mlx_relay.messages.prompt import Boundaries, Render, RenderedPrompt
 
 # what a template raises on data it cannot render (a missing key, a wrong type, its own
 # raise_exception): the client's input is at fault
@@ -94,6 +100,7 @@ class PromptRenderer:
 
     #: rendered system prompts whose tokens are kept (an agent resends the same one every turn)
     system_cache_entries = 64
+    system_parts = 3  # the system prompt's boundaries before its end, at most (each a snapshot)
     #: built output grammars kept (by constraint): refused ones are built again each time
     grammar_cache_entries = 32
     #: text normalizers may compose characters (NFC: up to 3 into 1): the character bound's slack
@@ -240,17 +247,17 @@ class PromptRenderer:
         encoding = self._encode(text, msg.max_prompt_tokens)
         ids = list(encoding.ids)
         think_open = thinking_left_open(text)
-        system_end = reply_start = round_start = 0
+        boundaries = Boundaries()
         if msg.chat_template is None:  # the boundaries need more renders: not of a client's template
             rendered = conversation.rendered()
+            system: list[int] = []
             if len(rendered) > 1 and rendered[0].get("role") == "system":
-                system_end = self._system_end(rendered[0], conversation.tools, conversation.kwargs, ids)
+                system = self._system_ends(rendered[0], system_prefixes(msg.messages)[:-1], conversation, ids)
             prompt = _Rendered(ids, encoding, text)
-            reply_start = self._reply_start(conversation, prompt)
-            if declared:
-                round_start = self._round_start(conversation, prompt, messages, think_open)
-        return RenderedPrompt(token_ids=ids, num_media=len(media), messages=messages, system_end=system_end,
-                              reply_start=reply_start, round_start=round_start, think_open=think_open)
+            boundaries = Boundaries(system, self._reply_start(conversation, prompt),
+                                    self._round_start(conversation, prompt, messages, think_open) if declared else 0)
+        return RenderedPrompt(token_ids=ids, num_media=len(media), messages=messages, boundaries=boundaries,
+                              think_open=think_open)
 
     def _render_conversation(self, conversation: _Conversation, then: Sequence[dict[str, Any]] = ()) -> str:
         """The conversation (and the messages `then`) through the checkpoint's template: with the
@@ -323,6 +330,17 @@ class PromptRenderer:
         tail = self._backend.encode_batch([history[start:shared + self.boundary_chars]],
                                           add_special_tokens=False)[0].ids
         return anchor + common_prefix(prompt.ids[anchor:n], tail)
+
+    def _system_ends(self, system: dict[str, Any], partial: list[str], conversation: _Conversation,
+                     ids: list[int]) -> list[int]:
+        """Where the system prompt ends in `ids`, and before that where each of its `partial` forms
+        (`normalize.system_prefixes`: the client sent several system texts; the first
+        `system_parts` of them) would: ascending. An agent's own instructions come before its
+        session's environment, which a new session of the agent does not share."""
+        ends = [self._system_end(dict(system, content=text), conversation.tools, conversation.kwargs, ids)
+                for text in partial[:self.system_parts]]
+        whole = self._system_end(system, conversation.tools, conversation.kwargs, ids)
+        return sorted({e for e in ends if 0 < e < whole} | ({whole} if whole else set()))
 
     def _system_end(self, system: dict[str, Any], tools: Any, kwargs: dict[str, Any], ids: list[int]) -> int:
         """Where the system prompt's tokens end, whatever the template puts around it: the system

@@ -13,6 +13,7 @@ import msgspec
 from mlx_relay.cache.prefix_index import IndexStats
 from mlx_relay.cache.prefix_keys import MediaSpan
 from mlx_relay.cache.snapshot_files import RejectReason, SnapshotIdentity
+from mlx_relay.messages.prompt import Boundaries
 
 
 class PrefixPlan(msgspec.Struct, frozen=True):
@@ -30,11 +31,7 @@ class Lookup(msgspec.Struct, frozen=True):
     request_id: str
     tokens: list[int]
     media: list[MediaSpan] = []
-    system_end: int = 0  # where the normalized system prompt ends in `tokens` (0: none)
-    reply_start: int = 0  # how much of `tokens` the conversation's next (user) turn will repeat
-    # how much of `tokens` the agent's next tool round will repeat (all of them: the reply too, where
-    # it comes back as generated); 0: no tools declared
-    round_start: int = 0
+    boundaries: Boundaries = Boundaries()  # where the next requests stop repeating `tokens`
     multi_turn: bool = False  # the conversation already has an assistant (or tool) message
     has_tools: bool = False  # the request declares tools (an agent)
 

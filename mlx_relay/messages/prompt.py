@@ -14,6 +14,39 @@ from mlx_relay.chat.types import ChatMessage, ToolDef
 from mlx_relay.media.tensors import VisionInputs
 
 
+class Boundaries(msgspec.Struct, frozen=True):
+    """Where the next requests stop repeating a prompt, in its tokens: the prefix cache snapshots
+    there (`actors/prefix_cache_store.py`). Rendered once (`chat.prompt_render`), moved past a media
+    expansion (`moved`), carried whole to the store."""
+
+    # where the system prompt's parts end, ascending, the last where the whole (normalized, hoisted,
+    # merged) system prompt ends: the prefix every turn of an agent's conversation shares, and the
+    # parts before a later one a new conversation may share (an agent's own instructions and tools
+    # before its session's environment); [] with no system prompt before other messages
+    system: list[int] = []
+    # how many leading tokens the next turn's prompt repeats (this prompt and its reply rendered as
+    # history): the conversation's state there is what turn N+1 restores
+    reply_start: int = 0
+    # with tools declared, how many leading tokens the agent's next tool round repeats (this prompt,
+    # a reply calling a tool and its result rendered as history; all of them when the template
+    # renders the reply after the prompt, which it may then repeat as generated): what the loop's
+    # next request restores (0: no tools)
+    round_start: int = 0
+
+    @property
+    def system_end(self) -> int:
+        return self.system[-1] if self.system else 0
+
+    def moved(self, first_media: int | None, grown: int) -> Boundaries:
+        """After a media expansion that grew the prompt by `grown` tokens, its first item expanded at
+        token `first_media` (None: none): the system prompt's ends hold where no item precedes them;
+        the reply's start (and the next tool round's) follows every message, so every expanded item
+        precedes it and it moves by the whole expansion."""
+        system = [s for s in self.system if first_media is None or s <= first_media]
+        return Boundaries(system, self.reply_start + grown if self.reply_start else 0,
+                          self.round_start + grown if self.round_start else 0)
+
+
 class Render(msgspec.Struct, frozen=True):
     """Normalize, apply the chat template, tokenize (and route media). Reply: Prompt."""
 
@@ -35,17 +68,7 @@ class RenderedPrompt(msgspec.Struct, frozen=True):
     token_ids: list[int]
     num_media: int
     messages: list[ChatMessage]  # normalized: the MediaRouter reads the media parts from these
-    # where the (normalized, hoisted, merged) system prompt ends in `token_ids`: the prefix every
-    # turn of an agent's conversation shares (0: no system prompt before other messages)
-    system_end: int = 0
-    # how many leading tokens the next turn's prompt repeats (this prompt and its reply rendered
-    # as history): the conversation's state there is what turn N+1 restores
-    reply_start: int = 0
-    # with tools declared, how many leading tokens the agent's next tool round repeats (this
-    # prompt, a reply calling a tool and its result rendered as history; all of them when the
-    # template renders the reply after the prompt, which it may then repeat as generated): what the
-    # loop's next request restores (0: no tools)
-    round_start: int = 0
+    boundaries: Boundaries = Boundaries()
     # the prompt ends inside an open thinking block (the template opened `<think>`): the reply
     # starts with reasoning
     think_open: bool = False
@@ -62,23 +85,19 @@ class Route(msgspec.Struct, frozen=True):
 
     messages: list[ChatMessage]
     prompt_tokens: list[int]
-    system_end: int = 0  # the rendered prompt's boundaries, moved by the expansion in the reply
-    reply_start: int = 0
-    round_start: int = 0
+    boundaries: Boundaries = Boundaries()  # the rendered prompt's, moved by the expansion in the reply
 
 
 class Routed(msgspec.Struct, frozen=True):
     """`text`: `prompt_tokens` unchanged, `vision` None. `vision`: placeholders expanded, pixels
-    ready, the prompt's boundaries moved past the expansion (`system_end` 0 when media precede
-    it) and `media` the expanded items' spans keyed by content (None when they cannot be keyed)."""
+    ready, the prompt's boundaries moved past the expansion (`Boundaries.moved`) and `media` the
+    expanded items' spans keyed by content (None when they cannot be keyed)."""
 
     path: Literal["text", "vision"]
     prompt_tokens: list[int]
     vision: VisionInputs | None = None
-    system_end: int = 0
-    reply_start: int = 0
+    boundaries: Boundaries = Boundaries()
     media: list[MediaSpan] | None = []
-    round_start: int = 0
 
 
 class Prompt(msgspec.Struct, frozen=True):
@@ -88,9 +107,7 @@ class Prompt(msgspec.Struct, frozen=True):
     token_ids: list[int]
     vision: VisionInputs | None = None  # the vision path (None: text)
     media: list[MediaSpan] | None = []  # None: media that cannot be keyed (no prefix reuse)
-    system_end: int = 0
-    reply_start: int = 0
-    round_start: int = 0
+    boundaries: Boundaries = Boundaries()
     multi_turn: bool = False  # the conversation already has an assistant (or tool) message
     think_open: bool = False
     grammar: str | None = None
