@@ -29,24 +29,25 @@ def _decoding(lm: Any) -> tuple[Any, Any]:
     return state, mx.concatenate([first, second])
 
 
-def _chunk(lm: Any, ragged: bool) -> Any:
+def chunk_of(lm: Any, ragged: bool) -> Any:
     """A chunk of 24 positions: one row 40 tokens into its prompt, and (ragged) a second row from
-    scratch taking 9 (right-padded), its caches prepared as the plain lane's prefill does."""
+    scratch taking 9 (right-padded), its caches (the family's) prepared as the plain lane's prefill
+    does (any family: `tests/test_qwen3_family.py` takes it too)."""
     import mlx.core as mx
 
+    from mlx_relay.engine.lanes.stage_forward import ModelForward
     from mlx_relay.engine.memory.batch_caches import as_batch_caches, extend_caches
-    from mlx_relay.engine.models import Chunk
+    from mlx_relay.engine.models import Chunk, family_of
     from mlx_relay.engine.models.prefill_options import PrefillOptions
 
+    family = family_of(lm)
     prompt = [(13 * i + 5) % 400 + 10 for i in range(64)]
-    row = lm.make_cache()
-    from mlx_relay.engine.lanes.stage_forward import ModelForward
-
+    row = family.make_caches(lm)
     ModelForward(lm, PrefillOptions()).prefill(mx.array([prompt[:40]]), None, row, _positions(0, 40))
     caches = as_batch_caches(row)
     ids, positions = mx.array([prompt[40:64]]), _positions(40, 64)
     if ragged:
-        extend_caches(caches, as_batch_caches(lm.make_cache()))
+        extend_caches(caches, as_batch_caches(family.make_caches(lm)))
         for c in caches:
             c.prepare(lengths=[24, 9], right_padding=[0, 15])
         second = [(7 * i + 3) % 400 + 10 for i in range(9)]
@@ -72,7 +73,7 @@ def test_a_mixed_forward_is_each_forward_alone(gpu: Callable, request: pytest.Fi
         step = DecodeStep(lm, compiled=False)
         options = PrefillOptions()
         # alone: the chunk's forward, then the rows' decode step
-        chunk, (state, tokens) = _chunk(lm, ragged), _decoding(lm)
+        chunk, (state, tokens) = chunk_of(lm, ragged), _decoding(lm)
         hidden_ref = prefill_forward(lm, chunk.ids, None, chunk.caches, chunk.positions, options)
         logits_ref = step(tokens, state)
         if ragged:
@@ -81,7 +82,7 @@ def test_a_mixed_forward_is_each_forward_alone(gpu: Callable, request: pytest.Fi
         refs = (hidden_ref, logits_ref, _states(chunk.caches), state.arrays())
         mx.eval(refs)
         # together
-        chunk, (state, tokens) = _chunk(lm, ragged), _decoding(lm)
+        chunk, (state, tokens) = chunk_of(lm, ragged), _decoding(lm)
         hidden, logits = step.beside(chunk, tokens, state, options)
         if ragged:
             for c in chunk.caches:

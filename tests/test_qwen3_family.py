@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from mlx_relay.testing.family_fixtures import family_fixture_path
+from tests.test_mixed_forward import chunk_of
 
 TOL = 2e-5
 STEPS = 24
@@ -311,26 +312,6 @@ def test_a_mixed_forward_is_each_forward_alone(gpu: Callable, lm: Any, ragged: b
     taking 9, right-padded) beside two decoding rows (left-padded): the chunk's hidden states and
     caches those of `prefill_forward`, the rows' logits and buffers those of the decode step."""
 
-    def chunk() -> Any:
-        import mlx.core as mx
-
-        from mlx_relay.engine.memory.batch_caches import as_batch_caches, extend_caches
-        from mlx_relay.engine.models import Chunk
-
-        prompt = [(13 * i + 5) % 400 + 10 for i in range(64)]
-        row, _ = _prefill(lm, prompt[:40])
-        caches = as_batch_caches(row)
-        ids, positions = mx.array([prompt[40:64]]), _positions(40, 64)
-        if ragged:
-            extend_caches(caches, as_batch_caches(_family(lm).make_caches(lm)))
-            for c in caches:
-                c.prepare(lengths=[24, 9], right_padding=[0, 15])
-            second = [(7 * i + 3) % 400 + 10 for i in range(9)]
-            ids = mx.array([prompt[40:64], second + [0] * 15])
-            positions = mx.concatenate([positions, _positions(0, 24)], axis=1)
-        mx.eval([c.state for c in caches])
-        return Chunk(ids, None, caches, positions)
-
     def decoding() -> tuple[Any, Any]:
         import mlx.core as mx
 
@@ -349,7 +330,7 @@ def test_a_mixed_forward_is_each_forward_alone(gpu: Callable, lm: Any, ragged: b
         from mlx_relay.engine.models.prefill_options import PrefillOptions
 
         step, options = DecodeStep(lm, compiled=False), PrefillOptions()
-        c, (state, tokens) = chunk(), decoding()
+        c, (state, tokens) = chunk_of(lm, ragged), decoding()
         hidden_ref = _family(lm).prefill_forward(lm, c.ids, None, c.caches, c.positions, options)
         logits_ref = step(tokens, state)
         if ragged:
@@ -357,7 +338,7 @@ def test_a_mixed_forward_is_each_forward_alone(gpu: Callable, lm: Any, ragged: b
                 cache.finalize()
         caches_ref, kv_ref = states(c.caches), [x for pair in state.kv for x in pair]
         mx.eval(hidden_ref, logits_ref, caches_ref, kv_ref)
-        c, (state, tokens) = chunk(), decoding()
+        c, (state, tokens) = chunk_of(lm, ragged), decoding()
         hidden, logits = step.beside(c, tokens, state, options)
         if ragged:
             for cache in c.caches:
