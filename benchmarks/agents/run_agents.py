@@ -140,6 +140,9 @@ def run_agent(agent: Agent, task: Task, recorder: Recorder, results: Path, fixtu
             stdout = (exc.stdout or b"").decode(errors="replace")
             stderr = (exc.stderr or b"").decode(errors="replace") + f"\n[harness] timed out after {timeout:.0f} s\n"
         elapsed = time.monotonic() - started
+        # what the agent left running in its sandbox (Cline's hub daemon outlives its turn): stopped,
+        # so no agent's leftovers share the machine with the next one's turn
+        subprocess.run(["pkill", "-f", tmp], check=False)
         time.sleep(1)  # the proxy writes an exchange when its body has gone through
         (out / "stdout.txt").write_text(_capped(stdout))
         (out / "stderr.txt").write_text(_capped(stderr))
