@@ -118,7 +118,7 @@ def explicit_forward(lm: Any, ids: mx.array, done: mx.array, chunk: State, token
     through every shared part, each mixer split by part, every cache explicit."""
     model = lm.model
     h_chunk, h_rows = model.embed_tokens(ids), model.embed_tokens(tokens[:, None])
-    split = Split((1, ids.shape[1]), (h_rows.shape[0], 1))
+    split = Split.of(h_chunk, h_rows)
     capacity = chunk[0][0][0].shape[2]
     at = {"chunk": chunk_positions(done, ids.shape[1], capacity), "rows": rows_at}
     periods = rope_periods(model.layers)
