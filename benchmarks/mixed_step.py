@@ -13,7 +13,8 @@ slice, `--steps` steps each way, alternating the modes step by step, every step 
 synchronized (the prompt's caches grow by the slice each step, so the context is reported):
 - `decode`: the decode step alone;
 - `two`: the decode step, then the chunk's forward (the lane with `--no-mixed-steps`);
-- `mixed`: one forward for both (the default).
+- `mixed`: one forward for both (the default);
+- `chunk` (for `gpu/kernel_profile.py`, not in the table): the chunk's forward alone.
 Reports, per slice and mode, the step's median and p90 (ms), its ratio to the decode step alone
 (what a decoding stream's ITL becomes) and the prompt's rate beside the rows (tokens a second of
 steps); with `--alone-chunk N` also a lone N-token chunk's rate (the prompt's rate alone: the TTFT
@@ -70,6 +71,10 @@ class Bench:
         if mode == "mixed":
             hidden, logits = self.step.beside(self.chunk(n), self.tokens, self.state, self.forward.options)
             out = [hidden[:, -1:], logits]
+        elif mode == "chunk":  # the chunk's forward alone (no rows decoding)
+            chunk = self.chunk(n)
+            logits = None
+            out = [self.forward.prefill(chunk.ids, None, chunk.caches, chunk.positions)[:, -1:]]
         else:
             logits = self.step(self.tokens, self.state)
             out = [logits]
@@ -77,7 +82,8 @@ class Bench:
                 mx.async_eval(logits)
                 chunk = self.chunk(n)
                 out.append(self.forward.prefill(chunk.ids, None, chunk.caches, chunk.positions)[:, -1:])
-        self.tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        if logits is not None:
+            self.tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
         mx.eval(out, self.tokens, self.state.arrays(), [c.state for c in self.caches])
         mx.synchronize()
         return (time.perf_counter() - t0) * 1000

@@ -50,6 +50,9 @@
 #            (16384) tokens in, for each of EXPLICIT_SLICES (16,64,256,512): the compiled decode step alone, the
 #            engine's mixed step, and the mixed step with the chunk's caches explicit too, eager and as one
 #            compiled function (the next lever's ceiling). Results: mixed_explicit.{json,txt}
+#   profile  (issue 43.3) gpu/kernel_profile.py: per kernel, the device time of the decode step (MIXED_ROWS rows, one
+#            row), a chunk alone and the mixed step at PROFILE_SLICES (64,256,512), a prompt MIXED_CONTEXT in
+#            (CUPTI through the machine's torch.profiler): busy against wall, the top kernels. kernel_profile.{json,txt}
 #   sbl      (issue 43.3) device_short_behind_long.sh run inside this job (its knobs: BUDGETS, FACTORS,
 #            OURS_FLAGS, STREAMS, LONG_TOKENS, WINDOW), so it follows the jobs before it on the same
 #            machine. Results: short_behind_long.tgz, sbl.txt
@@ -196,6 +199,10 @@ overlap)
       --steps "${STEPS:-40}" --every "${OVERLAP_EVERY:-1,2,4}" --out $O/prefill_overlap_$c.json > $O/prefill_overlap_$c.txt 2>&1
     say "overlap $c (rc $?): $(grep -h -E "^(decode|shared|two|layered)" $O/prefill_overlap_$c.txt | cut -c1-300 | tr '\n' ';')"
   done ;;
+profile)
+  python3 benchmarks/gpu/kernel_profile.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
+    --slices "${PROFILE_SLICES:-64,256,512}" --steps "${PROFILE_STEPS:-4}" --out $O/kernel_profile.json > $O/kernel_profile.txt 2>&1
+  say "profile (rc $?): $(grep -h '^== ' $O/kernel_profile.txt | cut -c1-160 | tr '\n' ';')" ;;
 explicit)
   python3 benchmarks/mixed_explicit.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
     --slices "${EXPLICIT_SLICES:-16,64,256,512}" --steps "${STEPS:-8}" --out $O/mixed_explicit.json > $O/mixed_explicit.txt 2>&1

@@ -1,0 +1,128 @@
+"""Where a step's device time goes, kernel by kernel (issue 43.3; issue 45.2's lane step too), on a GPU:
+
+    python benchmarks/gpu/kernel_profile.py MODEL [--rows 8] [--context 16384] [--slices 64,256,512]
+        [--steps 4] [--top 25] [--out kernel_profile.json]
+
+One process (`benchmarks/mixed_step.py`'s `Bench`): per case, a step's shape warmed once, then
+`--steps` steps recorded by CUPTI through `torch.profiler` (the machine's torch; CUPTI's activity
+records cover every kernel of the process's CUDA context, MLX's included). Cases: `decode` (the
+compiled decode step of `--rows` rows, and of one row: `decode b1`), `chunk N` (an N-token prefill
+chunk alone) and `mixed N` (the rows riding in the chunk's forward: the plain lane's step).
+
+Per case it prints the step's wall time, the sum of its kernels' device time (`busy`), their count
+and the gaps (wall - busy: the device idle, waiting for the host or for launches), then the `--top`
+kernels by device time (name, launches a step, microseconds a step, share). What it decides: a step
+whose busy time is near its wall time is bound by its kernels (make them faster, fewer); one with
+wide gaps by the host or by launches (compile it, capture it, move the work off the host).
+
+Off a GPU (or with no torch) it says so and exits 0: nothing to record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_prefill import card, commit
+from mixed_step import Bench
+
+from mlx_relay.engine.models.loader import load_model
+
+
+def profiler() -> Any | None:
+    """torch.profiler recording CUDA activity, or None where there is no torch or no CUDA GPU."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()  # the primary context MLX uses too
+    return profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+
+
+def kernels(prof: Any) -> list[tuple[str, float]]:
+    """(name, device microseconds) of every kernel the profiler recorded (its Chrome trace's
+    `kernel` events: launches of any library, with or without a torch op around them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [(e["name"], float(e.get("dur", 0))) for e in events if e.get("cat") == "kernel"]
+
+
+def short(name: str) -> str:
+    return name if len(name) <= 90 else name[:87] + "..."
+
+
+def record(bench: Bench, mode: str, n: int, steps: int, top: int) -> dict[str, Any]:
+    bench.run(mode, n)  # the shape's first step: compiles, plans
+    prof = profiler()
+    assert prof is not None
+    walls = []
+    with prof:
+        for _ in range(steps):
+            walls.append(bench.run(mode, n))
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for name, us in kernels(prof):
+        by_name[name].append(us)
+    busy = sum(sum(v) for v in by_name.values()) / steps / 1000
+    launches = sum(len(v) for v in by_name.values()) / steps
+    wall = statistics.median(walls)
+    rows = sorted(((short(k), len(v) / steps, sum(v) / steps) for k, v in by_name.items()),
+                  key=lambda r: -r[2])
+    return {"mode": mode, "tokens": n, "wall_ms": wall, "walls_ms": walls, "busy_ms": busy,
+            "launches": launches, "top": [{"kernel": k, "launches": c, "us": us} for k, c, us in rows[:top]]}
+
+
+def show(case: dict[str, Any]) -> None:
+    label = case["label"]
+    print(f"\n== {label}: wall {case['wall_ms']:.1f} ms, kernels busy {case['busy_ms']:.1f} ms "
+          f"({case['busy_ms'] / case['wall_ms']:.0%}), {case['launches']:.0f} launches, "
+          f"gaps {case['wall_ms'] - case['busy_ms']:.1f} ms", flush=True)
+    for row in case["top"]:
+        share = row["us"] / 10 / case["busy_ms"]
+        print(f"  {row['us']:9.0f} us {row['launches']:6.0f}x  {share:5.1f}%  {row['kernel']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--slices", default="64,256,512")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if profiler() is None:
+        print("kernel_profile: no torch with a CUDA GPU here; nothing to record")
+        return
+    t0 = time.perf_counter()
+    lm = load_model(Path(args.model)).model.language_model
+    bench, lone = Bench(lm, args.rows, args.context, 0), Bench(lm, 1, 64, 1)
+    cases = [dict(record(bench, "decode", 1, args.steps, args.top), label=f"decode b{bench.rows}"),
+             dict(record(lone, "decode", 1, args.steps, args.top), label="decode b1")]
+    for n in (int(s) for s in args.slices.split(",")):
+        cases.append(dict(record(bench, "chunk", n, args.steps, args.top), label=f"chunk {n}"))
+        cases.append(dict(record(bench, "mixed", n, args.steps, args.top), label=f"mixed {n} b{bench.rows}"))
+    for case in cases:
+        show(case)
+    print(f"\n({time.perf_counter() - t0:.0f} s in all)")
+    if args.out:
+        args.out.write_text(json.dumps({"commit": commit(), "card": card()[0], "rows": bench.rows,
+                                        "context": args.context, "cases": cases}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
