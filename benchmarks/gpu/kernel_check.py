@@ -22,7 +22,8 @@ random inputs at Qwen3.5-35B-A3B's shape, bf16 as the model runs. Exits non-zero
   and the library's 8-bit `SwitchGLU`, each against a float32 truth (`experts_truth.py`), at 256
   and 2,048 tokens of the 35B-A3B shape; the grouped kernel (`grouped_qmm`) alone and its fallback
   (dequantized weights, CUTLASS's grouped GEMM) against the truth, experts routed evenly and
-  skewed, and for a few rows. (Against the truth, not each other: on 2026-11-28 the fallback given
+  skewed, and for a few rows (those by `grouped_qmv`'s kernel, few rows an expert). (Against
+  the truth, not each other: on 2026-11-28 the fallback given
   expanded rows was the wrong one, benchmarks/results/prefill-h200-2026-11-28/.)
 """
 
@@ -186,7 +187,9 @@ def check_grouped_qmm(T: int, skewed: bool) -> dict[str, Any]:
     n = T * k
     experts = (mx.random.randint(0, 3, (n,)) if skewed else mx.random.randint(0, E, (n,))).astype(mx.uint32)
     experts = mx.sort(experts)
-    result: dict[str, Any] = {"T": T, "skewed": skewed}
+    from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import FEW_ROWS_AN_EXPERT
+
+    result: dict[str, Any] = {"T": T, "skewed": skewed, "kernel": "qmv" if n <= FEW_ROWS_AN_EXPERT * E else "qmm"}
     ok = True
     for name, proj, K in (("up", switch.up_proj, H), ("down", switch.down_proj, F)):
         rows = mx.random.normal((n, 1, K)).astype(mx.bfloat16)
@@ -259,7 +262,9 @@ def main() -> None:
     for T in (256, 2048):
         for kernel in (False, True):
             record("grouped_experts", check_grouped_experts, T, kernel)
-    for T, skewed in ((2048, False), (2048, True), (256, False), (37, False)):
+    # 2,048 tokens: the tensor-core kernel; 512 and fewer: grouped_qmv's (few rows an expert; skewed:
+    # a few experts with hundreds of rows, a pass per 8)
+    for T, skewed in ((2048, False), (2048, True), (512, False), (256, False), (256, True), (37, False), (1, False)):
         record("grouped_qmm", check_grouped_qmm, T, skewed)
     ok = all(c["ok"] for group in checks.values() for c in group)
     print("kernel check: " + ("PASS" if ok else "FAIL"))

@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import cuda_grouped_qmv
 
 TILE_ROWS = 64
 TILE_COLS = 64
@@ -140,10 +141,17 @@ def kernel_fits(rows: mx.array, proj: Any) -> bool:
             and proj["scales"].dtype == rows.dtype)
 
 
+#: rows an expert (on average) up to which `grouped_qmv`'s CUDA-core kernel runs a projection
+#: (few rows: a chunk of up to ~500 tokens routed over 256 experts); above it this tensor-core one
+FEW_ROWS_AN_EXPERT = 16
+
+
 def grouped_qmm(rows: mx.array, proj: Any, experts: mx.array, *, kernel: bool = True) -> mx.array:
     """See the module docstring: `rows` [R, 1, K], `experts` [R] (sorted) -> [R, 1, N]; `kernel`
-    off: the fallback everywhere."""
+    off: the fallback everywhere. Few rows an expert run `grouped_qmv`'s kernel."""
     if kernel and cuda_kernels_available() and kernel_fits(rows, proj):
+        if rows.shape[0] <= FEW_ROWS_AN_EXPERT * proj["weight"].shape[0]:
+            return cuda_grouped_qmv(rows, proj, experts)
         return cuda_grouped_qmm(rows, proj, experts)
     return fallback(rows, proj, experts)
 

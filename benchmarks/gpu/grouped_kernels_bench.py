@@ -1,0 +1,94 @@
+"""One routed projection of the 35B-A3B shape's experts (8-bit, 256 experts), each path side by side,
+per count of (token, expert) pairs (issue 43.3: which path runs a mixed step's or a chunk's experts):
+
+    python benchmarks/gpu/grouped_kernels_bench.py [--routes 64,576,2112,4160,8256,16384] [--repeats 20]
+        [--out grouped_kernels.json]
+
+Paths, each over the same sorted pairs (random experts), the up projection's shape (N 512, K 2,048)
+and the down projection's (N 2,048, K 512): `qmv` (`grouped_qmv`'s CUDA-core kernel), `qmm`
+(`grouped_qmm`'s tensor-core kernel), `dequantize` (every expert dequantized, MLX's sorted
+`gather_mm`) and `library` (MLX's `gather_qmm` over the sorted pairs, what mlx-vlm's `SwitchGLU`
+calls). Each timed alone: `--repeats` calls queued, then one synchronize (the median of 3 such runs,
+a call's microseconds). The weights' bytes over the time give the bandwidth each reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from experts_truth import quantized_switch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_prefill import card, commit
+
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import cuda_grouped_qmm, fallback
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import cuda_grouped_qmv
+
+
+def library(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
+    return mx.gather_qmm(rows, proj["weight"], proj["scales"], proj.get("biases"), rhs_indices=experts,
+                         transpose=True, group_size=proj.group_size, bits=proj.bits, mode=proj.mode,
+                         sorted_indices=True)
+
+
+PATHS = {"qmv": cuda_grouped_qmv, "qmm": cuda_grouped_qmm, "dequantize": fallback, "library": library}
+
+
+def time_us(fn: Any, repeats: int) -> float:
+    mx.eval(fn())  # compiles, plans
+    mx.synchronize()
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        mx.eval([fn() for _ in range(repeats)])
+        mx.synchronize()
+        runs.append((time.perf_counter() - t0) / repeats * 1e6)
+    return statistics.median(runs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--routes", default="64,576,2112,4160,8256,16384")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    mx.random.seed(0)
+    switch = quantized_switch()
+    E = switch.up_proj["weight"].shape[0]
+    results = []
+    print(f"{'routes':>7} {'proj':>5} " + " ".join(f"{p:>11}" for p in PATHS) + "   (us a call; GB/s of qmv)")
+    for routes in (int(r) for r in args.routes.split(",")):
+        experts = mx.sort(mx.random.randint(0, E, (routes,)).astype(mx.uint32))
+        for name, proj in (("up", switch.up_proj), ("down", switch.down_proj)):
+            K = proj["weight"].shape[2] * 4
+            rows = mx.random.normal((routes, 1, K)).astype(mx.bfloat16)
+            mx.eval(rows, experts)
+            us = {}
+            for path, fn in PATHS.items():
+                try:
+                    us[path] = time_us(partial(fn, rows, proj, experts), args.repeats)
+                except Exception as exc:  # a path that fails to run is reported, the others still run
+                    us[path] = float("nan")
+                    print(f"  {path} failed: {exc!r}"[:300])
+            touched = len(set(experts.tolist()))
+            gb = touched * proj["weight"].shape[1] * K * (1 + 4 / 64) / 1e9  # bytes + scales/biases
+            results.append({"routes": routes, "proj": name, "experts_touched": touched, "us": us,
+                            "weight_gb": gb})
+            print(f"{routes:7d} {name:>5} " + " ".join(f"{us[p]:11.1f}" for p in PATHS)
+                  + f"   {gb / (us['qmv'] * 1e-6):7.0f}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"commit": commit(), "card": card()[0], "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
