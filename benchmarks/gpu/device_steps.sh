@@ -51,7 +51,8 @@
 #            engine's mixed step, and the mixed step with the chunk's caches explicit too, eager and as one
 #            compiled function (the next lever's ceiling). Results: mixed_explicit.{json,txt}
 #   grouped  (issue 43.3) gpu/grouped_kernels_bench.py: one expert projection (up, down) at GROUPED_ROUTES pairs,
-#            grouped_qmv's kernel, grouped_qmm's, dequantized + gather_mm, MLX's gather_qmm. grouped_kernels.*
+#            grouped_qmv's kernel, grouped_qmm's, dequantized + gather_mm, MLX's gather_qmm (QMV_SHAPES: grouped_qmv split
+#            other ways, e.g. "8,32,4,2 4,32,8,4"). grouped_kernels.*
 #   profile  (issue 43.3) gpu/kernel_profile.py: per kernel, the device time of the decode step (MIXED_ROWS rows, one
 #            row), a chunk alone and the mixed step at PROFILE_SLICES (64,256,512), a prompt MIXED_CONTEXT in
 #            (CUPTI through the machine's torch.profiler): busy against wall, the top kernels. kernel_profile.{json,txt}
@@ -203,7 +204,7 @@ overlap)
   done ;;
 grouped)
   python3 benchmarks/gpu/grouped_kernels_bench.py --routes "${GROUPED_ROUTES:-64,576,2112,4160,8256,16384}" \
-    --out $O/grouped_kernels.json > $O/grouped_kernels.txt 2>&1
+    --qmv-shapes "${QMV_SHAPES:-}" --out $O/grouped_kernels.json > $O/grouped_kernels.txt 2>&1
   say "grouped (rc $?): $(tail -n 12 $O/grouped_kernels.txt | tr -s ' ' | tr '\n' ';')" ;;
 profile)
   python3 benchmarks/gpu/kernel_profile.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \

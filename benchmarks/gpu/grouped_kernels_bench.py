@@ -9,7 +9,9 @@ and the down projection's (N 2,048, K 512): `qmv` (`grouped_qmv`'s CUDA-core ker
 (`grouped_qmm`'s tensor-core kernel), `dequantize` (every expert dequantized, MLX's sorted
 `gather_mm`) and `library` (MLX's `gather_qmm` over the sorted pairs, what mlx-vlm's `SwitchGLU`
 calls). Each timed alone: `--repeats` calls queued, then one synchronize (the median of 3 such runs,
-a call's microseconds). The weights' bytes over the time give the bandwidth each reaches.
+a call's microseconds). The weights' bytes over the time give the bandwidth each reaches. Then
+(`--dense`) a dense projection over few rows (the decode step's at that batch): MLX's
+`quantized_matmul` against the qmv kernel given the weights as a single expert.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_prefill import card, commit
 
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import cuda_grouped_qmm, fallback
-from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import cuda_grouped_qmv
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import Shape, cuda_grouped_qmv
 
 
 def library(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
@@ -60,13 +62,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--routes", default="64,576,2112,4160,8256,16384")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--qmv-shapes", default="", help="also grouped_qmv's kernel split other ways: "
+                    "'rows,cols,warps,cols_a_warp' each, space-separated (its `Shape`)")
+    ap.add_argument("--dense", default="1,4,8,16,32", help="also dense projections over these row counts ('' none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     mx.random.seed(0)
     switch = quantized_switch()
+    paths = dict(PATHS)
+    for spec in args.qmv_shapes.split():
+        shape = Shape(*(int(v) for v in spec.split(",")))
+        paths[f"qmv{spec}"] = partial(cuda_grouped_qmv, shape=shape)
     E = switch.up_proj["weight"].shape[0]
     results = []
-    print(f"{'routes':>7} {'proj':>5} " + " ".join(f"{p:>11}" for p in PATHS) + "   (us a call; GB/s of qmv)")
+    print(f"{'routes':>7} {'proj':>5} " + " ".join(f"{p:>11}" for p in paths) + "   (us a call; GB/s of qmv)")
     for routes in (int(r) for r in args.routes.split(",")):
         experts = mx.sort(mx.random.randint(0, E, (routes,)).astype(mx.uint32))
         for name, proj in (("up", switch.up_proj), ("down", switch.down_proj)):
@@ -74,7 +83,7 @@ def main() -> None:
             rows = mx.random.normal((routes, 1, K)).astype(mx.bfloat16)
             mx.eval(rows, experts)
             us = {}
-            for path, fn in PATHS.items():
+            for path, fn in paths.items():
                 try:
                     us[path] = time_us(partial(fn, rows, proj, experts), args.repeats)
                 except Exception as exc:  # a path that fails to run is reported, the others still run
@@ -84,10 +93,41 @@ def main() -> None:
             gb = touched * proj["weight"].shape[1] * K * (1 + 4 / 64) / 1e9  # bytes + scales/biases
             results.append({"routes": routes, "proj": name, "experts_touched": touched, "us": us,
                             "weight_gb": gb})
-            print(f"{routes:7d} {name:>5} " + " ".join(f"{us[p]:11.1f}" for p in PATHS)
+            print(f"{routes:7d} {name:>5} " + " ".join(f"{us[p]:11.1f}" for p in paths)
                   + f"   {gb / (us['qmv'] * 1e-6):7.0f}", flush=True)
+    dense = dense_rows(args, {k: v for k, v in paths.items() if k.startswith("qmv")}) if args.dense else []
     if args.out:
-        args.out.write_text(json.dumps({"commit": commit(), "card": card()[0], "results": results}, indent=1))
+        args.out.write_text(json.dumps({"commit": commit(), "card": card()[0], "results": results, "dense": dense},
+                                       indent=1))
+
+
+def dense_rows(args: argparse.Namespace, qmv_paths: dict[str, Any]) -> list[dict[str, Any]]:
+    """A dense 8-bit projection over M rows (the decode step's, at batch M): MLX's `quantized_matmul`
+    against the qmv kernel with the weights as one expert (every row routed to it)."""
+    import mlx.nn as nn
+
+    out = []
+    print(f"\n{'M':>4} {'N x K':>11} {'mlx':>9} " + " ".join(f"{p:>11}" for p in qmv_paths) + "   (us a call)")
+    for N, K in ((8192, 2048), (2048, 4096), (512, 2048)):
+        lin = nn.QuantizedLinear.from_linear(nn.Linear(K, N, bias=False), group_size=64, bits=8)
+        lin.update({"weight": lin.weight, "scales": lin.scales.astype(mx.bfloat16),
+                    "biases": lin.biases.astype(mx.bfloat16)})
+        proj = {"weight": lin.weight[None], "scales": lin.scales[None], "biases": lin.biases[None]}
+        for M in (int(m) for m in args.dense.split(",")):
+            x = mx.random.normal((M, 1, K)).astype(mx.bfloat16)
+            experts = mx.zeros((M,), dtype=mx.uint32)
+            mx.eval(x, proj, experts)
+            us = {"mlx": time_us(partial(lin, x), args.repeats)}
+            for path, fn in qmv_paths.items():
+                try:
+                    us[path] = time_us(partial(fn, x, proj, experts), args.repeats)
+                except Exception as exc:
+                    us[path] = float("nan")
+                    print(f"  {path} failed: {exc!r}"[:300])
+            out.append({"M": M, "N": N, "K": K, "us": us})
+            print(f"{M:4d} {f'{N}x{K}':>11} {us['mlx']:9.1f} " + " ".join(f"{us[p]:11.1f}" for p in qmv_paths),
+                  flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -31,25 +31,21 @@ import mlx.core as mx
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import grouped_qmm
 
-#: (token, expert) pairs from which the grouped path pays on a GPU with the experts dequantized:
-#: below it the library's per-pair quantized matmul reads less than one dequantization of every
-#: expert writes.
+#: (token, expert) pairs from which the grouped path pays on a GPU: below it the library's
+#: per-pair quantized matmul reads less than one dequantization of every expert writes, and no
+#: less than our kernels read in place (one projection of the 35B-A3B shape on an H200: 229 us
+#: the library's, 224 `grouped_qmv`'s at 576 pairs, 751 and 363 at 2,112, with the sort and gather
+#: around ours still to pay: benchmarks/results/kernel-profile-h200-2026-11-28/)
 GROUPED_MIN_ROUTES = 1024
-#: ... and with our kernels reading 8-bit weights in place (`grouped_qmm`, `grouped_qmv`): from
-#: the size at which the library's own call sorts its pairs (mlx-vlm's `SwitchGLU`: 64).
-KERNEL_MIN_ROUTES = 64
 
 
-def use_grouped(switch: Any, routes: int, kernel: bool = True) -> bool:
+def use_grouped(switch: Any, routes: int) -> bool:
     """Whether `switch`'s routed matmuls over `routes` pairs run grouped: on a CUDA GPU, for many
-    pairs (fewer where `kernel` is on and our kernels take the weights: 8-bit in groups of 64),
-    with projections the grouped path knows (no bias; quantized or float)."""
-    projections = (switch.gate_proj, switch.up_proj, switch.down_proj)
-    if not cuda_kernels_available() or not all("bias" not in m and m.get("weight") is not None for m in projections):
+    pairs, with projections the grouped path knows (no bias; quantized or float)."""
+    if not cuda_kernels_available() or routes < GROUPED_MIN_ROUTES:
         return False
-    in_place = kernel and all("scales" in m and getattr(m, "bits", 0) == 8 and getattr(m, "group_size", 0) == 64
-                              for m in projections)
-    return routes >= (KERNEL_MIN_ROUTES if in_place else GROUPED_MIN_ROUTES)
+    return all("bias" not in m and m.get("weight") is not None
+               for m in (switch.gate_proj, switch.up_proj, switch.down_proj))
 
 
 def expert_weights(m: Any) -> mx.array:

@@ -28,25 +28,24 @@ the kernel is for few rows an expert; `grouped_qmm` routes many to the tensor-co
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
 ROWS_A_PASS = 8  # RG: rows of one expert a pass (x in shared memory: RG x K 16-bit values)
 COLS_A_BLOCK = 64  # BN
 WARPS = 4
-THREADS = 32 * WARPS
 
 # Template constants: N, K, E; T the rows' (and output's) dtype. Inputs: x [R, 1, K] sorted by
 # expert, w [E, N, K / 4] uint32, scales and biases [E, N, K / 64] of T, row_off [E + 1] int32
 # (expert e's rows are row_off[e] .. row_off[e + 1]).
 _CUDA_SOURCE = """
   constexpr int RG = __RG__, BN = __BN__, WARPS = __WARPS__;
-  constexpr int CPW = 4;            // columns a warp computes at once
+  constexpr int CPW = __CPW__;      // columns a warp computes at once
   constexpr int SLICE = 16;         // weights a lane reads at once: 16 bytes, one group's
   constexpr int GROUPS = K / 64;
   constexpr int KW = K / 4;         // 32-bit words a weight row
-  static_assert(CPW * RG == 32, "a lane writes one (column, row) of a warp's four columns");
+  static_assert(BN % (WARPS * CPW) == 0, "whole column groups a warp");
   __shared__ __align__(16) T xs[RG * K];
 
   const int e = blockIdx.x;
@@ -120,16 +119,26 @@ _CUDA_SOURCE = """
           float v = acc[c][r];
           #pragma unroll
           for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-          if (lane == c * RG + r && r < rows) y[(size_t)(p + r) * N + n0 + c] = static_cast<T>(v);
+          if (lane == ((c * RG + r) & 31) && r < rows) y[(size_t)(p + r) * N + n0 + c] = static_cast<T>(v);
         }
     }
   }
 """
 
 
-def cuda_source() -> str:
-    return (_CUDA_SOURCE.replace("__RG__", str(ROWS_A_PASS)).replace("__BN__", str(COLS_A_BLOCK))
-            .replace("__WARPS__", str(WARPS)))
+class Shape(NamedTuple):
+    """How the kernel splits the work: rows a pass (x in shared memory: rows x K 16-bit values),
+    output columns a block, warps a block, columns a warp computes at once."""
+
+    rows: int = ROWS_A_PASS
+    cols: int = COLS_A_BLOCK
+    warps: int = WARPS
+    cols_a_warp: int = 4
+
+
+def cuda_source(shape: Shape = Shape()) -> str:
+    return (_CUDA_SOURCE.replace("__RG__", str(shape.rows)).replace("__BN__", str(shape.cols))
+            .replace("__WARPS__", str(shape.warps)).replace("__CPW__", str(shape.cols_a_warp)))
 
 
 def row_offsets(experts: mx.array, num_experts: int) -> mx.array:
@@ -139,16 +148,17 @@ def row_offsets(experts: mx.array, num_experts: int) -> mx.array:
     return mx.concatenate([mx.zeros((1,), dtype=mx.int32), mx.cumsum(counts)])
 
 
-def cuda_grouped_qmv(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
-    """The kernel (CUDA only; the shapes `grouped_qmm.kernel_fits` admits)."""
+def cuda_grouped_qmv(rows: mx.array, proj: Any, experts: mx.array, shape: Shape = Shape()) -> mx.array:
+    """The kernel (CUDA only; the shapes `grouped_qmm.kernel_fits` admits; `shape` other than the
+    default for `benchmarks/gpu/grouped_kernels_bench.py`'s sweep)."""
     E, N, _ = proj["weight"].shape
     R, _, K = rows.shape
     kernel = mx.fast.cuda_kernel(
-        name="relay_grouped_qmv8", input_names=["x", "w", "scales", "biases", "row_off"],
-        output_names=["y"], source=cuda_source())
+        name=f"relay_grouped_qmv8_{shape.rows}_{shape.cols}_{shape.warps}_{shape.cols_a_warp}",
+        input_names=["x", "w", "scales", "biases", "row_off"], output_names=["y"], source=cuda_source(shape))
     (y,) = kernel(
         inputs=[rows, proj["weight"], proj["scales"], proj["biases"], row_offsets(experts, E)],
         template=[("N", N), ("K", K), ("E", E), ("T", rows.dtype)],
-        grid=(E * THREADS, N // COLS_A_BLOCK, 1), threadgroup=(THREADS, 1, 1),
+        grid=(E * 32 * shape.warps, N // shape.cols, 1), threadgroup=(32 * shape.warps, 1, 1),
         output_shapes=[(R, 1, N)], output_dtypes=[rows.dtype])
     return y
