@@ -19,10 +19,8 @@ the expert at once:
   weights (a warp reads 512 contiguous bytes of a row), so a lane's 16 weights share one
   quantization group: sum_j (s q_j + b) x_j = s (sum_j q_j x_j) + b (sum_j x_j), the sum of x
   shared by the four columns;
-- a weight byte becomes a float by one byte permute and one add (2^23 + q, read as a float,
-  less 2^23: exact), not an int-to-float conversion (a quarter of the rate);
-- float32 sums, reduced across the warp's lanes at the end of K (butterfly shuffles, for the
-  pass's rows only); lane (c * RG + r) % 32 writes row r of column c.
+- float32 sums, reduced across the warp's lanes at the end of K (butterfly shuffles); lane
+  c * RG + r writes row r of column c.
 
 An expert with more than `RG` rows runs a pass per `RG` rows, reading its weights again (from L2):
 the kernel is for few rows an expert; `grouped_qmm` routes many to the tensor-core kernel.
@@ -82,13 +80,10 @@ _CUDA_SOURCE = """
         for (int c = 0; c < CPW; ++c) {
           const uint4 wv = *reinterpret_cast<const uint4*>(wexp + (size_t)(n0 + c) * KW + k / 4);
           const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
-          // byte j of a word as a float: 0x4B0000bb is 2^23 + b exactly (one byte permute, one add:
-          // full-rate ops where an int-to-float conversion runs at a quarter of the rate)
           #pragma unroll
           for (int i = 0; i < 4; ++i)
             #pragma unroll
-            for (int j = 0; j < 4; ++j)
-              q[c][4 * i + j] = __uint_as_float(__byte_perm(words[i], 0x4Bu, 0x4550u + j)) - 8388608.f;
+            for (int j = 0; j < 4; ++j) q[c][4 * i + j] = static_cast<float>((words[i] >> (8 * j)) & 0xffu);
           s[c] = static_cast<float>(sexp[(size_t)(n0 + c) * GROUPS + g]);
           b[c] = static_cast<float>(bexp[(size_t)(n0 + c) * GROUPS + g]);
         }
@@ -121,7 +116,6 @@ _CUDA_SOURCE = """
       for (int c = 0; c < CPW; ++c)
         #pragma unroll
         for (int r = 0; r < RG; ++r) {
-          if (r >= rows) break;  // the block's rows: the same for every lane
           float v = acc[c][r];
           #pragma unroll
           for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
