@@ -48,6 +48,7 @@ import httpx
 import pytest
 
 from mlx_relay.relay import default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer
 from tests.test_agent_sequences import (
@@ -154,7 +155,7 @@ def test_agent_request_replays(embedded: LiveServer, case: Path) -> None:
 
 
 def post_json(server: LiveServer, path: str, body: Json, headers: dict[str, str], what: str) -> Json:
-    r = httpx.post(server.url + path, json=body, headers=headers, timeout=TIMEOUT)
+    r = local_http.post(server.url + path, json=body, headers=headers, timeout=TIMEOUT)
     assert_ok(r, what)
     assert r.headers["content-type"].startswith("application/json"), r.headers["content-type"]
     return r.json()
@@ -178,7 +179,7 @@ def padded_past_the_context(fixture: Json) -> Json:
 def test_a_prompt_past_the_context_gets_the_refusal_agents_read(embedded: LiveServer, agent: str) -> None:
     fixture = json.loads(sorted((FIXTURES / agent).glob("*.json"))[0].read_text())
     body = padded_past_the_context(fixture)
-    r = httpx.post(embedded.url + fixture["path"], json=body, headers=headers_of(fixture), timeout=TIMEOUT)
+    r = local_http.post(embedded.url + fixture["path"], json=body, headers=headers_of(fixture), timeout=TIMEOUT)
     assert r.status_code == 400, f"{agent}: HTTP {r.status_code}: {r.text[:300]}"
     assert r.headers["content-type"].startswith("application/json")
     if fixture["api"] == "messages":
@@ -191,7 +192,8 @@ def test_a_prompt_past_the_context_gets_the_refusal_agents_read(embedded: LiveSe
 
 
 def count_tokens(server: LiveServer, fixture: Json, body: Json) -> httpx.Response:
-    return httpx.post(server.url + "/v1/messages/count_tokens", json=body, headers=headers_of(fixture), timeout=TIMEOUT)
+    return local_http.post(server.url + "/v1/messages/count_tokens", json=body, headers=headers_of(fixture),
+                           timeout=TIMEOUT)
 
 
 def test_tool_search_counts_only_the_tools_loaded(embedded: LiveServer) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 MODEL = "tiny"
@@ -83,7 +84,7 @@ def assert_ok(r: httpx.Response, what: str) -> None:
 
 
 def post(server: LiveServer, path: str, body: Json, headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, headers=headers or {}, timeout=TIMEOUT)
+    return local_http.post(server.url + path, json=body, headers=headers or {}, timeout=TIMEOUT)
 
 
 # -- OpenAI Chat Completions ---------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def check_chat_chunks(frames: list[tuple[str | None, str]], include_usage: bool,
 def chat_stream(server: LiveServer, body: Json, headers: dict[str, str] | None = None,
                 what: str = "chat stream") -> ChatStream:
     assert body.get("stream") is True
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers or {},
+    with local_http.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers or {},
                       timeout=TIMEOUT) as r:
         assert_ok(r, what)
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -260,7 +261,7 @@ def check_message_events(frames: list[tuple[str | None, str]], model: str = MODE
 def messages_stream(server: LiveServer, body: Json, headers: dict[str, str], what: str = "messages stream",
                     path: str = "/v1/messages?beta=true") -> MessageStream:
     assert body.get("stream") is True
-    with httpx.stream("POST", server.url + path, json=body, headers=headers, timeout=TIMEOUT) as r:
+    with local_http.stream("POST", server.url + path, json=body, headers=headers, timeout=TIMEOUT) as r:
         assert_ok(r, what)
         assert r.headers["content-type"].startswith("text/event-stream")
         frames = list(sse_frames(r))
@@ -340,7 +341,7 @@ def check_response_events(frames: list[tuple[str | None, str]]) -> Json:
 
 def responses_stream(server: LiveServer, body: Json, headers: dict[str, str], what: str = "responses stream") -> Json:
     assert body.get("stream") is True
-    with httpx.stream("POST", server.url + "/v1/responses", json=body, headers=headers, timeout=TIMEOUT) as r:
+    with local_http.stream("POST", server.url + "/v1/responses", json=body, headers=headers, timeout=TIMEOUT) as r:
         assert_ok(r, what)
         assert r.headers["content-type"].startswith("text/event-stream")
         frames = list(sse_frames(r))
@@ -758,7 +759,7 @@ def test_claude_code_long_max_tokens_stream_is_accepted_and_cancelled(server: Li
     Anthropic's sentence instead, tests/test_robustness.py); the stream carries the prompt's size
     in message_start; the client going away ends the generation."""
     body = claude_body(claude_session()[0], max_tokens=32000, thinking={"type": "enabled", "budget_tokens": 31999})
-    with httpx.stream("POST", server.url + "/v1/messages?beta=true", json=body, headers=CLAUDE_HEADERS,
+    with local_http.stream("POST", server.url + "/v1/messages?beta=true", json=body, headers=CLAUDE_HEADERS,
                       timeout=TIMEOUT) as r:
         assert_ok(r, "max_tokens 32000")
         seen = []
@@ -773,7 +774,7 @@ def test_claude_code_long_max_tokens_stream_is_accepted_and_cancelled(server: Li
     started = json.loads(first_data)["message"]["usage"]
     assert started["input_tokens"] + started["cache_read_input_tokens"] > 1000  # the real prompt, not 0
     deadline = time.monotonic() + 15
-    while httpx.get(server.url + "/health", timeout=10).json()["running"] > 0:
+    while local_http.get(server.url + "/health", timeout=10).json()["running"] > 0:
         assert time.monotonic() < deadline, "the abandoned generation kept running"
         time.sleep(0.05)
 
@@ -1105,6 +1106,6 @@ def test_unknown_model_is_a_404_and_the_served_model_stays(server: LiveServer, p
         assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
     else:
         assert r.json()["error"]["message"]
-    assert httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
+    assert local_http.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
     again = post(server, path, body | {"model": MODEL}, headers)
     assert_ok(again, "the served model after an unknown one")

@@ -49,6 +49,7 @@ from mlx_relay.http.formats.anthropic.routes import anthropic_routes
 from mlx_relay.http.formats.anthropic.types import CountTokensRequest, MessagesRequest, ThinkingEnabled
 from mlx_relay.relay import default_config
 from mlx_relay.service import ChatRequest, ReplyTally
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 MODEL = "tiny"
@@ -111,7 +112,7 @@ def client(live: LiveServer) -> anthropic.Anthropic:
 
 
 def post(url: str, body: dict[str, Any], path: str = "/v1/messages") -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=120)
+    return local_http.post(url + path, json=body, timeout=120)
 
 
 def message_body(content: Any = "Hello there", **extra: Any) -> dict[str, Any]:
@@ -123,7 +124,7 @@ def sse_events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The stream's events, each frame checked: `event: NAME` then `data: JSON` of that type."""
     events: list[dict[str, Any]] = []
     name: str | None = None
-    with httpx.stream("POST", url + "/v1/messages", json=body | {"stream": True}, timeout=120) as r:
+    with local_http.stream("POST", url + "/v1/messages", json=body | {"stream": True}, timeout=120) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -341,7 +342,7 @@ def test_errors_in_anthropic_shape(live: LiveServer, body: bytes, status: int, k
                                    also_count_tokens: bool) -> None:
     paths = ["/v1/messages", "/v1/messages/count_tokens"] if also_count_tokens else ["/v1/messages"]
     for path in paths:
-        r = httpx.post(live.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+        r = local_http.post(live.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == status, (path, r.text)
         err = r.json()
         assert err["type"] == "error" and err["error"]["type"] == kind and err["error"]["message"]
@@ -387,7 +388,7 @@ LONG = {"max_tokens": 4000, "temperature": 0.7}
 
 
 def running(url: str) -> int:
-    return int(httpx.get(url + "/health").json()["running"])
+    return int(local_http.get(url + "/health").json()["running"])
 
 
 def wait_idle(url: str) -> None:
@@ -398,7 +399,7 @@ def wait_idle(url: str) -> None:
 
 
 def test_stream_disconnect_cancels_the_generation(one_slot: LiveServer) -> None:
-    with httpx.stream("POST", one_slot.url + "/v1/messages", json=message_body("go on", stream=True, **LONG),
+    with local_http.stream("POST", one_slot.url + "/v1/messages", json=message_body("go on", stream=True, **LONG),
                       timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines) == "event: message_start"

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
 
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 SCHEMA = {
@@ -65,7 +65,7 @@ def test_unenforceable_schema_is_a_400(server: LiveServer) -> None:
     body = {"model": "tiny", "messages": USER, "max_tokens": 8, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)b"}}}}}}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    r = local_http.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "response_format"
 
@@ -88,7 +88,7 @@ def test_named_tool_choice_streams_spec_shaped_deltas(server: LiveServer) -> Non
             "tool_choice": {"type": "function", "function": {"name": "list_dir"}}}
     calls: dict[int, dict[str, str]] = {}
     finishes = []
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+    with local_http.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -215,7 +215,7 @@ def test_auto_tool_calls_the_model_opens_are_declared_and_valid(server: LiveServ
     for seed in range(8):
         body = {"model": "tiny", "messages": USER, "tools": AUTO_TOOLS, "max_tokens": 300, "temperature": 30,
                 "seed": seed}
-        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        r = local_http.post(server.url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         message = r.json()["choices"][0]["message"]
         assert not any(tag in (message.get("content") or "") for tag in MARKUP), message["content"]
@@ -235,7 +235,7 @@ def test_a_forced_call_after_thinking_comes_at_once(server: LiveServer, choice: 
     A wider separator let this random-weight model answer "\\r\\t" and no call."""
     body = {"model": "tiny", "messages": USER, "tools": TOOLS, "max_tokens": 300, "temperature": 0,
             "tool_choice": choice, "chat_template_kwargs": {"enable_thinking": True}}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    r = local_http.post(server.url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     choice_out = r.json()["choices"][0]
     assert choice_out["finish_reason"] == "tool_calls", choice_out
@@ -245,7 +245,7 @@ def test_a_forced_call_after_thinking_comes_at_once(server: LiveServer, choice: 
 
 
 def loose_tools_total(server: LiveServer) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=30).text
+    text = local_http.get(server.url + "/metrics", timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("mlx_relay:tool_grammar_loose_tools_total"))
 
@@ -258,10 +258,10 @@ def test_a_schema_the_grammar_cannot_hold_loosens_auto_and_refuses_forced(server
         "type": "object", "minProperties": 1, "properties": {"a": {"type": "string"}}}}}
     before = loose_tools_total(server)
     body = {"model": "tiny", "messages": USER, "tools": [*TOOLS, odd], "max_tokens": 4, "temperature": 0}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    r = local_http.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert loose_tools_total(server) == before + 1
     forced = {**body, "tool_choice": {"type": "function", "function": {"name": "odd_tool"}}}
-    r = httpx.post(server.url + "/v1/chat/completions", json=forced, timeout=60)
+    r = local_http.post(server.url + "/v1/chat/completions", json=forced, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "tool_choice" and "odd_tool" in r.json()["error"]["message"]

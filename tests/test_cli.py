@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import free_port
 
 
@@ -112,8 +112,8 @@ def test_serve_starts_announces_and_stops(fp32_model: Path) -> None:
         assert line.startswith("mlx-relay ready: model tiny"), line
         assert "CPU backend" in line or "METAL backend" in line or "CUDA backend" in line
         assert f"http://127.0.0.1:{port}" in line
-        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ready"
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+        assert local_http.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ready"
+        r = local_http.post(f"http://127.0.0.1:{port}/v1/chat/completions",
                        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert r.status_code == 200
     finally:

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import free_port_range
 
 MODEL = "tiny"
@@ -90,7 +91,7 @@ def _kill_quietly(pid: int) -> None:
 
 
 def _prompt_tokens(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = local_http.get(url + "/metrics", timeout=10).text
     return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("mlx_relay:prompt_tokens_total"))
 
 
@@ -101,7 +102,7 @@ def _system(session: int) -> str:
 
 
 def _chat(url: str, messages: list[dict[str, Any]], max_tokens: int = 4) -> dict[str, Any]:
-    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages,
+    r = local_http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages,
                                                        "max_tokens": max_tokens}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
@@ -130,21 +131,21 @@ def _next_turn(messages: list[dict[str, Any]], reply: dict[str, Any], user: str)
 
 def test_worker_loads_as_smg_reads_them(cluster: Cluster) -> None:
     """`/v1/loads` in SMG's schema (what it polls for load), and a bad section is a 400."""
-    r = httpx.get(cluster.replicas[0] + "/v1/loads", params={"include": "core,disagg,queues,memory"})
+    r = local_http.get(cluster.replicas[0] + "/v1/loads", params={"include": "core,disagg,queues,memory"})
     assert r.status_code == 200
     body = r.json()
     assert body["dp_rank_count"] == 1 and len(body["loads"]) == 1
     load = body["loads"][0]
     assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
     assert load["max_running_requests"] == 16 and load["token_usage"] == 0.0
-    bad = httpx.get(cluster.replicas[0] + "/v1/loads", params={"include": "core,gpus"})
+    bad = local_http.get(cluster.replicas[0] + "/v1/loads", params={"include": "core,gpus"})
     assert bad.status_code == 400
     assert bad.json()["error"]["type"] == "invalid_request_error" and bad.json()["error"]["param"] == "include"
     # --replica-devices: each replica its own GPU (CUDA_VISIBLE_DEVICES; harmless on the CPU)
     for url, device in zip(cluster.replicas, ("1", "0"), strict=True):
         environ = Path(f"/proc/{cluster.pids[url]}/environ").read_bytes().split(b"\0")
         assert f"CUDA_VISIBLE_DEVICES={device}".encode() in environ
-    workers = httpx.get(cluster.url + "/workers").json()["workers"]  # SMG's view: both registered, healthy
+    workers = local_http.get(cluster.url + "/workers").json()["workers"]  # SMG's view: both registered, healthy
     assert sorted(w["url"] for w in workers) == cluster.replicas
     assert all(w["is_healthy"] and w["status"] == "ready" for w in workers)
 
@@ -182,7 +183,7 @@ def test_affinity_spread_and_a_replica_killed(cluster: Cluster) -> None:
 
     def stream() -> None:
         body = {"model": MODEL, "messages": stream_msgs, "max_tokens": 3000, "stream": True}
-        with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        with local_http.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60) as r:
             events.append(f"status {r.status_code}")
             for line in r.iter_lines():
                 if line:
@@ -196,7 +197,7 @@ def test_affinity_spread_and_a_replica_killed(cluster: Cluster) -> None:
 
     def non_streamed() -> None:
         body = {"model": MODEL, "messages": unary_msgs, "max_tokens": 200}
-        unary.append(httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60))
+        unary.append(local_http.post(cluster.url + "/v1/chat/completions", json=body, timeout=60))
 
     before_victim = _prompt_tokens(victim)
     t = threading.Thread(target=stream)
@@ -242,7 +243,7 @@ def test_affinity_spread_and_a_replica_killed(cluster: Cluster) -> None:
 
 
 def _running(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = local_http.get(url + "/metrics", timeout=10).text
     return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("mlx_relay:num_requests_running"))
 
 

@@ -3,10 +3,10 @@ logprobs, streaming, and 4xx for what the API does not allow."""
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 
@@ -31,7 +31,7 @@ def test_text_prompts_choices_echo_and_logprobs(client: openai.OpenAI) -> None:
 def test_raw_prompt_is_not_templated(client: openai.OpenAI, server: LiveServer) -> None:
     done = client.completions.create(model="tiny", prompt="def f():", max_tokens=4, temperature=0)
     assert done.usage.prompt_tokens < 8  # the bare text, no chat markup around it
-    ids = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3},
+    ids = local_http.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3},
                      timeout=60).json()
     assert ids["usage"]["prompt_tokens"] == 3 and ids["object"] == "text_completion"
 
@@ -57,6 +57,6 @@ def test_stream_matches_non_stream(client: openai.OpenAI) -> None:
     ({"prompt": [1, 2], "echo": True}, "echo"),
 ])
 def test_bad_completions_are_400(server: LiveServer, body: dict, param: str) -> None:
-    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "max_tokens": 2, **body}, timeout=60)
+    r = local_http.post(server.url + "/v1/completions", json={"model": "tiny", "max_tokens": 2, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param

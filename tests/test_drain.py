@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from mlx_relay.relay import default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer, free_port
 
 # a reply that cannot end on its own for thousands of tokens: a 20,000-character string first
@@ -31,7 +32,7 @@ USER = [{"role": "user", "content": "Say hi."}]
 def read_stream(url: str, path: str, body: dict[str, Any], out: list[str], rid: str | None = None) -> None:
     """Collects the stream's data lines (and event lines) until the server ends it."""
     try:
-        with httpx.stream("POST", url + path, json=body, timeout=60, headers={"x-request-id": rid} if rid else None
+        with local_http.stream("POST", url + path, json=body, timeout=60, headers={"x-request-id": rid} if rid else None
                           ) as r:
             out.append(f"status {r.status_code}")
             for line in r.iter_lines():
@@ -51,7 +52,7 @@ def start_reading(url: str, path: str, body: dict[str, Any], rid: str | None = N
 
 def wait_running(url: str, n: int) -> None:
     deadline = time.monotonic() + 30
-    while httpx.get(url + "/health", timeout=10).json().get("running", 0) < n:
+    while local_http.get(url + "/health", timeout=10).json().get("running", 0) < n:
         assert time.monotonic() < deadline
         time.sleep(0.05)
 
@@ -67,7 +68,7 @@ def wait_streaming(out: list[str], chunks: int = 3) -> None:
 
 def wait_draining(url: str) -> httpx.Response:
     deadline = time.monotonic() + 10
-    while (health := httpx.get(url + "/health", timeout=10)).json()["status"] != "draining":
+    while (health := local_http.get(url + "/health", timeout=10)).json()["status"] != "draining":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     return health
@@ -77,7 +78,7 @@ def assert_refused_while_draining(url: str) -> None:
     """New requests: 503 with Retry-After (and the request id); /health: 503 draining."""
     health = wait_draining(url)
     assert health.status_code == 503 and health.headers["retry-after"]
-    r = httpx.post(url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, timeout=10,
+    r = local_http.post(url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, timeout=10,
                    headers={"x-request-id": "late-1"})
     assert r.status_code == 503 and r.headers["retry-after"] and r.headers["x-request-id"] == "late-1", r.text
     assert r.json()["error"]["type"] == "service_unavailable"

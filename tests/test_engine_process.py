@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -37,6 +36,7 @@ from mlx_relay.engine.hosting.wire import (
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.messages.specprefill import SparsePrefill
 from mlx_relay.relay import Relay, default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 SYSTEM = ("You are a careful coding agent. Follow the repository's conventions, keep changes small, "
@@ -97,7 +97,7 @@ def proc_server(fp32_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def chat(server: LiveServer, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+    r = local_http.post(server.url + "/v1/chat/completions", timeout=120,
                    json={"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0, **extra})
     assert r.status_code == 200, r.text
     return r.json()
@@ -125,14 +125,14 @@ def test_greedy_tokens_equal_the_in_thread_engines(proc_server: LiveServer, serv
 def test_a_cancelled_stream_frees_its_row(proc_server: LiveServer) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000,
             "temperature": 0.7, "seed": 3, "stream": True}
-    with httpx.stream("POST", proc_server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+    with local_http.stream("POST", proc_server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                 break  # tokens are flowing: hang up
     deadline = time.monotonic() + 10
-    while httpx.get(proc_server.url + "/health").json()["running"] and time.monotonic() < deadline:
+    while local_http.get(proc_server.url + "/health").json()["running"] and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert httpx.get(proc_server.url + "/health").json()["running"] == 0
+    assert local_http.get(proc_server.url + "/health").json()["running"] == 0
 
     async def engine_running(relay: Relay) -> int:
         return (await relay.engine_stats()).running
@@ -157,20 +157,21 @@ def test_the_prefix_cache_and_its_disk_tier_work_across_the_pipe(proc_server: Li
         return (await relay.persist_prefix_cache()).pending
 
     assert proc_server.call(persist) == 0
-    stats = httpx.get(proc_server.url + "/v1/cache/stats").json()
+    stats = local_http.get(proc_server.url + "/v1/cache/stats").json()
     disk = stats["prefix_cache"]["disk"]
     assert disk["writes"] >= 1 and disk["write_errors"] == 0  # files the engine process wrote itself
     assert len(os.listdir(disk["directory"])) == disk["entries"] >= 1
     assert stats["snapshots"]["held"] >= 1 and stats["snapshots"]["bytes"] > 0  # EngineStats, across the pipe
     # out of memory, back from disk: the engine process checks and loads the file
-    assert httpx.post(proc_server.url + "/v1/cache/flush").status_code == 200
+    assert local_http.post(proc_server.url + "/v1/cache/flush").status_code == 200
     again = chat(proc_server, turn2, tools=TOOLS)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert again["choices"][0]["message"] == second["choices"][0]["message"]
-    disk = httpx.get(proc_server.url + "/v1/cache/stats").json()["prefix_cache"]["disk"]
+    disk = local_http.get(proc_server.url + "/v1/cache/stats").json()["prefix_cache"]["disk"]
     assert disk["loads"] >= 1 and disk["hits"] >= 1 and sum(disk["rejected"].values()) == 0
     # the engine's counters, asked across the pipe: MLX's memory in the engine process
-    samples = {s.name: s.value for f in text_string_to_metric_families(httpx.get(proc_server.url + "/metrics").text)
+    metrics = local_http.get(proc_server.url + "/metrics").text
+    samples = {s.name: s.value for f in text_string_to_metric_families(metrics)
                for s in f.samples}
     assert samples["mlx_relay:gpu_memory_peak_bytes"] > 0 and samples["mlx_relay:prefix_cache_snapshots"] >= 1
 
@@ -201,7 +202,7 @@ def test_a_killed_engine_process_ends_its_streams_and_is_replaced(proc_server: L
     body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000,
             "temperature": 0.7, "seed": 5, "stream": True}
     frames: list[str] = []
-    with httpx.stream("POST", proc_server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+    with local_http.stream("POST", proc_server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         killed = False
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -220,9 +221,9 @@ def test_a_killed_engine_process_ends_its_streams_and_is_replaced(proc_server: L
     new = engine_pid(proc_server)
     assert new is not None and new != old and alive(new)
     deadline = time.monotonic() + 10
-    while httpx.get(proc_server.url + "/health").status_code != 200 and time.monotonic() < deadline:
+    while local_http.get(proc_server.url + "/health").status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert httpx.get(proc_server.url + "/health").json()["status"] == "ready"
+    assert local_http.get(proc_server.url + "/health").json()["status"] == "ready"
 
 
 @pytest.mark.parametrize("which", ["proc_server", "server"])

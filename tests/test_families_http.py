@@ -21,13 +21,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import jsonschema
 import numpy as np
 import pytest
 from PIL import Image
 
 from mlx_relay.relay import default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.family_fixtures import Family, family_fixture_path
 from mlx_relay.testing.live_server import LiveServer
 
@@ -57,14 +57,15 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[Family, LiveServer]
 
 
 def chat(live: LiveServer, **body: Any) -> dict[str, Any]:
-    r = httpx.post(live.url + "/v1/chat/completions", json={"model": "tiny", "temperature": 0, **body}, timeout=120)
+    r = local_http.post(live.url + "/v1/chat/completions", json={"model": "tiny", "temperature": 0, **body},
+                        timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def test_capabilities_and_a_tool_round_trip(served: tuple[Family, LiveServer]) -> None:
     family, live = served
-    (card,) = httpx.get(live.url + "/v1/models", timeout=10).json()["data"]
+    (card,) = local_http.get(live.url + "/v1/models", timeout=10).json()["data"]
     assert card["capabilities"] == {"vision": family == "gemma3", "tools": True, "reasoning": family == "qwen3"}
     first = chat(live, messages=USER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=200)
     choice = first["choices"][0]
@@ -116,7 +117,7 @@ def test_batching_and_the_prefix_cache_give_each_requests_own_tokens(served: tup
     assert all(r["usage"]["completion_tokens"] == 10 for r in alone)
     # the same system prompt again (snapshotted by the first request): restored from the cache, the same tokens
     assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for r in together)
-    metrics = httpx.get(live.url + "/metrics", timeout=10).text
+    metrics = local_http.get(live.url + "/metrics", timeout=10).text
     assert 'mlx_relay:request_success_total{finished_reason="length",model_name="tiny"}' in metrics
 
 
@@ -136,7 +137,7 @@ def image_chat(seed: int, text: str) -> list[dict[str, Any]]:
 def stream_chunks(live: LiveServer, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The chunks of a streamed chat completion (status 200); the stream must end with [DONE]."""
     chunks, lines = [], []
-    with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=120) as r:
+    with local_http.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read().decode()
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -166,7 +167,7 @@ def test_images_serve_on_gemma3_and_get_a_400_that_says_why_elsewhere(served: tu
     Qwen3 (a text model): images get a 400 that says why."""
     family, live = served
     if family != "gemma3":
-        r = httpx.post(live.url + "/v1/chat/completions", timeout=60,
+        r = local_http.post(live.url + "/v1/chat/completions", timeout=60,
                        json={"model": "tiny", "messages": image_chat(1, "what is this?"), "max_tokens": 4})
         assert r.status_code == 400, r.text
         assert "vision" in r.json()["error"]["message"]
@@ -182,7 +183,7 @@ def test_images_serve_on_gemma3_and_get_a_400_that_says_why_elsewhere(served: tu
     assert other["choices"][0]["message"]["content"] != first
     video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
                                           {"type": "text", "text": "what happens?"}]}]
-    r = httpx.post(live.url + "/v1/chat/completions", timeout=60,
+    r = local_http.post(live.url + "/v1/chat/completions", timeout=60,
                    json={"model": "tiny", "messages": video, "max_tokens": 4})
     assert r.status_code == 400, r.text
     assert "video is not served" in r.json()["error"]["message"]

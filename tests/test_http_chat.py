@@ -20,6 +20,7 @@ from mlx_relay.chat.types import FunctionDef, ToolDef
 from mlx_relay.errors import GenerationFailed
 from mlx_relay.http.formats.openai_chat.encoder import ChatStream
 from mlx_relay.relay import default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 PROMPTS = [
@@ -36,7 +37,7 @@ PROMPTS = [
 
 def chat(url: str, content: str, **extra: object) -> httpx.Response:
     body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    return local_http.post(url + "/v1/chat/completions", json=body, timeout=120)
 
 
 def stream_text(url: str, content: str, **extra: object) -> tuple[str, str | None, list[dict]]:
@@ -45,7 +46,7 @@ def stream_text(url: str, content: str, **extra: object) -> tuple[str, str | Non
             "stream": True, **extra}
     chunks: list[dict] = []
     done = False
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+    with local_http.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -77,15 +78,15 @@ def reference_tokens(model: Path, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def test_health_models_and_basic_chat(server: LiveServer) -> None:
-    health = httpx.get(server.url + "/health").json()
+    health = local_http.get(server.url + "/health").json()
     assert health["status"] == "ready" and health["backend"] in ("cpu", "metal", "cuda")
     assert (health["max_num_seqs"], health["max_queue"]) == (8, 32) and health["queued"] == 0
-    models = httpx.get(server.url + "/v1/models").json()
+    models = local_http.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
     card = models["data"][0]
     assert card["context_length"] == card["max_model_len"] > 0
     assert card["capabilities"] == {"vision": True, "tools": True, "reasoning": True}
-    assert httpx.get(server.url + "/v1/models/tiny").json() == card
+    assert local_http.get(server.url + "/v1/models/tiny").json() == card
     r = chat(server.url, "Hello there", max_tokens=8)
     assert r.status_code == 200
     body = r.json()
@@ -122,7 +123,7 @@ def test_concurrent_greedy_requests_equal_each_alone(server: LiveServer) -> None
     # ... and the 8th joins while they are in flight.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        running = httpx.get(server.url + "/health").json()["running"]
+        running = local_http.get(server.url + "/health").json()["running"]
         if running >= 2:
             running_seen.append(running)
             break
@@ -160,7 +161,7 @@ def test_mtp_usage_extension_and_opt_out(server: LiveServer) -> None:
     off = chat(server.url, PROMPTS[0], max_tokens=12, mtp=False).json()
     assert "mtp" not in off["usage"]
     assert off["choices"][0]["message"]["content"] == on["choices"][0]["message"]["content"]
-    bad = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+    bad = local_http.post(server.url + "/v1/chat/completions", timeout=60,
                      json={"messages": [{"role": "user", "content": "x"}], "mtp": "no"})
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "mtp"
 
@@ -214,7 +215,7 @@ def test_agent_message_sequences_render(server: LiveServer) -> None:
          {"role": "user", "content": [{"type": "text", "text": "thanks"}]}],
     ]
     for messages in sequences:
-        r = httpx.post(server.url + "/v1/chat/completions",
+        r = local_http.post(server.url + "/v1/chat/completions",
                        json={"model": "tiny", "messages": messages, "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text
 
@@ -237,7 +238,7 @@ def test_agent_message_sequences_render(server: LiveServer) -> None:
     ],
 )
 def test_bad_inputs_get_4xx_in_openai_shape(server: LiveServer, body: bytes, status: int, param: str | None) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions", content=body,
+    r = local_http.post(server.url + "/v1/chat/completions", content=body,
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -292,8 +293,8 @@ def test_malformed_calls_stream_as_calls_with_object_arguments() -> None:
 
 
 def test_unknown_route_and_method(server: LiveServer) -> None:
-    assert httpx.get(server.url + "/v1/nothing").status_code == 404
-    r = httpx.get(server.url + "/v1/chat/completions")
+    assert local_http.get(server.url + "/v1/nothing").status_code == 404
+    r = local_http.get(server.url + "/v1/chat/completions")
     assert r.status_code == 405 and "error" in r.json()
 
 
@@ -332,41 +333,41 @@ AUTH = {"Authorization": "Bearer sekret"}
 
 def test_api_key(one_slot: LiveServer) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    assert httpx.get(one_slot.url + "/health").status_code == 200  # open
-    r = httpx.post(one_slot.url + "/v1/chat/completions", json=body)
+    assert local_http.get(one_slot.url + "/health").status_code == 200  # open
+    r = local_http.post(one_slot.url + "/v1/chat/completions", json=body)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    assert httpx.post(one_slot.url + "/v1/chat/completions", json=body,
+    assert local_http.post(one_slot.url + "/v1/chat/completions", json=body,
                       headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert httpx.post(one_slot.url + "/v1/chat/completions", json=body, headers=AUTH).status_code == 200
-    assert httpx.post(one_slot.url + "/v1/chat/completions", json=body,
+    assert local_http.post(one_slot.url + "/v1/chat/completions", json=body, headers=AUTH).status_code == 200
+    assert local_http.post(one_slot.url + "/v1/chat/completions", json=body,
                       headers={"x-api-key": "sekret"}).status_code == 200
     # either header may carry a valid key (Claude Code sends x-api-key, some proxies add a Bearer)
-    assert httpx.post(one_slot.url + "/v1/chat/completions", json=body,
+    assert local_http.post(one_slot.url + "/v1/chat/completions", json=body,
                       headers={"x-api-key": "second", "Authorization": "Bearer stale"}).status_code == 200
     for path in ("/v1/models", "/v1/completions", "/v1/responses", "/v1/messages/count_tokens", "/v1/cache/stats",
                  "/metrics"):
         r = httpx.request("GET" if "models" in path or "stats" in path or "metrics" in path else "POST",
                           one_slot.url + path, json={})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
-    metrics = httpx.get(one_slot.url + "/metrics", headers={"x-api-key": "second"})
+    metrics = local_http.get(one_slot.url + "/metrics", headers={"x-api-key": "second"})
     assert metrics.status_code == 200
     assert any(f.name == "mlx_relay:num_requests_running" for f in text_string_to_metric_families(metrics.text))
 
 
 def test_anthropic_clients_get_anthropic_shaped_401_and_model_aliases(one_slot: LiveServer) -> None:
     body = {"model": "claude-sonnet-4-5", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(one_slot.url + "/v1/messages", json=body, headers={"x-api-key": "nope"})
+    r = local_http.post(one_slot.url + "/v1/messages", json=body, headers={"x-api-key": "nope"})
     assert r.status_code == 401
     assert r.json() == {"type": "error", "error": {"type": "authentication_error",
                                                    "message": "missing or invalid API key"}}
-    r = httpx.post(one_slot.url + "/v1/messages", json=body, headers={"x-api-key": "sekret"}, timeout=60)
+    r = local_http.post(one_slot.url + "/v1/messages", json=body, headers={"x-api-key": "sekret"}, timeout=60)
     assert r.status_code == 200 and r.json()["model"] in ("tiny", "claude-sonnet-4-5")
 
 
 def _hold_stream(url: str, opened: threading.Event, release: threading.Event) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000,
             "stream": True, "temperature": 0.7, "seed": 1}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+    with local_http.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         next(lines)
@@ -381,7 +382,7 @@ def test_queue_full_is_429_and_disconnect_frees_the_slot(one_slot: LiveServer) -
     holder.start()
     assert opened.wait(60)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    r = httpx.post(one_slot.url + "/v1/chat/completions", json=body, headers=AUTH)
+    r = local_http.post(one_slot.url + "/v1/chat/completions", json=body, headers=AUTH)
     assert r.status_code == 429
     assert int(r.headers["Retry-After"]) >= 1
     assert r.json()["error"]["type"] == "rate_limit_error"
@@ -390,16 +391,16 @@ def test_queue_full_is_429_and_disconnect_frees_the_slot(one_slot: LiveServer) -
     # The disconnect cancelled the generation and freed the only slot: the next request runs.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        r = httpx.post(one_slot.url + "/v1/chat/completions", json=body, headers=AUTH)
+        r = local_http.post(one_slot.url + "/v1/chat/completions", json=body, headers=AUTH)
         if r.status_code == 200:
             break
         time.sleep(0.05)
     assert r.status_code == 200, r.text
-    health = httpx.get(one_slot.url + "/health").json()
+    health = local_http.get(one_slot.url + "/health").json()
     assert health["running"] == 0 and health["queued"] == 0
     # the scrape says so too: a rejection for overload, an aborted generation (the disconnect)
     samples = {(s.name, s.labels.get("reason") or s.labels.get("finished_reason")): s.value for f in
-               text_string_to_metric_families(httpx.get(one_slot.url + "/metrics", headers=AUTH).text)
+               text_string_to_metric_families(local_http.get(one_slot.url + "/metrics", headers=AUTH).text)
                for s in f.samples}
     assert samples[("mlx_relay:admission_rejections_total", "overloaded")] >= 1
     assert samples[("mlx_relay:request_success_total", "abort")] >= 1
@@ -412,7 +413,7 @@ def test_health_is_503_until_ready(fp32_model: Path) -> None:
     with LiveServer(config, wait_ready=False) as live:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            r = httpx.get(live.url + "/health")
+            r = local_http.get(live.url + "/health")
             seen.append((r.status_code, r.json()["status"]))
             if r.status_code == 200:
                 break
@@ -420,11 +421,11 @@ def test_health_is_503_until_ready(fp32_model: Path) -> None:
             # what a router needs comes in every state: the queue depth and the running count
             assert r.json()["running"] == 0 and r.json()["queued"] == 0 and r.json()["max_num_seqs"] == 16
             if not early:
-                early.append(httpx.post(live.url + "/v1/chat/completions",
+                early.append(local_http.post(live.url + "/v1/chat/completions",
                                         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
                 # /metrics answers while the model loads: the state and what Admission counts
                 states = {s.labels["state"]: s.value for f in text_string_to_metric_families(
-                          httpx.get(live.url + "/metrics").text) if f.name == "mlx_relay:server_state"
+                          local_http.get(live.url + "/metrics").text) if f.name == "mlx_relay:server_state"
                           for s in f.samples}
                 assert [k for k, v in states.items() if v == 1] in (["loading"], ["warming"], ["ready"])
             time.sleep(0.01)
@@ -447,14 +448,14 @@ def test_non_streaming_disconnect_frees_the_slot(one_slot: LiveServer) -> None:
                      b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
                      b"\r\n\r\n" + body)
         deadline = time.monotonic() + 30
-        while httpx.get(one_slot.url + "/health").json()["running"] == 0 and time.monotonic() < deadline:
+        while local_http.get(one_slot.url + "/health").json()["running"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert httpx.get(one_slot.url + "/health").json()["running"] == 1
+        assert local_http.get(one_slot.url + "/health").json()["running"] == 1
     # the socket is closed: the server notices, cancels the generation and frees the slot
     deadline = time.monotonic() + 10
-    while httpx.get(one_slot.url + "/health").json()["running"] and time.monotonic() < deadline:
+    while local_http.get(one_slot.url + "/health").json()["running"] and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert httpx.get(one_slot.url + "/health").json()["running"] == 0
-    r = httpx.post(one_slot.url + "/v1/chat/completions", headers=AUTH,
+    assert local_http.get(one_slot.url + "/health").json()["running"] == 0
+    r = local_http.post(one_slot.url + "/v1/chat/completions", headers=AUTH,
                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200

@@ -15,10 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
-
 import mlx_relay
 from mlx_relay.bench.images import png_data_url
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import free_port
 
 PACKAGE = Path(mlx_relay.__file__).parent
@@ -144,17 +143,17 @@ def test_a_server_whose_engine_runs_in_its_own_process_never_loads_mlx(fp32_mode
                                                    "parameters": {"type": "object", "properties": {}}}}]
         content = [{"type": "text", "text": "What is in the picture? Then run the tests."},
                    {"type": "image_url", "image_url": {"url": png_data_url([1], 64, 48)}}]
-        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        r = local_http.post(url + "/v1/chat/completions", timeout=120, json={
             "model": "tiny", "messages": [{"role": "user", "content": content}], "tools": tools, "max_tokens": 8,
             "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] > 64  # the image was expanded into the prompt
         body = {"model": "tiny", "messages": [{"role": "user", "content": "A JSON object, please."}], "max_tokens": 8,
                 "response_format": {"type": "json_object"}, "stream": True}
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as streamed:
+        with local_http.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as streamed:
             assert streamed.status_code == 200
             assert [line for line in streamed.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
-        assert httpx.get(url + "/metrics", timeout=30).status_code == 200
+        assert local_http.get(url + "/metrics", timeout=30).status_code == 200
         engine = _engine_child(server.pid)
         served, engines = _mlx_in_maps(server.pid), _mlx_in_maps(engine)
     finally:

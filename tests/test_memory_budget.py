@@ -21,6 +21,7 @@ import pytest
 from mlx_relay.engine.lane_set import DEFAULT_STEP_ELSEWHERE
 from mlx_relay.engine.memory.kv_budget import LAYERS_IN_FLIGHT, KVBudget, plan, working_set_bytes
 from mlx_relay.messages.gpu import Generate, SamplingParams
+from mlx_relay.testing import local_http
 from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.reference import greedy_reference
 
@@ -126,7 +127,7 @@ def test_a_row_waits_until_its_caches_fit_beside_the_running_ones(gpu: Callable,
 
 
 def _post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=120)
+    return local_http.post(url + path, json=body, timeout=120)
 
 
 def _text_of(url: str, low: int, high: int) -> str:

@@ -17,6 +17,7 @@ from mlx_relay.chat.types import FunctionDef, ToolDef
 from mlx_relay.messages.admission import REJECT_REASONS, AdmissionStats
 from mlx_relay.messages.text_mtp import MTPStats
 from mlx_relay.metrics import ServerMetrics, StatsSnapshot
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 from tests.test_vision_path import image_message, png_data_url
 
@@ -37,7 +38,7 @@ OURS = {"admission_rejections": "counter", "server_state": "gauge", "gpu_memory_
 
 def scrape(url: str, **headers: str) -> tuple[dict[str, str], Samples]:
     """(family name -> type, (sample name, labels) -> value), through prometheus-client's parser."""
-    r = httpx.get(url + "/metrics", headers=headers, timeout=30)
+    r = local_http.get(url + "/metrics", headers=headers, timeout=30)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain")
     types: dict[str, str] = {}
@@ -55,7 +56,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 def idle(url: str) -> None:
     deadline = time.monotonic() + 30
-    while httpx.get(url + "/health", timeout=10).json()["running"] and time.monotonic() < deadline:
+    while local_http.get(url + "/health", timeout=10).json()["running"] and time.monotonic() < deadline:
         time.sleep(0.02)
 
 
@@ -67,17 +68,17 @@ def test_scrape_names_labels_and_counters_that_move(server: LiveServer) -> None:
     usages = []
     for content in ("first", "second"):  # the second restores the first's system-prompt snapshot
         turns[1] = {"role": "user", "content": content}
-        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+        r = local_http.post(server.url + "/v1/chat/completions", timeout=60,
                        json={"model": "tiny", "messages": turns, "max_tokens": 6, "temperature": 0})
         usages.append(r.json()["usage"])
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+    with local_http.stream("POST", server.url + "/v1/chat/completions", timeout=60,
                       json={"model": "tiny", "messages": [{"role": "user", "content": "stream it"}], "max_tokens": 5,
                             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}) as r:
         last = [ln for ln in r.iter_lines() if ln.startswith("data: {")][-1]
     usages.append(httpx.Response(200, content=last[len("data: "):]).json()["usage"])
     url = png_data_url(31)
     for text in ("one", "two"):  # the same image twice: its features are reused
-        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+        r = local_http.post(server.url + "/v1/chat/completions", timeout=60,
                        json={"model": "tiny", "messages": image_message(text, url), "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200, r.text
         usages.append(r.json()["usage"])
@@ -127,9 +128,9 @@ def test_scrape_names_labels_and_counters_that_move(server: LiveServer) -> None:
 
 
 def test_metrics_route_errors_and_document(server: LiveServer) -> None:
-    r = httpx.post(server.url + "/metrics", timeout=10)
+    r = local_http.post(server.url + "/metrics", timeout=10)
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
-    doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    doc = local_http.get(server.url + "/openapi.json", timeout=10).json()
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
 
 

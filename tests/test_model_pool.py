@@ -25,6 +25,7 @@ from mlx_relay.pool.config import PoolConfig
 from mlx_relay.pool.models_file import ModelEntry, ModelsConfigError, NamedEntry, read_models_file
 from mlx_relay.pool.pool import ModelPool
 from mlx_relay.pool.reservation import Resident, make_room
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 # a reply that cannot end on its own for thousands of tokens (as test_drain's)
@@ -54,20 +55,20 @@ def serve(pool: PoolConfig) -> LiveServer:
 
 
 def ask(url: str, model: str, max_tokens: int = 4) -> httpx.Response:
-    return httpx.post(url + "/v1/chat/completions", timeout=300, json={
+    return local_http.post(url + "/v1/chat/completions", timeout=300, json={
         "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
 
 
 def states(url: str) -> dict[str, str]:
-    return {card["id"]: card["state"] for card in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
+    return {card["id"]: card["state"] for card in local_http.get(url + "/v1/models", timeout=30).json()["data"]}
 
 
 def card(url: str, name: str) -> dict[str, Any]:
-    return httpx.get(url + f"/v1/models/{name}", timeout=30).json()  # type: ignore[no-any-return]
+    return local_http.get(url + f"/v1/models/{name}", timeout=30).json()  # type: ignore[no-any-return]
 
 
 def counter(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
+    text = local_http.get(url + "/metrics", timeout=30).text
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     total = 0.0
     for line in text.splitlines():
@@ -79,7 +80,7 @@ def counter(url: str, name: str, **labels: str) -> float:
 
 
 def stream_chat(url: str, body: dict[str, Any], out: list[str]) -> None:
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
+    with local_http.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
         out.append(f"status {r.status_code}")
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -95,7 +96,7 @@ def roomy(fp32_model: Path, tiny_coder: Path) -> Iterator[LiveServer]:
 
 def test_a_model_keeps_streaming_while_another_loads(roomy: LiveServer) -> None:
     url = roomy.url
-    httpx.post(url + "/v1/models/coder/unload", timeout=300).raise_for_status()
+    local_http.post(url + "/v1/models/coder/unload", timeout=300).raise_for_status()
     out: list[str] = []
     reader = threading.Thread(target=stream_chat, args=(url, {
         "model": "rand", "messages": [{"role": "user", "content": "go"}], "max_tokens": 600,
@@ -105,7 +106,7 @@ def test_a_model_keeps_streaming_while_another_loads(roomy: LiveServer) -> None:
         assert reader.is_alive(), out
         reader.join(0.05)
     before = len(out)
-    loaded = httpx.post(url + "/v1/models/coder/load", timeout=300)
+    loaded = local_http.post(url + "/v1/models/coder/load", timeout=300)
     during = len(out) - before
     reader.join(300)
     assert loaded.status_code == 200 and loaded.json()["state"] == "ready"
@@ -116,7 +117,7 @@ def test_a_model_keeps_streaming_while_another_loads(roomy: LiveServer) -> None:
 
 def test_concurrent_first_requests_load_a_model_once(roomy: LiveServer) -> None:
     url = roomy.url
-    httpx.post(url + "/v1/models/agent/unload", timeout=300).raise_for_status()
+    local_http.post(url + "/v1/models/agent/unload", timeout=300).raise_for_status()
     assert states(url)["agent"] == "unloaded"
     loads = counter(url, "model_loads_total", model_name="agent")
     with ThreadPoolExecutor(6) as pool:
@@ -136,7 +137,7 @@ def test_unloading_a_model_ends_its_streams_with_their_terminal_events(fp32_mode
         while sum(line.startswith("data: {") for line in out) < 3:
             assert reader.is_alive(), out
             reader.join(0.05)
-        unloaded = httpx.post(live.url + "/v1/models/rand/unload", timeout=300)
+        unloaded = local_http.post(live.url + "/v1/models/rand/unload", timeout=300)
         reader.join(60)
         assert unloaded.json()["state"] == "unloaded"
         assert not reader.is_alive()
@@ -150,7 +151,7 @@ def test_an_unloaded_model_frees_its_prefix_cache_and_keeps_its_disk_tier(fp32_m
     system = "You are a careful coding agent. Keep changes small and run the tests first. " * 4
 
     def chat(url: str, question: str) -> dict[str, Any]:
-        reply = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        reply = local_http.post(url + "/v1/chat/completions", timeout=300, json={
             "model": "rand", "max_tokens": 4, "messages": [
                 {"role": "system", "content": system}, {"role": "user", "content": question}]})
         return reply.json()["usage"]  # type: ignore[no-any-return]
@@ -158,7 +159,7 @@ def test_an_unloaded_model_frees_its_prefix_cache_and_keeps_its_disk_tier(fp32_m
     pool = build_pool({"rand": fp32_model}, budget=None, prefix_cache_dir=str(tmp_path), prefix_min_snapshot_tokens=8)
     with serve(pool) as live:
         assert chat(live.url, "Fix utils.py")["prompt_tokens_details"]["cached_tokens"] == 0
-        assert httpx.post(live.url + "/v1/models/rand/unload", timeout=300).json()["state"] == "unloaded"
+        assert local_http.post(live.url + "/v1/models/rand/unload", timeout=300).json()["state"] == "unloaded"
         assert list(tmp_path.rglob("*.safetensors"))  # the disk tier stays
         again = chat(live.url, "Now fix main.py")  # a new engine: its memory tier starts empty
         assert again["prompt_tokens_details"]["cached_tokens"] > 0  # the system prompt, from the disk tier
@@ -215,7 +216,7 @@ def test_a_model_waiting_for_room_is_not_starved_by_a_steady_stream_to_another(f
         url, done, out = live.url, [], []
 
         def run(name: str, body: dict[str, Any]) -> None:
-            reply = httpx.post(url + "/v1/chat/completions", timeout=300, json={"model": name, **body})
+            reply = local_http.post(url + "/v1/chat/completions", timeout=300, json={"model": name, **body})
             done.append((name, reply.status_code))
 
         long = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 300, "response_format": ENDLESS}
@@ -261,13 +262,13 @@ def test_bad_input_gets_a_clear_4xx(roomy: LiveServer, tmp_path: Path) -> None:
     unknown = ask(url, "gpt-9")
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "model_not_found" and "agent, coder, rand" in unknown.text
-    anthropic = httpx.post(url + "/v1/messages", timeout=30, json={
+    anthropic = local_http.post(url + "/v1/messages", timeout=30, json={
         "model": "gpt-9", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert anthropic.status_code == 404 and anthropic.json()["type"] == "error"
-    not_a_model = httpx.post(url + "/v1/models/extra/load", timeout=30, json={"path": str(tmp_path)})
+    not_a_model = local_http.post(url + "/v1/models/extra/load", timeout=30, json={"path": str(tmp_path)})
     assert not_a_model.status_code == 400 and not_a_model.json()["error"]["code"] == "invalid_model_path"
-    assert httpx.post(url + "/v1/models/gpt-9/load", timeout=30).status_code == 404
-    assert httpx.post(url + "/v1/models/agent/load", timeout=30, json={"pinned": "yes"}).status_code in (400, 422)
+    assert local_http.post(url + "/v1/models/gpt-9/load", timeout=30).status_code == 404
+    assert local_http.post(url + "/v1/models/agent/load", timeout=30, json={"pinned": "yes"}).status_code in (400, 422)
     assert "extra" not in states(url)
 
 
@@ -320,11 +321,11 @@ def test_loading_and_unloading_by_hand_need_the_api_key(fp32_model: Path) -> Non
     config = build_config(first.model, served_model_name="rand", api_keys=("k1",), **SETTINGS)
     with LiveServer(config, boot=ModelPool.boot(pool)) as live:
         for action in ("load", "unload"):
-            refused = httpx.post(f"{live.url}/v1/models/rand/{action}", timeout=30)
+            refused = local_http.post(f"{live.url}/v1/models/rand/{action}", timeout=30)
             assert refused.status_code == 401
-        done = httpx.post(f"{live.url}/v1/models/rand/unload", timeout=30, headers={"Authorization": "Bearer k1"})
+        done = local_http.post(f"{live.url}/v1/models/rand/unload", timeout=30, headers={"Authorization": "Bearer k1"})
         assert done.status_code == 200 and done.json()["state"] == "unloaded"
-        assert httpx.get(live.url + "/health", timeout=30).json()["models"] == {"rand": "unloaded"}
+        assert local_http.get(live.url + "/health", timeout=30).json()["models"] == {"rand": "unloaded"}
 
 
 async def test_the_in_process_api_chats_with_each_model_by_name(fp32_model: Path, tiny_coder: Path) -> None:

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import llguidance
 import llguidance.hf
@@ -29,6 +28,7 @@ from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import FunctionDef, NamedToolChoice, ToolDef
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.messages.gpu import Finished, Generate, SamplingParams
+from mlx_relay.testing import local_http
 from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer
@@ -176,7 +176,7 @@ def test_an_agent_request_with_tools_keeps_mtp_over_http(server: LiveServer) -> 
     grammar and still decodes with MTP: `usage.mtp` counts its drafts."""
     tools = [{"type": "function", "function": {"name": t.function.name, "description": t.function.description,
                                                "parameters": t.function.parameters}} for t in TOOLS]
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+    r = local_http.post(server.url + "/v1/chat/completions", timeout=120, json={
         "model": "tiny", "max_tokens": 12, "temperature": 0, "tools": tools, "tool_choice": "auto",
         "messages": [{"role": "system", "content": "You are a coding agent."},
                      {"role": "user", "content": "Read README.md and run the tests."}]})

@@ -34,6 +34,7 @@ from mlx_relay.engine.memory.batch_caches import as_batch_caches, batched
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.models.pipeline_stage import UnsupportedSplit, shard_language_model, split_layers
 from mlx_relay.relay import default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer, free_port_range
 
@@ -80,7 +81,7 @@ def _launch(model: Path, tmp: Path, flags: list[str]) -> Iterator[tuple[str, dic
                 raise RuntimeError(f"a rank exited during start-up: {(tmp / 'rank0.log').read_text()[-2000:]}"
                                    f"{(tmp / 'rank1.log').read_text()[-2000:]}")
             try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                if local_http.get(url + "/health", timeout=2.0).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -107,7 +108,7 @@ def pipeline(request: pytest.FixtureRequest, eight_layers: Path, fp32_model: Pat
 
 
 def _chat(url: str, messages: list[dict[str, Any]], max_tokens: int = 16, **extra: Any) -> tuple[str, int]:
-    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+    r = local_http.post(url + "/v1/chat/completions", timeout=120, json={
         "model": NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -116,7 +117,7 @@ def _chat(url: str, messages: list[dict[str, Any]], max_tokens: int = 16, **extr
 
 def _completion_tokens(url: str, messages: list[dict[str, Any]], max_tokens: int) -> int:
     """A greedy reply's completion tokens (a 200 with its usage, else the assertion's message)."""
-    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+    r = local_http.post(url + "/v1/chat/completions", timeout=120, json={
         "model": NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
     assert r.status_code == 200, r.text
     return int(r.json()["usage"]["completion_tokens"])
@@ -178,7 +179,7 @@ def test_two_ranks_reply_as_the_unsharded_server(
     messages = [{"role": "user", "content": prompts[0]}]
     sampled = {"temperature": 0.8, "seed": 3}
     assert _chat(url, messages, 24, **sampled) == _chat(reference.url, messages, 24, **sampled)
-    drafted = [line for line in httpx.get(url + "/metrics").text.splitlines()
+    drafted = [line for line in local_http.get(url + "/metrics").text.splitlines()
                if line.startswith("mlx_relay:spec_decode_num_draft_tokens_total") and 'source="mtp"' in line]
     assert drafted and float(drafted[0].split()[-1]) > 0  # MTP ran over the two ranks
     # two at once on the plain lane (MTP off for them): they decode together in one batch
@@ -198,7 +199,7 @@ def test_two_ranks_reply_as_the_unsharded_server(
     # a long prompt: the draft scores it, the stages prefill the kept chunks
     long = [{"role": "user", "content": " ".join(f"line {i} of the log." for i in range(40))}]
     assert _chat(url, long) == _chat(reference.url, long)
-    runs = [line for line in httpx.get(url + "/metrics").text.splitlines()
+    runs = [line for line in local_http.get(url + "/metrics").text.splitlines()
             if line.startswith("mlx_relay:specprefill_runs_total")]
     assert runs and float(runs[0].split()[-1]) == 1
     # SIGTERM to rank 0 drains the server and stops the other rank too
@@ -303,7 +304,7 @@ def test_a_dead_rank_fails_the_server_instead_of_hanging_it(
         events: list[dict[str, Any]] = []
         body = {"model": NAME, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 1000,
                 "temperature": 0, "stream": True}
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        with local_http.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -316,7 +317,7 @@ def test_a_dead_rank_fails_the_server_instead_of_hanging_it(
         assert events[-1]["error"]["type"] == "server_error"
         health = None
         try:
-            health = httpx.get(url + "/health", timeout=5)
+            health = local_http.get(url + "/health", timeout=5)
         except httpx.TransportError:  # rank 0 has already exited
             pass
         if health is not None:

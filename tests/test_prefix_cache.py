@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 
 from mlx_relay.chat.reply import ChatReply
 from mlx_relay.relay import Relay
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 from tests.test_vision_path import image_message, png_data_url
 
@@ -150,18 +150,18 @@ def test_usage_reports_cached_tokens_and_endpoints(server: LiveServer) -> None:
     long_system = SYSTEM * 8  # past the default 256-token snapshot threshold
     body = {"model": "tiny", "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "system", "content": long_system}, {"role": "user", "content": "hi"}]}
-    first = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    first = local_http.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     body["messages"][1]["content"] = "hello there"
-    second = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    second = local_http.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 256
     # streamed: the final usage chunk carries it too
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+    with local_http.stream("POST", server.url + "/v1/chat/completions", timeout=60,
                       json=body | {"stream": True, "stream_options": {"include_usage": True}}) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
     assert '"cached_tokens"' in lines[-1]
-    stats = httpx.get(server.url + "/v1/cache/stats", timeout=10).json()
+    stats = local_http.get(server.url + "/v1/cache/stats", timeout=10).json()
     assert stats["prefix_cache"]["hits"] >= 2 and stats["prefix_cache"]["bytes"] > 0
-    flushed = httpx.post(server.url + "/v1/cache/flush", timeout=10).json()
+    flushed = local_http.post(server.url + "/v1/cache/flush", timeout=10).json()
     assert flushed["flushed_entries"] >= 1
-    assert httpx.get(server.url + "/v1/cache/stats", timeout=10).json()["prefix_cache"]["entries"] == 0
+    assert local_http.get(server.url + "/v1/cache/stats", timeout=10).json()["prefix_cache"]["entries"] == 0

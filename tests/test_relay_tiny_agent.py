@@ -27,13 +27,13 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import jsonschema
 import pytest
 
 from mlx_relay.chat.output import ReasoningDelta, ReplyDone, ReplyEvent, ReplyStarted, ToolCallEnd, ToolCallStart
 from mlx_relay.chat.reply import ChatReply
 from mlx_relay.relay import Relay, default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 from tests.test_agent_sequences import (
     CLAUDE_HEADERS,
@@ -68,7 +68,7 @@ def agent() -> Iterator[LiveServer]:
 
 
 def post(server: LiveServer, path: str, body: Json, headers: dict[str, str] | None = None) -> Json:
-    r = httpx.post(server.url + path, json=body, headers=headers or {}, timeout=TIMEOUT)
+    r = local_http.post(server.url + path, json=body, headers=headers or {}, timeout=TIMEOUT)
     assert_ok(r, path)
     return r.json()
 
@@ -123,7 +123,7 @@ def tool_result(value: str) -> str:
 
 
 def test_the_default_model_is_relay_tiny_agent_with_tools_and_reasoning(agent: LiveServer) -> None:
-    models = httpx.get(agent.url + "/v1/models", timeout=10).json()["data"]
+    models = local_http.get(agent.url + "/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in models] == [AGENT]
     assert models[0]["capabilities"]["tools"] and models[0]["capabilities"]["reasoning"]
 

@@ -35,6 +35,7 @@ from schemathesis.generation import GenerationMode
 
 from mlx_relay.http.openapi import routes_not_described
 from mlx_relay.relay import default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 CHEAP = {"max_tokens": 6, "max_completion_tokens": 6, "max_output_tokens": 6, "n": 2, "top_logprobs": 3,
@@ -69,13 +70,13 @@ def test_the_document_describes_every_route(fuzzed: LiveServer) -> None:
     from mlx_relay.http.app import create_app
 
     assert routes_not_described(create_app(fuzzed.config).routes) == []
-    doc = httpx.get(fuzzed.url + "/openapi.json", timeout=30).json()
+    doc = local_http.get(fuzzed.url + "/openapi.json", timeout=30).json()
     assert doc["openapi"].startswith("3.1") and "/v1/chat/completions" in doc["paths"]
     schemathesis.openapi.from_dict(doc)  # loads as a valid document
 
 
 def operations(url: str) -> list[Any]:
-    doc = httpx.get(url + "/openapi.json", timeout=30).json()
+    doc = local_http.get(url + "/openapi.json", timeout=30).json()
     cap(doc)
     schema = schemathesis.openapi.from_dict(doc)
     return [result.ok() for result in schema.get_all_operations()]
@@ -225,5 +226,5 @@ def test_mutated_bodies_get_2xx_or_a_shaped_4xx_and_streams_end(fuzzed: LiveServ
                 elif status == 200 and ctype.startswith("text/event-stream") and not terminal_check(path)(lines):
                     failures.append(where + f": stream ended with {lines[-2:]}")
     assert not failures, "\n".join(failures[:10])
-    health = httpx.get(fuzzed.url + "/health", timeout=10)
+    health = local_http.get(fuzzed.url + "/health", timeout=10)
     assert health.status_code == 200 and "down" not in health.json()

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from mlx_relay.log_format import JsonFormatter, TextFormatter
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 LOGGER = "mlx_relay.requests"
@@ -53,7 +54,7 @@ def user(text: str = f"Say {SECRET}.") -> list[dict[str, str]]:
 
 def test_a_chat_logs_one_line_with_its_accounting_under_the_clients_request_id(
         server: LiveServer, request_log: pytest.LogCaptureFixture) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"x-request-id": "agent-7/turn:3"},
+    r = local_http.post(server.url + "/v1/chat/completions", headers={"x-request-id": "agent-7/turn:3"},
                    json={"model": "tiny", "messages": user(), "max_tokens": 6, "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.headers["x-request-id"] == "agent-7/turn:3"
     usage = r.json()["usage"]
@@ -78,7 +79,7 @@ def test_a_stream_logs_one_line_and_carries_the_request_id(server: LiveServer,
                                                           request_log: pytest.LogCaptureFixture) -> None:
     body = {"model": "tiny", "messages": user(), "max_tokens": 5, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+    with local_http.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         rid = r.headers["x-request-id"]
         chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
     assert len(rid) == 32  # none sent: a fresh one
@@ -92,7 +93,7 @@ def test_a_stream_logs_one_line_and_carries_the_request_id(server: LiveServer,
 def test_errors_log_their_type_and_a_bad_request_id_is_replaced(server: LiveServer,
                                                                 request_log: pytest.LogCaptureFixture) -> None:
     too_long = "x" * 129
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"x-request-id": too_long},
+    r = local_http.post(server.url + "/v1/chat/completions", headers={"x-request-id": too_long},
                    json={"model": "tiny", "messages": user(), "max_tokens": 0}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     rid = r.headers["x-request-id"]
@@ -102,24 +103,24 @@ def test_errors_log_their_type_and_a_bad_request_id_is_replaced(server: LiveServ
     assert fields["error_type"] == "invalid_request_error" and fields["model"] == "tiny"
     assert fields["completion_tokens"] == 0 and fields["finish_reason"] is None
     # Anthropic's shape, an unknown route: the header and the line all the same
-    r = httpx.post(server.url + "/v1/messages", headers={"x-request-id": "claude\x7f"},
+    r = local_http.post(server.url + "/v1/messages", headers={"x-request-id": "claude\x7f"},
                    json={"model": "tiny", "max_tokens": 4, "messages": []}, timeout=60)
     assert r.status_code == 400 and r.json()["type"] == "error" and r.headers["x-request-id"] != "claude\x7f"
     assert line(request_log, r.headers["x-request-id"])["error_type"] == "invalid_request_error"
     # a model this server does not serve: the line names the one asked for
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"x-request-id": "other-model"},
+    r = local_http.post(server.url + "/v1/chat/completions", headers={"x-request-id": "other-model"},
                    json={"model": "other", "messages": user(), "max_tokens": 2}, timeout=60)
     assert r.status_code == 404
     fields = line(request_log, "other-model")
     assert fields["model"] == "other" and fields["error"] == "ModelNotFound" and fields["status"] == 404
-    r = httpx.get(server.url + "/v1/nothing-here", headers={"x-request-id": "probe-1"})
+    r = local_http.get(server.url + "/v1/nothing-here", headers={"x-request-id": "probe-1"})
     assert r.status_code == 404 and r.headers["x-request-id"] == "probe-1"
     assert line(request_log, "probe-1")["error"] == "NotFound"
 
 
 def test_health_probes_log_at_debug(server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
-        r = httpx.get(server.url + "/health", headers={"x-request-id": "probe-2"})
+        r = local_http.get(server.url + "/health", headers={"x-request-id": "probe-2"})
         assert r.status_code == 200 and r.headers["x-request-id"] == "probe-2"
         assert line(caplog, "probe-2")["route"] == "/health"
         assert lines(caplog, "probe-2")[0].levelno == logging.DEBUG
@@ -130,11 +131,11 @@ def test_requests_the_client_leaves_log_once(server: LiveServer, request_log: py
         "type": "object", "properties": {"s": {"type": "string", "minLength": 20000}}, "required": ["s"]}}}
     body = {"model": "tiny", "messages": user(), "max_tokens": 3000, "response_format": endless}
     with pytest.raises(httpx.TimeoutException):  # the client gives up on a non-streamed answer
-        httpx.post(server.url + "/v1/chat/completions", json=body, headers={"x-request-id": "gone-0"}, timeout=0.5)
+        local_http.post(server.url + "/v1/chat/completions", json=body, headers={"x-request-id": "gone-0"}, timeout=0.5)
     fields = line(request_log, "gone-0")
     assert fields["status"] == 499 and fields["error"] == "ClientDisconnected" and fields["completion_tokens"] > 0
     body["stream"] = True
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers={"x-request-id": "gone-1"},
+    with local_http.stream("POST", server.url + "/v1/chat/completions", json=body, headers={"x-request-id": "gone-1"},
                       timeout=60) as r:
         assert r.headers["x-request-id"] == "gone-1"
         for n, _ in enumerate(r.iter_lines()):
@@ -145,7 +146,7 @@ def test_requests_the_client_leaves_log_once(server: LiveServer, request_log: py
     assert fields["error_type"] == "client_disconnected" and fields["finish_reason"] is None
     assert fields["completion_tokens"] > 0 and fields["ttft_s"] is not None
     # a later request is logged too, and the one that was left still has one line
-    httpx.get(server.url + "/v1/models", headers={"x-request-id": "after-1"})
+    local_http.get(server.url + "/v1/models", headers={"x-request-id": "after-1"})
     assert line(request_log, "after-1")["status"] == 200
     assert len(lines(request_log, "gone-1")) == 1
 

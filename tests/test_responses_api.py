@@ -48,6 +48,7 @@ from mlx_relay.http.formats.responses.types import (
 from mlx_relay.http.replies import Item
 from mlx_relay.http.streaming import ScopedStreamingResponse, sse_body
 from mlx_relay.relay import default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 SHELL_TOOL = {
@@ -93,14 +94,14 @@ def client(live: LiveServer) -> openai.OpenAI:
 
 
 def post(live: LiveServer, body: dict[str, Any], path: str = "/v1/responses") -> httpx.Response:
-    return httpx.post(live.url + path, json={"model": "tiny", "temperature": 0, **body}, timeout=120)
+    return local_http.post(live.url + path, json={"model": "tiny", "temperature": 0, **body}, timeout=120)
 
 
 def raw_sse(live: LiveServer, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(event name, data) per frame; checks the framing: `event:` names the data's type."""
     frames: list[tuple[str, dict[str, Any]]] = []
     body = {"model": "tiny", "temperature": 0, "stream": True, **body}
-    with httpx.stream("POST", live.url + "/v1/responses", json=body, timeout=120) as r:
+    with local_http.stream("POST", live.url + "/v1/responses", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         name: str | None = None
@@ -289,7 +290,7 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, 
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
-    r = httpx.delete(live.url + f"/v1/responses/{first.id}")
+    r = local_http.delete(live.url + f"/v1/responses/{first.id}")
     assert r.status_code == 404 and r.json()["error"]["message"]
 
 
@@ -307,15 +308,15 @@ def test_store_false_cannot_be_continued(client: openai.OpenAI, live: LiveServer
     assert r.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="tiny", input="again", previous_response_id=r.id, max_output_tokens=2)
-    assert httpx.get(live.url + f"/v1/responses/{r.id}").status_code == 404
+    assert local_http.get(live.url + f"/v1/responses/{r.id}").status_code == 404
     # streamed with store false: not stored either
     frames = raw_sse(live, {"input": "hi", "store": False, "max_output_tokens": 2})
     rid = frames[-1][1]["response"]["id"]
-    assert httpx.get(live.url + f"/v1/responses/{rid}").status_code == 404
+    assert local_http.get(live.url + f"/v1/responses/{rid}").status_code == 404
     # streamed and stored: stored
     frames = raw_sse(live, {"input": "hi", "max_output_tokens": 2})
     rid = frames[-1][1]["response"]["id"]
-    assert httpx.get(live.url + f"/responses/{rid}").json()["id"] == rid
+    assert local_http.get(live.url + f"/responses/{rid}").json()["id"] == rid
 
 
 def test_max_output_tokens_cut_is_incomplete(client: openai.OpenAI) -> None:
@@ -342,7 +343,7 @@ def test_bad_requests_are_400(live: LiveServer, body: dict[str, Any], named: str
 
 
 def test_other_errors_have_the_openai_shape(live: LiveServer, client: openai.OpenAI) -> None:
-    r = httpx.post(live.url + "/v1/responses", content=b"{nope", timeout=30)
+    r = local_http.post(live.url + "/v1/responses", content=b"{nope", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = post(live, {"input": 5})
     assert r.status_code == 422 and r.json()["error"]["param"] == "input"
@@ -355,11 +356,11 @@ def test_other_errors_have_the_openai_shape(live: LiveServer, client: openai.Ope
 
 def test_streaming_disconnect_cancels_the_generation(live: LiveServer) -> None:
     body = {"model": "tiny", "input": "go", "max_output_tokens": 4000, "temperature": 0.7, "stream": True}
-    with httpx.stream("POST", live.url + "/v1/responses", json=body, timeout=60) as r:
+    with local_http.stream("POST", live.url + "/v1/responses", json=body, timeout=60) as r:
         lines = r.iter_lines()
         while "response.output_text.delta" not in next(lines):
             pass
-        assert httpx.get(live.url + "/health").json()["running"] == 1
+        assert local_http.get(live.url + "/health").json()["running"] == 1
     _wait_idle(live)
 
 
@@ -370,17 +371,17 @@ def test_non_streaming_disconnect_cancels_the_generation(live: LiveServer) -> No
         sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 30
-        while httpx.get(live.url + "/health").json()["running"] == 0 and time.monotonic() < deadline:
+        while local_http.get(live.url + "/health").json()["running"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert httpx.get(live.url + "/health").json()["running"] == 1
+        assert local_http.get(live.url + "/health").json()["running"] == 1
     _wait_idle(live)
 
 
 def _wait_idle(live: LiveServer) -> None:
     deadline = time.monotonic() + 10
-    while httpx.get(live.url + "/health").json()["running"] and time.monotonic() < deadline:
+    while local_http.get(live.url + "/health").json()["running"] and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert httpx.get(live.url + "/health").json()["running"] == 0
+    assert local_http.get(live.url + "/health").json()["running"] == 0
 
 
 # --------------------------------------------------------------------------------------------

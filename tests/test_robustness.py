@@ -21,6 +21,7 @@ import msgspec
 import pytest
 
 from mlx_relay.relay import default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 TIMEOUT = 60.0
@@ -41,7 +42,7 @@ def guarded(fp32_model: Path) -> Iterator[LiveServer]:
 
 def post(server: LiveServer, path: str, body: Any, **headers: str) -> httpx.Response:
     content = body if isinstance(body, bytes) else msgspec.json.encode(body)
-    return httpx.post(server.url + path, content=content, timeout=TIMEOUT,
+    return local_http.post(server.url + path, content=content, timeout=TIMEOUT,
                       headers={"content-type": "application/json", **headers})
 
 
@@ -62,7 +63,7 @@ def anthropic_error(r: httpx.Response, status: int) -> dict[str, Any]:
 
 
 def still_whole(server: LiveServer) -> None:
-    health = httpx.get(server.url + "/health", timeout=TIMEOUT)
+    health = local_http.get(server.url + "/health", timeout=TIMEOUT)
     assert health.status_code == 200 and "down" not in health.json(), health.text
     r = post(server, CHAT, {"messages": USER, "max_tokens": 2})
     assert r.status_code == 200, r.text
@@ -189,17 +190,17 @@ def test_a_grammar_that_fails_while_generating_is_refused_before_admission(serve
 
 
 def test_anthropic_routes_answer_404_and_405_in_their_own_shape(server: LiveServer) -> None:
-    r = httpx.get(server.url + "/v1/messages", timeout=TIMEOUT)
+    r = local_http.get(server.url + "/v1/messages", timeout=TIMEOUT)
     assert anthropic_error(r, 405)["type"] == "invalid_request_error"
     r = post(server, "/v1/messages/nope", {})
     assert anthropic_error(r, 404)["type"] == "not_found_error"
-    openai_error(httpx.get(server.url + "/v1/nope", timeout=TIMEOUT), 404)
+    openai_error(local_http.get(server.url + "/v1/nope", timeout=TIMEOUT), 404)
 
 
 def test_anthropic_message_start_carries_the_prompt_size(server: LiveServer) -> None:
     body = {"model": "tiny", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "Hello there"}]}
     count = post(server, "/v1/messages/count_tokens", {"model": "tiny", "messages": body["messages"]}).json()
-    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=TIMEOUT) as r:
+    with local_http.stream("POST", server.url + "/v1/messages", json=body, timeout=TIMEOUT) as r:
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
     usage = json.loads(first[6:])["message"]["usage"]
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == count["input_tokens"] > 0
@@ -289,10 +290,10 @@ def test_a_client_that_stops_reading_does_not_hold_its_slot(guarded: LiveServer,
               + f"content-length: {len(body)}\r\n\r\n".encode() + body.encode())
     try:  # never read
         deadline = time.monotonic() + 30
-        while httpx.get(guarded.url + "/health", timeout=TIMEOUT).json()["running"] == 0:
+        while local_http.get(guarded.url + "/health", timeout=TIMEOUT).json()["running"] == 0:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.05)
-        while httpx.get(guarded.url + "/health", timeout=TIMEOUT).json()["running"] > 0:
+        while local_http.get(guarded.url + "/health", timeout=TIMEOUT).json()["running"] > 0:
             assert time.monotonic() < deadline, "the stalled client kept its slot"
             time.sleep(0.2)
     finally:

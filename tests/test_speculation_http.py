@@ -14,7 +14,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import msgspec
 import pytest
 
@@ -32,6 +31,7 @@ from mlx_relay.http.formats.responses.types import ResponseObject, TextConfig, T
 from mlx_relay.http.formats.speculation import speculation_of
 from mlx_relay.messages.gpu import Finished, ModelInfo
 from mlx_relay.service import Actors, ChatRequest, ChatService, ReplyTally, SamplingDefaults, _parsed
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 USER = [{"role": "user", "content": "Repeat after me: " + "alpha beta gamma delta epsilon zeta eta theta " * 24}]
@@ -69,11 +69,11 @@ def stream_usage(fmt: str, frames: list[dict[str, Any]]) -> dict[str, Any]:
 def usage(server: LiveServer, fmt: str, extra: dict[str, Any], *, stream: bool = False) -> dict[str, Any]:
     path, body = body_of(fmt, extra, stream=stream)
     if not stream:
-        r = httpx.post(server.url + path, json=body, timeout=120)
+        r = local_http.post(server.url + path, json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()["usage"]
     frames = []
-    with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
+    with local_http.stream("POST", server.url + path, json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -142,7 +142,7 @@ BAD = [
 def test_bad_speculation_is_a_400_in_the_formats_error_shape(server: LiveServer, fmt: str) -> None:
     for value, param in [*BAD, ({"method": "draft"}, "speculation.method")]:
         path, body = body_of(fmt, {"speculation": value}, max_tokens=2)
-        r = httpx.post(server.url + path, json=body, timeout=60)
+        r = local_http.post(server.url + path, json=body, timeout=60)
         assert r.status_code == 400, (value, r.status_code, r.text)
         err = r.json()
         if fmt == "messages":  # Anthropic's shape

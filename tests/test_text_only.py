@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
@@ -18,6 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_relay.engine.lanes.mtp_head import load_mtp_drafter
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.relay import Relay, default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer
 
@@ -73,7 +73,7 @@ async def test_text_only_checkpoints_give_the_vlm_checkpoints_tokens(fp32_model:
 def test_text_only_checkpoint_serves_over_http_and_refuses_images() -> None:
     config = default_config(_text_fixture("text"), served_model_name="tiny-text", max_num_seqs=4, mtp_policy="always")
     with LiveServer(config) as live:
-        r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+        r = local_http.post(live.url + "/v1/chat/completions", timeout=60, json={
             "model": "tiny-text", "messages": MESSAGES[0], "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
         body = r.json()
@@ -81,10 +81,10 @@ def test_text_only_checkpoint_serves_over_http_and_refuses_images() -> None:
         image = [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
             {"type": "text", "text": "what is this?"}]}]
-        r = httpx.post(live.url + "/v1/chat/completions", timeout=60,
+        r = local_http.post(live.url + "/v1/chat/completions", timeout=60,
                        json={"model": "tiny-text", "messages": image, "max_tokens": 8})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "messages" and "vision" in r.json()["error"]["message"]
-        models = httpx.get(live.url + "/v1/models", timeout=10).json()
+        models = local_http.get(live.url + "/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["tiny-text"]
         assert models["data"][0]["capabilities"]["vision"] is False

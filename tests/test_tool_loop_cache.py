@@ -32,10 +32,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-import httpx
 import pytest
 
 from mlx_relay.relay import Relay, default_config
+from mlx_relay.testing import local_http
 from mlx_relay.testing.family_fixtures import family_fixture_path
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer
@@ -254,7 +254,7 @@ class MessagesAgent:
 def run_loop(server: LiveServer, agent: Agent, rounds: int) -> list[Usage]:
     usages = []
     for i in range(rounds):
-        r = httpx.post(server.url + agent.path, json=agent.body(), timeout=TIMEOUT)
+        r = local_http.post(server.url + agent.path, json=agent.body(), timeout=TIMEOUT)
         assert r.status_code == 200, r.text[:500]
         usages.append(agent.answered(r.json(), f"line {i}: ok"))
     return usages
@@ -273,9 +273,9 @@ def agent_for(wire: Wire, task: str) -> Agent:
 def test_every_tool_round_restores_the_previous_request(servers: dict[Template, LiveServer], template: Template,
                                                         wire: Wire) -> None:
     server = servers[template]
-    before = httpx.get(server.url + "/v1/cache/stats", timeout=TIMEOUT).json()["prefix_cache"]
+    before = local_http.get(server.url + "/v1/cache/stats", timeout=TIMEOUT).json()["prefix_cache"]
     usages = run_loop(server, agent_for(wire, f"Fix the failing test ({template}, {wire})."), ROUNDS)
-    after = httpx.get(server.url + "/v1/cache/stats", timeout=TIMEOUT).json()["prefix_cache"]
+    after = local_http.get(server.url + "/v1/cache/stats", timeout=TIMEOUT).json()["prefix_cache"]
     for prev, this in itertools.pairwise(usages):
         assert this.cached >= prev.prompt, usages  # the previous request's whole prompt
         if wire != "messages":  # the call sent back as generated: the whole turn, all but its end-of-turn token
@@ -285,7 +285,7 @@ def test_every_tool_round_restores_the_previous_request(servers: dict[Template, 
     turn = after["by_kind"]["turn"]
     assert turn["superseded"] - before["by_kind"]["turn"]["superseded"] >= ROUNDS - 2
     assert after["evictions"] == before["evictions"] == 0
-    metrics = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
+    metrics = local_http.get(server.url + "/metrics", timeout=TIMEOUT).text
     assert f'mlx_relay:prefix_cache_superseded_total{{model_name="{MODEL}"}} {float(after["superseded"])}' in metrics
 
 
@@ -364,7 +364,7 @@ def test_a_new_session_of_an_agent_restores_its_instructions(servers: dict[Templ
     assert 8 < instructions < whole < len(rendered.token_ids)
     cached = []
     for session in ("a", "b"):
-        r = httpx.post(server.url + "/v1/chat/completions", json=body(session), timeout=TIMEOUT)
+        r = local_http.post(server.url + "/v1/chat/completions", json=body(session), timeout=TIMEOUT)
         assert r.status_code == 200, r.text
         cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
     assert cached[0] < instructions and instructions <= cached[1] < whole, (cached, instructions, whole)

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
 from mlx_relay.relay import Relay
+from mlx_relay.testing import local_http
 from mlx_relay.testing.live_server import LiveServer
 
 
@@ -35,17 +35,17 @@ def image_message(text: str, *urls: str) -> list[dict[str, Any]]:
 def test_image_request_over_http(server: LiveServer) -> None:
     body = {"model": "tiny", "messages": image_message("What is in this picture?", png_data_url(1)),
             "max_tokens": 8, "temperature": 0}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    r = local_http.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    text_only = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+    text_only = local_http.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": "tiny", "messages": [{"role": "user", "content": "What is in this picture?"}], "max_tokens": 8})
     # the image's placeholder was expanded into its patch tokens
     assert r.json()["usage"]["prompt_tokens"] > text_only.json()["usage"]["prompt_tokens"] + 2
     bad = dict(body, messages=image_message("x", "data:image/png;base64,not-base64!"))
-    r = httpx.post(server.url + "/v1/chat/completions", json=bad, timeout=60)
+    r = local_http.post(server.url + "/v1/chat/completions", json=bad, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     remote = dict(body, messages=image_message("x", "http://127.0.0.1:1/cat.png"))
-    r = httpx.post(server.url + "/v1/chat/completions", json=remote, timeout=60)
+    r = local_http.post(server.url + "/v1/chat/completions", json=remote, timeout=60)
     assert r.status_code == 400 and "allow" in r.json()["error"]["message"]
 
 

@@ -1,7 +1,7 @@
 """A real server on a free loopback port, in a background thread: for tests and benchmarks.
 
     with LiveServer(config) as server:
-        httpx.get(server.url + "/health")
+        local_http.get(server.url + "/health")
 
 The server thread runs its own event loop with the server `mlx-relay serve` runs
 (`http.server.build_server`: uvicorn, the app's lifespan booting the Relay and its GPU thread,
@@ -30,6 +30,7 @@ from mlx_relay.http.lifecycle import Lifecycle
 from mlx_relay.http.served import BootServed, Served, one_model
 from mlx_relay.http.server import build_server
 from mlx_relay.relay import Relay
+from mlx_relay.testing import local_http
 
 T = TypeVar("T")
 
@@ -103,7 +104,7 @@ class LiveServer:
             if not self._thread.is_alive():
                 raise RuntimeError("the server thread exited during start-up")
             try:
-                r = httpx.get(self.url + "/health", timeout=2.0)
+                r = local_http.get(self.url + "/health", timeout=2.0)
                 if not self.wait_ready or r.status_code == 200:
                     return self
                 if r.json().get("status") == "failed":
