@@ -5,13 +5,14 @@ per count of (token, expert) pairs (issue 43.3: which path runs a mixed step's o
         [--out grouped_kernels.json]
 
 Paths, each over the same sorted pairs (random experts), the up projection's shape (N 512, K 2,048)
-and the down projection's (N 2,048, K 512): `qmv` (`grouped_qmv`'s CUDA-core kernel), `qmm`
+and the down projection's (N 2,048, K 512): `qmv` (`grouped_qmv`'s CUDA-core kernel), `narrow`
+(`narrow_qmm`'s tensor-core kernel for few rows, not yet called by the engine), `qmm`
 (`grouped_qmm`'s tensor-core kernel), `dequantize` (every expert dequantized, MLX's sorted
 `gather_mm`) and `library` (MLX's `gather_qmm` over the sorted pairs, what mlx-vlm's `SwitchGLU`
 calls). Each timed alone: `--repeats` calls queued, then one synchronize (the median of 3 such runs,
 a call's microseconds). The weights' bytes over the time give the bandwidth each reaches. Then
 (`--dense`) a dense projection over few rows (the decode step's at that batch): MLX's
-`quantized_matmul` against the qmv kernel given the weights as a single expert.
+`quantized_matmul` against the qmv and narrow kernels given the weights as a single expert.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from bench_prefill import card, commit
 
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import cuda_grouped_qmm, fallback
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import Shape, cuda_grouped_qmv
+from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import cuda_narrow_qmm
 
 
 def library(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
@@ -43,7 +45,8 @@ def library(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
                          sorted_indices=True)
 
 
-PATHS = {"qmv": cuda_grouped_qmv, "qmm": cuda_grouped_qmm, "dequantize": fallback, "library": library}
+PATHS = {"qmv": cuda_grouped_qmv, "narrow": cuda_narrow_qmm, "qmm": cuda_grouped_qmm, "dequantize": fallback,
+         "library": library}
 
 
 def time_us(fn: Any, repeats: int) -> float:
@@ -95,7 +98,7 @@ def main() -> None:
                             "weight_gb": gb})
             print(f"{routes:7d} {name:>5} " + " ".join(f"{us[p]:11.1f}" for p in paths)
                   + f"   {gb / (us['qmv'] * 1e-6):7.0f}", flush=True)
-    dense = dense_rows(args, {k: v for k, v in paths.items() if k.startswith("qmv")}) if args.dense else []
+    dense = dense_rows(args, {k: v for k, v in paths.items() if k.startswith(("qmv", "narrow"))}) if args.dense else []
     if args.out:
         args.out.write_text(json.dumps({"commit": commit(), "card": card()[0], "results": results, "dense": dense},
                                        indent=1))

@@ -202,11 +202,41 @@ def check_grouped_qmm(T: int, skewed: bool) -> dict[str, Any]:
     return result
 
 
+def check_narrow_qmm(T: int, skewed: bool, dense: bool = False) -> dict[str, Any]:
+    """`narrow_qmm`'s tensor-core kernel (not yet called by the engine) against the float32 truth,
+    the up and down projections' shapes: routed rows (evenly, or most to a few experts: a pass per
+    8 rows), or `dense`: T rows through one expert's weights (a dense projection, E = 1)."""
+    from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import cuda_narrow_qmm
+
+    E, k = SHAPE["num_experts"], SHAPE["num_experts_per_tok"]
+    switch = quantized_switch()
+    result: dict[str, Any] = {"T": T, "skewed": skewed, "dense": dense}
+    ok = True
+    for name, proj, K in (("up", switch.up_proj, SHAPE["hidden_size"]), ("down", switch.down_proj,
+                                                                        SHAPE["moe_intermediate_size"])):
+        if dense:
+            proj = {key: proj[key][3:4] for key in ("weight", "scales", "biases")}
+            n = T
+            experts = mx.zeros((n,), dtype=mx.uint32)
+        else:
+            n = T * k
+            experts = (mx.random.randint(0, 3, (n,)) if skewed else mx.random.randint(0, E, (n,))).astype(mx.uint32)
+            experts = mx.sort(experts)
+        rows = mx.random.normal((n, 1, K)).astype(mx.bfloat16)
+        ours = cuda_narrow_qmm(rows, proj, experts)
+        true = projection_truth(rows, proj, experts)
+        mx.eval(ours, true)
+        result[f"{name}_rel"] = rel(ours, true)
+        ok = ok and ours.shape == (n, 1, proj["weight"].shape[1]) and result[f"{name}_rel"] <= TOLERANCE
+    result["ok"] = bool(ok)
+    return result
+
+
 def projection_truth(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
     """rows[r] @ W[experts[r]]^T in float32, one matmul per expert."""
     import numpy as np
 
-    w = float_weights(proj)
+    w = float_weights(proj) if hasattr(proj, "bits") else float_weights_of(proj)
     out = mx.zeros((rows.shape[0], 1, w.shape[1]), dtype=mx.float32)
     ids = np.array(experts.astype(mx.int32))
     for e in sorted(set(ids.tolist())):
@@ -214,6 +244,12 @@ def projection_truth(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
         out[at] = rows[at].astype(mx.float32) @ w[e].T
         mx.eval(out)
     return out
+
+
+def float_weights_of(proj: dict[str, mx.array]) -> mx.array:
+    """A projection's 8-bit weights (group 64, as the switch's) dequantized in float32."""
+    return mx.dequantize(proj["weight"], proj["scales"].astype(mx.float32), proj["biases"].astype(mx.float32),
+                         group_size=64, bits=8)
 
 
 def check_grouped_experts(T: int, kernel: bool) -> dict[str, Any]:
@@ -240,7 +276,7 @@ def main() -> None:
     la = gated_delta_net()
     checks: dict[str, list[dict[str, Any]]] = {"gated_delta_mixer": [], "route_topk": [], "combine": [],
                                                "delta_rule": [], "conv": [], "grouped_experts": [],
-                                               "grouped_qmm": []}
+                                               "grouped_qmm": [], "narrow_qmm": []}
     def record(name: str, check: Any, *args: Any) -> None:
         try:
             c = check(*args)
@@ -266,7 +302,14 @@ def main() -> None:
     # a few experts with hundreds of rows, a pass per 8)
     for T, skewed in ((2048, False), (2048, True), (512, False), (256, False), (256, True), (37, False), (1, False)):
         record("grouped_qmm", check_grouped_qmm, T, skewed)
+    # not yet called by the engine: a failure here is reported, not counted (the next lease's first check)
+    narrow: dict[str, list[dict[str, Any]]] = {"narrow_qmm": []}
+    for T, skewed, dense in ((1, False, False), (37, False, False), (256, False, False), (256, True, False),
+                             (1, False, True), (8, False, True), (13, False, True)):
+        record("narrow_qmm", check_narrow_qmm, T, skewed, dense)
+    narrow["narrow_qmm"] = checks.pop("narrow_qmm")
     ok = all(c["ok"] for group in checks.values() for c in group)
+    checks.update(narrow)
     print("kernel check: " + ("PASS" if ok else "FAIL"))
     if args.out:
         args.out.write_text(json.dumps({"tolerance": TOLERANCE, "checks": checks, "pass": ok}, indent=2))
