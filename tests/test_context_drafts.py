@@ -79,6 +79,33 @@ def test_round_costs_pick_tokens_per_second_and_probe() -> None:
     assert costs.best_width(1, {2: 1.5, 5: 1.6}) == 5  # stale: timed again
 
 
+def test_a_head_whose_drafts_miss_is_switched_off_and_probed() -> None:
+    """The round's plan weighs the head's block against one token a row (the head off) at their
+    measured round times: a head whose drafts miss is off, one whose drafts land is on, and a head
+    switched off is verified again once every PROBE_EVERY rounds (so it can come back)."""
+    from mlx_relay.engine.lanes.mtp_rows import MTPRow
+    from mlx_relay.engine.lanes.round_drafts import RoundDrafts
+
+    def plans(accepted: int) -> list[int]:
+        drafts = RoundDrafts(block_size=2, max_context=0, min_width=1)
+        row = MTPRow(rid=0, prompt=[1, 2], max_tokens=10_000)
+        for _ in range(20):
+            row.earnings.record("mtp", 1, accepted, verified=True)
+        widths = []
+        for _ in range(2 * PROBE_EVERY):
+            plan = drafts.plan([row])
+            assert plan.heads == [plan.width == 2]  # one token a row: no row takes the head
+            widths.append(plan.width)
+            drafts.costs.record(1, plan.width, {1: 1.0, 2: 1.5}[plan.width])  # a block-2 round: 1.5 steps
+        return widths
+
+    missing, landing = plans(0), plans(1)
+    assert missing[:2] == landing[:2] == [1, 2]  # each width timed once first
+    # then the one that pays, the other timed again once a PROBE_EVERY rounds
+    assert 1 <= missing[2:].count(2) <= 2 and missing[2:].count(1) >= 2 * PROBE_EVERY - 4
+    assert 1 <= landing[2:].count(1) <= 2 and landing[2:].count(2) >= 2 * PROBE_EVERY - 4
+
+
 def _copy_prompt(path: Any, tokens: int) -> list[int]:
     """A prompt that holds the model's own greedy continuation of BASE, then BASE again: what the
     model writes next was written before (an agent re-emitting a file)."""

@@ -3,9 +3,12 @@ used by both MTP cohorts, `mtp_cohort.EagerCohort` and `mtp_compiled.CompiledCoh
 
 Before a round, `RoundDrafts.plan` asks each row that takes context drafts for a proposal
 (`speculation.context_drafts`), and picks the round's width: the head's block `k` (each row
-verifies the head's drafts) or `1 + max_context` (rows whose proposal is expected to beat the
-head's verify it instead), whichever yields more expected tokens per second over all rows at the
-widths' measured round times (`speculation.earnings`). After the round, `settle` credits each
+verifies the head's drafts), the head off (`min_width`: one token a row in the compiled cohort,
+where the head's drafts are expected to earn less than its wider round costs) or
+`1 + max_context` (rows whose proposal is expected to beat the head's verify it instead),
+whichever yields more expected tokens per second over all rows at the widths' measured round
+times (`speculation.earnings`; a width not chosen is timed again every `PROBE_EVERY` rounds, so a
+head switched off is verified, and measured, now and then). After the round, `settle` credits each
 source with what was accepted: verified for the source the row used, shadowed for a context
 proposal it did not, and feeds the emitted tokens to the row's context.
 """
@@ -54,27 +57,33 @@ class RoundDrafts:
         return 1 + self.max_context
 
     def plan(self, rows: Sequence[MTPRow]) -> RoundPlan:
+        n = len(rows)
         heads = [r.use_head for r in rows]
         # the width without context drafts: the head's block, or one token (plus padding up to
         # `min_width`) when no row takes the head's drafts
         k = self.k if any(heads) else self.min_width
         proposals = [r.context.propose(r.max_context) if r.context is not None else [] for r in rows]
-        if self.max_context <= 0 or not any(proposals):
-            return RoundPlan(k, proposals, [False] * len(rows), heads=heads)
         head = [1.0 + (r.earnings.expected("mtp", k - 1) if r.use_head else 0.0) for r in rows]
-        use = []
-        for r, p, h in zip(rows, proposals, head, strict=True):
-            use.append(bool(p) and (self.always or 1.0 + r.earnings.expected("context", len(p)) > h))
-        if not any(use):
-            return RoundPlan(k, proposals, use, heads=heads)
-        if self.wide <= k:
-            return RoundPlan(k, proposals, use, heads=heads)
-        if self.always:
-            return RoundPlan(self.wide, proposals, use, heads=heads)
-        wide = sum(1.0 + r.earnings.expected("context", len(p)) if u else h
-                   for r, p, u, h in zip(rows, proposals, use, head, strict=True))
-        width = self.costs.best_width(batch_bucket(len(rows)), {k: sum(head), self.wide: wide})
-        return RoundPlan(width, proposals, use if width == self.wide else [False] * len(rows), heads=heads)
+        # the widths worth timing: the head's block; the head off for the round (one token a row,
+        # where a head whose drafts miss costs more than it earns); the context drafts' width
+        options = {k: sum(head)}
+        if any(heads) and self.min_width < k and not self.always:
+            options[self.min_width] = float(n)
+        use = [False] * n
+        if self.max_context > 0 and any(proposals):
+            use = [bool(p) and (self.always or 1.0 + r.earnings.expected("context", len(p)) > h)
+                   for r, p, h in zip(rows, proposals, head, strict=True)]
+            if any(use) and self.wide > k:
+                if self.always:
+                    return RoundPlan(self.wide, proposals, use, heads=heads)
+                options[self.wide] = sum(1.0 + r.earnings.expected("context", len(p)) if u else h
+                                         for r, p, u, h in zip(rows, proposals, use, head, strict=True))
+        width = k if len(options) == 1 else self.costs.best_width(batch_bucket(n), options)
+        if width == k:  # context drafts shorter than the block ride in it
+            return RoundPlan(k, proposals, use if self.wide <= k else [False] * n, heads=heads)
+        if width == self.wide and self.wide in options and self.wide != self.min_width:
+            return RoundPlan(width, proposals, use, heads=heads)
+        return RoundPlan(width, proposals, [False] * n, heads=[False] * n)  # the head off this round
 
     def settle(self, rows: Sequence[MTPRow], plan: RoundPlan, emitted: dict[int, list[int]], took: list[int],
                counts: MTPCounts) -> None:
