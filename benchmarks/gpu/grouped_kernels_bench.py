@@ -73,6 +73,8 @@ def main() -> None:
     mx.random.seed(0)
     switch = quantized_switch()
     paths = dict(PATHS)
+    for split in (2, 4):  # the tensor-core kernel with its warps splitting K (for the dense projections)
+        paths[f"narrow_k{split}"] = partial(cuda_narrow_qmm, split_k=split)
     for spec in args.qmv_shapes.split():
         shape = Shape(*(int(v) for v in spec.split(",")))
         paths[f"qmv{spec}"] = partial(cuda_grouped_qmv, shape=shape)

@@ -14,11 +14,14 @@ the tensor cores, `mma.sync` m16n8k16 with the WEIGHTS as the 16-row operand (16
 and 8 rows of x as the 8-column one (`D^T = W x^T`), so a row of x costs no instructions of its own
 up to 8:
 
-- a thread block per (expert, 64 output columns), four warps of 16 columns; the expert's rows 8 a
-  pass in shared memory, with each row's sum over each quantization group;
+- a thread block per (expert, 64 output columns), four warps of 16 columns (or, `split_k`, fewer
+  columns a block and the warps splitting K, their sums added in shared memory: a dense
+  projection has too few blocks of 64 columns to keep the GPU's memory busy); the expert's rows 8
+  a pass, read from global memory where the products need them (a lane's 16 values of a group at
+  once; any K), each row's sum over each quantization group in shared memory;
 - per group of 64 along K, a lane reads 16 consecutive weight bytes of two columns (g and g + 8 of
-  its warp's 16: lane = 4 g + t reads bytes 16 t .. 16 t + 15), the next group's read issued before
-  this one's products;
+  its warp's 16: lane = 4 g + t reads bytes 16 t .. 16 t + 15) and the same 16 positions of row g
+  of x, the next group's weights issued before this one's products;
 - the dot product's order along K is free, so the fragment's k positions are permuted to match
   what a lane holds: in step s (0..3) of a group, the fragment's columns 2t, 2t+1, 2t+8, 2t+9 are
   bytes 16 t + 4 s + 0..3 (one 32-bit word of the weights; four consecutive values of x);
@@ -44,19 +47,24 @@ THREADS = 128
 
 # Template constants: N, K, E; T the rows' (and output's) dtype: bfloat16 or float16.
 _CUDA_SOURCE = """
-  constexpr int RG = 8, BN = 64, GS = 64;
+  constexpr int RG = 8, GS = 64;
+  constexpr int WK = __WK__, WN = 4 / WK;    // the block's four warps: WN along the columns, WK along K
+  constexpr int BN = 16 * WN;                // output columns a block
   constexpr int GROUPS = K / GS;
+  constexpr int KSPAN = GROUPS / WK;         // groups a warp sums (WK divides K / 64)
   constexpr int KW = K / 4;                  // 32-bit words a weight row
-  constexpr int LD = K + 4;                  // x's rows padded: lanes g = 0..7 of a step hit other banks
-  __shared__ __align__(16) T xs[RG * LD];
-  __shared__ float xsum[RG * GROUPS];
+  static_assert(GROUPS % WK == 0, "whole groups a warp");
+  __shared__ float xsum[RG * GROUPS];        // each row's sum over each quantization group
+  __shared__ float part[WK > 1 ? WK * WN * 32 * 4 : 1];  // the K-split warps' sums, reduced at the end
 
   const int e = blockIdx.x;
   const int r_begin = row_off[e], r_end = row_off[e + 1];
   if (r_begin >= r_end) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
-  const int n_lo = blockIdx.y * BN + warp * 16 + g, n_hi = n_lo + 8;
+  const int wn = warp % WN, wk = warp / WN;
+  const int g0 = wk * KSPAN, g1 = g0 + KSPAN;  // this warp's groups along K
+  const int n_lo = blockIdx.y * BN + wn * 16 + g, n_hi = n_lo + 8;
   const uint32_t* w_lo = w + ((size_t)e * N + n_lo) * KW;
   const uint32_t* w_hi = w + ((size_t)e * N + n_hi) * KW;
   const T* s_lo = scales + ((size_t)e * N + n_lo) * GROUPS;
@@ -66,43 +74,46 @@ _CUDA_SOURCE = """
 
   for (int p = r_begin; p < r_end; p += RG) {
     const int rows = min(RG, r_end - p);
-    __syncthreads();  // the last pass's reads of xs are done
-    for (int v = threadIdx.x; v < RG * K / 8; v += blockDim.x) {
-      const int r = v / (K / 8), c = (v % (K / 8)) * 8;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (r < rows) val = *reinterpret_cast<const uint4*>(x + (size_t)(p + r) * K + c);
-      *reinterpret_cast<uint2*>(xs + r * LD + c) = make_uint2(val.x, val.y);  // 8-byte aligned rows
-      *reinterpret_cast<uint2*>(xs + r * LD + c + 4) = make_uint2(val.z, val.w);
-    }
-    __syncthreads();
+    __syncthreads();  // the last pass's reads of xsum and part are done
     for (int v = threadIdx.x; v < RG * GROUPS; v += blockDim.x) {
       const int r = v / GROUPS, gi = v % GROUPS;
       float acc = 0.f;
-      for (int j = 0; j < GS; ++j) acc += static_cast<float>(xs[r * LD + gi * GS + j]);
+      if (r < rows) {
+        const T* xr = x + (size_t)(p + r) * K + gi * GS;
+        for (int j = 0; j < GS; ++j) acc += static_cast<float>(xr[j]);
+      }
       xsum[v] = acc;
     }
     __syncthreads();
 
+    // this lane's row of x (the MMA's column g): 16 values a group, read where the products need them
+    const bool has_row = g < rows;
+    const T* xg = x + (size_t)(p + (has_row ? g : 0)) * K;
     float y0 = 0.f, y1 = 0.f, y2 = 0.f, y3 = 0.f;  // (n_lo, row 2t), (n_lo, 2t+1), (n_hi, 2t), (n_hi, 2t+1)
-    uint4 next_lo = *reinterpret_cast<const uint4*>(w_lo + 4 * t);
-    uint4 next_hi = *reinterpret_cast<const uint4*>(w_hi + 4 * t);
-    for (int gi = 0; gi < GROUPS; ++gi) {
+    uint4 next_lo = *reinterpret_cast<const uint4*>(w_lo + g0 * (GS / 4) + 4 * t);
+    uint4 next_hi = *reinterpret_cast<const uint4*>(w_hi + g0 * (GS / 4) + 4 * t);
+    for (int gi = g0; gi < g1; ++gi) {
       const uint4 cur_lo = next_lo, cur_hi = next_hi;
-      if (gi + 1 < GROUPS) {  // the next group's bytes in flight during this one's products
+      if (gi + 1 < g1) {  // the next group's bytes in flight during this one's products
         next_lo = *reinterpret_cast<const uint4*>(w_lo + (gi + 1) * (GS / 4) + 4 * t);
         next_hi = *reinterpret_cast<const uint4*>(w_hi + (gi + 1) * (GS / 4) + 4 * t);
       }
+      uint4 xa = make_uint4(0, 0, 0, 0), xb = make_uint4(0, 0, 0, 0);  // x[g][gi*64 + 16t .. + 15]
+      if (has_row) {
+        xa = *reinterpret_cast<const uint4*>(xg + gi * GS + 16 * t);
+        xb = *reinterpret_cast<const uint4*>(xg + gi * GS + 16 * t + 8);
+      }
       const uint32_t lo_words[4] = {cur_lo.x, cur_lo.y, cur_lo.z, cur_lo.w};
       const uint32_t hi_words[4] = {cur_hi.x, cur_hi.y, cur_hi.z, cur_hi.w};
+      const uint32_t x_words[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
       float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
       #pragma unroll
       for (int s = 0; s < 4; ++s) {
-        const int k = gi * GS + 16 * t + 4 * s;
-        const uint2 xb = *reinterpret_cast<const uint2*>(xs + g * LD + k);  // x[row g][k .. k + 3]
-        // the fragment's registers: (column g, k, k+1), (g + 8, k, k+1), (g, k+2, k+3), (g + 8, k+2, k+3)
+        // step s: the fragment's k columns 2t, 2t+1, 2t+8, 2t+9 are bytes 16t + 4s + 0..3 of the group:
+        // registers (column g, k, k+1), (g + 8, k, k+1), (g, k+2, k+3), (g + 8, k+2, k+3); x's (k, k+1), (k+2, k+3)
         const uint32_t a0 = RelayNarrow<T>::pair(lo_words[s], 0), a1 = RelayNarrow<T>::pair(hi_words[s], 0);
         const uint32_t a2 = RelayNarrow<T>::pair(lo_words[s], 1), a3 = RelayNarrow<T>::pair(hi_words[s], 1);
-        RelayNarrow<T>::mma(c0, c1, c2, c3, a0, a1, a2, a3, xb.x, xb.y);
+        RelayNarrow<T>::mma(c0, c1, c2, c3, a0, a1, a2, a3, x_words[2 * s], x_words[2 * s + 1]);
       }
       const float sl = static_cast<float>(s_lo[gi]), sh = static_cast<float>(s_hi[gi]);
       const float bl = static_cast<float>(b_lo[gi]), bh = static_cast<float>(b_hi[gi]);
@@ -111,6 +122,18 @@ _CUDA_SOURCE = """
       y1 += sl * c1 + bl * x1;
       y2 += sh * c2 + bh * x0;
       y3 += sh * c3 + bh * x1;
+    }
+    if (WK > 1) {  // the K-split warps' sums: warp wk = 0 of each column group adds the others'
+      float* mine = part + ((wk * WN + wn) * 32 + lane) * 4;
+      mine[0] = y0; mine[1] = y1; mine[2] = y2; mine[3] = y3;
+      __syncthreads();
+      if (wk == 0) {
+        for (int j = 1; j < WK; ++j) {
+          const float* other = part + ((j * WN + wn) * 32 + lane) * 4;
+          y0 += other[0]; y1 += other[1]; y2 += other[2]; y3 += other[3];
+        }
+      }
+      if (wk != 0) continue;
     }
     const int r0 = 2 * t, r1 = 2 * t + 1;
     if (r0 < rows) {
@@ -162,20 +185,24 @@ template <> struct RelayNarrow<__half> {
 """
 
 
-def cuda_source() -> str:
-    return _CUDA_SOURCE
+def cuda_source(split_k: int = 1) -> str:
+    """`split_k`: the block's four warps along K (1: four column groups of 16 over all of K, for many
+    experts; 2 or 4: fewer columns a block, each warp a share of K, summed in shared memory: more
+    warps in flight for a dense projection's few blocks)."""
+    return _CUDA_SOURCE.replace("__WK__", str(split_k))
 
 
-def cuda_narrow_qmm(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
-    """The kernel (CUDA only; 8-bit groups of 64, N a multiple of 64, K of 64, 16-bit rows)."""
+def cuda_narrow_qmm(rows: mx.array, proj: Any, experts: mx.array, split_k: int = 1) -> mx.array:
+    """The kernel (CUDA only; 8-bit groups of 64, N a multiple of 64 / `split_k`, K of 64 x `split_k`,
+    16-bit rows)."""
     E, N, _ = proj["weight"].shape
     R, _, K = rows.shape
     kernel = mx.fast.cuda_kernel(
-        name="relay_narrow_qmm8", input_names=["x", "w", "scales", "biases", "row_off"], output_names=["y"],
-        source=cuda_source(), header=CUDA_HEADER)
+        name=f"relay_narrow_qmm8_k{split_k}", input_names=["x", "w", "scales", "biases", "row_off"],
+        output_names=["y"], source=cuda_source(split_k), header=CUDA_HEADER)
     (y,) = kernel(
         inputs=[rows, proj["weight"], proj["scales"], proj["biases"], row_offsets(experts, E)],
         template=[("N", N), ("K", K), ("E", E), ("T", rows.dtype)],
-        grid=(E * THREADS, N // COLS_A_BLOCK, 1), threadgroup=(THREADS, 1, 1),
+        grid=(E * THREADS, N // (COLS_A_BLOCK // split_k), 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(R, 1, N)], output_dtypes=[rows.dtype])
     return y
