@@ -46,10 +46,10 @@ MODES = ("decode", "two", "mixed")
 
 
 class Bench:
-    def __init__(self, lm: Any, rows: int, context: int, seed: int) -> None:
+    def __init__(self, lm: Any, rows: int, context: int, seed: int, experts: str = "kernel") -> None:
         self.lm, self.rows = lm, batch_bucket(rows)
         self.step = DecodeStep(lm)
-        self.forward = ModelForward(lm, PrefillOptions())
+        self.forward = ModelForward(lm, PrefillOptions().with_experts(experts))  # type: ignore[arg-type]
         state = DecodeState.from_batch_caches(as_batch_caches(context_caches(lm, 64, 64, seed)), [0])
         state.pad_to(self.rows)
         self.state = state
@@ -133,10 +133,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--alone-chunk", type=int, default=0, help="also time lone chunks of this many tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--experts", default="kernel", choices=("kernel", "narrow", "dequantize", "library"),
+                    help="the chunk's routed experts (the server's --prefill-experts)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     lm = load_model(Path(args.model)).model.language_model
-    bench = Bench(lm, args.rows, args.context, args.seed)
+    bench = Bench(lm, args.rows, args.context, args.seed, args.experts)
     slices = [int(s) for s in args.slices.split(",")]
     result = measure(bench, slices, args.steps)
     alone = lone_chunk_rate(bench, args.alone_chunk, 3) if args.alone_chunk else None

@@ -104,9 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "on CPU, off on a GPU; 0: off)")
     serve.add_argument("--mixed-steps", choices=("on", "off"), default="on",
                        help="a step's decode rows and its prefill chunk in one forward (on, the default) or two (off)")
-    serve.add_argument("--prefill-experts", choices=("auto", "dequantize", "kernel", "library"), default="auto",
+    serve.add_argument("--prefill-experts", choices=("auto", "dequantize", "kernel", "narrow", "library"),
+                       default="auto",
                        help="a prefill chunk's routed experts on a CUDA GPU: dequantized for MLX's grouped GEMM, our "
-                            "grouped 8-bit kernel, or the library's SwitchGLU (default auto: our kernel)")
+                            "grouped 8-bit kernel (narrow: few rows an expert on the tensor cores, being measured), "
+                            "or the library's SwitchGLU (default auto: our kernel)")
     serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
     serve.add_argument("--default-max-tokens", type=int, default=4096,
                        help="max_tokens when a request gives none (default 4096)")

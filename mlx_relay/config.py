@@ -85,7 +85,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # "dequantize" for MLX's grouped GEMM, "kernel" our grouped 8-bit GEMM, "library" mlx-vlm's
     # SwitchGLU; "auto": our kernel for 8-bit experts in groups of 64 (else dequantized). Off a CUDA
     # GPU the library's always
-    prefill_experts: Literal["auto", "dequantize", "kernel", "library"] = "auto"
+    prefill_experts: Literal["auto", "dequantize", "kernel", "narrow", "library"] = "auto"
     # the plain lane's decode step as one compiled function (`engine/lanes/decode_step.py`); off: the
     # same function run eagerly (for debugging: same tokens, slower)
     compile_decode: bool = True

@@ -202,7 +202,9 @@ def test_the_experts_path_is_configured_and_only_dequantizing_holds_float_expert
     assert prefill_experts("auto", "cuda") == prefill_experts("kernel", "cuda") == "kernel"
     assert prefill_experts("dequantize", "cuda") == "dequantize"
     kernel = PrefillOptions().with_experts("kernel")
-    assert kernel.grouped_experts and kernel.quantized_kernel
+    assert kernel.grouped_experts and kernel.quantized_kernel and not kernel.narrow_kernel
+    narrow = PrefillOptions().with_experts("narrow")
+    assert narrow.grouped_experts and narrow.quantized_kernel and narrow.narrow_kernel
     assert not PrefillOptions().with_experts("library").grouped_experts
     config = {"text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
                               "num_experts": 256, "moe_intermediate_size": 512, "dtype": "bfloat16"},
@@ -213,6 +215,7 @@ def test_the_experts_path_is_configured_and_only_dequantizing_holds_float_expert
                                                         chunk_tokens=2048, experts="dequantize",
                                                         mtp_head=False)[0].working_set
     sets = {e: plan(config, limit=76 << 30, weights=39 << 30, prefix_cache=0, chunk_tokens=2048, experts=e,
-                    mtp_head=False)[0].working_set for e in ("dequantize", "kernel", "library")}
+                    mtp_head=False)[0].working_set for e in ("dequantize", "kernel", "narrow", "library")}
+    assert sets["narrow"] == sets["kernel"]  # both read the 8-bit experts in place
     assert sets["dequantize"] - sets["kernel"] == LAYERS_IN_FLIGHT * 3 * 256 * 512 * 2048 * 2
     assert sets["kernel"] == sets["library"]

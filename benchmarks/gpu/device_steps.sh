@@ -45,7 +45,8 @@
 #   mixed    (issue 43.3) mixed_step.py: MIXED_ROWS (8) decoding rows' step alone, then beside a slice of a
 #            prompt MIXED_CONTEXT (16384) tokens in, for each of MIXED_SLICES (16,64,128,256,512,1024): two
 #            forwards (the decode step, the chunk's) against one (the plain lane's mixed step); a lone
-#            4,096-token chunk's rate for the TTFT ratio. Results: mixed_step.{json,txt}
+#            4,096-token chunk's rate for the TTFT ratio (EXPERTS: the chunk's experts, e.g. narrow).
+#            Results: mixed_step.{json,txt} (mixed_step_EXPERTS.* with EXPERTS)
 #   explicit (issue 43.3) mixed_explicit.py: MIXED_ROWS (8) rows' step beside a slice of a prompt MIXED_CONTEXT
 #            (16384) tokens in, for each of EXPLICIT_SLICES (16,64,256,512): the compiled decode step alone, the
 #            engine's mixed step, and the mixed step with the chunk's caches explicit too, eager and as one
@@ -208,7 +209,7 @@ grouped)
   say "grouped (rc $?): $(tail -n 12 $O/grouped_kernels.txt | tr -s ' ' | tr '\n' ';')" ;;
 profile)
   python3 benchmarks/gpu/kernel_profile.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
-    --slices "${PROFILE_SLICES:-64,256,512}" --steps "${PROFILE_STEPS:-4}" --out $O/kernel_profile.json > $O/kernel_profile.txt 2>&1
+    --slices "${PROFILE_SLICES:-64,256,512}" --steps "${PROFILE_STEPS:-4}" --experts "${EXPERTS:-kernel}" --out $O/kernel_profile.json > $O/kernel_profile.txt 2>&1
   say "profile (rc $?): $(grep -h '^== ' $O/kernel_profile.txt | cut -c1-160 | tr '\n' ';')" ;;
 explicit)
   python3 benchmarks/mixed_explicit.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
@@ -217,8 +218,8 @@ explicit)
 mixed)
   python3 benchmarks/mixed_step.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
     --slices "${MIXED_SLICES:-16,64,128,256,512,1024}" --steps "${STEPS:-8}" --alone-chunk 4096 \
-    --out $O/mixed_step.json > $O/mixed_step.txt 2>&1
-  say "mixed (rc $?): $(tail -n 8 $O/mixed_step.txt | tr -s ' ' | tr '\n' ';')" ;;
+    --experts "${EXPERTS:-kernel}" --out $O/mixed_step${EXPERTS:+_$EXPERTS}.json > $O/mixed_step${EXPERTS:+_$EXPERTS}.txt 2>&1
+  say "mixed (rc $?): $(tail -n 8 $O/mixed_step${EXPERTS:+_$EXPERTS}.txt | tr -s ' ' | tr '\n' ';')" ;;
 snapio)
   python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
   say "snapio done (rc $?)" ;;

@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--slices", default="64,256,512")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--experts", default="kernel", choices=("kernel", "narrow", "dequantize", "library"),
+                    help="the chunk's routed experts (the server's --prefill-experts)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if profiler() is None:
@@ -110,7 +112,7 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     lm = load_model(Path(args.model)).model.language_model
-    bench, lone = Bench(lm, args.rows, args.context, 0), Bench(lm, 1, 64, 1)
+    bench, lone = Bench(lm, args.rows, args.context, 0, args.experts), Bench(lm, 1, 64, 1)
     cases = [dict(record(bench, "decode", 1, args.steps, args.top), label=f"decode b{bench.rows}"),
              dict(record(lone, "decode", 1, args.steps, args.top), label="decode b1")]
     for n in (int(s) for s in args.slices.split(",")):

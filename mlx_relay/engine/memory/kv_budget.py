@@ -105,7 +105,7 @@ def plan(model_config: dict[str, Any], *, limit: int, weights: int, prefix_cache
     hidden = int(text.get("hidden_size", 0))
     quant = model_config.get("quantization") or {}
     kernel_fits = quant.get("bits") == 8 and quant.get("group_size") == 64  # else the kernel's fallback dequantizes
-    dequantized = experts == "dequantize" or (experts == "kernel" and not kernel_fits)
+    dequantized = experts == "dequantize" or (experts in ("kernel", "narrow") and not kernel_fits)
     routed = int(text.get("num_experts", 0) or 0) if dequantized else 0
     expert_bytes = routed * int(text.get("moe_intermediate_size", 0) or 0) * hidden * 2
     low, high = ATTENTION_BYTES

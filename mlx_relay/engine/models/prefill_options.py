@@ -21,9 +21,10 @@ import msgspec
 
 #: how a prefill chunk's routed experts run (`EngineConfig.prefill_experts`, `--prefill-experts`):
 #: "dequantize" each projection's experts to float for MLX's grouped GEMM (`kernels/grouped_experts.py`),
-#: "kernel" our grouped 8-bit GEMM reading them in place (`kernels/grouped_qmm.py`), "library"
+#: "kernel" our grouped 8-bit GEMM reading them in place (`kernels/grouped_qmm.py`), "narrow" the
+#: same with few rows an expert on the tensor cores (`kernels/narrow_qmm.py`, being measured), "library"
 #: mlx-vlm's `SwitchGLU` (MLX's `gather_qmm`, a matmul per routed pair on CUDA)
-PrefillExperts = Literal["dequantize", "kernel", "library"]
+PrefillExperts = Literal["dequantize", "kernel", "narrow", "library"]
 
 #: copies of a block's scores alive at once in MLX's unfused attention (scores, masked, softmax)
 SCORE_COPIES = 3
@@ -40,6 +41,9 @@ class PrefillOptions(msgspec.Struct, frozen=True):
     # our grouped 8-bit kernel inside the grouped experts (`kernels/grouped_qmm.py`); off: every
     # expert dequantized for MLX's grouped GEMM (`prefill_experts` says which the engine runs)
     quantized_kernel: bool = True
+    # ... with few rows an expert on the tensor cores (`kernels/narrow_qmm.py`) instead of `grouped_qmv`'s
+    # CUDA cores
+    narrow_kernel: bool = False
     # on a GPU, queue the chunk's layers one ahead of the device (`chunk_forward.pacing`:
     # its transient memory two layers'); off, the chunk's graph is built whole and evaluated by the
     # caller (`benchmarks/prefill_parts.py` so times the host's graph building apart)
@@ -48,7 +52,8 @@ class PrefillOptions(msgspec.Struct, frozen=True):
     def with_experts(self, experts: PrefillExperts) -> PrefillOptions:
         """These options with the experts run as `experts` says."""
         return msgspec.structs.replace(self, grouped_experts=experts != "library",
-                                       quantized_kernel=experts == "kernel")
+                                       quantized_kernel=experts in ("kernel", "narrow"),
+                                       narrow_kernel=experts == "narrow")
 
     def attention_rows(self, rows: int, heads: int, keys: int, itemsize: int) -> int:
         """Queries per attention block for `rows` rows of `heads` query heads over `keys` keys."""

@@ -174,7 +174,7 @@ def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None,
     (`kernels.grouped_experts`); or for few routed
     positions (its unsorted path) the same matmuls, one row per position, with `rows` given."""
     if prefill is not None and prefill.grouped_experts and use_grouped(switch, inds.size):
-        return grouped_switch_glu(switch, x, inds, kernel=prefill.quantized_kernel)
+        return grouped_switch_glu(switch, x, inds, kernel=prefill.quantized_kernel, narrow=prefill.narrow_kernel)
     if rows is None or any("bias" in m for m in (switch.gate_proj, switch.up_proj, switch.down_proj)):
         return switch(x, inds)
     x = mx.expand_dims(x, (-2, -3))

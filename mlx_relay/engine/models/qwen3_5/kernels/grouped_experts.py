@@ -57,7 +57,8 @@ def expert_weights(m: Any) -> mx.array:
                          mode=m.mode)
 
 
-def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array, *, kernel: bool = True) -> mx.array:
+def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array, *, kernel: bool = True,
+                       narrow: bool = False) -> mx.array:
     """`switch(x, inds)` (mlx-vlm's `SwitchGLU`: [..., k, H]) with each projection a grouped GEMM:
     quantized experts by `grouped_qmm` (with `kernel`, our kernel where it runs: 8-bit weights read
     in place; else dequantized), float ones as they are, through MLX's sorted `gather_mm`.
@@ -75,7 +76,7 @@ def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array, *, kernel: bool
 
     def project(m: Any, a: mx.array) -> mx.array:
         if "scales" in m:
-            return grouped_qmm(a, m, experts, kernel=kernel)
+            return grouped_qmm(a, m, experts, kernel=kernel, narrow=narrow)
         return mx.gather_mm(a, m["weight"].swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
 
     up = project(switch.up_proj, rows)

@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import cuda_grouped_qmv
+from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import cuda_narrow_qmm
 
 TILE_ROWS = 64
 TILE_COLS = 64
@@ -146,12 +147,14 @@ def kernel_fits(rows: mx.array, proj: Any) -> bool:
 FEW_ROWS_AN_EXPERT = 16
 
 
-def grouped_qmm(rows: mx.array, proj: Any, experts: mx.array, *, kernel: bool = True) -> mx.array:
+def grouped_qmm(rows: mx.array, proj: Any, experts: mx.array, *, kernel: bool = True,
+                narrow: bool = False) -> mx.array:
     """See the module docstring: `rows` [R, 1, K], `experts` [R] (sorted) -> [R, 1, N]; `kernel`
-    off: the fallback everywhere. Few rows an expert run `grouped_qmv`'s kernel."""
+    off: the fallback everywhere. Few rows an expert run `grouped_qmv`'s kernel (`narrow`:
+    `narrow_qmm`'s)."""
     if kernel and cuda_kernels_available() and kernel_fits(rows, proj):
         if rows.shape[0] <= FEW_ROWS_AN_EXPERT * proj["weight"].shape[0]:
-            return cuda_grouped_qmv(rows, proj, experts)
+            return (cuda_narrow_qmm if narrow else cuda_grouped_qmv)(rows, proj, experts)
         return cuda_grouped_qmm(rows, proj, experts)
     return fallback(rows, proj, experts)
 

@@ -1,7 +1,7 @@
 """An 8-bit projection over few rows on the tensor cores, the rows as the narrow side of the
-product (GPU thread only; prepared for `grouped_qmm` and the decode step's dense projections, not
-yet called by the engine: `benchmarks/gpu/kernel_check.py` and `grouped_kernels_bench.py` measure it
-first).
+product (GPU thread only; `grouped_qmm` calls it for few rows an expert with `--prefill-experts narrow`,
+being measured: `benchmarks/gpu/kernel_check.py`, `grouped_kernels_bench.py`; the decode step's
+dense projections are its other use, not yet wired).
 
     y = narrow_qmm(rows, proj, experts)      # rows [R, 1, K] sorted by expert, experts [R] -> y [R, 1, N]
 
