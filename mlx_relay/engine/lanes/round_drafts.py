@@ -4,7 +4,8 @@ used by both MTP cohorts, `mtp_cohort.EagerCohort` and `mtp_compiled.CompiledCoh
 Before a round, `RoundDrafts.plan` asks each row that takes context drafts for a proposal
 (`speculation.context_drafts`), and picks the round's width: the head's block `k` (each row
 verifies the head's drafts), the head off (`min_width`: one token a row in the compiled cohort,
-where the head's drafts are expected to earn less than its wider round costs) or
+weighed once the head's drafts earn less than `HEAD_OFF_BELOW` a draft, and run where they earn
+less than the wider round costs) or
 `1 + max_context` (rows whose proposal is expected to beat the head's verify it instead),
 whichever yields more expected tokens per second over all rows at the widths' measured round
 times (`speculation.earnings`; a width not chosen is timed again every `PROBE_EVERY` rounds, so a
@@ -44,6 +45,12 @@ class RoundPlan:
         return [p if use else [] for p, use in zip(self.proposals, self.use_context, strict=True)]
 
 
+#: the head is weighed against one token a row only while its drafts earn less than this a draft
+#: (its acceptance, at block 2): a round without the head leaves the head's own cache without those
+#: positions, so a head that does well is not switched off to be timed
+HEAD_OFF_BELOW = 0.5
+
+
 class RoundDrafts:
     def __init__(self, block_size: int, max_context: int, min_width: int, always: bool = False) -> None:
         self.k = block_size
@@ -67,7 +74,8 @@ class RoundDrafts:
         # the widths worth timing: the head's block; the head off for the round (one token a row,
         # where a head whose drafts miss costs more than it earns); the context drafts' width
         options = {k: sum(head)}
-        if any(heads) and self.min_width < k and not self.always:
+        if any(heads) and self.min_width < k and not self.always and \
+                (sum(head) - n) / (sum(heads) * (k - 1)) < HEAD_OFF_BELOW:
             options[self.min_width] = float(n)
         use = [False] * n
         if self.max_context > 0 and any(proposals):

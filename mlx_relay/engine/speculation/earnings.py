@@ -11,12 +11,15 @@ would pay. The head's proposal is only counted when it is verified.
 `Earnings.expected(source, n)` is the tokens a proposal of `n` drafts adds under a geometric
 model (each draft right with the row's acceptance, given the ones before it). A cohort times its
 rounds per width (`RoundCosts`) and runs the width that yields the most expected tokens per
-second over all its rows (`best_width`); a width not timed yet is tried once, and every
+second over all its rows (`best_width`); a width is first run `FIRST_SAMPLES` times, its time is
+the median of its last rounds (a round beside a long prefill step does not decide), and every
 `PROBE_EVERY` rounds the one not chosen is timed again.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -28,7 +31,8 @@ DECAY = 0.9  # each proposal's weight against the ones before it (about the last
 PRIOR = 0.5  # acceptance before a source was measured on the request
 PRIOR_WEIGHT = 1.0  # ... worth this many proposals
 PROBE_EVERY = 64  # rounds between re-timing a width the cohort is not running
-COST_DECAY = 0.8  # a width's round time: exponentially weighted over its recent rounds
+COST_SAMPLES = 5  # a width's round time: the median of its last rounds (one slow round, e.g. beside a
+FIRST_SAMPLES = 3  # prefill step, does not decide); a width is run this often before it is compared
 
 
 @dataclass
@@ -86,27 +90,30 @@ def agreed(proposal: Sequence[int], emitted: Sequence[int]) -> int:
 
 @dataclass
 class RoundCosts:
-    """Seconds per round at each width, for one cohort (exponentially weighted)."""
+    """Seconds per round at each width, for one cohort: the median of its last `COST_SAMPLES` rounds."""
 
-    seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch bucket, width) -> s
+    samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict)  # (batch bucket, width) -> s
     rounds: int = 0
     last_run: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def record(self, bucket: int, width: int, seconds: float) -> None:
         key = (bucket, width)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
+        self.samples.setdefault(key, deque(maxlen=COST_SAMPLES)).append(seconds)
         self.rounds += 1
         self.last_run[key] = self.rounds
 
+    def seconds(self, bucket: int, width: int) -> float:
+        return statistics.median(self.samples[(bucket, width)])
+
     def best_width(self, bucket: int, tokens: dict[int, float]) -> int:
         """The width (of `tokens`: width -> expected tokens of all rows at it) with the most
-        tokens per second; an untimed width first, and one stale by `PROBE_EVERY` rounds."""
+        tokens per second; a width timed fewer than `FIRST_SAMPLES` times first, and one stale by
+        `PROBE_EVERY` rounds."""
         widths = sorted(tokens)
         for w in widths:
-            if (bucket, w) not in self.seconds:
+            if len(self.samples.get((bucket, w), ())) < FIRST_SAMPLES:
                 return w
-        best = max(widths, key=lambda w: tokens[w] / self.seconds[(bucket, w)])
+        best = max(widths, key=lambda w: tokens[w] / self.seconds(bucket, w))
         for w in widths:
             if w != best and tokens[w] > 0 and self.rounds - self.last_run.get((bucket, w), 0) >= PROBE_EVERY:
                 return w
