@@ -47,12 +47,12 @@ from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
 class EagerCohort:
     def __init__(self, lm: Any, head: MTPHead, verify: Verifier, *, block_size: int, eos: frozenset[int],
                  fallback: bool, max_context: int = 0,
-                 always_context: bool = False) -> None:
+                 always_context: bool = False, weigh_head: bool = True) -> None:
         self.lm = lm
         self.head = head
         self._verify = verify
         self.k = block_size
-        self._plans = RoundDrafts(block_size, max_context, min_width=2, always=always_context)
+        self._plans = RoundDrafts(block_size, max_context, min_width=2, always=always_context, weigh_head=weigh_head)
         self.eos = eos
         self._fallback = fallback  # the compiled round is on: every round here is counted as a fallback
         self.rows: list[MTPRow] = []  # in batch order

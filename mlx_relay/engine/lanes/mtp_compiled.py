@@ -45,9 +45,11 @@ class _InFlight:
 class CompiledCohort:
     def __init__(self, step: MTPStep, *, block_size: int, max_context: int = 0,
                  always_context: bool = False) -> None:
+        # a pipeline stage's ranks must run the same rounds: no width chosen by timing
+        weigh_head = step.stage is None
         self._step = step
         self.k = block_size
-        self._plans = RoundDrafts(block_size, max_context, min_width=1, always=always_context)
+        self._plans = RoundDrafts(block_size, max_context, min_width=1, always=always_context, weigh_head=weigh_head)
         self.rows: list[MTPRow] = []  # in batch order
         self._state: MTPState | None = None
         self._flight: _InFlight | None = None

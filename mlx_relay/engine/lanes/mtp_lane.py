@@ -72,7 +72,7 @@ class MTPLane:
                                    prefill_step_size)
         verify = ExactVerifier(lm) if exact_verify else BatchedVerifier(run)
         self._eager = EagerCohort(lm, head, verify, block_size=block_size, eos=self.eos, fallback=compiled,
-                                  max_context=max_context, always_context=always_context)
+                                  max_context=max_context, always_context=always_context, weigh_head=stage is None)
         # the compiled greedy cohort; the compiled round verifies the block with one batched
         # forward, so an exact (batch-invariant) verifier keeps the eager round
         self._compiled: CompiledCohort | None = None

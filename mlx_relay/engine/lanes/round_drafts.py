@@ -49,12 +49,18 @@ class RoundPlan:
 #: (its acceptance, at block 2): a round without the head leaves the head's own cache without those
 #: positions, so a head that does well is not switched off to be timed
 HEAD_OFF_BELOW = 0.5
+#: ... and only once they were verified this many drafts each (on average): a short request, or one
+#: head miss against the prior, does not start switching widths (a switch from pipelined one-token
+#: rounds to the head's costs a step without a token)
+HEAD_OFF_AFTER = 16
 
 
 class RoundDrafts:
-    def __init__(self, block_size: int, max_context: int, min_width: int, always: bool = False) -> None:
+    def __init__(self, block_size: int, max_context: int, min_width: int, always: bool = False,
+                 weigh_head: bool = True) -> None:
         self.k = block_size
         self.always = always  # verify every proposal (no expectation, no timing)
+        self.weigh_head = weigh_head  # the head may be off for a round (not in a pipeline)
         self.max_context = max_context  # the lane's longest context proposal (0: none)
         self.min_width = min_width  # a round's width when no row drafts (the compiled round: 1)
         self.costs = RoundCosts()
@@ -74,8 +80,7 @@ class RoundDrafts:
         # the widths worth timing: the head's block; the head off for the round (one token a row,
         # where a head whose drafts miss costs more than it earns); the context drafts' width
         options = {k: sum(head)}
-        if any(heads) and self.min_width < k and not self.always and \
-                (sum(head) - n) / (sum(heads) * (k - 1)) < HEAD_OFF_BELOW:
+        if self._weighs_head(rows, heads, head, k):
             options[self.min_width] = float(n)
         use = [False] * n
         if self.max_context > 0 and any(proposals):
@@ -92,6 +97,17 @@ class RoundDrafts:
         if width == self.wide and self.wide in options and self.wide != self.min_width:
             return RoundPlan(width, proposals, use, heads=heads)
         return RoundPlan(width, proposals, [False] * n, heads=[False] * n)  # the head off this round
+
+    def _weighs_head(self, rows: Sequence[MTPRow], heads: list[bool], head: list[float], k: int) -> bool:
+        """Whether this round weighs the head off: where rounds may differ in width by their timing
+        (not a pipeline: its ranks must choose alike), once the rows' heads have been verified
+        `HEAD_OFF_AFTER` drafts each on average and earn under `HEAD_OFF_BELOW` a draft."""
+        with_head = sum(heads)
+        if not (self.weigh_head and with_head and self.min_width < k and not self.always):
+            return False
+        verified = sum(r.earnings.tallies["mtp"].drafted for r, h in zip(rows, heads, strict=True) if h)
+        earned = (sum(head) - len(rows)) / (with_head * (k - 1))  # a draft, on average
+        return verified >= HEAD_OFF_AFTER * with_head and earned < HEAD_OFF_BELOW
 
     def settle(self, rows: Sequence[MTPRow], plan: RoundPlan, emitted: dict[int, list[int]], took: list[int],
                counts: MTPCounts) -> None:
