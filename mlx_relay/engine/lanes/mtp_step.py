@@ -158,11 +158,11 @@ class MTPStep:
         vh, kv, conv_ins, states = self._target(block, lengths, kv, conv, ssm)
         targets = mx.argmax(self._logits(vh), axis=-1).astype(mx.int32)  # [B, W]
         W = block.shape[1]
-        if W > 1:
-            ok = (block[:, 1:] == targets[:, :-1]).astype(mx.int32)
-            accepted = mx.sum(mx.cumprod(ok, axis=1), axis=1)  # [B]
-        else:
-            accepted = mx.zeros(targets.shape[:1], dtype=mx.int32)
+        if W == 1:  # one token: nothing to accept or cut (m is 0), the states after it are the commit
+            zero = mx.zeros(targets.shape[:1], dtype=mx.int32)
+            return vh, targets, zero, zero, targets[:, 0], kv, conv_ins, states
+        ok = (block[:, 1:] == targets[:, :-1]).astype(mx.int32)
+        accepted = mx.sum(mx.cumprod(ok, axis=1), axis=1)  # [B]
         if usable is not None:
             accepted = mx.minimum(accepted, usable)
         is_eos = mx.zeros(targets.shape, dtype=mx.bool_)
@@ -170,8 +170,6 @@ class MTPStep:
             is_eos = is_eos | (targets == eos)
         first_eos = mx.where(mx.any(is_eos, axis=1), mx.argmax(is_eos, axis=1), W).astype(mx.int32)
         m = mx.minimum(mx.minimum(accepted, room - 1), first_eos).astype(mx.int32)
-        if W == 1:  # one token: the states after it are the commit (m is 0)
-            return vh, targets, accepted, m, targets[:, 0], kv, conv_ins, states
         # commit: the GatedDeltaNet states after position m
         window = conv[0].shape[1] if conv else 0
         take_conv = (m + 1)[:, None] + mx.arange(window, dtype=mx.int32)[None, :]  # [B, K-1]
