@@ -103,6 +103,7 @@ class MTPStep:
         self._eos = tuple(sorted(set(eos_token_ids)))  # constants of the trace (no array: building costs no memory)
         self._fn = mx.compile(self._round) if compiled else self._round
         self._bare = mx.compile(self._bare_round) if compiled else self._bare_round
+        self._constants: dict[int, tuple[mx.array, mx.array, mx.array]] = {}  # batch size -> one-token inputs
 
     def __call__(self, state: MTPState, room: list[int], drafts: HostDrafts | None = None) -> RoundOut:
         """One round; `room[i]` >= 1: tokens row i may still emit (its max_tokens left). With
@@ -111,18 +112,35 @@ class MTPStep:
         then, if no row takes the head's, the head does not run)."""
         width = self.k if drafts is None else drafts.width
         state.ensure_room(width)
-        lengths, head_lengths, dpos = state.index_arrays()
-        room_arr = mx.array(room + [1] * (state.batch_size - len(room)), dtype=mx.int32)
+        B = state.batch_size
         if drafts is not None and (self.drafter is None or not any(drafts.heads)):
-            host, _mine, usable = drafts.arrays(state.batch_size, self.k)
+            lengths = mx.array(state.lengths + [0] * (B - state.rows), dtype=mx.int32)
+            if width == 1:  # the one-token round: no drafts, no room to read (its commit is its token)
+                host, usable, room_arr = self._one_token_inputs(B)
+            else:
+                host, _mine, usable = drafts.arrays(B, self.k)
+                room_arr = mx.array(room + [1] * (B - len(room)), dtype=mx.int32)
             targets, accepted, committed, state.bonus, state.kv, state.conv, state.ssm = self._bare(
                 state.bonus, lengths, room_arr, state.kv, state.conv, state.ssm, host, usable)
             return RoundOut(targets, accepted, committed)
+        lengths, head_lengths, dpos = state.index_arrays()
+        room_arr = mx.array(room + [1] * (B - len(room)), dtype=mx.int32)
         host_arrays = () if drafts is None else drafts.arrays(state.batch_size, self.k)
         (targets, accepted, committed, state.bonus, state.draft, state.seed, state.kv, state.conv, state.ssm,
          state.head_kv) = self._fn(state.bonus, state.draft, state.seed, lengths, head_lengths, dpos, room_arr,
                                    state.kv, state.conv, state.ssm, state.head_kv, *host_arrays)
         return RoundOut(targets, accepted, committed)
+
+    def _one_token_inputs(self, batch_size: int) -> tuple[mx.array, mx.array, mx.array]:
+        """The one-token round's constant inputs at this batch size (built once: the pipelined
+        rounds of rows whose drafts miss run it every token): no drafts, none usable, room 1."""
+        inputs = self._constants.get(batch_size)
+        if inputs is None:
+            inputs = (mx.zeros((batch_size, 0), dtype=mx.int32), mx.zeros((batch_size,), dtype=mx.int32),
+                      mx.ones((batch_size,), dtype=mx.int32))
+            mx.eval(inputs)
+            self._constants[batch_size] = inputs
+        return inputs
 
     @staticmethod
     def advance(state: MTPState, committed: list[int]) -> None:
