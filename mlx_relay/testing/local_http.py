@@ -35,8 +35,3 @@ def delete(url: str, **kwargs: Any) -> httpx.Response:
 def stream(method: str, url: str, **kwargs: Any) -> Iterator[httpx.Response]:
     with httpx.stream(method, url, verify=False, **kwargs) as response:
         yield response
-
-
-def client(**kwargs: Any) -> httpx.Client:
-    """An `httpx.Client` for many calls (the caller closes it)."""
-    return httpx.Client(verify=False, **kwargs)

@@ -84,9 +84,14 @@ class MTPState:
 
     def index_arrays(self) -> tuple[mx.array, mx.array, mx.array]:
         """(lengths, head_lengths, dpos) as [B] int32 arrays (idle rows: 0)."""
-        pad = [0] * (self.batch_size - self.rows)
-        return (mx.array(self.lengths + pad, dtype=mx.int32), mx.array(self.head_lengths + pad, dtype=mx.int32),
-                mx.array(self.dpos + pad, dtype=mx.int32))
+        return self._padded(self.lengths), self._padded(self.head_lengths), self._padded(self.dpos)
+
+    def lengths_array(self) -> mx.array:
+        """The rows' lengths alone (a round without the head reads no more)."""
+        return self._padded(self.lengths)
+
+    def _padded(self, values: list[int]) -> mx.array:
+        return mx.array(values + [0] * (self.batch_size - self.rows), dtype=mx.int32)
 
     @classmethod
     def from_row(cls, caches: list[Any], head_caches: list[Any], layout: tuple[bool, ...], bonus: mx.array,

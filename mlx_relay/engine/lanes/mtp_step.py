@@ -114,7 +114,7 @@ class MTPStep:
         state.ensure_room(width)
         B = state.batch_size
         if drafts is not None and (self.drafter is None or not any(drafts.heads)):
-            lengths = mx.array(state.lengths + [0] * (B - state.rows), dtype=mx.int32)
+            lengths = state.lengths_array()
             if width == 1:  # the one-token round: no drafts, no room to read (its commit is its token)
                 host, usable, room_arr = self._one_token_inputs(B)
             else:

@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
-from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import cuda_grouped_qmv
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import cuda_grouped_qmv, expert_counts, starts
 from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import cuda_narrow_qmm
 
 TILE_ROWS = 64
@@ -162,11 +162,8 @@ def grouped_qmm(rows: mx.array, proj: Any, experts: mx.array, *, kernel: bool = 
 def _tiles(experts: mx.array, num_experts: int) -> tuple[mx.array, mx.array, int]:
     """Each expert's first row and first tile of rows (prefix sums, [E + 1] int32 each), and how
     many tiles there can be at most (the grid's size: no host sync)."""
-    counts = mx.zeros((num_experts,), dtype=mx.int32).at[experts.astype(mx.int32)].add(1)
-    zero = mx.zeros((1,), dtype=mx.int32)
-    row_off = mx.concatenate([zero, mx.cumsum(counts)])
-    tile_off = mx.concatenate([zero, mx.cumsum((counts + TILE_ROWS - 1) // TILE_ROWS)])
-    return row_off, tile_off, -(-experts.size // TILE_ROWS) + num_experts
+    counts = expert_counts(experts, num_experts)
+    return starts(counts), starts((counts + TILE_ROWS - 1) // TILE_ROWS), -(-experts.size // TILE_ROWS) + num_experts
 
 
 def cuda_grouped_qmm(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:

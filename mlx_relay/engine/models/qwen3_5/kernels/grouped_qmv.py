@@ -141,11 +141,19 @@ def cuda_source(shape: Shape = Shape()) -> str:
             .replace("__WARPS__", str(shape.warps)).replace("__CPW__", str(shape.cols_a_warp)))
 
 
-def row_offsets(experts: mx.array, num_experts: int) -> mx.array:
-    """Each expert's first row in the sorted rows, and the end: [E + 1] int32 (a prefix sum on the
-    device: no host sync)."""
-    counts = mx.zeros((num_experts,), dtype=mx.int32).at[experts.astype(mx.int32)].add(1)
+def expert_counts(experts: mx.array, num_experts: int) -> mx.array:
+    """Rows routed to each expert: [E] int32, counted on the device (no host sync)."""
+    return mx.zeros((num_experts,), dtype=mx.int32).at[experts.astype(mx.int32)].add(1)
+
+
+def starts(counts: mx.array) -> mx.array:
+    """Where each of `counts`' runs starts in their concatenation, and the end: [len + 1] int32."""
     return mx.concatenate([mx.zeros((1,), dtype=mx.int32), mx.cumsum(counts)])
+
+
+def row_offsets(experts: mx.array, num_experts: int) -> mx.array:
+    """Each expert's first row in the sorted rows, and the end: [E + 1] int32."""
+    return starts(expert_counts(experts, num_experts))
 
 
 def cuda_grouped_qmv(rows: mx.array, proj: Any, experts: mx.array, shape: Shape = Shape()) -> mx.array:

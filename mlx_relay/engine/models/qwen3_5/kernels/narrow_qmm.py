@@ -148,40 +148,42 @@ _CUDA_SOURCE = """
 """
 
 # Before the kernel, per 16-bit type T: `pair`, a weight word's bytes (half 0: bytes 0 and 1; 1:
-# bytes 2 and 3) as a pair of T (exact: integers below 256); `mma`, the m16n8k16 MMA in T with
-# float32 sums (explicit specializations: NVRTC need not have <type_traits>).
+# bytes 2 and 3) as a pair of T (exact: integers below 256; the pack chosen by overload, as NVRTC
+# need not have <type_traits>); `mma`, the m16n8k16 MMA in T with float32 sums (its PTX type names
+# spelled once, in the macro).
 CUDA_HEADER = """
-template <typename T> struct RelayNarrow;
-
 __device__ __forceinline__ float relay_byte(uint32_t word, uint32_t byte) {
   return __uint_as_float(__byte_perm(word, 0x4Bu, 0x4550u + byte)) - 8388608.f;  // (2^23 + q) - 2^23
 }
 
-template <> struct RelayNarrow<__nv_bfloat16> {
+__device__ __forceinline__ uint32_t relay_pack(float lo, float hi, __nv_bfloat16) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t relay_pack(float lo, float hi, __half) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <typename T> struct RelayNarrow {
   static __device__ __forceinline__ uint32_t pair(uint32_t word, int half) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(relay_byte(word, 2 * half), relay_byte(word, 2 * half + 1));
-    return *reinterpret_cast<const uint32_t*>(&v);
+    return relay_pack(relay_byte(word, 2 * half), relay_byte(word, 2 * half + 1), T());
   }
   static __device__ __forceinline__ void mma(float& c0, float& c1, float& c2, float& c3, uint32_t a0, uint32_t a1,
-                                             uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
+                                             uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1);
 };
 
-template <> struct RelayNarrow<__half> {
-  static __device__ __forceinline__ uint32_t pair(uint32_t word, int half) {
-    const __half2 v = __floats2half2_rn(relay_byte(word, 2 * half), relay_byte(word, 2 * half + 1));
-    return *reinterpret_cast<const uint32_t*>(&v);
+#define RELAY_NARROW_MMA(T, PTX_TYPE)                                                                        \
+  template <> __device__ __forceinline__ void RelayNarrow<T>::mma(                                           \
+      float& c0, float& c1, float& c2, float& c3, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,         \
+      uint32_t b0, uint32_t b1) {                                                                             \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 {%0,%1,%2,%3}, "          \
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                                                     \
+                 : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1)); \
   }
-  static __device__ __forceinline__ void mma(float& c0, float& c1, float& c2, float& c3, uint32_t a0, uint32_t a1,
-                                             uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-};
+RELAY_NARROW_MMA(__nv_bfloat16, "bf16")
+RELAY_NARROW_MMA(__half, "f16")
 """
 
 
