@@ -13,6 +13,11 @@ drift cancels, for each batch size B (rows in the MTP lane up to B: `mtp_max_bat
 Decode tok/s counts steady decoding only (after every row of the batch has its first token).
 Greedy identity: every run's tokens against the first `none` run's (`greedy_differs`).
 
+With `--profile`, one more pass a method records its steady steps (`gpu/step_recorder.py`): kernels,
+their device time and launches a token on a CUDA GPU, and the host's own time by function (cProfile,
+which slows the host: read its shares, not its wall time). Issue 45.2: where a lane's step loses the
+time around its round against the plain step.
+
 Two kinds of rows (`--scenario`):
   - `agent`: held-out turns of the embedded model's curriculum (`tools/agent_curriculum.py`)
     rendered by the server's renderer, one table row per family: `copy` (repeat a passage of at
@@ -62,13 +67,17 @@ from mlx_relay.engine.step.core import EngineCore
 from mlx_relay.messages.gpu import Finished, Generate, SamplingParams, TokenDelta
 from mlx_relay.testing.engine_driver import Driver
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from step_recorder import StepRecorder, show
+
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 METHODS = ("none", "mtp", "context", "auto")
 
 
 def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, method: str, *, block: int,
-             max_draft: int, context_policy: str = "auto") -> dict[str, Any]:
-    """One pass of `batch` through an EngineCore planned by the TextMTPExecutor for `method`."""
+             max_draft: int, context_policy: str = "auto", recorder: StepRecorder | None = None) -> dict[str, Any]:
+    """One pass of `batch` through an EngineCore planned by the TextMTPExecutor for `method`
+    (`recorder`: started with the steady steps, stopped after the last)."""
     d = Driver(loaded, prefix_cache=True, max_num_seqs=len(batch), prefill_batch_size=min(8, len(batch)),
                prefill_step_size=2048, mtp_max_batch=len(batch), mtp_block_size=block, mtp_policy="always",
                speculation=method, max_draft_tokens=max_draft, context_policy=context_policy)
@@ -97,7 +106,11 @@ def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, metho
         if steady is None and len(started) == len(batch):
             mx.synchronize()
             steady, base = time.perf_counter(), engine.stats()
+            if recorder is not None:
+                recorder.start()
     mx.synchronize()
+    if recorder is not None and steady is not None:
+        recorder.stop()
     elapsed = time.perf_counter() - (steady or time.perf_counter())
     st = engine.stats()
     engine.close()
@@ -194,6 +207,9 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--no-raw", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="then one more pass a method with its steady steps recorded: kernels a token (on a "
+                         "CUDA GPU, CUPTI through torch) and the host's functions (cProfile)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -232,6 +248,16 @@ def main() -> None:
         identity[f"{b} {family}"] = [v for v, runs in per.items() if any(
             [ids[:args.max_tokens] for ids in r["ids"]] != ref for r in runs)]
         row = summarize(b, per)
+        if args.profile:
+            row["profile"] = {}
+            for v in methods:
+                rec = StepRecorder()
+                r = run_ours(loaded, batch, args.max_tokens, v, block=args.block, max_draft=args.max_draft,
+                             context_policy=args.context_policy, recorder=rec)
+                row["profile"][v] = rec.summary(r["tokens"], r["seconds"])
+                show(f"B={b} {family} {v}", row["profile"][v])
+                gc.collect()
+                mx.clear_cache()
         row["rows"] = family if args.scenario == "agent" else f"copy rate {args.copy_rate}"
         row["greedy_identical"] = not identity[f"{b} {family}"]
         if cont is not None:
@@ -241,7 +267,7 @@ def main() -> None:
             for r in runs:
                 r.pop("ids")
         raw_runs[f"{b} {family}"] = per
-    table = rows_markdown(rows)
+    table = rows_markdown([{k: v for k, v in r.items() if k != "profile"} for r in rows])
     print(table)
     if args.out is not None:
         meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "model": str(args.model),

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 from bench_prefill import card, commit
 from prefill_block import context_caches, positions
 
@@ -46,10 +47,14 @@ MODES = ("decode", "two", "mixed")
 
 
 class Bench:
-    def __init__(self, lm: Any, rows: int, context: int, seed: int, experts: str = "kernel") -> None:
+    def __init__(self, lm: Any, rows: int, context: int, seed: int, experts: str = "kernel",
+                 min_routes: int | None = None) -> None:
         self.lm, self.rows = lm, batch_bucket(rows)
         self.step = DecodeStep(lm)
-        self.forward = ModelForward(lm, PrefillOptions().with_experts(experts))  # type: ignore[arg-type]
+        options = PrefillOptions().with_experts(experts)  # type: ignore[arg-type]
+        if min_routes is not None:
+            options = msgspec.structs.replace(options, grouped_min_routes=min_routes)
+        self.forward = ModelForward(lm, options)
         state = DecodeState.from_batch_caches(as_batch_caches(context_caches(lm, 64, 64, seed)), [0])
         state.pad_to(self.rows)
         self.state = state
@@ -135,10 +140,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--experts", default="kernel", choices=("kernel", "narrow", "dequantize", "library"),
                     help="the chunk's routed experts (the server's --prefill-experts)")
+    ap.add_argument("--min-routes", type=int, default=None,
+                    help="(token, expert) pairs from which the experts run grouped (PrefillOptions.grouped_min_routes)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     lm = load_model(Path(args.model)).model.language_model
-    bench = Bench(lm, args.rows, args.context, args.seed, args.experts)
+    bench = Bench(lm, args.rows, args.context, args.seed, args.experts, args.min_routes)
     slices = [int(s) for s in args.slices.split(",")]
     result = measure(bench, slices, args.steps)
     alone = lone_chunk_rate(bench, args.alone_chunk, 3) if args.alone_chunk else None

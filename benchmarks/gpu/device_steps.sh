@@ -45,8 +45,13 @@
 #   mixed    (issue 43.3) mixed_step.py: MIXED_ROWS (8) decoding rows' step alone, then beside a slice of a
 #            prompt MIXED_CONTEXT (16384) tokens in, for each of MIXED_SLICES (16,64,128,256,512,1024): two
 #            forwards (the decode step, the chunk's) against one (the plain lane's mixed step); a lone
-#            4,096-token chunk's rate for the TTFT ratio (EXPERTS: the chunk's experts, e.g. narrow).
-#            Results: mixed_step.{json,txt} (mixed_step_EXPERTS.* with EXPERTS)
+#            4,096-token chunk's rate for the TTFT ratio, for each of MIXED_EXPERTS (default EXPERTS, else
+#            kernel: the chunk's experts, each optionally :MIN_PAIRS, the pairs from which they run grouped,
+#            e.g. "kernel narrow:256"; narrow only where this run's kernel check passed it).
+#            Results: mixed_step_EXPERTS[_MIN_PAIRS].{json,txt}
+#   specmiss (issue 45.2) bench_speculation.py on $MODEL (random: the head's and the context's drafts miss) at
+#            batch 1, copy rate 0, SPEC_METHODS (none,context,auto,mtp), then --profile: kernels and host
+#            time a token per method (gpu/step_recorder.py). Results: spec_miss.{json,md,txt}
 #   explicit (issue 43.3) mixed_explicit.py: MIXED_ROWS (8) rows' step beside a slice of a prompt MIXED_CONTEXT
 #            (16384) tokens in, for each of EXPLICIT_SLICES (16,64,256,512): the compiled decode step alone, the
 #            engine's mixed step, and the mixed step with the chunk's caches explicit too, eager and as one
@@ -56,10 +61,12 @@
 #            other ways, e.g. "8,32,4,2 4,32,8,4"). grouped_kernels.*
 #   profile  (issue 43.3) gpu/kernel_profile.py: per kernel, the device time of the decode step (MIXED_ROWS rows, one
 #            row), a chunk alone and the mixed step at PROFILE_SLICES (64,256,512), a prompt MIXED_CONTEXT in
+#            (EXPERTS, MIN_ROUTES as mixed's; narrow falls back to kernel where the check did not pass it)
 #            (CUPTI through the machine's torch.profiler): busy against wall, the top kernels. kernel_profile.{json,txt}
 #   sbl      (issue 43.3) device_short_behind_long.sh run inside this job (its knobs: BUDGETS, FACTORS,
 #            OURS_FLAGS, STREAMS, LONG_TOKENS, WINDOW), so it follows the jobs before it on the same
-#            machine. Results: short_behind_long.tgz, sbl.txt
+#            machine; SBL_NARROW=1 adds --prefill-experts narrow where this run's kernel check passed it.
+#            Results: short_behind_long.tgz, sbl.txt
 #   With QMM_FLAGS (e.g. "--prefill-experts kernel"): the prefill and sbl jobs add them to our server's
 #   flags only if the kernels job ran first and passed our grouped 8-bit kernel (grouped_qmm and the
 #   grouped experts through it); qmm.txt says which.
@@ -105,6 +112,9 @@ ok = c["grouped_qmm"] and all(x["ok"] for x in c["grouped_qmm"])
 ok = ok and all(x["ok"] for x in c["grouped_experts"] if x.get("kernel"))
 sys.exit(0 if ok else 1)
 PY
+}
+narrow_ok() {  # this run's kernel check passed narrow_qmm's tensor-core kernel
+  [ -f $O/kernel_check.json ] && python3 -c "import json,sys; c=json.load(open(sys.argv[1]))['checks'].get('narrow_qmm'); sys.exit(0 if c and all(x['ok'] for x in c) else 1)" $O/kernel_check.json
 }
 for job in $JOBS; do case $job in
 agree)
@@ -189,7 +199,11 @@ parts)
     say "parts $chunk (rc $?): $(grep -h '^  library\|^  ours ' $O/prefill_parts_$chunk.txt | tr -s ' ' | tr '\n' ';')"
   done ;;
 sbl)
-  LOCAL=1 RUN=/root/sbl OUT=$O OURS_FLAGS="${OURS_FLAGS:-} $(qmm_flags | tee -a $O/qmm.txt)" \
+  sbl_flags="${OURS_FLAGS:-} $(qmm_flags | tee -a $O/qmm.txt)"
+  if [ -n "${SBL_NARROW:-}" ]; then
+    if narrow_ok; then sbl_flags="$sbl_flags --prefill-experts narrow"; else say "sbl: narrow_qmm did not pass, our default experts"; fi
+  fi
+  LOCAL=1 RUN=/root/sbl OUT=$O OURS_FLAGS="$sbl_flags" \
     bash benchmarks/gpu/device_short_behind_long.sh start > $O/sbl.txt 2>&1
   LOCAL=1 RUN=/root/sbl OUT=$O bash benchmarks/gpu/device_short_behind_long.sh wait 3000 >> $O/sbl.txt 2>&1
   say "sbl: $(tail -n 4 $O/sbl.txt | tr '\n' ' ')" ;;
@@ -208,18 +222,30 @@ grouped)
     --qmv-shapes "${QMV_SHAPES:-}" --out $O/grouped_kernels.json > $O/grouped_kernels.txt 2>&1
   say "grouped (rc $?): $(tail -n 12 $O/grouped_kernels.txt | tr -s ' ' | tr '\n' ';')" ;;
 profile)
+  pe=${EXPERTS:-kernel}; [ "$pe" = narrow ] && ! narrow_ok && pe=kernel
   python3 benchmarks/gpu/kernel_profile.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
-    --slices "${PROFILE_SLICES:-64,256,512}" --steps "${PROFILE_STEPS:-4}" --experts "${EXPERTS:-kernel}" --out $O/kernel_profile.json > $O/kernel_profile.txt 2>&1
+    --slices "${PROFILE_SLICES:-64,256,512}" --steps "${PROFILE_STEPS:-4}" --experts "$pe" ${MIN_ROUTES:+--min-routes $MIN_ROUTES} --out $O/kernel_profile.json > $O/kernel_profile.txt 2>&1
   say "profile (rc $?): $(grep -h '^== ' $O/kernel_profile.txt | cut -c1-160 | tr '\n' ';')" ;;
 explicit)
   python3 benchmarks/mixed_explicit.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
     --slices "${EXPLICIT_SLICES:-16,64,256,512}" --steps "${STEPS:-8}" --out $O/mixed_explicit.json > $O/mixed_explicit.txt 2>&1
   say "explicit (rc $?): $(tail -n 7 $O/mixed_explicit.txt | tr -s ' ' | tr '\n' ';')" ;;
 mixed)
-  python3 benchmarks/mixed_step.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
-    --slices "${MIXED_SLICES:-16,64,128,256,512,1024}" --steps "${STEPS:-8}" --alone-chunk 4096 \
-    --experts "${EXPERTS:-kernel}" --out $O/mixed_step${EXPERTS:+_$EXPERTS}.json > $O/mixed_step${EXPERTS:+_$EXPERTS}.txt 2>&1
-  say "mixed (rc $?): $(tail -n 8 $O/mixed_step${EXPERTS:+_$EXPERTS}.txt | tr -s ' ' | tr '\n' ';')" ;;
+  for spec in ${MIXED_EXPERTS:-${EXPERTS:-kernel}}; do
+    e=${spec%%:*}; m=${spec#"$e"}; m=${m#:}; tag=$e${m:+_$m}
+    if [ "$e" = narrow ] && ! narrow_ok; then say "mixed $tag skipped: narrow_qmm did not pass"; continue; fi
+    python3 benchmarks/mixed_step.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
+      --slices "${MIXED_SLICES:-16,64,128,256,512,1024}" --steps "${STEPS:-8}" --alone-chunk 4096 \
+      --experts "$e" ${m:+--min-routes $m} --out $O/mixed_step_$tag.json > $O/mixed_step_$tag.txt 2>&1
+    say "mixed $tag (rc $?): $(tail -n 8 $O/mixed_step_$tag.txt | tr -s ' ' | tr '\n' ';')"
+  done ;;
+specmiss)
+  # issue 45.2 on the plain random model (its head's drafts and the context's miss): speculation by source
+  # at batch 1 on a prompt no copy helps, then one pass a method with its kernels and host time recorded
+  python3 benchmarks/bench_speculation.py "$MODEL" --scenario copy --copy-rate 0 --batch 1 \
+    --methods "${SPEC_METHODS:-none,context,auto,mtp}" --no-raw --max-tokens "${SPEC_TOKENS:-160}" \
+    --repeats "${REPEATS:-3}" --profile --out $O/spec_miss.json > $O/spec_miss.txt 2>&1
+  say "specmiss (rc $?): $(grep -h '^== ' $O/spec_miss.txt | cut -c1-150 | tr '\n' ';')" ;;
 snapio)
   python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
   say "snapio done (rc $?)" ;;

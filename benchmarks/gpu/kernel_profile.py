@@ -1,4 +1,5 @@
-"""Where a step's device time goes, kernel by kernel (issue 43.3; issue 45.2's lane step too), on a GPU:
+"""Where a step's device time goes, kernel by kernel (issue 43.3), on a GPU (a speculation lane's
+step: `bench_speculation.py --profile`):
 
     python benchmarks/gpu/kernel_profile.py MODEL [--rows 8] [--context 16384] [--slices 64,256,512]
         [--steps 4] [--top 25] [--out kernel_profile.json]
@@ -24,45 +25,16 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_prefill import card, commit
 from mixed_step import Bench
+from step_recorder import by_kernel, profiler, short
 
 from mlx_relay.engine.models.loader import load_model
-
-
-def profiler() -> Any | None:
-    """torch.profiler recording CUDA activity, or None where there is no torch or no CUDA GPU."""
-    try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.init()  # the primary context MLX uses too
-    return profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
-
-
-def kernels(prof: Any) -> list[tuple[str, float]]:
-    """(name, device microseconds) of every kernel the profiler recorded (its Chrome trace's
-    `kernel` events: launches of any library, with or without a torch op around them)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [(e["name"], float(e.get("dur", 0))) for e in events if e.get("cat") == "kernel"]
-
-
-def short(name: str) -> str:
-    return name if len(name) <= 90 else name[:87] + "..."
 
 
 def record(bench: Bench, mode: str, n: int, steps: int, top: int) -> dict[str, Any]:
@@ -73,9 +45,7 @@ def record(bench: Bench, mode: str, n: int, steps: int, top: int) -> dict[str, A
     with prof:
         for _ in range(steps):
             walls.append(bench.run(mode, n))
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for name, us in kernels(prof):
-        by_name[name].append(us)
+    by_name = by_kernel(prof)
     busy = sum(sum(v) for v in by_name.values()) / steps / 1000
     launches = sum(len(v) for v in by_name.values()) / steps
     wall = statistics.median(walls)
@@ -105,6 +75,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--experts", default="kernel", choices=("kernel", "narrow", "dequantize", "library"),
                     help="the chunk's routed experts (the server's --prefill-experts)")
+    ap.add_argument("--min-routes", type=int, default=None,
+                    help="(token, expert) pairs from which the experts run grouped (PrefillOptions.grouped_min_routes)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if profiler() is None:
@@ -112,7 +84,7 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     lm = load_model(Path(args.model)).model.language_model
-    bench, lone = Bench(lm, args.rows, args.context, 0, args.experts), Bench(lm, 1, 64, 1)
+    bench, lone = Bench(lm, args.rows, args.context, 0, args.experts, args.min_routes), Bench(lm, 1, 64, 1)
     cases = [dict(record(bench, "decode", 1, args.steps, args.top), label=f"decode b{bench.rows}"),
              dict(record(lone, "decode", 1, args.steps, args.top), label="decode b1")]
     for n in (int(s) for s in args.slices.split(",")):

@@ -38,6 +38,12 @@ class PrefillOptions(msgspec.Struct, frozen=True):
     # shifted multiply-adds 3.97 ms (benchmarks/results/prefill-h100-2026-11-28/)
     shifted_conv: bool = False
     grouped_experts: bool = True
+    # (token, expert) pairs from which the grouped path pays on a GPU: below it the library's
+    # per-pair quantized matmul reads less than one dequantization of every expert writes, and no
+    # less than our kernels read in place (one projection of the 35B-A3B shape on an H200: 229 us
+    # the library's, 224 `grouped_qmv`'s at 576 pairs, 751 and 363 at 2,112, with the sort and gather
+    # around ours still to pay: benchmarks/results/kernel-profile-h200-2026-11-28/)
+    grouped_min_routes: int = 1024
     # our grouped 8-bit kernel inside the grouped experts (`kernels/grouped_qmm.py`); off: every
     # expert dequantized for MLX's grouped GEMM (`prefill_experts` says which the engine runs)
     quantized_kernel: bool = True

@@ -173,7 +173,7 @@ def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None,
     positions on a GPU (a prefill chunk, as its `prefill` options say), grouped GEMMs
     (`kernels.grouped_experts`); or for few routed
     positions (its unsorted path) the same matmuls, one row per position, with `rows` given."""
-    if prefill is not None and prefill.grouped_experts and use_grouped(switch, inds.size):
+    if prefill is not None and prefill.grouped_experts and use_grouped(switch, inds.size, prefill.grouped_min_routes):
         return grouped_switch_glu(switch, x, inds, kernel=prefill.quantized_kernel, narrow=prefill.narrow_kernel)
     if rows is None or any("bias" in m for m in (switch.gate_proj, switch.up_proj, switch.down_proj)):
         return switch(x, inds)

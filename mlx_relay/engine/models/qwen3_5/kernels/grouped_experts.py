@@ -9,7 +9,7 @@ gather (`GatherQMM::eval_gpu`): it runs one single-row matmul per pair, reading 
 quantized weight matrix again for each of its tokens (19 ms a block for 2,048 tokens on an H100,
 where the block's arithmetic is about 0.3 ms). Its float gather does read the sort: with one row
 per pair and sorted expert indices, `GatherMM::eval_gpu` runs CUTLASS's grouped GEMM, one problem
-per expert. So on a CUDA GPU, for a chunk with at least `GROUPED_MIN_ROUTES` pairs, the pairs are sorted by
+per expert. So on a CUDA GPU, for a chunk with at least `PrefillOptions.grouped_min_routes` pairs, the pairs are sorted by
 expert once and each projection runs over them grouped: 8-bit experts in groups of 64 by our
 kernel, which reads the quantized weights in place (`kernels/grouped_qmm.py`); other quantized
 experts dequantized once (`mx.dequantize`: every expert, as a chunk of 2,048 tokens routes to
@@ -31,18 +31,10 @@ import mlx.core as mx
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import grouped_qmm
 
-#: (token, expert) pairs from which the grouped path pays on a GPU: below it the library's
-#: per-pair quantized matmul reads less than one dequantization of every expert writes, and no
-#: less than our kernels read in place (one projection of the 35B-A3B shape on an H200: 229 us
-#: the library's, 224 `grouped_qmv`'s at 576 pairs, 751 and 363 at 2,112, with the sort and gather
-#: around ours still to pay: benchmarks/results/kernel-profile-h200-2026-11-28/)
-GROUPED_MIN_ROUTES = 1024
-
-
-def use_grouped(switch: Any, routes: int) -> bool:
-    """Whether `switch`'s routed matmuls over `routes` pairs run grouped: on a CUDA GPU, for many
-    pairs, with projections the grouped path knows (no bias; quantized or float)."""
-    if not cuda_kernels_available() or routes < GROUPED_MIN_ROUTES:
+def use_grouped(switch: Any, routes: int, min_routes: int) -> bool:
+    """Whether `switch`'s routed matmuls over `routes` pairs run grouped: on a CUDA GPU, for at least
+    `min_routes` pairs, with projections the grouped path knows (no bias; quantized or float)."""
+    if not cuda_kernels_available() or routes < min_routes:
         return False
     return all("bias" not in m and m.get("weight") is not None
                for m in (switch.gate_proj, switch.up_proj, switch.down_proj))
