@@ -2,9 +2,9 @@
 # In-process and single-server GPU figures, one job after another on one machine, in the background
 # (a device call lasts 10 minutes at most) and collected:
 #   JOBS="overhead disk snapio agree" bash benchmarks/gpu/device_steps.sh start  # builds the model if needed
-#   bash benchmarks/gpu/device_steps.sh wait 560   # copies what is done to $OUT/steps
+#   bash benchmarks/gpu/device_steps.sh wait 560   # what is done so far as $OUT/steps.tgz
 #   bash benchmarks/gpu/device_steps.sh ptx        # then: MLX's kernel cache for the next machine
-# Jobs (JOBS, default "probe step mtp"; results in $OUT/steps/):
+# Jobs (JOBS, default "probe step mtp"; results in $OUT/steps.tgz):
 #   pool     (issue 34.6) bench_model_swap.py: two 35B-A3B-shape models (b: hard links to $MODEL's files)
 #            under a budget that holds one (POOL_BUDGET GiB, default 60): cold and swap TTFT, load seconds,
 #            a steady a/b mix against a alone (SWAPS 4, REPEATS 3, POOL_TOKENS 128, POOL_FLAGS e.g.
@@ -49,6 +49,8 @@
 #            kernel: the chunk's experts, each optionally :MIN_PAIRS, the pairs from which they run grouped,
 #            e.g. "kernel narrow:256"; narrow only where this run's kernel check passed it).
 #            Results: mixed_step_EXPERTS[_MIN_PAIRS].{json,txt}
+#   specops  (issue 45.3) the launches of a plain step, an MTP round and the head-free round at widths 1 and
+#            MAX_DRAFT + 1 on $MODEL (as spec's first step, without building a model). spec_ops.*
 #   specmiss (issue 45.2) bench_speculation.py on $MODEL (random: the head's and the context's drafts miss) at
 #            batch 1, copy rate 0, SPEC_METHODS (none,context,auto,mtp), then --profile: kernels and host
 #            time a token per method (gpu/step_recorder.py). Results: spec_miss.{json,md,txt}
@@ -58,7 +60,8 @@
 #            compiled function (the next lever's ceiling). Results: mixed_explicit.{json,txt}
 #   grouped  (issue 43.3) gpu/grouped_kernels_bench.py: one expert projection (up, down) at GROUPED_ROUTES pairs,
 #            grouped_qmv's kernel, grouped_qmm's, dequantized + gather_mm, MLX's gather_qmm (QMV_SHAPES: grouped_qmv split
-#            other ways, e.g. "8,32,4,2 4,32,8,4"). grouped_kernels.*
+#            other ways, e.g. "8,32,4,2 4,32,8,4"; GROUPED_DENSE "1,8": the few-row kernels as a dense projection
+#            against MLX's quantized_matmul at those rows). grouped_kernels.*
 #   profile  (issue 43.3) gpu/kernel_profile.py: per kernel, the device time of the decode step (MIXED_ROWS rows, one
 #            row), a chunk alone and the mixed step at PROFILE_SLICES (64,256,512), a prompt MIXED_CONTEXT in
 #            (EXPERTS, MIN_ROUTES as mixed's; narrow falls back to kernel where the check did not pass it)
@@ -89,8 +92,9 @@ if [ "${1:-start}" = ptx ]; then
 fi
 if [ "${1:-start}" = wait ]; then
   for _ in $(seq 1 "${2:-560}"); do [ -f $RUN/done ] && break; sleep 1; done
-  mkdir -p "$OUT/steps" && cp -r $RUN/out/. "$OUT/steps/" 2>/dev/null || true
-  tail -n 4 $RUN/progress.txt 2>/dev/null; [ -f $RUN/done ] && echo "steps done"
+  # one archive of everything so far (a call brings back at most 8 files): tar xzf steps.tgz
+  tar czf "$OUT/steps.tgz" -C $RUN/out . 2>/dev/null || true
+  cut -c1-600 $RUN/progress.txt 2>/dev/null; [ -f $RUN/done ] && echo "steps done"
   exit 0
 fi
 if [ "${LOCAL:-0}" = 1 ]; then set -euo pipefail; else source benchmarks/gpu/device_env.sh; fi
@@ -219,7 +223,7 @@ overlap)
   done ;;
 grouped)
   python3 benchmarks/gpu/grouped_kernels_bench.py --routes "${GROUPED_ROUTES:-64,576,2112,4160,8256,16384}" \
-    --qmv-shapes "${QMV_SHAPES:-}" --out $O/grouped_kernels.json > $O/grouped_kernels.txt 2>&1
+    --qmv-shapes "${QMV_SHAPES:-}" ${GROUPED_DENSE:+--dense $GROUPED_DENSE} --out $O/grouped_kernels.json > $O/grouped_kernels.txt 2>&1
   say "grouped (rc $?): $(tail -n 12 $O/grouped_kernels.txt | tr -s ' ' | tr '\n' ';')" ;;
 profile)
   pe=${EXPERTS:-kernel}; [ "$pe" = narrow ] && ! narrow_ok && pe=kernel
@@ -239,6 +243,12 @@ mixed)
       --experts "$e" ${m:+--min-routes $m} --out $O/mixed_step_$tag.json > $O/mixed_step_$tag.txt 2>&1
     say "mixed $tag (rc $?): $(tail -n 8 $O/mixed_step_$tag.txt | tr -s ' ' | tr '\n' ';')"
   done ;;
+specops)
+  # issue 45.3: launches of a plain step, an MTP round (block BLOCK) and the head-free round at widths 1 and
+  # MAX_DRAFT + 1 on $MODEL (the counts do not depend on the weights)
+  python3 benchmarks/bench_decode_step.py "$MODEL" --batch 1 --prompt-tokens 64 --count-ops --mtp-block "${BLOCK:-2}" \
+    --spec-widths "1,$(( ${MAX_DRAFT:-8} + 1 ))" --out $O/spec_ops.json > $O/spec_ops.txt 2>&1
+  say "spec ops (rc $?): $(grep -h 'batch 1\|round' $O/spec_ops.txt | tr '\n' ' ')" ;;
 specmiss)
   # issue 45.2 on the plain random model (its head's drafts and the context's miss): speculation by source
   # at batch 1 on a prompt no copy helps, then one pass a method with its kernels and host time recorded
