@@ -93,11 +93,13 @@ def specs() -> list[KernelSpec]:
     from mlx_relay.engine.models.qwen3_5.kernels import narrow_qmm as nq
 
     for dtype in ("bfloat16", "float16"):
-        for n, k, split in ((512, 2048, 1), (2048, 512, 1), (8192, 2048, 4), (2048, 4096, 2)):
+        for n, k, split, stages in ((512, 2048, 1, 4), (2048, 512, 1, 4), (512, 2048, 1, 1), (512, 2048, 1, 3),
+                                    (8192, 2048, 4, 4), (2048, 4096, 2, 2)):
             inputs = [("x", dtype, 3), ("w", "uint32", 3), ("scales", dtype, 3), ("biases", dtype, 3),
-                      ("row_off", "int32", 1)]
-            out.append(KernelSpec(f"narrow_qmm8_{dtype}_{n}x{k}_k{split}", nq.cuda_source(split), nq.CUDA_HEADER,
-                                  inputs, [("y", dtype)], [("N", n), ("K", k), ("E", 256), ("T", dtype)]))
+                      ("row_off", "int32", 1), ("tile_off", "int32", 1)]
+            out.append(KernelSpec(f"narrow_qmm8_{dtype}_{n}x{k}_k{split}_s{stages}", nq.cuda_source(split, stages),
+                                  nq.CUDA_HEADER, inputs, [("y", dtype)],
+                                  [("N", n), ("K", k), ("E", 256 if split == 1 else 1), ("T", dtype)]))
     from mlx_relay.engine.models.qwen3_5.kernels import moe
 
     for dtype in ("bfloat16", "float32"):

@@ -61,7 +61,8 @@
 #   grouped  (issue 43.3) gpu/grouped_kernels_bench.py: one expert projection (up, down) at GROUPED_ROUTES pairs,
 #            grouped_qmv's kernel, grouped_qmm's, dequantized + gather_mm, MLX's gather_qmm (QMV_SHAPES: grouped_qmv split
 #            other ways, e.g. "8,32,4,2 4,32,8,4"; GROUPED_DENSE "1,8": the few-row kernels as a dense projection
-#            against MLX's quantized_matmul at those rows). grouped_kernels.*
+#            against MLX's quantized_matmul at those rows; GROUPED_HOT 0.5: each route count again with half its pairs on 16
+#            experts). grouped_kernels.*
 #   profile  (issue 43.3) gpu/kernel_profile.py: per kernel, the device time of the decode step (MIXED_ROWS rows, one
 #            row), a chunk alone and the mixed step at PROFILE_SLICES (64,256,512), a prompt MIXED_CONTEXT in
 #            (EXPERTS, MIN_ROUTES as mixed's; narrow falls back to kernel where the check did not pass it)
@@ -223,7 +224,7 @@ overlap)
   done ;;
 grouped)
   python3 benchmarks/gpu/grouped_kernels_bench.py --routes "${GROUPED_ROUTES:-64,576,2112,4160,8256,16384}" \
-    --qmv-shapes "${QMV_SHAPES:-}" ${GROUPED_DENSE:+--dense $GROUPED_DENSE} --out $O/grouped_kernels.json > $O/grouped_kernels.txt 2>&1
+    --qmv-shapes "${QMV_SHAPES:-}" ${GROUPED_DENSE:+--dense $GROUPED_DENSE} ${GROUPED_HOT:+--hot $GROUPED_HOT} --out $O/grouped_kernels.json > $O/grouped_kernels.txt 2>&1
   say "grouped (rc $?): $(tail -n 12 $O/grouped_kernels.txt | tr -s ' ' | tr '\n' ';')" ;;
 profile)
   pe=${EXPERTS:-kernel}; [ "$pe" = narrow ] && ! narrow_ok && pe=kernel

@@ -67,13 +67,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--qmv-shapes", default="", help="also grouped_qmv's kernel split other ways: "
                     "'rows,cols,warps,cols_a_warp' each, space-separated (its `Shape`)")
+    ap.add_argument("--hot", type=float, default=0.0,
+                    help="also each route count with this share of its pairs routed to 16 experts (skewed routing)")
     ap.add_argument("--dense", default="1,4,8,16,32", help="also dense projections over these row counts ('' none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     mx.random.seed(0)
     switch = quantized_switch()
     paths = dict(PATHS)
-    for split in (2, 4):  # the tensor-core kernel with its warps splitting K (for the dense projections)
+    for stages in (1, 2):  # the tensor-core kernel with fewer groups in flight (default 4)
+        paths[f"narrow_s{stages}"] = partial(cuda_narrow_qmm, stages=stages)
+    for split in (2, 4):  # ... with its warps splitting K (for the dense projections)
         paths[f"narrow_k{split}"] = partial(cuda_narrow_qmm, split_k=split)
     for spec in args.qmv_shapes.split():
         shape = Shape(*(int(v) for v in spec.split(",")))
@@ -81,8 +85,12 @@ def main() -> None:
     E = switch.up_proj["weight"].shape[0]
     results = []
     print(f"{'routes':>7} {'proj':>5} " + " ".join(f"{p:>11}" for p in paths) + "   (us a call; GB/s of qmv)")
-    for routes in (int(r) for r in args.routes.split(",")):
-        experts = mx.sort(mx.random.randint(0, E, (routes,)).astype(mx.uint32))
+    cases = [(int(r), 0.0) for r in args.routes.split(",")]
+    cases += [(int(r), args.hot) for r in args.routes.split(",")] if args.hot else []
+    for routes, hot in cases:
+        n_hot = int(routes * hot)  # that many pairs routed to 16 experts, the rest evenly
+        experts = mx.sort(mx.concatenate([mx.random.randint(0, 16, (n_hot,)),
+                                          mx.random.randint(0, E, (routes - n_hot,))]).astype(mx.uint32))
         for name, proj in (("up", switch.up_proj), ("down", switch.down_proj)):
             K = proj["weight"].shape[2] * 4
             rows = mx.random.normal((routes, 1, K)).astype(mx.bfloat16)
@@ -96,9 +104,9 @@ def main() -> None:
                     print(f"  {path} failed: {exc!r}"[:300])
             touched = len(set(experts.tolist()))
             gb = touched * proj["weight"].shape[1] * K * (1 + 4 / 64) / 1e9  # bytes + scales/biases
-            results.append({"routes": routes, "proj": name, "experts_touched": touched, "us": us,
+            results.append({"routes": routes, "hot": hot, "proj": name, "experts_touched": touched, "us": us,
                             "weight_gb": gb})
-            print(f"{routes:7d} {name:>5} " + " ".join(f"{us[p]:11.1f}" for p in paths)
+            print(f"{routes:7d}{'h' if hot else ' '}{name:>5} " + " ".join(f"{us[p]:11.1f}" for p in paths)
                   + f"   {gb / (us['qmv'] * 1e-6):7.0f}", flush=True)
     dense = dense_rows(args, {k: v for k, v in paths.items() if k.startswith(("qmv", "narrow"))}) if args.dense else []
     if args.out:

@@ -202,7 +202,7 @@ def check_grouped_qmm(T: int, skewed: bool) -> dict[str, Any]:
     return result
 
 
-def check_narrow_qmm(T: int, skewed: bool, dense: bool = False, split_k: int = 1) -> dict[str, Any]:
+def check_narrow_qmm(T: int, skewed: bool, dense: bool = False, split_k: int = 1, stages: int = 4) -> dict[str, Any]:
     """`narrow_qmm`'s tensor-core kernel (not yet called by the engine) against the float32 truth,
     the up and down projections' shapes: routed rows (evenly, or most to a few experts: a pass per
     8 rows), or `dense`: T rows through one expert's weights (a dense projection, E = 1)."""
@@ -210,7 +210,7 @@ def check_narrow_qmm(T: int, skewed: bool, dense: bool = False, split_k: int = 1
 
     E, k = SHAPE["num_experts"], SHAPE["num_experts_per_tok"]
     switch = quantized_switch()
-    result: dict[str, Any] = {"T": T, "skewed": skewed, "dense": dense, "split_k": split_k}
+    result: dict[str, Any] = {"T": T, "skewed": skewed, "dense": dense, "split_k": split_k, "stages": stages}
     ok = True
     for name, proj, K in (("up", switch.up_proj, SHAPE["hidden_size"]), ("down", switch.down_proj,
                                                                         SHAPE["moe_intermediate_size"])):
@@ -223,7 +223,7 @@ def check_narrow_qmm(T: int, skewed: bool, dense: bool = False, split_k: int = 1
             experts = (mx.random.randint(0, 3, (n,)) if skewed else mx.random.randint(0, E, (n,))).astype(mx.uint32)
             experts = mx.sort(experts)
         rows = mx.random.normal((n, 1, K)).astype(mx.bfloat16)
-        ours = cuda_narrow_qmm(rows, proj, experts, split_k=split_k)
+        ours = cuda_narrow_qmm(rows, proj, experts, split_k=split_k, stages=stages)
         true = projection_truth(rows, proj, experts)
         mx.eval(ours, true)
         result[f"{name}_rel"] = rel(ours, true)
@@ -304,10 +304,11 @@ def main() -> None:
         record("grouped_qmm", check_grouped_qmm, T, skewed)
     # not yet called by the engine: a failure here is reported, not counted (the next lease's first check)
     narrow: dict[str, list[dict[str, Any]]] = {"narrow_qmm": []}
-    for T, skewed, dense, split in ((1, False, False, 1), (37, False, False, 1), (256, False, False, 1),
-                                    (256, True, False, 1), (1, False, True, 1), (8, False, True, 4),
-                                    (13, False, True, 2), (13, False, True, 4)):
-        record("narrow_qmm", check_narrow_qmm, T, skewed, dense, split)
+    for T, skewed, dense, split, stages in (
+            (1, False, False, 1, 4), (37, False, False, 1, 4), (256, False, False, 1, 4), (256, True, False, 1, 4),
+            (256, True, False, 1, 3), (64, False, False, 1, 1), (1, False, True, 1, 4), (8, False, True, 4, 4),
+            (13, False, True, 2, 2), (13, False, True, 4, 4)):
+        record("narrow_qmm", check_narrow_qmm, T, skewed, dense, split, stages)
     narrow["narrow_qmm"] = checks.pop("narrow_qmm")
     ok = all(c["ok"] for group in checks.values() for c in group)
     checks.update(narrow)

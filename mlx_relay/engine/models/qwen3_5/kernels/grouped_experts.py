@@ -9,8 +9,8 @@ gather (`GatherQMM::eval_gpu`): it runs one single-row matmul per pair, reading 
 quantized weight matrix again for each of its tokens (19 ms a block for 2,048 tokens on an H100,
 where the block's arithmetic is about 0.3 ms). Its float gather does read the sort: with one row
 per pair and sorted expert indices, `GatherMM::eval_gpu` runs CUTLASS's grouped GEMM, one problem
-per expert. So on a CUDA GPU, for a chunk with at least `PrefillOptions.grouped_min_routes` pairs, the pairs are sorted by
-expert once and each projection runs over them grouped: 8-bit experts in groups of 64 by our
+per expert. So on a CUDA GPU, for a chunk with at least `PrefillOptions.grouped_min_routes` pairs,
+the pairs are sorted by expert once and each projection runs over them grouped: 8-bit experts in groups of 64 by our
 kernel, which reads the quantized weights in place (`kernels/grouped_qmm.py`); other quantized
 experts dequantized once (`mx.dequantize`: every expert, as a chunk of 2,048 tokens routes to
 nearly all of them; 0.5 GB of bfloat16 per projection of the 35B-A3B shape, freed after its
@@ -30,6 +30,7 @@ import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import grouped_qmm
+
 
 def use_grouped(switch: Any, routes: int, min_routes: int) -> bool:
     """Whether `switch`'s routed matmuls over `routes` pairs run grouped: on a CUDA GPU, for at least

@@ -14,14 +14,18 @@ the tensor cores, `mma.sync` m16n8k16 with the WEIGHTS as the 16-row operand (16
 and 8 rows of x as the 8-column one (`D^T = W x^T`), so a row of x costs no instructions of its own
 up to 8:
 
-- a thread block per (expert, 64 output columns), four warps of 16 columns (or, `split_k`, fewer
-  columns a block and the warps splitting K, their sums added in shared memory: a dense
-  projection has too few blocks of 64 columns to keep the GPU's memory busy); the expert's rows 8
-  a pass, read from global memory where the products need them (a lane's 16 values of a group at
-  once; any K), each row's sum over each quantization group in shared memory;
+- a thread block per tile of up to 8 rows of one expert (the tiles from prefix sums of the rows an
+  expert, as `grouped_qmm`'s: an expert with many rows runs its tiles side by side, not a pass
+  after another) and 64 output columns, four warps of 16 columns (or, `split_k`, fewer columns a
+  block and the warps splitting K, their sums added in shared memory: a dense projection has too
+  few blocks of 64 columns to keep the GPU's memory busy);
+- the tile's rows staged in shared memory once (rows padded by 16 bytes so the 8 rows a warp reads
+  fall in different banks; read where they are when 8 rows of K do not fit in 40 KB), each row's
+  sum over each quantization group beside them;
 - per group of 64 along K, a lane reads 16 consecutive weight bytes of two columns (g and g + 8 of
   its warp's 16: lane = 4 g + t reads bytes 16 t .. 16 t + 15) and the same 16 positions of row g
-  of x, the next group's weights issued before this one's products;
+  of x; the weights and their scales and biases of `STAGES` groups are in flight at once (a ring
+  of registers: the products of one group wait on loads issued `STAGES` groups earlier);
 - the dot product's order along K is free, so the fragment's k positions are permuted to match
   what a lane holds: in step s (0..3) of a group, the fragment's columns 2t, 2t+1, 2t+8, 2t+9 are
   bytes 16 t + 4 s + 0..3 (one 32-bit word of the weights; four consecutive values of x);
@@ -30,7 +34,7 @@ up to 8:
 - a byte becomes a float by a byte permute and an add (2^23 + q read as a float, less 2^23), two
   floats a 16-bit pair by one conversion.
 
-An expert with more than 8 rows runs a pass per 8, reading its weights again (from L2).
+An expert's tiles each read its weights (the second from L2, where they run together).
 """
 
 from __future__ import annotations
@@ -39,111 +43,152 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import row_offsets
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import expert_counts, starts
 
 ROWS_A_PASS = 8  # the MMA's narrow side
 COLS_A_BLOCK = 64  # four warps of 16 columns
 THREADS = 128
+STAGES = 4  # groups of 64 weights a lane has in flight
 
 # Template constants: N, K, E; T the rows' (and output's) dtype: bfloat16 or float16.
 _CUDA_SOURCE = """
   constexpr int RG = 8, GS = 64;
   constexpr int WK = __WK__, WN = 4 / WK;    // the block's four warps: WN along the columns, WK along K
+  constexpr int STAGES = __STAGES__;         // groups of weights (and their scales) in flight a lane
   constexpr int BN = 16 * WN;                // output columns a block
   constexpr int GROUPS = K / GS;
   constexpr int KSPAN = GROUPS / WK;         // groups a warp sums (WK divides K / 64)
   constexpr int KW = K / 4;                  // 32-bit words a weight row
+  constexpr int XS = K + 8;                  // a staged row of x, padded (rows 16 bytes apart in the banks)
+  constexpr bool STAGED = RG * XS * 2 <= 40 * 1024;  // x in shared memory (else read where it is)
   static_assert(GROUPS % WK == 0, "whole groups a warp");
+  __shared__ __align__(16) T xs[STAGED ? RG * XS : 8];
   __shared__ float xsum[RG * GROUPS];        // each row's sum over each quantization group
-  __shared__ float part[WK > 1 ? WK * WN * 32 * 4 : 1];  // the K-split warps' sums, reduced at the end
+  __shared__ float part[WK > 1 ? WK * WN * 32 * 4 : 1];  // the K-split warps' sums
+  __shared__ int tile_e, tile_p, tile_rows;
 
-  const int e = blockIdx.x;
-  const int r_begin = row_off[e], r_end = row_off[e + 1];
-  if (r_begin >= r_end) return;
+  // this block's tile: up to 8 rows of one expert (`tile_off`: each expert's first tile)
+  if (threadIdx.x == 0) {
+    const int tile = blockIdx.x;
+    if (tile >= tile_off[E]) {
+      tile_e = -1;
+    } else {
+      int lo = 0, hi = E;  // the last expert whose first tile is at or before this one
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (tile_off[mid] <= tile) lo = mid; else hi = mid;
+      }
+      tile_e = lo;
+      tile_p = row_off[lo] + (tile - tile_off[lo]) * RG;
+      tile_rows = min(RG, row_off[lo + 1] - tile_p);
+    }
+  }
+  __syncthreads();
+  const int e = tile_e;
+  if (e < 0) return;
+  const int p = tile_p, rows = tile_rows;
+
+  // the tile's rows (zeros past the last) and their sums over each group: a thread per 8 values,
+  // 8 threads a group, summed by shuffles
+  for (int v = threadIdx.x; v < RG * K / 8; v += blockDim.x) {
+    const int r = v / (K / 8), c = (v % (K / 8)) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < rows) val = *reinterpret_cast<const uint4*>(x + (size_t)(p + r) * K + c);
+    if (STAGED) *reinterpret_cast<uint4*>(xs + r * XS + c) = val;
+    const T* h = reinterpret_cast<const T*>(&val);
+    float acc = 0.f;
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) acc += static_cast<float>(h[j]);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if ((v & 7) == 0) xsum[r * GROUPS + c / GS] = acc;
+  }
+  __syncthreads();
+
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
   const int wn = warp % WN, wk = warp / WN;
   const int g0 = wk * KSPAN, g1 = g0 + KSPAN;  // this warp's groups along K
   const int n_lo = blockIdx.y * BN + wn * 16 + g, n_hi = n_lo + 8;
-  const uint32_t* w_lo = w + ((size_t)e * N + n_lo) * KW;
-  const uint32_t* w_hi = w + ((size_t)e * N + n_hi) * KW;
+  const uint32_t* w_lo = w + ((size_t)e * N + n_lo) * KW + 4 * t;
+  const uint32_t* w_hi = w + ((size_t)e * N + n_hi) * KW + 4 * t;
   const T* s_lo = scales + ((size_t)e * N + n_lo) * GROUPS;
   const T* s_hi = scales + ((size_t)e * N + n_hi) * GROUPS;
   const T* b_lo = biases + ((size_t)e * N + n_lo) * GROUPS;
   const T* b_hi = biases + ((size_t)e * N + n_hi) * GROUPS;
+  // this lane's row of x (the MMA's column g): 16 values a group (rows past the tile's are zeros)
+  const T* xg = STAGED ? xs + g * XS : x + (size_t)(p + min(g, rows - 1)) * K;
+  const bool live = STAGED || g < rows;
 
-  for (int p = r_begin; p < r_end; p += RG) {
-    const int rows = min(RG, r_end - p);
-    __syncthreads();  // the last pass's reads of xsum and part are done
-    for (int v = threadIdx.x; v < RG * GROUPS; v += blockDim.x) {
-      const int r = v / GROUPS, gi = v % GROUPS;
-      float acc = 0.f;
-      if (r < rows) {
-        const T* xr = x + (size_t)(p + r) * K + gi * GS;
-        for (int j = 0; j < GS; ++j) acc += static_cast<float>(xr[j]);
-      }
-      xsum[v] = acc;
+  // a ring of STAGES groups in registers: a group's 2 x 16 weight bytes and 4 scale / bias values
+  uint4 wl[STAGES], wh[STAGES];
+  T sl[STAGES], sh[STAGES], bl[STAGES], bh[STAGES];
+  #pragma unroll
+  for (int i = 0; i < STAGES; ++i) {
+    const int gi = g0 + i;
+    if (gi < g1) {
+      wl[i] = *reinterpret_cast<const uint4*>(w_lo + gi * (GS / 4));
+      wh[i] = *reinterpret_cast<const uint4*>(w_hi + gi * (GS / 4));
+      sl[i] = s_lo[gi]; sh[i] = s_hi[gi]; bl[i] = b_lo[gi]; bh[i] = b_hi[gi];
     }
-    __syncthreads();
-
-    // this lane's row of x (the MMA's column g): 16 values a group, read where the products need them
-    const bool has_row = g < rows;
-    const T* xg = x + (size_t)(p + (has_row ? g : 0)) * K;
-    float y0 = 0.f, y1 = 0.f, y2 = 0.f, y3 = 0.f;  // (n_lo, row 2t), (n_lo, 2t+1), (n_hi, 2t), (n_hi, 2t+1)
-    uint4 next_lo = *reinterpret_cast<const uint4*>(w_lo + g0 * (GS / 4) + 4 * t);
-    uint4 next_hi = *reinterpret_cast<const uint4*>(w_hi + g0 * (GS / 4) + 4 * t);
-    for (int gi = g0; gi < g1; ++gi) {
-      const uint4 cur_lo = next_lo, cur_hi = next_hi;
-      if (gi + 1 < g1) {  // the next group's bytes in flight during this one's products
-        next_lo = *reinterpret_cast<const uint4*>(w_lo + (gi + 1) * (GS / 4) + 4 * t);
-        next_hi = *reinterpret_cast<const uint4*>(w_hi + (gi + 1) * (GS / 4) + 4 * t);
-      }
-      uint4 xa = make_uint4(0, 0, 0, 0), xb = make_uint4(0, 0, 0, 0);  // x[g][gi*64 + 16t .. + 15]
-      if (has_row) {
-        xa = *reinterpret_cast<const uint4*>(xg + gi * GS + 16 * t);
-        xb = *reinterpret_cast<const uint4*>(xg + gi * GS + 16 * t + 8);
-      }
-      const uint32_t lo_words[4] = {cur_lo.x, cur_lo.y, cur_lo.z, cur_lo.w};
-      const uint32_t hi_words[4] = {cur_hi.x, cur_hi.y, cur_hi.z, cur_hi.w};
-      const uint32_t x_words[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-      float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
-      #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        // step s: the fragment's k columns 2t, 2t+1, 2t+8, 2t+9 are bytes 16t + 4s + 0..3 of the group:
-        // registers (column g, k, k+1), (g + 8, k, k+1), (g, k+2, k+3), (g + 8, k+2, k+3); x's (k, k+1), (k+2, k+3)
-        const uint32_t a0 = RelayNarrow<T>::pair(lo_words[s], 0), a1 = RelayNarrow<T>::pair(hi_words[s], 0);
-        const uint32_t a2 = RelayNarrow<T>::pair(lo_words[s], 1), a3 = RelayNarrow<T>::pair(hi_words[s], 1);
-        RelayNarrow<T>::mma(c0, c1, c2, c3, a0, a1, a2, a3, x_words[2 * s], x_words[2 * s + 1]);
-      }
-      const float sl = static_cast<float>(s_lo[gi]), sh = static_cast<float>(s_hi[gi]);
-      const float bl = static_cast<float>(b_lo[gi]), bh = static_cast<float>(b_hi[gi]);
-      const float x0 = xsum[(2 * t) * GROUPS + gi], x1 = xsum[(2 * t + 1) * GROUPS + gi];
-      y0 += sl * c0 + bl * x0;
-      y1 += sl * c1 + bl * x1;
-      y2 += sh * c2 + bh * x0;
-      y3 += sh * c3 + bh * x1;
-    }
-    if (WK > 1) {  // the K-split warps' sums: warp wk = 0 of each column group adds the others'
-      float* mine = part + ((wk * WN + wn) * 32 + lane) * 4;
-      mine[0] = y0; mine[1] = y1; mine[2] = y2; mine[3] = y3;
-      __syncthreads();
-      if (wk == 0) {
-        for (int j = 1; j < WK; ++j) {
-          const float* other = part + ((j * WN + wn) * 32 + lane) * 4;
-          y0 += other[0]; y1 += other[1]; y2 += other[2]; y3 += other[3];
+  }
+  float y0 = 0.f, y1 = 0.f, y2 = 0.f, y3 = 0.f;  // (n_lo, row 2t), (n_lo, 2t+1), (n_hi, 2t), (n_hi, 2t+1)
+  for (int base = g0; base < g1; base += STAGES) {
+    #pragma unroll
+    for (int i = 0; i < STAGES; ++i) {
+      const int gi = base + i;
+      if (gi < g1) {
+        uint4 xa = make_uint4(0, 0, 0, 0), xb = make_uint4(0, 0, 0, 0);  // x[g][gi*64 + 16t .. + 15]
+        if (live) {
+          xa = *reinterpret_cast<const uint4*>(xg + gi * GS + 16 * t);
+          xb = *reinterpret_cast<const uint4*>(xg + gi * GS + 16 * t + 8);
         }
+        const uint32_t lo_words[4] = {wl[i].x, wl[i].y, wl[i].z, wl[i].w};
+        const uint32_t hi_words[4] = {wh[i].x, wh[i].y, wh[i].z, wh[i].w};
+        const uint32_t x_words[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        const float scl = static_cast<float>(sl[i]), sch = static_cast<float>(sh[i]);
+        const float bil = static_cast<float>(bl[i]), bih = static_cast<float>(bh[i]);
+        if (gi + STAGES < g1) {  // this stage's next group in flight during the products below
+          wl[i] = *reinterpret_cast<const uint4*>(w_lo + (gi + STAGES) * (GS / 4));
+          wh[i] = *reinterpret_cast<const uint4*>(w_hi + (gi + STAGES) * (GS / 4));
+          sl[i] = s_lo[gi + STAGES]; sh[i] = s_hi[gi + STAGES]; bl[i] = b_lo[gi + STAGES]; bh[i] = b_hi[gi + STAGES];
+        }
+        float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+        #pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          // step s: the fragment's k columns 2t, 2t+1, 2t+8, 2t+9 are bytes 16t + 4s + 0..3 of the group:
+          // registers (column g, k, k+1), (g + 8, k, k+1), (g, k+2, k+3), (g + 8, k+2, k+3); x's (k, k+1), (k+2, k+3)
+          const uint32_t a0 = RelayNarrow<T>::pair(lo_words[s], 0), a1 = RelayNarrow<T>::pair(hi_words[s], 0);
+          const uint32_t a2 = RelayNarrow<T>::pair(lo_words[s], 1), a3 = RelayNarrow<T>::pair(hi_words[s], 1);
+          RelayNarrow<T>::mma(c0, c1, c2, c3, a0, a1, a2, a3, x_words[2 * s], x_words[2 * s + 1]);
+        }
+        const float x0 = xsum[(2 * t) * GROUPS + gi], x1 = xsum[(2 * t + 1) * GROUPS + gi];
+        y0 += scl * c0 + bil * x0;
+        y1 += scl * c1 + bil * x1;
+        y2 += sch * c2 + bih * x0;
+        y3 += sch * c3 + bih * x1;
       }
-      if (wk != 0) continue;
     }
-    const int r0 = 2 * t, r1 = 2 * t + 1;
-    if (r0 < rows) {
-      y[(size_t)(p + r0) * N + n_lo] = static_cast<T>(y0);
-      y[(size_t)(p + r0) * N + n_hi] = static_cast<T>(y2);
+  }
+  if (WK > 1) {  // the K-split warps' sums: warp wk = 0 of each column group adds the others'
+    float* mine = part + ((wk * WN + wn) * 32 + lane) * 4;
+    mine[0] = y0; mine[1] = y1; mine[2] = y2; mine[3] = y3;
+    __syncthreads();
+    if (wk != 0) return;
+    for (int j = 1; j < WK; ++j) {
+      const float* other = part + ((j * WN + wn) * 32 + lane) * 4;
+      y0 += other[0]; y1 += other[1]; y2 += other[2]; y3 += other[3];
     }
-    if (r1 < rows) {
-      y[(size_t)(p + r1) * N + n_lo] = static_cast<T>(y1);
-      y[(size_t)(p + r1) * N + n_hi] = static_cast<T>(y3);
-    }
+  }
+  const int r0 = 2 * t, r1 = 2 * t + 1;
+  if (r0 < rows) {
+    y[(size_t)(p + r0) * N + n_lo] = static_cast<T>(y0);
+    y[(size_t)(p + r0) * N + n_hi] = static_cast<T>(y2);
+  }
+  if (r1 < rows) {
+    y[(size_t)(p + r1) * N + n_lo] = static_cast<T>(y1);
+    y[(size_t)(p + r1) * N + n_hi] = static_cast<T>(y3);
   }
 """
 
@@ -187,24 +232,35 @@ RELAY_NARROW_MMA(__half, "f16")
 """
 
 
-def cuda_source(split_k: int = 1) -> str:
+def cuda_source(split_k: int = 1, stages: int = STAGES) -> str:
     """`split_k`: the block's four warps along K (1: four column groups of 16 over all of K, for many
     experts; 2 or 4: fewer columns a block, each warp a share of K, summed in shared memory: more
-    warps in flight for a dense projection's few blocks)."""
-    return _CUDA_SOURCE.replace("__WK__", str(split_k))
+    warps in flight for a dense projection's few blocks). `stages`: groups of weights in flight a lane."""
+    return _CUDA_SOURCE.replace("__WK__", str(split_k)).replace("__STAGES__", str(stages))
 
 
-def cuda_narrow_qmm(rows: mx.array, proj: Any, experts: mx.array, split_k: int = 1) -> mx.array:
+def tiles(experts: mx.array, num_experts: int) -> tuple[mx.array, mx.array, int]:
+    """Each expert's first row and first tile of up to 8 rows (prefix sums, [E + 1] int32 each), and
+    how many tiles there can be at most (the grid's size: no host sync)."""
+    counts = expert_counts(experts, num_experts)
+    return (starts(counts), starts((counts + ROWS_A_PASS - 1) // ROWS_A_PASS),
+            -(-experts.size // ROWS_A_PASS) + num_experts)
+
+
+def cuda_narrow_qmm(rows: mx.array, proj: Any, experts: mx.array, split_k: int = 1, stages: int = STAGES
+                    ) -> mx.array:
     """The kernel (CUDA only; 8-bit groups of 64, N a multiple of 64 / `split_k`, K of 64 x `split_k`,
     16-bit rows)."""
     E, N, _ = proj["weight"].shape
     R, _, K = rows.shape
+    row_off, tile_off, max_tiles = tiles(experts, E)
     kernel = mx.fast.cuda_kernel(
-        name=f"relay_narrow_qmm8_k{split_k}", input_names=["x", "w", "scales", "biases", "row_off"],
-        output_names=["y"], source=cuda_source(split_k), header=CUDA_HEADER)
+        name=f"relay_narrow_qmm8_k{split_k}_s{stages}",
+        input_names=["x", "w", "scales", "biases", "row_off", "tile_off"],
+        output_names=["y"], source=cuda_source(split_k, stages), header=CUDA_HEADER)
     (y,) = kernel(
-        inputs=[rows, proj["weight"], proj["scales"], proj["biases"], row_offsets(experts, E)],
+        inputs=[rows, proj["weight"], proj["scales"], proj["biases"], row_off, tile_off],
         template=[("N", N), ("K", K), ("E", E), ("T", rows.dtype)],
-        grid=(E * THREADS, N // (COLS_A_BLOCK // split_k), 1), threadgroup=(THREADS, 1, 1),
+        grid=(max_tiles * THREADS, N // (COLS_A_BLOCK // split_k), 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(R, 1, N)], output_dtypes=[rows.dtype])
     return y
