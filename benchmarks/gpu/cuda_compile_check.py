@@ -4,7 +4,7 @@ default header, ours, `__global__ void` with a `const T*` per input, `T_shape` w
 names it, a `T*` per output, the template arguments as `constexpr` / `using` lines), so a kernel's
 compile errors show before a device lease (its arithmetic is pinned on the GPU by `kernel_check.py`).
 
-    python benchmarks/gpu/cuda_compile_check.py --mlx-src DIR [--nvcc nvcc] [--arch sm_90]
+    python benchmarks/gpu/cuda_compile_check.py --mlx-src DIR [--nvcc nvcc] [--arch sm_90] [--only NAME]
 
 DIR holds MLX's source tree at the installed version's tag (`mlx/backend/cuda/device/*.cuh`; e.g.
 `git archive v0.32.4 mlx/backend/cuda/device | tar x -C DIR` from a clone); nvcc from a CUDA
@@ -100,6 +100,12 @@ def specs() -> list[KernelSpec]:
             out.append(KernelSpec(f"narrow_qmm8_{dtype}_{n}x{k}_k{split}_s{stages}", nq.cuda_source(split, stages),
                                   nq.CUDA_HEADER, inputs, [("y", dtype)],
                                   [("N", n), ("K", k), ("E", 256 if split == 1 else 1), ("T", dtype)]))
+        for n, k, split in ((8192, 2048, 4), (2048, 4096, 4), (512, 2048, 2)):
+            inputs = [("x", dtype, 3), ("w", "uint32", 2), ("scales", dtype, 2), ("biases", dtype, 2)]
+            out.append(KernelSpec(f"narrow_dense8_{dtype}_{n}x{k}_k{split}", nq.cuda_source(split, dense=True),
+                                  nq.CUDA_HEADER, inputs, [("y", dtype)], [("N", n), ("K", k), ("E", 1), ("T", dtype)]))
+    out.append(KernelSpec("narrow_offsets", nq.OFFSETS_SOURCE, "", [("experts", "uint32", 1)],
+                          [("row_off", "int32"), ("tile_off", "int32")], [("E", 256)]))
     from mlx_relay.engine.models.qwen3_5.kernels import moe
 
     for dtype in ("bfloat16", "float32"):
@@ -115,10 +121,11 @@ def main() -> int:
     parser.add_argument("--mlx-src", required=True, type=Path)
     parser.add_argument("--nvcc", default="nvcc")
     parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--only", default="", help="only the kernels whose name holds this")
     args = parser.parse_args()
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in specs():
+        for spec in (s for s in specs() if args.only in s.name):
             path = Path(tmp) / f"{spec.name}.cu"
             path.write_text(build(spec))
             cmd = [args.nvcc, "-std=c++17", f"-arch={args.arch}", "-c", str(path), "-o", str(path.with_suffix(".o")),

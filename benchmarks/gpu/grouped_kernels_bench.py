@@ -6,11 +6,14 @@ per count of (token, expert) pairs (issue 43.3: which path runs a mixed step's o
 
 Paths, each over the same sorted pairs (random experts), the up projection's shape (N 512, K 2,048)
 and the down projection's (N 2,048, K 512): `qmv` (`grouped_qmv`'s CUDA-core kernel), `narrow`
-(`narrow_qmm`'s tensor-core kernel for few rows, not yet called by the engine), `qmm`
+(`narrow_qmm`'s tensor-core kernel for few rows: `--prefill-experts narrow`), `qmm`
 (`grouped_qmm`'s tensor-core kernel), `dequantize` (every expert dequantized, MLX's sorted
 `gather_mm`) and `library` (MLX's `gather_qmm` over the sorted pairs, what mlx-vlm's `SwitchGLU`
-calls). Each timed alone: `--repeats` calls queued, then one synchronize (the median of 3 such runs,
-a call's microseconds). The weights' bytes over the time give the bandwidth each reaches. Then
+calls). Each timed alone as the device sees it: the kernels' summed durations (CUPTI through the
+machine's torch) over `--repeats` calls, the median of 3 such runs, a call's microseconds (off a
+GPU profiler, the host's wall time with the calls queued: on MLX's CUDA backend that is ~10-20 us
+an operation of the host's, more than a small projection's kernel takes). The weights' bytes over
+the time give the bandwidth each reaches. Then
 (`--dense`) a dense projection over few rows (the decode step's at that batch): MLX's
 `quantized_matmul` against the qmv and narrow kernels given the weights as a single expert.
 """
@@ -30,13 +33,14 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from experts_truth import quantized_switch
+from step_recorder import by_kernel, profiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_prefill import card, commit
 
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import cuda_grouped_qmm, fallback
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import Shape, cuda_grouped_qmv
-from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import cuda_narrow_qmm
+from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import cuda_narrow_linear, cuda_narrow_qmm
 
 
 def library(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
@@ -50,14 +54,25 @@ PATHS = {"qmv": cuda_grouped_qmv, "narrow": cuda_narrow_qmm, "qmm": cuda_grouped
 
 
 def time_us(fn: Any, repeats: int) -> float:
+    """A call's cost as the device sees it: the summed duration of every kernel it launches (CUPTI
+    through the machine's torch, `step_recorder`), median of 3 rounds of `repeats` calls; where no
+    profiler is, the host's wall time a call with `repeats` queued (which on MLX's CUDA backend is
+    bound by the host's ~10-20 us an operation for small projections: not the kernel's time)."""
     mx.eval(fn())  # compiles, plans
     mx.synchronize()
     runs = []
     for _ in range(3):
+        prof = profiler()
         t0 = time.perf_counter()
-        mx.eval([fn() for _ in range(repeats)])
-        mx.synchronize()
-        runs.append((time.perf_counter() - t0) / repeats * 1e6)
+        if prof is None:
+            mx.eval([fn() for _ in range(repeats)])
+            mx.synchronize()
+            runs.append((time.perf_counter() - t0) / repeats * 1e6)
+            continue
+        with prof:
+            mx.eval([fn() for _ in range(repeats)])
+            mx.synchronize()
+        runs.append(sum(sum(v) for v in by_kernel(prof).values()) / repeats)
     return statistics.median(runs)
 
 
@@ -84,7 +99,7 @@ def main() -> None:
         paths[f"qmv{spec}"] = partial(cuda_grouped_qmv, shape=shape)
     E = switch.up_proj["weight"].shape[0]
     results = []
-    print(f"{'routes':>7} {'proj':>5} " + " ".join(f"{p:>11}" for p in paths) + "   (us a call; GB/s of qmv)")
+    print(f"{'routes':>7} {'proj':>5} " + " ".join(f"{p:>11}" for p in paths) + "   (device us a call; GB/s of qmv)")
     cases = [(int(r), 0.0) for r in args.routes.split(",")]
     cases += [(int(r), args.hot) for r in args.routes.split(",")] if args.hot else []
     for routes, hot in cases:
@@ -120,7 +135,8 @@ def dense_rows(args: argparse.Namespace, qmv_paths: dict[str, Any]) -> list[dict
     import mlx.nn as nn
 
     out = []
-    print(f"\n{'M':>4} {'N x K':>11} {'mlx':>9} " + " ".join(f"{p:>11}" for p in qmv_paths) + "   (us a call)")
+    print(f"\n{'M':>4} {'N x K':>11} {'mlx':>9} {'dense_k4':>9} {'dense_k2':>9} "
+          + " ".join(f"{p:>11}" for p in qmv_paths) + "   (device us a call)")
     for N, K in ((8192, 2048), (2048, 4096), (512, 2048)):
         lin = nn.QuantizedLinear.from_linear(nn.Linear(K, N, bias=False), group_size=64, bits=8)
         lin.update({"weight": lin.weight, "scales": lin.scales.astype(mx.bfloat16),
@@ -131,15 +147,18 @@ def dense_rows(args: argparse.Namespace, qmv_paths: dict[str, Any]) -> list[dict
             experts = mx.zeros((M,), dtype=mx.uint32)
             mx.eval(x, proj, experts)
             us = {"mlx": time_us(partial(lin, x), args.repeats)}
-            for path, fn in qmv_paths.items():
+            calls = {f"dense_k{split}": partial(cuda_narrow_linear, x, lin.weight, lin.scales, lin.biases,
+                                                split_k=split) for split in (4, 2)}  # ours, dense: one launch
+            calls.update({path: partial(fn, x, proj, experts) for path, fn in qmv_paths.items()})
+            for path, call in calls.items():
                 try:
-                    us[path] = time_us(partial(fn, x, proj, experts), args.repeats)
+                    us[path] = time_us(call, args.repeats)
                 except Exception as exc:
                     us[path] = float("nan")
                     print(f"  {path} failed: {exc!r}"[:300])
             out.append({"M": M, "N": N, "K": K, "us": us})
-            print(f"{M:4d} {f'{N}x{K}':>11} {us['mlx']:9.1f} " + " ".join(f"{us[p]:11.1f}" for p in qmv_paths),
-                  flush=True)
+            print(f"{M:4d} {f'{N}x{K}':>11} {us['mlx']:9.1f} {us['dense_k4']:9.1f} {us['dense_k2']:9.1f} "
+                  + " ".join(f"{us[p]:11.1f}" for p in qmv_paths), flush=True)
     return out
 
 

@@ -232,6 +232,41 @@ def check_narrow_qmm(T: int, skewed: bool, dense: bool = False, split_k: int = 1
     return result
 
 
+def check_narrow_linear(M: int, N: int, K: int, split_k: int) -> dict[str, Any]:
+    """`narrow_qmm.cuda_narrow_linear` (a dense 8-bit projection over M rows: the decode step's) against
+    the float32 truth, and MLX's `quantized_matmul` (what the library's `QuantizedLinear` runs) beside it."""
+    import mlx.nn as nn
+
+    from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import cuda_narrow_linear
+
+    lin = nn.QuantizedLinear.from_linear(nn.Linear(K, N, bias=False), group_size=64, bits=8)
+    weight, scales, biases = lin.weight, lin.scales.astype(mx.bfloat16), lin.biases.astype(mx.bfloat16)
+    x = mx.random.normal((M, K)).astype(mx.bfloat16)
+    ours = cuda_narrow_linear(x, weight, scales, biases, split_k=split_k)
+    library = mx.quantized_matmul(x, weight, scales, biases, transpose=True, group_size=64, bits=8)
+    true = x.astype(mx.float32) @ float_weights_of({"weight": weight, "scales": scales, "biases": biases}).T
+    mx.eval(ours, library, true)
+    result: dict[str, Any] = {"M": M, "N": N, "K": K, "split_k": split_k, "rel": rel(ours, true),
+                              "library_rel": rel(library, true)}
+    result["ok"] = bool(ours.shape == (M, N) and result["rel"] <= TOLERANCE)
+    return result
+
+
+def check_narrow_tiles(R: int, skewed: bool) -> dict[str, Any]:
+    """`narrow_qmm.tiles`'s one-launch offsets against numpy's prefix sums."""
+    import numpy as np
+
+    from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import tiles
+
+    E = SHAPE["num_experts"]
+    experts = mx.sort((mx.random.randint(0, 3, (R,)) if skewed else mx.random.randint(0, E, (R,))).astype(mx.uint32))
+    at = tiles(experts, E)
+    counts = np.bincount(np.array(experts.tolist(), dtype=np.int64), minlength=E)
+    rows_ok = at.row_off.tolist() == [0, *np.cumsum(counts).tolist()]
+    tiles_ok = at.tile_off.tolist() == [0, *np.cumsum((counts + 7) // 8).tolist()]
+    return {"R": R, "skewed": skewed, "row_off": rows_ok, "tile_off": tiles_ok, "ok": bool(rows_ok and tiles_ok)}
+
+
 def projection_truth(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
     """rows[r] @ W[experts[r]]^T in float32, one matmul per expert."""
     import numpy as np
@@ -309,6 +344,11 @@ def main() -> None:
             (256, True, False, 1, 3), (64, False, False, 1, 1), (1, False, True, 1, 4), (8, False, True, 4, 4),
             (13, False, True, 2, 2), (13, False, True, 4, 4)):
         record("narrow_qmm", check_narrow_qmm, T, skewed, dense, split, stages)
+    for R, skewed in ((1, False), (576, False), (2112, True)):
+        record("narrow_qmm", check_narrow_tiles, R, skewed)
+    for M, N, K, split in ((1, 8192, 2048, 4), (2, 8192, 2048, 4), (8, 2048, 4096, 4), (5, 512, 2048, 2),
+                           (16, 8192, 2048, 4), (3, 2048, 512, 1)):
+        record("narrow_qmm", check_narrow_linear, M, N, K, split)
     narrow["narrow_qmm"] = checks.pop("narrow_qmm")
     ok = all(c["ok"] for group in checks.values() for c in group)
     checks.update(narrow)

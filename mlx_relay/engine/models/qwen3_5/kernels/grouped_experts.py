@@ -29,7 +29,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
-from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import grouped_qmm
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import few_rows, grouped_qmm
+from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import tiles
 
 
 def use_grouped(switch: Any, routes: int, min_routes: int) -> bool:
@@ -67,9 +68,13 @@ def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array, *, kernel: bool
     rows = x.reshape(-1, 1, x.shape[-1])[order // k]  # one row per pair, grouped by expert
     experts = flat[order]
 
+    E = switch.up_proj["weight"].shape[0]
+    # the narrow kernel's tiles, once for the three projections (one launch, not three)
+    at = tiles(experts, E) if narrow and kernel and cuda_kernels_available() and few_rows(rows.shape[0], E) else None
+
     def project(m: Any, a: mx.array) -> mx.array:
         if "scales" in m:
-            return grouped_qmm(a, m, experts, kernel=kernel, narrow=narrow)
+            return grouped_qmm(a, m, experts, kernel=kernel, narrow=narrow, at=at)
         return mx.gather_mm(a, m["weight"].swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
 
     up = project(switch.up_proj, rows)

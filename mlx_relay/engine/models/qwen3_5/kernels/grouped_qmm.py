@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import cuda_grouped_qmv, expert_counts, starts
-from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import cuda_narrow_qmm
+from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import Tiles, cuda_narrow_qmm
 
 TILE_ROWS = 64
 TILE_COLS = 64
@@ -147,14 +147,21 @@ def kernel_fits(rows: mx.array, proj: Any) -> bool:
 FEW_ROWS_AN_EXPERT = 16
 
 
+def few_rows(rows: int, num_experts: int) -> bool:
+    """Whether `rows` routed over `num_experts` are few an expert (the few-row kernels' case)."""
+    return rows <= FEW_ROWS_AN_EXPERT * num_experts
+
+
 def grouped_qmm(rows: mx.array, proj: Any, experts: mx.array, *, kernel: bool = True,
-                narrow: bool = False) -> mx.array:
+                narrow: bool = False, at: Tiles | None = None) -> mx.array:
     """See the module docstring: `rows` [R, 1, K], `experts` [R] (sorted) -> [R, 1, N]; `kernel`
     off: the fallback everywhere. Few rows an expert run `grouped_qmv`'s kernel (`narrow`:
-    `narrow_qmm`'s)."""
+    `narrow_qmm`'s, over the experts' `Tiles` `at` where the caller made them once for its projections)."""
     if kernel and cuda_kernels_available() and kernel_fits(rows, proj):
-        if rows.shape[0] <= FEW_ROWS_AN_EXPERT * proj["weight"].shape[0]:
-            return (cuda_narrow_qmm if narrow else cuda_grouped_qmv)(rows, proj, experts)
+        if few_rows(rows.shape[0], proj["weight"].shape[0]):
+            if narrow:
+                return cuda_narrow_qmm(rows, proj, experts, at=at)
+            return cuda_grouped_qmv(rows, proj, experts)
         return cuda_grouped_qmm(rows, proj, experts)
     return fallback(rows, proj, experts)
 
