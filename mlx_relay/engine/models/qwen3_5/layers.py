@@ -11,7 +11,8 @@ library's own decode (`tests/test_decode_step.py`, `tests/test_mtp_step.py` and
 operations the loop calls one launch instead (issue 32: the step is launch-bound on a GPU): a
 GatedDeltaNet layer between its projections and a mixture of experts' router and combine through
 `kernels/` (this family's CUDA kernels, the library's ops elsewhere), text positions rotated with MLX's
-fused rope, and the expert matmuls' row indices made once per step (`ExpertRows`).
+fused rope, the expert matmuls' row indices made once per step (`ExpertRows`), and each dense 8-bit
+projection through `kernels.dense` (ours over 8 to 16 rows on a CUDA GPU, the library's call otherwise).
 
 The loop itself (`run_layers`: each layer's mixer, then its MLP or mixture of experts, on the
 residual stream) is written once and serves two ways of keeping caches: `forward_block` (the
@@ -30,6 +31,8 @@ from mlx_relay.engine.models import KV, UnsupportedModel
 from mlx_relay.engine.models.attention import attend_buffers
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.models.qwen3_5.kernels.dense import dense
+from mlx_relay.engine.models.qwen3_5.kernels.dense import mlp as dense_mlp
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import grouped_switch_glu, use_grouped
 from mlx_relay.engine.models.qwen3_5.kernels.moe import combine, route_topk
@@ -49,7 +52,7 @@ def decoder_layers(lm: Any) -> list[Any]:
 
 def gdn_projections(la: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """A GatedDeltaNet mixer's input projections of `x`: (qkv, z, b, a), as the library's."""
-    return la.in_proj_qkv(x), la.in_proj_z(x), la.in_proj_b(x), la.in_proj_a(x)
+    return dense(la.in_proj_qkv, x), dense(la.in_proj_z, x), dense(la.in_proj_b, x), dense(la.in_proj_a, x)
 
 
 def gated_delta_net(la: Any, x: mx.array, conv_state: mx.array, ssm: mx.array, *, keep_states: bool
@@ -58,7 +61,7 @@ def gated_delta_net(la: Any, x: mx.array, conv_state: mx.array, ssm: mx.array, *
     state after the block, or (`keep_states`) the conv input [B, K-1+T, C] and the state after
     each position [B, T, Hv, Dv, Dk]. Between the projections: `kernels.gated_delta`."""
     out, conv_state, ssm = gated_delta_mixer(la, *gdn_projections(la, x), conv_state, ssm, keep_states=keep_states)
-    return la.out_proj(out), conv_state, ssm
+    return dense(la.out_proj, out), conv_state, ssm
 
 
 def rope_periods(layers: list[Any]) -> mx.array | None:
@@ -88,7 +91,7 @@ def _rotate(sa: Any, queries: mx.array, keys: mx.array, at: Positions, periods: 
 
 def qkv_projections(sa: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """The gated attention's input projections of `x` [B, T, H]: (queries with their gate, keys, values)."""
-    return sa.q_proj(x), sa.k_proj(x), sa.v_proj(x)
+    return dense(sa.q_proj, x), dense(sa.k_proj, x), dense(sa.v_proj, x)
 
 
 def qkv_heads(sa: Any, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
@@ -116,7 +119,7 @@ def gated(out: mx.array, gate: mx.array) -> mx.array:
 
 def gated_output(sa: Any, out: mx.array, gate: mx.array) -> mx.array:
     """The attention's output [B, heads, T, D] gated and projected: the mixer's output [B, T, H]."""
-    return sa.o_proj(gated(out, gate))
+    return dense(sa.o_proj, gated(out, gate))
 
 
 def attend_explicit(sa: Any, queries: mx.array, keys: mx.array, values: mx.array, keys_buf: mx.array,
@@ -190,11 +193,11 @@ def _residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None = No
     x = layer.post_attention_layernorm(h)
     mlp = layer.mlp
     if not hasattr(mlp, "switch_mlp"):  # a dense MLP
-        return h + mlp(x)
+        return h + dense_mlp(mlp, x)
     # mlx-vlm's Qwen3_5MoeSparseMoeBlock, its router and combine through `kernels.moe`
-    inds, scores = route_topk(mlp.gate(x), mlp.top_k, mlp.norm_topk_prob)
-    return combine(h, _experts(mlp.switch_mlp, x, inds, rows, prefill), scores, mlp.shared_expert_gate(x),
-                   mlp.shared_expert(x))
+    inds, scores = route_topk(dense(mlp.gate, x), mlp.top_k, mlp.norm_topk_prob)
+    return combine(h, _experts(mlp.switch_mlp, x, inds, rows, prefill), scores, dense(mlp.shared_expert_gate, x),
+                   dense_mlp(mlp.shared_expert, x))
 
 
 def attention_layer(layer: Any, h: mx.array, keys_buf: mx.array, values_buf: mx.array, at: Positions,
@@ -263,4 +266,4 @@ def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[m
 
 
 def logits(lm: Any, hidden: mx.array) -> mx.array:
-    return lm.model.embed_tokens.as_linear(hidden) if lm.args.tie_word_embeddings else lm.lm_head(hidden)
+    return lm.model.embed_tokens.as_linear(hidden) if lm.args.tie_word_embeddings else dense(lm.lm_head, hidden)
