@@ -10,7 +10,9 @@ replaces a chain of a layer's small operations with one launch:
   output projection (causal conv window, SiLU, q/k normalization, gates, the recurrent update
   and the gated RMSNorm), for a block of T positions;
 - `moe.route_topk`: a mixture of experts' router (softmax, top-k, renormalization);
-- `moe.combine`: the experts' weighted sum, the gated shared expert and the residual add.
+- `moe.combine`: the experts' weighted sum, the gated shared expert and the residual add;
+- `dense.dense`: a dense 8-bit projection over 8 to 16 rows (`narrow_qmm`'s tensor-core kernel, one
+  launch as MLX's quantized matmul is, several times less device time at those rows).
 
 Which one runs is decided when a step is traced (`backend.cuda_kernels_available`): the kernel
 where the default device is a CUDA GPU and the shapes are ones it was written for, the fallback
