@@ -182,7 +182,8 @@ step)
   python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,4}" --steps "${STEPS:-32}" \
     --repeats "${REPEATS:-3}" --out $O/decode_step.json > $O/decode_step.txt 2>&1; say "decode step done" ;;
 mtp)
-  python3 benchmarks/bench_mtp.py "$MODEL" --batch "${BATCH:-1,4}" --block "${BLOCK:-2}" --eager-mtp \
+  # --raw-batch-only: the random model's ids run past the tokenizer, which stream_generate's detokenizer reads
+  python3 benchmarks/bench_mtp.py "$MODEL" --batch "${BATCH:-1,4}" --block "${BLOCK:-2}" --eager-mtp --raw-batch-only \
     --max-tokens "${MTP_TOKENS:-64}" --repeats 2 --out $O/mtp.json > $O/mtp.txt 2>&1; say "mtp done" ;;
 overhead)
   python3 benchmarks/bench_decode.py --model "$MODEL" --rounds "${ROUNDS:-3}" --ours prefill_shapes=exact \
