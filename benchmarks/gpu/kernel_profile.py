@@ -8,7 +8,9 @@ One process (`benchmarks/mixed_step.py`'s `Bench`): per case, a step's shape war
 `--steps` steps recorded by CUPTI through `torch.profiler` (the machine's torch; CUPTI's activity
 records cover every kernel of the process's CUDA context, MLX's included). Cases: `decode` (the
 compiled decode step of `--rows` rows, and of one row: `decode b1`), `chunk N` (an N-token prefill
-chunk alone) and `mixed N` (the rows riding in the chunk's forward: the plain lane's step).
+chunk alone), `mixed N` (the rows riding in the chunk's forward: the plain lane's step), and at
+batch 1 an MTP round of `--mtp-block` and the head-free round of width 1 (issue 45.3: against
+`decode b1`).
 
 Per case it prints the step's wall time, the sum of its kernels' device time (`busy`), their count
 and the gaps (wall - busy: the device idle, waiting for the host or for launches), then the `--top`
@@ -27,7 +29,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_prefill import card, commit
@@ -37,7 +41,11 @@ from step_recorder import by_kernel, profiler, short
 from mlx_relay.engine.models.loader import load_model
 
 
-def record(bench: Bench, mode: str, n: int, steps: int, top: int) -> dict[str, Any]:
+class Steps(Protocol):
+    def run(self, mode: str, n: int) -> float: ...
+
+
+def record(bench: Steps, mode: str, n: int, steps: int, top: int) -> dict[str, Any]:
     bench.run(mode, n)  # the shape's first step: compiles, plans
     prof = profiler()
     assert prof is not None
@@ -53,6 +61,33 @@ def record(bench: Bench, mode: str, n: int, steps: int, top: int) -> dict[str, A
                   key=lambda r: -r[2])
     return {"mode": mode, "tokens": n, "wall_ms": wall, "walls_ms": walls, "busy_ms": busy,
             "launches": launches, "top": [{"kernel": k, "launches": c, "us": us} for k, c, us in rows[:top]]}
+
+
+class RoundBench:
+    """A compiled speculation round at batch 1 as `MTPLane` runs it (`mtp_step.MTPStep` over one
+    prefilled row): the head's block (`width` 0) or the head-free round verifying `width - 1` host
+    drafts (width 1: a row with nothing to verify). `run` times one round, its counts read back
+    and committed as the lane does (issue 45.3: a round against a plain step)."""
+
+    def __init__(self, model: Path, lm: Any, block: int, width: int = 0) -> None:
+        from mlx_relay.engine.lanes.mtp_head import MTPHead
+        from mlx_relay.engine.lanes.mtp_state import MTPState
+        from mlx_relay.engine.lanes.mtp_step import HostDrafts, MTPStep
+
+        head = MTPHead.load(model, lm, exact=False)
+        prompt = list(range(10, 74))
+        self.state, _ = MTPState.prefilled(lm, head, prompt)
+        self.step = MTPStep(lm, head, block_size=block, eos_token_ids=[])
+        self.drafts = HostDrafts(width, [prompt[:width - 1]], [False]) if width else None
+
+    def run(self, mode: str, n: int) -> float:
+        mx.synchronize()
+        t0 = time.perf_counter()
+        r = self.step(self.state, [1 << 20], self.drafts)
+        mx.eval(r.targets, r.accepted, r.committed, self.state.arrays())
+        self.step.advance(self.state, r.committed.tolist())
+        mx.synchronize()
+        return (time.perf_counter() - t0) * 1000
 
 
 def show(case: dict[str, Any]) -> None:
@@ -77,6 +112,8 @@ def main() -> None:
                     help="the chunk's routed experts (the server's --prefill-experts)")
     ap.add_argument("--min-routes", type=int, default=None,
                     help="(token, expert) pairs from which the experts run grouped (PrefillOptions.grouped_min_routes)")
+    ap.add_argument("--mtp-block", type=int, default=2,
+                    help="also an MTP round at this block and the head-free round of width 1, batch 1 (0: none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if profiler() is None:
@@ -90,6 +127,12 @@ def main() -> None:
     for n in (int(s) for s in args.slices.split(",")):
         cases.append(dict(record(bench, "chunk", n, args.steps, args.top), label=f"chunk {n}"))
         cases.append(dict(record(bench, "mixed", n, args.steps, args.top), label=f"mixed {n} b{bench.rows}"))
+    if args.mtp_block:
+        model = Path(args.model)
+        cases.append(dict(record(RoundBench(model, lm, args.mtp_block), "round", 1, args.steps, args.top),
+                          label=f"MTP round b1, block {args.mtp_block}"))
+        cases.append(dict(record(RoundBench(model, lm, args.mtp_block, 1), "round", 1, args.steps, args.top),
+                          label="head-free round b1, width 1"))
     for case in cases:
         show(case)
     print(f"\n({time.perf_counter() - t0:.0f} s in all)")
