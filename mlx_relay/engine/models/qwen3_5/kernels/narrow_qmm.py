@@ -19,9 +19,10 @@ up to 8:
   after another) and 64 output columns, four warps of 16 columns (or, `split_k`, fewer columns a
   block and the warps splitting K, their sums added in shared memory: a dense projection has too
   few blocks of 64 columns to keep the GPU's memory busy);
-- the tile's rows staged in shared memory once (rows padded by 16 bytes so the 8 rows a warp reads
-  fall in different banks; read where they are when 8 rows of K do not fit in 40 KB), each row's
-  sum over each quantization group beside them;
+- the tile's rows staged in shared memory once (only the rows it has: one row of a dense projection
+  stages one; rows padded by 16 bytes so the 8 rows a warp reads fall in different banks; read
+  where they are when 8 rows of K do not fit in 40 KB), each row's sum over each quantization group
+  beside them; the MMA's columns past the tile's rows read zeros;
 - per group of 64 along K, a lane reads 16 consecutive weight bytes of two columns (g and g + 8 of
   its warp's 16: lane = 4 g + t reads bytes 16 t .. 16 t + 15) and the same 16 positions of row g
   of x; the weights and their scales and biases of `STAGES` groups are in flight at once (a ring
@@ -66,13 +67,16 @@ _CUDA_SOURCE = """
   __shared__ float xsum[RG * GROUPS];        // each row's sum over each quantization group
   __shared__ float part[WK > 1 ? WK * WN * 32 * 4 : 1];  // the K-split warps' sums
 __TILE__
-  // the tile's rows (zeros past the last) and their sums over each group: a thread per 8 values,
-  // 8 threads a group, summed by shuffles
-  for (int v = threadIdx.x; v < RG * K / 8; v += blockDim.x) {
+  // the tile's rows and their sums over each group: a thread per 8 values, 8 threads a group,
+  // summed by shuffles; only the rows the tile has (a whole warp's trip count alike: the bound is
+  // rounded up to 32 values, the rest past the tile's rows). Rows past them are never read (the
+  // products read zeros for them) and their sums never written out.
+  const int staged = ((rows * (K / 8) + 31) / 32) * 32;
+  for (int v = threadIdx.x; v < staged; v += blockDim.x) {
     const int r = v / (K / 8), c = (v % (K / 8)) * 8;
     uint4 val = make_uint4(0, 0, 0, 0);
     if (r < rows) val = *reinterpret_cast<const uint4*>(x + (size_t)(p + r) * K + c);
-    if (STAGED) *reinterpret_cast<uint4*>(xs + r * XS + c) = val;
+    if (STAGED && r < rows) *reinterpret_cast<uint4*>(xs + r * XS + c) = val;
     const T* h = reinterpret_cast<const T*>(&val);
     float acc = 0.f;
     #pragma unroll
@@ -80,7 +84,7 @@ __TILE__
     acc += __shfl_xor_sync(0xffffffffu, acc, 4);
     acc += __shfl_xor_sync(0xffffffffu, acc, 2);
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    if ((v & 7) == 0) xsum[r * GROUPS + c / GS] = acc;
+    if ((v & 7) == 0 && r < rows) xsum[r * GROUPS + c / GS] = acc;
   }
   __syncthreads();
 
@@ -96,8 +100,8 @@ __TILE__
   const T* b_lo = biases + ((size_t)e * N + n_lo) * GROUPS;
   const T* b_hi = biases + ((size_t)e * N + n_hi) * GROUPS;
   // this lane's row of x (the MMA's column g): 16 values a group (rows past the tile's are zeros)
-  const T* xg = STAGED ? xs + g * XS : x + (size_t)(p + min(g, rows - 1)) * K;
-  const bool live = STAGED || g < rows;
+  const bool live = g < rows;  // the MMA's column g: a row of the tile, else zeros
+  const T* xg = STAGED ? xs + min(g, rows - 1) * XS : x + (size_t)(p + min(g, rows - 1)) * K;
 
   // a ring of STAGES groups in registers: a group's 2 x 16 weight bytes and 4 scale / bias values
   uint4 wl[STAGES], wh[STAGES];
