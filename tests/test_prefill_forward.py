@@ -212,19 +212,21 @@ def test_a_cuda_prefill_chunk_routes_at_most_65535_rows() -> None:
 
 def test_the_grouped_qmm_tiles_cover_every_row_once(gpu: Callable) -> None:
     """The grouped 8-bit kernel's schedule (`kernels/grouped_qmm.py`), emulated: each block finds its
-    expert by binary search over the tile prefix sums `_tiles` makes; together the blocks' row
+    expert by binary search over the tile prefix sums `expert_tiles.tiles` makes; together the blocks' row
     ranges cover every sorted row exactly once, each within one expert."""
 
     def run() -> list[tuple[int, list[int]]]:
         import mlx.core as mx
 
-        from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import TILE_ROWS, _tiles
+        from mlx_relay.engine.models.qwen3_5.kernels.expert_tiles import tiles
+        from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import TILE_ROWS
 
         out = []
         for seed, rows, experts in ((0, 1000, 16), (1, 64, 8), (2, 5000, 256)):
             mx.random.seed(seed)
             e = mx.sort(mx.random.randint(0, experts // 2, (rows,)) * 2).astype(mx.uint32)  # odd experts empty
-            row_off, tile_off, max_tiles = (x.tolist() if isinstance(x, mx.array) else x for x in _tiles(e, experts))
+            at = tiles(e, experts, TILE_ROWS)
+            row_off, tile_off, max_tiles = at.row_off.tolist(), at.tile_off.tolist(), at.max_tiles
             seen = [0] * rows
             for tile in range(max_tiles):
                 if tile >= tile_off[experts]:

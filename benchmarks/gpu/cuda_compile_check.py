@@ -104,8 +104,11 @@ def specs() -> list[KernelSpec]:
             inputs = [("x", dtype, 3), ("w", "uint32", 2), ("scales", dtype, 2), ("biases", dtype, 2)]
             out.append(KernelSpec(f"narrow_dense8_{dtype}_{n}x{k}_k{split}", nq.cuda_source(split, dense=True),
                                   nq.CUDA_HEADER, inputs, [("y", dtype)], [("N", n), ("K", k), ("E", 1), ("T", dtype)]))
-    out.append(KernelSpec("narrow_offsets", nq.OFFSETS_SOURCE, "", [("experts", "uint32", 1)],
-                          [("row_off", "int32"), ("tile_off", "int32")], [("E", 256)]))
+    from mlx_relay.engine.models.qwen3_5.kernels import expert_tiles
+
+    for rt in (8, 64):
+        out.append(KernelSpec(f"expert_tiles_{rt}", expert_tiles.OFFSETS_SOURCE, "", [("experts", "uint32", 1)],
+                              [("row_off", "int32"), ("tile_off", "int32")], [("E", 256), ("RT", rt)]))
     from mlx_relay.engine.models.qwen3_5.kernels import moe
 
     for dtype in ("bfloat16", "float32"):

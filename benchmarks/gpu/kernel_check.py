@@ -252,19 +252,21 @@ def check_narrow_linear(M: int, N: int, K: int, split_k: int) -> dict[str, Any]:
     return result
 
 
-def check_narrow_tiles(R: int, skewed: bool) -> dict[str, Any]:
-    """`narrow_qmm.tiles`'s one-launch offsets against numpy's prefix sums."""
+def check_tiles(R: int, skewed: bool, rt: int) -> dict[str, Any]:
+    """`expert_tiles.tiles`'s one-launch offsets (tiles of `rt` rows: narrow_qmm's 8, grouped_qmm's 64)
+    against numpy's prefix sums."""
     import numpy as np
 
-    from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import tiles
+    from mlx_relay.engine.models.qwen3_5.kernels.expert_tiles import tiles
 
     E = SHAPE["num_experts"]
     experts = mx.sort((mx.random.randint(0, 3, (R,)) if skewed else mx.random.randint(0, E, (R,))).astype(mx.uint32))
-    at = tiles(experts, E)
+    at = tiles(experts, E, rt)
     counts = np.bincount(np.array(experts.tolist(), dtype=np.int64), minlength=E)
     rows_ok = at.row_off.tolist() == [0, *np.cumsum(counts).tolist()]
-    tiles_ok = at.tile_off.tolist() == [0, *np.cumsum((counts + 7) // 8).tolist()]
-    return {"R": R, "skewed": skewed, "row_off": rows_ok, "tile_off": tiles_ok, "ok": bool(rows_ok and tiles_ok)}
+    tiles_ok = at.tile_off.tolist() == [0, *np.cumsum((counts + rt - 1) // rt).tolist()]
+    return {"R": R, "skewed": skewed, "rows_a_tile": rt, "row_off": rows_ok, "tile_off": tiles_ok,
+            "ok": bool(rows_ok and tiles_ok)}
 
 
 def projection_truth(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
@@ -343,8 +345,8 @@ def main() -> None:
             (256, True, False, 1, 3), (64, False, False, 1, 1), (1, False, True, 1, 4), (8, False, True, 4, 4),
             (13, False, True, 2, 2), (13, False, True, 4, 4)):
         record("narrow_qmm", check_narrow_qmm, T, skewed, dense, split, stages)
-    for R, skewed in ((1, False), (576, False), (2112, True)):
-        record("narrow_qmm", check_narrow_tiles, R, skewed)
+    for R, skewed, rt in ((1, False, 8), (576, False, 8), (2112, True, 8), (2112, False, 64), (16384, True, 64)):
+        record("narrow_qmm", check_tiles, R, skewed, rt)
     for M, N, K, split in ((1, 8192, 2048, 4), (2, 8192, 2048, 4), (8, 2048, 4096, 4), (5, 512, 2048, 2),
                            (16, 8192, 2048, 4), (3, 2048, 512, 1)):
         record("narrow_qmm", check_narrow_linear, M, N, K, split)

@@ -29,8 +29,9 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
+from mlx_relay.engine.models.qwen3_5.kernels.expert_tiles import tiles
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import few_rows, grouped_qmm
-from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import tiles
+from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import ROWS_A_PASS
 
 
 def use_grouped(switch: Any, routes: int, min_routes: int) -> bool:
@@ -70,7 +71,8 @@ def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array, *, kernel: bool
 
     E = switch.up_proj["weight"].shape[0]
     # the narrow kernel's tiles, once for the three projections (one launch, not three)
-    at = tiles(experts, E) if narrow and kernel and cuda_kernels_available() and few_rows(rows.shape[0], E) else None
+    few = narrow and kernel and cuda_kernels_available() and few_rows(rows.shape[0], E)
+    at = tiles(experts, E, ROWS_A_PASS) if few else None
 
     def project(m: Any, a: mx.array) -> mx.array:
         if "scales" in m:

@@ -16,7 +16,7 @@ expert's weights are read once per tile of its rows, so a 2,048-token chunk (abo
 expert of 256) reads each about once, where the dequantize-then-grouped-GEMM path writes and reads
 every expert's weights in bfloat16 (3 of its 7 ms a layer on an H200:
 benchmarks/results/prefill-h100-2026-11-28/). Which tile a block runs comes from two prefix sums
-over the experts (`_tiles`: each expert's first row and first tile), computed on the device.
+over the experts (`expert_tiles.tiles`: each expert's first row and first tile), computed on the device.
 Elsewhere it is `fallback`: the weights dequantized and MLX's sorted `gather_mm`.
 """
 
@@ -27,8 +27,9 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
-from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import cuda_grouped_qmv, expert_counts, starts
-from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import Tiles, cuda_narrow_qmm
+from mlx_relay.engine.models.qwen3_5.kernels.expert_tiles import TILE_LOOKUP, Tiles, tiles
+from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import cuda_grouped_qmv
+from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import cuda_narrow_qmm
 
 TILE_ROWS = 64
 TILE_COLS = 64
@@ -50,29 +51,11 @@ _CUDA_SOURCE = """
   __shared__ __align__(32) T xs[BM * LDS];
   __shared__ __align__(32) T ws[BN * LDS];
   __shared__ __align__(32) float cs[BM * LDC];
-  __shared__ int tile_expert, tile_r0, tile_r1;
-
-  const int tile = blockIdx.x;
+  constexpr int RT = BM;
+__TILE__
   const int n0 = blockIdx.y * BN;
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    if (tile >= tile_off[E]) {
-      tile_expert = -1;
-    } else {
-      int lo = 0, hi = E;  // the last expert whose first tile is at or before this one
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (tile_off[mid] <= tile) lo = mid; else hi = mid;
-      }
-      tile_expert = lo;
-      tile_r0 = row_off[lo] + (tile - tile_off[lo]) * BM;
-      tile_r1 = min(tile_r0 + BM, row_off[lo + 1]);
-    }
-  }
-  __syncthreads();
-  const int e = tile_expert;
-  if (e < 0) return;
-  const int r0 = tile_r0, r1 = tile_r1;
+  const int r0 = p, r1 = p + rows;
 
   const int warp = tid / 32;
   const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
@@ -125,8 +108,8 @@ _CUDA_SOURCE = """
 
 
 def cuda_source() -> str:
-    return (_CUDA_SOURCE.replace("__BM__", str(TILE_ROWS)).replace("__BN__", str(TILE_COLS))
-            .replace("__BK__", str(TILE_K)))
+    return (_CUDA_SOURCE.replace("__TILE__", TILE_LOOKUP).replace("__BM__", str(TILE_ROWS))
+            .replace("__BN__", str(TILE_COLS)).replace("__BK__", str(TILE_K)))
 
 
 def kernel_fits(rows: mx.array, proj: Any) -> bool:
@@ -166,25 +149,18 @@ def grouped_qmm(rows: mx.array, proj: Any, experts: mx.array, *, kernel: bool = 
     return fallback(rows, proj, experts)
 
 
-def _tiles(experts: mx.array, num_experts: int) -> tuple[mx.array, mx.array, int]:
-    """Each expert's first row and first tile of rows (prefix sums, [E + 1] int32 each), and how
-    many tiles there can be at most (the grid's size: no host sync)."""
-    counts = expert_counts(experts, num_experts)
-    return starts(counts), starts((counts + TILE_ROWS - 1) // TILE_ROWS), -(-experts.size // TILE_ROWS) + num_experts
-
-
 def cuda_grouped_qmm(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
     """The kernel (CUDA only)."""
     E, N, _ = proj["weight"].shape
     R, _, K = rows.shape
-    row_off, tile_off, max_tiles = _tiles(experts, E)
+    at = tiles(experts, E, TILE_ROWS)
     kernel = mx.fast.cuda_kernel(
         name="relay_grouped_qmm8", input_names=["x", "w", "scales", "biases", "row_off", "tile_off"],
         output_names=["y"], source=cuda_source(), header=CUDA_HEADER)
     (y,) = kernel(
-        inputs=[rows, proj["weight"], proj["scales"], proj["biases"], row_off, tile_off],
+        inputs=[rows, proj["weight"], proj["scales"], proj["biases"], at.row_off, at.tile_off],
         template=[("N", N), ("K", K), ("E", E), ("T", rows.dtype)],
-        grid=(max_tiles * THREADS, N // TILE_COLS, 1), threadgroup=(THREADS, 1, 1),
+        grid=(at.max_tiles * THREADS, N // TILE_COLS, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(R, 1, N)], output_dtypes=[rows.dtype])
     return y
 

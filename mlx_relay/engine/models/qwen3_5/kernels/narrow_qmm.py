@@ -40,11 +40,11 @@ An expert's tiles each read its weights (the second from L2, where they run toge
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import expert_counts, starts
+from mlx_relay.engine.models.qwen3_5.kernels.expert_tiles import TILE_LOOKUP, Tiles, tiles
 
 ROWS_A_PASS = 8  # the MMA's narrow side
 COLS_A_BLOCK = 64  # four warps of 16 columns
@@ -214,69 +214,11 @@ RELAY_NARROW_MMA(__half, "f16")
 """
 
 
-_GROUPED_TILE = """  __shared__ int tile_e, tile_p, tile_rows;
-
-  // this block's tile: up to 8 rows of one expert (`tile_off`: each expert's first tile)
-  if (threadIdx.x == 0) {
-    const int tile = blockIdx.x;
-    if (tile >= tile_off[E]) {
-      tile_e = -1;
-    } else {
-      int lo = 0, hi = E;  // the last expert whose first tile is at or before this one
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (tile_off[mid] <= tile) lo = mid; else hi = mid;
-      }
-      tile_e = lo;
-      tile_p = row_off[lo] + (tile - tile_off[lo]) * RG;
-      tile_rows = min(RG, row_off[lo + 1] - tile_p);
-    }
-  }
-  __syncthreads();
-  const int e = tile_e;
-  if (e < 0) return;
-  const int p = tile_p, rows = tile_rows;
-"""
+_GROUPED_TILE = "  constexpr int RT = RG;\n" + TILE_LOOKUP
 
 _DENSE_TILE = """  // a dense projection (E = 1): tile b is rows 8 b .. 8 b + 7 of x's R
   const int e = 0, p = blockIdx.x * RG, rows = min(RG, (int)x_shape[0] - p);
 """
-
-# One block of up to 1,024 threads, thread i for entry i of E + 1: expert i's first row in the
-# sorted `experts` (a binary search: they are sorted) and its first tile of 8 rows (a block-wide
-# scan of each expert's tiles). Two launches' worth of prefix sums in one (MLX's CUDA backend spends
-# ~10-20 us of the host's an operation: the scatter, scans and concatenations this replaces were
-# seven of them a projection).
-OFFSETS_SOURCE = """
-  constexpr int RG = 8;
-  __shared__ int first[1024], scan[1024];
-  const int i = threadIdx.x, R = experts_shape[0];
-  int start = R;
-  if (i <= E) {
-    int lo = 0, hi = R;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if ((int)experts[mid] < i) lo = mid + 1; else hi = mid;
-    }
-    start = lo;
-  }
-  first[i] = start;
-  __syncthreads();
-  const int tiles = i < E ? (first[i + 1] - start + RG - 1) / RG : 0;
-  scan[i] = tiles;
-  __syncthreads();
-  for (int off = 1; off < (int)blockDim.x; off *= 2) {
-    const int v = i >= off ? scan[i - off] : 0;
-    __syncthreads();
-    scan[i] += v;
-    __syncthreads();
-  }
-  if (i <= E) {
-    row_off[i] = start;
-    tile_off[i] = scan[i] - tiles;
-  }
-"""
-
 
 def cuda_source(split_k: int = 1, stages: int = STAGES, dense: bool = False) -> str:
     """`split_k`: the block's four warps along K (1: four column groups of 16 over all of K, for many
@@ -287,38 +229,13 @@ def cuda_source(split_k: int = 1, stages: int = STAGES, dense: bool = False) -> 
             .replace("__WK__", str(split_k)).replace("__STAGES__", str(stages)))
 
 
-class Tiles(NamedTuple):
-    """Where each expert's rows and tiles of 8 rows start in the sorted rows ([E + 1] int32 each) and
-    how many tiles there can be at most (the grid's size: no host sync). One per layer: the
-    projections of a layer's experts share it."""
-
-    row_off: mx.array
-    tile_off: mx.array
-    max_tiles: int
-
-
-def tiles(experts: mx.array, num_experts: int) -> Tiles:
-    """`Tiles` of the sorted `experts` [R] (one launch on a CUDA GPU)."""
-    if num_experts + 1 > 1024:
-        counts = expert_counts(experts, num_experts)
-        return Tiles(starts(counts), starts((counts + ROWS_A_PASS - 1) // ROWS_A_PASS),
-                     -(-experts.size // ROWS_A_PASS) + num_experts)
-    kernel = mx.fast.cuda_kernel(name="relay_narrow_offsets", input_names=["experts"],
-                                 output_names=["row_off", "tile_off"], source=OFFSETS_SOURCE)
-    threads = 1 << max(5, num_experts.bit_length())  # a power of two above E, a warp at least
-    row_off, tile_off = kernel(inputs=[experts], template=[("E", num_experts)], grid=(threads, 1, 1),
-                               threadgroup=(threads, 1, 1), output_shapes=[(num_experts + 1,)] * 2,
-                               output_dtypes=[mx.int32, mx.int32])
-    return Tiles(row_off, tile_off, -(-experts.size // ROWS_A_PASS) + num_experts)
-
-
 def cuda_narrow_qmm(rows: mx.array, proj: Any, experts: mx.array, split_k: int = 1, stages: int = STAGES,
                     at: Tiles | None = None) -> mx.array:
     """The kernel (CUDA only; 8-bit groups of 64, N a multiple of 64 / `split_k`, K of 64 x `split_k`,
     16-bit rows; `at`: the experts' `Tiles` where the caller has them)."""
     E, N, _ = proj["weight"].shape
     R, _, K = rows.shape
-    at = at or tiles(experts, E)
+    at = at or tiles(experts, E, ROWS_A_PASS)
     kernel = mx.fast.cuda_kernel(
         name=f"relay_narrow_qmm8_k{split_k}_s{stages}",
         input_names=["x", "w", "scales", "biases", "row_off", "tile_off"],
