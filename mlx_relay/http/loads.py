@@ -9,10 +9,14 @@ here). Its numbers come from Admission's counters (`AdmissionStats`), the same o
     num_running_reqs      requests holding a slot             (/metrics: mlx_relay:num_requests_running)
     num_waiting_reqs      requests queued for a slot          (/metrics: mlx_relay:num_requests_waiting)
     max_running_requests  slots (--max-num-seqs)
-    token_usage           running / slots: this engine has no paged KV pool whose fill could be
-                          reported (each sequence holds its own cache); the slot count is the
-                          capacity past which requests queue, so its share in use is the pressure
-    utilization           the same share
+    token_usage           0.0, not reported: this engine has no paged KV pool whose fill could be
+                          (each sequence holds its own cache). SMG reads it as KV-cache fill: its
+                          overload protection (on by default) leaves a worker out of routing at 0.8,
+                          so the slot share reported here before took a replica with 13 of its 16
+                          slots busy out of routing, and a session's next turn went to a replica
+                          without its prefix (8 of 41 second turns uncached, agent_fleet c=32, two
+                          replicas on a CPU; 41 of 41 with it 0: benchmarks/results/cluster-affinity-cpu-2026-11-28/)
+    utilization           running / slots (the slot count is the capacity past which requests queue)
 
 Sections in `include` other than `core` (disagg, queues, memory) are accepted and add nothing (SMG
 reads absent fields as unset); an unknown section is a 400 in the OpenAI error shape.
@@ -73,6 +77,6 @@ def worker_loads(stats: AdmissionStats) -> WorkerLoads:
     share = min(stats.running / slots, 1.0)
     load = SchedulerLoad(dp_rank=0, num_running_reqs=stats.running, num_waiting_reqs=stats.queued,
                          num_total_reqs=stats.running + stats.queued, max_running_requests=stats.max_num_seqs,
-                         token_usage=share, utilization=share)
+                         token_usage=0.0, utilization=share)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return WorkerLoads(timestamp=stamp, dp_rank_count=1, loads=[load])
