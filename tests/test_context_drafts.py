@@ -230,3 +230,36 @@ def test_pipelined_one_token_rounds_end_at_a_stop_string_with_an_exact_turn_snap
     assert turn.length == 40 + len(tokens) - 1 and turn.generated == tokens[:-1]
     assert done2.cached_tokens == turn.length and tokens2 == want
     assert stats.mtp_rounds > 0 and stats.mtp_running == 0
+
+
+def test_a_row_joining_while_a_one_token_round_is_in_flight_never_gives_another_a_token_past_its_end(
+        gpu: Callable) -> None:
+    """A row that joins the compiled cohort reads the one-token round in flight first (a drain). If
+    that round gave another row its last allowed token, the next round must not run for it: its
+    tokens go out alone and the lane ends it. (A row once got max_tokens + 1 tokens: the in-process
+    relay test saw it about one run in six.) The newcomer joins at every step of the other's reply
+    here; both replies equal greedy decoding, at exactly their lengths."""
+    path = fixture_path(FixtureSpec(variant="fp32", seed=0))
+    first, second = list(range(5, 45)), list(range(50, 70))
+
+    def run() -> tuple[list[list[int]], list[int], list[int]]:
+        from mlx_relay.testing.engine_driver import Driver
+
+        loaded = load_model(path)
+        ref_a, ref_b = greedy_reference(path, [first, second], 8)
+        got: list[list[int]] = []
+        for join_at in range(12):
+            d = Driver(loaded, mtp=False, speculation="context", max_draft_tokens=4, mtp_max_batch=4,
+                       prefill_step_size=64)
+            a = d.add(Generate("a", first, SamplingParams(max_tokens=8)))
+            for _ in range(join_at):
+                if d.engine.has_work:
+                    d.step()
+            b = d.add(Generate("b", second, SamplingParams(max_tokens=8)))
+            d.run()
+            d.engine.close()
+            got += [d.tokens[a], d.tokens[b]]
+        return got, ref_a, ref_b
+
+    got, ref_a, ref_b = gpu(run)
+    assert got[0::2] == [ref_a] * 12 and got[1::2] == [ref_b] * 12

@@ -150,6 +150,12 @@ class CompiledCohort:
             flight, self._flight = self._flight, None
             self._read(flight, self._carry, self._carry_counts)
 
+    def _ended(self, row: MTPRow, tokens: list[int] | None) -> bool:
+        """Whether `tokens` (a row's, read by a drain) end it: its last allowed, or end-of-sequence."""
+        if not tokens:
+            return False
+        return row.emitted >= row.max_tokens or any(t in self._step.eos_token_ids for t in tokens)
+
     def _carried(self) -> RoundResult:
         result = RoundResult(tokens=self._carry, counts=self._carry_counts)
         self._carry, self._carry_counts = {}, MTPCounts()
@@ -160,8 +166,12 @@ class CompiledCohort:
         launched before the one in flight is read (whose tokens it returns)."""
         rows, state, step = self.rows, self._state, self._step
         assert state is not None
-        plan = self._plans.plan(rows)
         result = self._carried()
+        if any(self._ended(row, result.tokens.get(row.rid)) for row in rows):
+            # a drain (a row joining or leaving) read the round that ended a row: its tokens go out
+            # alone, so the lane ends the row before it is given a token past its end
+            return result
+        plan = self._plans.plan(rows)
         if self._pipelines(plan):
             if self._flight is None:
                 self._last_read = time.perf_counter()  # the cadence starts here

@@ -142,6 +142,10 @@ class MTPStep:
             self._constants[batch_size] = inputs
         return inputs
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
     @staticmethod
     def advance(state: MTPState, committed: list[int]) -> None:
         """The host's side of the commit: each real row's lengths move on by m + 1."""
