@@ -81,14 +81,17 @@ def test_round_costs_pick_tokens_per_second_and_probe() -> None:
     assert costs.best_width(1, {2: 1.5, 5: 1.6}) == 5  # stale: timed again
 
 
-def test_a_head_whose_drafts_miss_is_switched_off_and_probed() -> None:
+def test_a_head_is_switched_off_where_its_rounds_cost_more_than_they_earn_and_probed() -> None:
     """The round's plan weighs the head's block against one token a row (the head off) at their
-    measured round times once the head's drafts earn little: a head whose drafts miss is off and
-    verified again once every PROBE_EVERY rounds (so it can come back); one whose drafts land stays on."""
+    measured round times once the head has been verified enough: a head whose drafts miss is off,
+    and so is one whose drafts land where its rounds cost more than they earn (a batch bound by its
+    arithmetic: a block-2 round at 2.5 steps); each is verified again once every PROBE_EVERY rounds
+    (so it can come back). A head whose drafts land at a round of 1.5 steps stays on, the head-off
+    width timed once a PROBE_EVERY rounds."""
     from mlx_relay.engine.lanes.mtp_rows import MTPRow
     from mlx_relay.engine.lanes.round_drafts import RoundDrafts
 
-    def plans(accepted: int) -> list[int]:
+    def plans(accepted: int, block_cost: float) -> list[int]:
         drafts = RoundDrafts(block_size=2, max_context=0, min_width=1)
         row = MTPRow(rid=0, prompt=[1, 2], max_tokens=10_000)
         for _ in range(20):
@@ -98,15 +101,15 @@ def test_a_head_whose_drafts_miss_is_switched_off_and_probed() -> None:
             plan = drafts.plan([row])
             assert plan.heads == [plan.width == 2]  # one token a row: no row takes the head
             widths.append(plan.width)
-            drafts.costs.record(1, plan.width, {1: 1.0, 2: 1.5}[plan.width])  # a block-2 round: 1.5 steps
+            drafts.costs.record(1, plan.width, {1: 1.0, 2: block_cost}[plan.width])
         return widths
 
-    missing, landing = plans(0), plans(1)
-    assert missing[:2 * FIRST_SAMPLES] == [1] * FIRST_SAMPLES + [2] * FIRST_SAMPLES  # each width timed first
-    # then the one that pays, the other timed again once a PROBE_EVERY rounds
     rest = 2 * PROBE_EVERY - 2 * FIRST_SAMPLES
-    assert 1 <= missing[2 * FIRST_SAMPLES:].count(2) <= 2 and missing[2 * FIRST_SAMPLES:].count(1) >= rest - 2
-    assert set(landing) == {2}  # a head whose drafts land is never switched off to be timed
+    for widths, on in ((plans(0, 1.5), False), (plans(1, 2.5), False), (plans(1, 1.5), True)):
+        assert widths[:2 * FIRST_SAMPLES] == [1] * FIRST_SAMPLES + [2] * FIRST_SAMPLES  # each width timed first
+        # then the one that pays, the other timed again once a PROBE_EVERY rounds
+        kept, probed = (2, 1) if on else (1, 2)
+        assert 1 <= widths[2 * FIRST_SAMPLES:].count(probed) <= 2 and widths[2 * FIRST_SAMPLES:].count(kept) >= rest - 2
 
 
 def _copy_prompt(path: Any, tokens: int) -> list[int]:

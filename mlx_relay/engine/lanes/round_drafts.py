@@ -4,8 +4,9 @@ used by both MTP cohorts, `mtp_cohort.EagerCohort` and `mtp_compiled.CompiledCoh
 Before a round, `RoundDrafts.plan` asks each row that takes context drafts for a proposal
 (`speculation.context_drafts`), and picks the round's width: the head's block `k` (each row
 verifies the head's drafts), the head off (`min_width`: one token a row in the compiled cohort,
-weighed once the head's drafts earn less than `HEAD_OFF_BELOW` a draft, and run where they earn
-less than the wider round costs) or
+weighed once the rows' heads have been verified `HEAD_OFF_AFTER` drafts each, and run where what
+they earn is worth less than the wider round costs: a head that misses, or any head once the batch
+is bound by its arithmetic, where a round of k positions a row costs about k steps) or
 `1 + max_context` (rows whose proposal is expected to beat the head's verify it instead),
 whichever yields more expected tokens per second over all rows at the widths' measured round
 times (`speculation.earnings`; a width not chosen is timed again every `PROBE_EVERY` rounds, so a
@@ -45,13 +46,14 @@ class RoundPlan:
         return [p if use else [] for p, use in zip(self.proposals, self.use_context, strict=True)]
 
 
-#: the head is weighed against one token a row only while its drafts earn less than this a draft
-#: (its acceptance, at block 2): a round without the head leaves the head's own cache without those
-#: positions, so a head that does well is not switched off to be timed
-HEAD_OFF_BELOW = 0.5
-#: ... and only once they were verified this many drafts each (on average): a short request, or one
-#: head miss against the prior, does not start switching widths (a switch from pipelined one-token
-#: rounds to the head's costs a step without a token)
+#: the head is weighed against one token a row (by the two widths' measured round times) once
+#: the rows' heads were verified this many drafts each (on average): a short request, or one head
+#: miss against the prior, does not start switching widths (a switch from pipelined one-token rounds
+#: to the head's costs a step without a token). A round without the head leaves the head's own cache
+#: without that position: `FIRST_SAMPLES` such rounds to time it, then one a `PROBE_EVERY` rounds
+#: where the head stays on. Weighing it only while its drafts earned under half a draft kept a head
+#: that agrees 0.92 on at 16 rows of a CPU bound by its arithmetic, at 0.58x plain decoding
+#: (benchmarks/results/speculation-batch-cpu-2026-11-28/).
 HEAD_OFF_AFTER = 16
 
 
@@ -80,7 +82,7 @@ class RoundDrafts:
         # the widths worth timing: the head's block; the head off for the round (one token a row,
         # where a head whose drafts miss costs more than it earns); the context drafts' width
         options = {k: sum(head)}
-        if self._weighs_head(rows, heads, head, k):
+        if self._weighs_head(rows, heads, k):
             options[self.min_width] = float(n)
         use = [False] * n
         if self.max_context > 0 and any(proposals):
@@ -98,16 +100,15 @@ class RoundDrafts:
             return RoundPlan(width, proposals, use, heads=heads)
         return RoundPlan(width, proposals, [False] * n, heads=[False] * n)  # the head off this round
 
-    def _weighs_head(self, rows: Sequence[MTPRow], heads: list[bool], head: list[float], k: int) -> bool:
+    def _weighs_head(self, rows: Sequence[MTPRow], heads: list[bool], k: int) -> bool:
         """Whether this round weighs the head off: where rounds may differ in width by their timing
         (not a pipeline: its ranks must choose alike), once the rows' heads have been verified
-        `HEAD_OFF_AFTER` drafts each on average and earn under `HEAD_OFF_BELOW` a draft."""
+        `HEAD_OFF_AFTER` drafts each on average."""
         with_head = sum(heads)
         if not (self.weigh_head and with_head and self.min_width < k and not self.always):
             return False
         verified = sum(r.earnings.tallies["mtp"].drafted for r, h in zip(rows, heads, strict=True) if h)
-        earned = (sum(head) - len(rows)) / (with_head * (k - 1))  # a draft, on average
-        return verified >= HEAD_OFF_AFTER * with_head and earned < HEAD_OFF_BELOW
+        return verified >= HEAD_OFF_AFTER * with_head
 
     def settle(self, rows: Sequence[MTPRow], plan: RoundPlan, emitted: dict[int, list[int]], took: list[int],
                counts: MTPCounts) -> None:
