@@ -81,6 +81,23 @@ def test_round_costs_pick_tokens_per_second_and_probe() -> None:
     assert costs.best_width(1, {2: 1.5, 5: 1.6}) == 5  # stale: timed again
 
 
+def test_a_round_whose_time_held_other_work_is_not_recorded() -> None:
+    """A pipelined one-token round's time is the interval between two reads; where a joining row's
+    prefill ran in it the plan is marked untimed and its seconds are not a round's cost (recorded,
+    they made one-token rounds look 6x their cost and kept 16 rows on wide rounds of context drafts
+    at 0.59x plain: benchmarks/results/speculation-batch-cpu-2026-11-28/)."""
+    from mlx_relay.engine.lane import MTPCounts
+    from mlx_relay.engine.lanes.mtp_rows import MTPRow
+    from mlx_relay.engine.lanes.round_drafts import RoundDrafts, RoundPlan
+
+    drafts = RoundDrafts(block_size=2, max_context=0, min_width=1)
+    row = MTPRow(rid=0, prompt=[1, 2], max_tokens=100)
+    drafts.settle([row], RoundPlan(1, [[]], [False], heads=[False], timed=False), {0: [7]}, [0], MTPCounts())
+    assert drafts.costs.samples == {}
+    drafts.settle([row], RoundPlan(1, [[]], [False], heads=[False]), {0: [8]}, [0], MTPCounts())
+    assert list(drafts.costs.samples) == [(1, 1)]
+
+
 def test_a_head_is_switched_off_where_its_rounds_cost_more_than_they_earn_and_probed() -> None:
     """The round's plan weighs the head's block against one token a row (the head off) at their
     measured round times once the head has been verified enough: a head whose drafts miss is off,

@@ -56,6 +56,14 @@ class CompiledCohort:
         self._carry: dict[int, list[int]] = {}  # tokens read by a drain, emitted by the next round
         self._carry_counts = MTPCounts()
         self._last_read = time.perf_counter()
+        # a pipelined round's time is the interval between two reads: one that held other work of
+        # the engine step (a joining row's prefill chunk) is not its cost, and is not recorded
+        self._untimed = False
+
+    def other_work(self) -> None:
+        """The engine step ran other work after this cohort's round (the lane's prefill): the
+        interval to the next read is not a round's cost."""
+        self._untimed = True
 
     def join(self, row: MTPRow, first: mx.array, draft: mx.array, seed_h: mx.array) -> None:
         """A greedy row joins (its library caches copied once)."""
@@ -134,7 +142,9 @@ class CompiledCohort:
         targets: list[list[int]] = flight.out.targets.tolist()
         rows, n = flight.rows, len(flight.rows)
         proposals = [r.context.propose(r.max_context) if r.context is not None else [] for r in rows]
-        plan = RoundPlan(1, proposals, [False] * n, started=self._last_read, heads=[False] * n)
+        plan = RoundPlan(1, proposals, [False] * n, started=self._last_read, heads=[False] * n,
+                         timed=not self._untimed)
+        self._untimed = False
         emitted = {}
         for i, row in enumerate(rows):
             emitted[row.rid] = [targets[i][0]]
@@ -209,7 +219,7 @@ class CompiledCohort:
             result.tokens.setdefault(row.rid, []).extend(targets[i][:m + 1])
             row.emitted += m + 1
         self._plans.settle(rows, plan, emitted, took, result.counts)
-        self._last_read = time.perf_counter()
+        self._last_read, self._untimed = time.perf_counter(), False
         return result
 
     def _variants(self, size: int, drafter: bool) -> list[HostDrafts | None]:

@@ -151,6 +151,8 @@ class MTPLane:
                     out.tokens.append(RowTokens(row.rid, tokens,
                                                 sequence_end(tokens[-1], row.emitted, row.max_tokens, self.eos)))
         joined, out.prefill_tokens = self._prefill.step(prefill_budget, self._join)
+        if (joined or out.prefill_tokens) and self._compiled is not None:
+            self._compiled.other_work()
         for row in self._all_rows():
             if row.snapshots:
                 out.snapshots.extend((row.rid, s) for s in row.snapshots)

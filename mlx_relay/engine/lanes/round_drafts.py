@@ -36,6 +36,7 @@ class RoundPlan:
     use_context: list[bool]  # per row: the round verifies its proposal (else the head's drafts)
     started: float = field(default_factory=time.perf_counter)  # the round's time runs from here
     heads: list[bool] = field(default_factory=list)  # per row: it takes the head's drafts
+    timed: bool = True  # its time (from `started` to its settling) is the round's alone: recorded
 
     @property
     def host(self) -> list[list[int]] | None:
@@ -113,7 +114,8 @@ class RoundDrafts:
     def settle(self, rows: Sequence[MTPRow], plan: RoundPlan, emitted: dict[int, list[int]], took: list[int],
                counts: MTPCounts) -> None:
         """After the round: `emitted[rid]` its tokens, `took[i]` the drafts row i had accepted."""
-        self.costs.record(batch_bucket(len(rows)), plan.width, time.perf_counter() - plan.started)
+        if plan.timed:
+            self.costs.record(batch_bucket(len(rows)), plan.width, time.perf_counter() - plan.started)
         for i, row in enumerate(rows):
             tokens = emitted.get(row.rid, [])
             proposal = plan.proposals[i]
