@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-experts", choices=("auto", "dequantize", "kernel", "narrow", "library"),
                        default="auto",
                        help="a prefill chunk's routed experts on a CUDA GPU: dequantized for MLX's grouped GEMM, our "
-                            "grouped 8-bit kernel (narrow: few rows an expert on the tensor cores, being measured), "
-                            "or the library's SwitchGLU (default auto: our kernel)")
+                            "grouped 8-bit kernel (narrow: also few rows an expert on the tensor cores), "
+                            "or the library's SwitchGLU (default auto: narrow on a CUDA GPU)")
     serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
     serve.add_argument("--default-max-tokens", type=int, default=4096,
                        help="max_tokens when a request gives none (default 4096)")

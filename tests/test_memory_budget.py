@@ -199,7 +199,8 @@ def test_the_experts_path_is_configured_and_only_dequantizing_holds_float_expert
     from mlx_relay.engine.models.prefill_options import PrefillOptions, prefill_experts
 
     assert prefill_experts("auto", "cpu") == prefill_experts("kernel", "cpu") == "library"
-    assert prefill_experts("auto", "cuda") == prefill_experts("kernel", "cuda") == "kernel"
+    assert prefill_experts("auto", "cuda") == prefill_experts("narrow", "cuda") == "narrow"
+    assert prefill_experts("kernel", "cuda") == "kernel"
     assert prefill_experts("dequantize", "cuda") == "dequantize"
     kernel = PrefillOptions().with_experts("kernel")
     assert kernel.grouped_experts and kernel.quantized_kernel and not kernel.narrow_kernel

@@ -339,9 +339,11 @@ def main() -> None:
     # a few experts with hundreds of rows, a pass per 8)
     for T, skewed in ((2048, False), (2048, True), (512, False), (256, False), (256, True), (37, False), (1, False)):
         record("grouped_qmm", check_grouped_qmm, T, skewed)
-    # the dense projections over 8-16 rows (kernels/dense.py) and --prefill-experts narrow
+    # the dense projections over 8-16 rows (kernels/dense.py) and the narrow experts (CUDA's default: up to
+    # 32 rows an expert, 1,024 tokens)
     for T, skewed, dense, split, stages in (
             (1, False, False, 1, 4), (37, False, False, 1, 4), (256, False, False, 1, 4), (256, True, False, 1, 4),
+            (1024, False, False, 1, 4), (1024, True, False, 1, 4),
             (256, True, False, 1, 3), (64, False, False, 1, 1), (1, False, True, 1, 4), (8, False, True, 4, 4),
             (13, False, True, 2, 2), (13, False, True, 4, 4)):
         record("narrow_qmm", check_narrow_qmm, T, skewed, dense, split, stages)

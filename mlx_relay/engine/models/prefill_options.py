@@ -22,13 +22,20 @@ import msgspec
 #: how a prefill chunk's routed experts run (`EngineConfig.prefill_experts`, `--prefill-experts`):
 #: "dequantize" each projection's experts to float for MLX's grouped GEMM (`kernels/grouped_experts.py`),
 #: "kernel" our grouped 8-bit GEMM reading them in place (`kernels/grouped_qmm.py`), "narrow" the
-#: same with few rows an expert on the tensor cores (`kernels/narrow_qmm.py`, being measured), "library"
-#: mlx-vlm's `SwitchGLU` (MLX's `gather_qmm`, a matmul per routed pair on CUDA)
+#: same with few rows an expert on the tensor cores (`kernels/narrow_qmm.py`) and grouped from
+#: `NARROW_MIN_ROUTES` pairs, "library" mlx-vlm's `SwitchGLU` (MLX's `gather_qmm`, a matmul per routed
+#: pair on CUDA)
 PrefillExperts = Literal["dequantize", "kernel", "narrow", "library"]
 
 #: copies of a block's scores alive at once in MLX's unfused attention (scores, masked, softmax)
 SCORE_COPIES = 3
 ROW_GRANULE = 64  # blocks of whole 64-query tiles
+#: (token, expert) pairs from which "narrow" runs the experts grouped. The step of 8 decoding rows
+#: beside a 256-token slice (2,112 pairs), an H200: 62.5 ms from 256 pairs against 76.9 from 1,024 and
+#: 80.2 with "kernel" at `dbca7b6`, 65.8 against 78.3 at `7fe2ab8`; from 64 pairs the sort and gathers
+#: around the kernel cost the small slices more than it saves (benchmarks/results/gpu-h200-2026-11-28c/,
+#: -28d/)
+NARROW_MIN_ROUTES = 256
 
 
 class PrefillOptions(msgspec.Struct, frozen=True):
@@ -57,9 +64,10 @@ class PrefillOptions(msgspec.Struct, frozen=True):
 
     def with_experts(self, experts: PrefillExperts) -> PrefillOptions:
         """These options with the experts run as `experts` says."""
+        narrow = experts == "narrow"
         return msgspec.structs.replace(self, grouped_experts=experts != "library",
-                                       quantized_kernel=experts in ("kernel", "narrow"),
-                                       narrow_kernel=experts == "narrow")
+                                       quantized_kernel=experts in ("kernel", "narrow"), narrow_kernel=narrow,
+                                       grouped_min_routes=NARROW_MIN_ROUTES if narrow else self.grouped_min_routes)
 
     def attention_rows(self, rows: int, heads: int, keys: int, itemsize: int) -> int:
         """Queries per attention block for `rows` rows of `heads` query heads over `keys` keys."""
@@ -69,8 +77,12 @@ class PrefillOptions(msgspec.Struct, frozen=True):
 
 
 def prefill_experts(configured: PrefillExperts | Literal["auto"], backend: str) -> PrefillExperts:
-    """The experts' path on `backend`: as configured; "auto" our kernel on a CUDA GPU (experts it does
-    not fit are dequantized: `kernels/grouped_qmm.kernel_fits`); off a CUDA GPU the library's.
+    """The experts' path on `backend`: as configured; "auto" our kernels on a CUDA GPU, narrow where an
+    expert has few rows (experts they do not fit are dequantized: `kernels/grouped_qmm.kernel_fits`);
+    off a CUDA GPU the library's. Narrow since `dbca7b6`'s H200 lease: its kernel passes the float32
+    check (relative error 0.0021-0.0033, MLX's own 0.0025-0.0031), and the mixed step at a 256-token
+    slice took 62.5 ms against 80.2 (`NARROW_MIN_ROUTES`); a lone 4,096-token chunk has many rows an
+    expert and runs `grouped_qmm`'s tensor-core tiles either way.
 
     Our kernel: on an H200 as close to a float32 truth as the library's `SwitchGLU` (relative error
     0.0061 at 256 tokens, 0.0067 at 2,048: benchmarks/gpu/experts_truth.py), a 4,096-token chunk 376
@@ -78,4 +90,4 @@ def prefill_experts(configured: PrefillExperts | Literal["auto"], backend: str) 
     (benchmarks/results/prefill-h200-2026-11-28/)."""
     if backend != "cuda":
         return "library"
-    return "kernel" if configured == "auto" else configured
+    return "narrow" if configured == "auto" else configured

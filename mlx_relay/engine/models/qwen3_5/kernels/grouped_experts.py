@@ -71,7 +71,7 @@ def grouped_switch_glu(switch: Any, x: mx.array, inds: mx.array, *, kernel: bool
 
     E = switch.up_proj["weight"].shape[0]
     # the narrow kernel's tiles, once for the three projections (one launch, not three)
-    few = narrow and kernel and cuda_kernels_available() and few_rows(rows.shape[0], E)
+    few = narrow and kernel and cuda_kernels_available() and few_rows(rows.shape[0], E, narrow=True)
     at = tiles(experts, E, ROWS_A_PASS) if few else None
 
     def project(m: Any, a: mx.array) -> mx.array:

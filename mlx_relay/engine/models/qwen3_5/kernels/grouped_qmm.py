@@ -128,11 +128,16 @@ def kernel_fits(rows: mx.array, proj: Any) -> bool:
 #: rows an expert (on average) up to which `grouped_qmv`'s CUDA-core kernel runs a projection
 #: (few rows: a chunk of up to ~500 tokens routed over 256 experts); above it this tensor-core one
 FEW_ROWS_AN_EXPERT = 16
+#: ... and up to which `narrow_qmm`'s tensor-core one does, where the caller asks for it: one projection
+#: (up, 2,048 x 512) on an H200, device time: 302 us at 4,160 pairs (16 an expert) against 640 in
+#: 64-row tiles, 498 against 677 at 8,256 (benchmarks/results/gpu-h200-2026-11-28d/)
+NARROW_ROWS_AN_EXPERT = 32
 
 
-def few_rows(rows: int, num_experts: int) -> bool:
-    """Whether `rows` routed over `num_experts` are few an expert (the few-row kernels' case)."""
-    return rows <= FEW_ROWS_AN_EXPERT * num_experts
+def few_rows(rows: int, num_experts: int, *, narrow: bool = False) -> bool:
+    """Whether `rows` routed over `num_experts` are few an expert (the few-row kernels' case; `narrow`:
+    `narrow_qmm`'s)."""
+    return rows <= (NARROW_ROWS_AN_EXPERT if narrow else FEW_ROWS_AN_EXPERT) * num_experts
 
 
 def grouped_qmm(rows: mx.array, proj: Any, experts: mx.array, *, kernel: bool = True,
@@ -141,7 +146,7 @@ def grouped_qmm(rows: mx.array, proj: Any, experts: mx.array, *, kernel: bool = 
     off: the fallback everywhere. Few rows an expert run `grouped_qmv`'s kernel (`narrow`:
     `narrow_qmm`'s, over the experts' `Tiles` `at` where the caller made them once for its projections)."""
     if kernel and cuda_kernels_available() and kernel_fits(rows, proj):
-        if few_rows(rows.shape[0], proj["weight"].shape[0]):
+        if few_rows(rows.shape[0], proj["weight"].shape[0], narrow=narrow):
             if narrow:
                 return cuda_narrow_qmm(rows, proj, experts, at=at)
             return cuda_grouped_qmv(rows, proj, experts)
