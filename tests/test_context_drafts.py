@@ -19,7 +19,14 @@ import pytest
 
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.speculation.context_drafts import ContextDrafts
-from mlx_relay.engine.speculation.earnings import FIRST_SAMPLES, PROBE_EVERY, Earnings, RoundCosts, agreed
+from mlx_relay.engine.speculation.earnings import (
+    EXPLORE_GAIN,
+    FIRST_SAMPLES,
+    PROBE_EVERY,
+    Earnings,
+    RoundCosts,
+    agreed,
+)
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.reference import greedy_reference
@@ -78,7 +85,29 @@ def test_round_costs_pick_tokens_per_second_and_probe() -> None:
     assert costs.best_width(1, {2: 1.5, 5: 1.6}) == 2
     for _ in range(PROBE_EVERY):
         costs.record(1, 2, 1.0)
-    assert costs.best_width(1, {2: 1.5, 5: 1.6}) == 5  # stale: timed again
+    assert costs.best_width(1, {2: 1.5, 5: 1.6}) == 5  # stale: timed again (1.07 tokens/s, within half of 1.5)
+    for _ in range(PROBE_EVERY):
+        costs.record(1, 2, 1.0)
+    assert costs.best_width(1, {2: 1.5, 5: 0.5}) == 2  # stale but far behind (0.33 a second): not timed
+
+
+def test_a_wide_round_is_tried_only_where_it_promises_enough() -> None:
+    """An untimed width is tried only where its expected tokens are EXPLORE_GAIN times the best timed
+    one's: one row's context proposal among 16 rows (17 tokens against 16) does not buy a wide round,
+    which on a device bound by its arithmetic costs up to its width in steps (on this CPU at 16 rows,
+    4% of rounds wide cost 0.64x plain decoding: speculation-miss-cpu-2026-11-28)."""
+    costs = RoundCosts()
+    for _ in range(FIRST_SAMPLES):
+        assert costs.best_width(16, {1: 16.0, 9: 17.0}) == 1
+        costs.record(16, 1, 1.0)
+    assert costs.best_width(16, {1: 16.0, 9: 17.0}) == 1  # 1.06x: not tried
+    assert costs.best_width(16, {1: 16.0, 9: 16.0 * EXPLORE_GAIN}) == 9  # tried
+    # a narrower width is tried whatever it promises (it costs less): a head verified from the start
+    # is weighed against one token a row
+    head = RoundCosts()
+    for _ in range(FIRST_SAMPLES):
+        head.record(1, 2, 1.2)
+    assert head.best_width(1, {1: 1.0, 2: 1.01}) == 1
 
 
 def test_a_round_whose_time_held_other_work_is_not_recorded() -> None:
@@ -100,11 +129,12 @@ def test_a_round_whose_time_held_other_work_is_not_recorded() -> None:
 
 def test_a_head_is_switched_off_where_its_rounds_cost_more_than_they_earn_and_probed() -> None:
     """The round's plan weighs the head's block against one token a row (the head off) at their
-    measured round times once the head has been verified enough: a head whose drafts miss is off,
-    and so is one whose drafts land where its rounds cost more than they earn (a batch bound by its
-    arithmetic: a block-2 round at 2.5 steps); each is verified again once every PROBE_EVERY rounds
-    (so it can come back). A head whose drafts land at a round of 1.5 steps stays on, the head-off
-    width timed once a PROBE_EVERY rounds."""
+    measured round times once the head has been verified enough: a head whose drafts miss is off
+    (its block not even timed: it promises under EXPLORE_GAIN times one token's), and so is one whose
+    drafts land where its rounds cost more than they earn (a batch bound by its arithmetic: a block-2
+    round at 2.5 steps), verified again once every PROBE_EVERY rounds (so it can come back). A head
+    whose drafts land at a round of 1.5 steps stays on, the head-off width timed once a PROBE_EVERY
+    rounds."""
     from mlx_relay.engine.lanes.mtp_rows import MTPRow
     from mlx_relay.engine.lanes.round_drafts import RoundDrafts
 
@@ -113,6 +143,7 @@ def test_a_head_is_switched_off_where_its_rounds_cost_more_than_they_earn_and_pr
         row = MTPRow(rid=0, prompt=[1, 2], max_tokens=10_000)
         for _ in range(20):
             row.earnings.record("mtp", 1, accepted, verified=True)
+            drafts.head_tally.record_round([(1, accepted)])
         widths = []
         for _ in range(2 * PROBE_EVERY):
             plan = drafts.plan([row])
@@ -121,12 +152,42 @@ def test_a_head_is_switched_off_where_its_rounds_cost_more_than_they_earn_and_pr
             drafts.costs.record(1, plan.width, {1: 1.0, 2: block_cost}[plan.width])
         return widths
 
+    # a head that missed every draft promises nothing over one token a row: its block is never timed
+    assert plans(0, 1.5) == [1] * (2 * PROBE_EVERY)
     rest = 2 * PROBE_EVERY - 2 * FIRST_SAMPLES
-    for widths, on in ((plans(0, 1.5), False), (plans(1, 2.5), False), (plans(1, 1.5), True)):
+    for widths, on in ((plans(1, 2.5), False), (plans(1, 1.5), True)):
         assert widths[:2 * FIRST_SAMPLES] == [1] * FIRST_SAMPLES + [2] * FIRST_SAMPLES  # each width timed first
         # then the one that pays, the other timed again once a PROBE_EVERY rounds
         kept, probed = (2, 1) if on else (1, 2)
         assert 1 <= widths[2 * FIRST_SAMPLES:].count(probed) <= 2 and widths[2 * FIRST_SAMPLES:].count(kept) >= rest - 2
+
+
+def test_a_new_row_takes_the_cohort_s_measure_of_the_head() -> None:
+    """A row's head is expected to earn what it earned on the cohort's rows before it (its own tally
+    starts from theirs), and the head is weighed once the cohort verified HEAD_OFF_AFTER drafts,
+    however new its rows: 16 short requests whose head misses do not each verify it 16 drafts at a
+    loss (0.47x plain on an H200 at c=16 with the weighing per row: gpu-h200-2026-11-28d)."""
+    from mlx_relay.engine.lane import MTPCounts
+    from mlx_relay.engine.lanes.mtp_rows import MTPRow
+    from mlx_relay.engine.lanes.round_drafts import HEAD_OFF_AFTER, RoundDrafts
+    from mlx_relay.engine.speculation.earnings import PRIOR
+
+    drafts = RoundDrafts(block_size=2, max_context=0, min_width=1)
+    rows = [MTPRow(rid=i, prompt=[1, 2], max_tokens=10_000) for i in range(16)]
+    assert drafts.head_tally.prior == PRIOR
+    plan = drafts.plan(rows)
+    assert plan.width == 2 and all(plan.heads)  # nothing measured: the head's block, every row
+    drafts.settle(rows, plan, {r.rid: [5] for r in rows}, [0] * 16, MTPCounts())  # every draft missed
+    assert drafts.head_tally.drafted == 16 >= HEAD_OFF_AFTER and drafts.head_tally.prior < 0.5
+    newcomer = MTPRow(rid=99, prompt=[1, 2], max_tokens=10_000)
+    assert newcomer.earnings.expected("mtp", 1, drafts.head_tally.prior) < 0.34
+    # weighed from the next round: the one-token width is timed (then the cheaper one runs)
+    assert drafts.plan([*rows[1:], newcomer]).width == 1
+    # a head that lands on a cohort's rows lends a newcomer that expectation
+    landing = RoundDrafts(block_size=2, max_context=0, min_width=1)
+    for _ in range(8):
+        landing.head_tally.record_round([(1, 1)] * 4)
+    assert newcomer.earnings.expected("mtp", 1, landing.head_tally.prior) > 0.8
 
 
 def _copy_prompt(path: Any, tokens: int) -> list[int]:

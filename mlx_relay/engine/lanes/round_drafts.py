@@ -4,7 +4,8 @@ used by both MTP cohorts, `mtp_cohort.EagerCohort` and `mtp_compiled.CompiledCoh
 Before a round, `RoundDrafts.plan` asks each row that takes context drafts for a proposal
 (`speculation.context_drafts`), and picks the round's width: the head's block `k` (each row
 verifies the head's drafts), the head off (`min_width`: one token a row in the compiled cohort,
-weighed once the rows' heads have been verified `HEAD_OFF_AFTER` drafts each, and run where what
+weighed once the cohort has verified `HEAD_OFF_AFTER` of the head's drafts, each row's expected
+from what the head earned on the cohort's rows so far until its own are measured, and run where what
 they earn is worth less than the wider round costs: a head that misses, or any head once the batch
 is bound by its arithmetic, where a round of k positions a row costs about k steps) or
 `1 + max_context` (rows whose proposal is expected to beat the head's verify it instead),
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from mlx_relay.engine.lane import MTPCounts
 from mlx_relay.engine.lanes.decode_state import batch_bucket
 from mlx_relay.engine.lanes.mtp_rows import MTPRow
-from mlx_relay.engine.speculation.earnings import RoundCosts, agreed
+from mlx_relay.engine.speculation.earnings import LaneTally, RoundCosts, agreed
 
 
 @dataclass
@@ -48,13 +49,14 @@ class RoundPlan:
 
 
 #: the head is weighed against one token a row (by the two widths' measured round times) once
-#: the rows' heads were verified this many drafts each (on average): a short request, or one head
-#: miss against the prior, does not start switching widths (a switch from pipelined one-token rounds
-#: to the head's costs a step without a token). A round without the head leaves the head's own cache
-#: without that position: `FIRST_SAMPLES` such rounds to time it, then one a `PROBE_EVERY` rounds
-#: where the head stays on. Weighing it only while its drafts earned under half a draft kept a head
-#: that agrees 0.92 on at 16 rows of a CPU bound by its arithmetic, at 0.58x plain decoding
-#: (benchmarks/results/speculation-batch-cpu-2026-11-28/).
+#: the cohort verified this many of its drafts: one head miss against the prior does not start
+#: switching widths (a switch from pipelined one-token rounds to the head's costs a step without a
+#: token). A round without the head leaves the head's own cache without that position:
+#: `FIRST_SAMPLES` such rounds to time it, then one a `PROBE_EVERY` rounds where the head stays on.
+#: Weighing it only while its drafts earned under half a draft kept a head that agrees 0.92 on at 16
+#: rows of a CPU bound by its arithmetic, at 0.58x plain decoding; weighing it only once each row had
+#: its own 16 drafts verified kept a missing head on every new row of 16 short requests: 0.47x plain
+#: on an H200 at c=16 (benchmarks/results/speculation-batch-cpu-2026-11-28/, gpu-h200-2026-11-28d/).
 HEAD_OFF_AFTER = 16
 
 
@@ -67,6 +69,7 @@ class RoundDrafts:
         self.max_context = max_context  # the lane's longest context proposal (0: none)
         self.min_width = min_width  # a round's width when no row drafts (the compiled round: 1)
         self.costs = RoundCosts()
+        self.head_tally = LaneTally()  # the head's drafts over the cohort's rows: a new row's prior
 
     @property
     def wide(self) -> int:
@@ -79,7 +82,8 @@ class RoundDrafts:
         # `min_width`) when no row takes the head's drafts
         k = self.k if any(heads) else self.min_width
         proposals = [r.context.propose(r.max_context) if r.context is not None else [] for r in rows]
-        head = [1.0 + (r.earnings.expected("mtp", k - 1) if r.use_head else 0.0) for r in rows]
+        prior = self.head_tally.prior
+        head = [1.0 + (r.earnings.expected("mtp", k - 1, prior) if r.use_head else 0.0) for r in rows]
         # the widths worth timing: the head's block; the head off for the round (one token a row,
         # where a head whose drafts miss costs more than it earns); the context drafts' width
         options = {k: sum(head)}
@@ -103,19 +107,18 @@ class RoundDrafts:
 
     def _weighs_head(self, rows: Sequence[MTPRow], heads: list[bool], k: int) -> bool:
         """Whether this round weighs the head off: where rounds may differ in width by their timing
-        (not a pipeline: its ranks must choose alike), once the rows' heads have been verified
-        `HEAD_OFF_AFTER` drafts each on average."""
-        with_head = sum(heads)
-        if not (self.weigh_head and with_head and self.min_width < k and not self.always):
+        (not a pipeline: its ranks must choose alike), once the cohort verified `HEAD_OFF_AFTER` of
+        the head's drafts."""
+        if not (self.weigh_head and any(heads) and self.min_width < k and not self.always):
             return False
-        verified = sum(r.earnings.tallies["mtp"].drafted for r, h in zip(rows, heads, strict=True) if h)
-        return verified >= HEAD_OFF_AFTER * with_head
+        return self.head_tally.drafted >= HEAD_OFF_AFTER
 
     def settle(self, rows: Sequence[MTPRow], plan: RoundPlan, emitted: dict[int, list[int]], took: list[int],
                counts: MTPCounts) -> None:
         """After the round: `emitted[rid]` its tokens, `took[i]` the drafts row i had accepted."""
         if plan.timed:
             self.costs.record(batch_bucket(len(rows)), plan.width, time.perf_counter() - plan.started)
+        head: list[tuple[int, int]] = []
         for i, row in enumerate(rows):
             tokens = emitted.get(row.rid, [])
             proposal = plan.proposals[i]
@@ -127,6 +130,7 @@ class RoundDrafts:
                 if row.use_head:
                     n = min(self.k, plan.width) - 1
                     row.earnings.record("mtp", n, took[i], verified=True)
+                    head.append((n, took[i]))
                     counts.drafted += n
                     counts.accepted += took[i]
                 if proposal and tokens:
@@ -136,3 +140,5 @@ class RoundDrafts:
                                         verified=False)
             if row.context is not None:
                 row.context.extend(tokens)
+        if head:
+            self.head_tally.record_round(head)

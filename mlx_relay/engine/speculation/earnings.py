@@ -9,11 +9,16 @@ count): a source that was switched off for a request keeps being measured and co
 would pay. The head's proposal is only counted when it is verified.
 
 `Earnings.expected(source, n)` is the tokens a proposal of `n` drafts adds under a geometric
-model (each draft right with the row's acceptance, given the ones before it). A cohort times its
+model (each draft right with the row's acceptance, given the ones before it). A row's acceptance
+starts from a prior: `PRIOR`, or what the source earned over the cohort's rows so far (`LaneTally`:
+a head that missed on the rows before it is expected to miss on a new one, so a batch of short
+requests does not verify every new row's head at a loss). A cohort times its
 rounds per width (`RoundCosts`) and runs the width that yields the most expected tokens per
-second over all its rows (`best_width`); a width is first run `FIRST_SAMPLES` times, its time is
+second over all its rows (`best_width`); a width is first run `FIRST_SAMPLES` times (only where it
+promises `EXPLORE_GAIN` times the tokens of the best timed one: a wide round tried for one row's
+proposal among 16 costs up to its width in steps on a device bound by its arithmetic), its time is
 the median of its last rounds (a round beside a long prefill step does not decide), and every
-`PROBE_EVERY` rounds the one not chosen is timed again.
+`PROBE_EVERY` rounds one not chosen is timed again if it came within `PROBE_WITHIN` of the best.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ PRIOR_WEIGHT = 1.0  # ... worth this many proposals
 PROBE_EVERY = 64  # rounds between re-timing a width the cohort is not running
 COST_SAMPLES = 5  # a width's round time: the median of its last rounds (one slow round, e.g. beside a
 FIRST_SAMPLES = 3  # prefill step, does not decide); a width is run this often before it is compared
+EXPLORE_GAIN = 1.25  # an untimed width is tried where it promises this many times the best timed one's tokens
+PROBE_WITHIN = 0.5  # a stale width is timed again where its tokens a second came within this of the best's
 
 
 @dataclass
@@ -62,6 +69,41 @@ class SourceTally:
     @property
     def acceptance(self) -> float:
         """Probability that a draft is right, given the ones before it were."""
+        return self.acceptance_from(PRIOR)
+
+    def acceptance_from(self, prior: float) -> float:
+        """... starting from `prior` (worth `PRIOR_WEIGHT` proposals)."""
+        return (self.hits + prior * PRIOR_WEIGHT) / (self.hits + self.misses + PRIOR_WEIGHT)
+
+
+LANE_DECAY = 0.95  # a cohort's tally: each round's weight against the ones before it
+
+
+@dataclass
+class LaneTally:
+    """One source over a cohort's rows, decayed by round: the prior of a row's own tally."""
+
+    drafted: int = 0  # verified drafts, every row's
+    hits: float = 0.0
+    misses: float = 0.0
+
+    def record_round(self, verified: Sequence[tuple[int, int]]) -> None:
+        """One round's (proposed, accepted) of each row that verified the source (none: the round
+        did not verify it, and what was measured before fades toward `PRIOR`, so a source switched
+        off for the cohort is tried again on its new rows)."""
+        self.hits *= LANE_DECAY
+        self.misses *= LANE_DECAY
+        for proposed, accepted in verified:
+            if proposed > 0:
+                self.drafted += proposed
+                self.hits += min(accepted, proposed)
+                self.misses += 1.0 if accepted < proposed else 0.0
+
+    @property
+    def prior(self) -> float:
+        """A new row's prior for the source: `PRIOR` until the cohort verified any, then theirs."""
+        if self.drafted == 0:
+            return PRIOR
         return (self.hits + PRIOR * PRIOR_WEIGHT) / (self.hits + self.misses + PRIOR_WEIGHT)
 
 
@@ -69,9 +111,9 @@ class SourceTally:
 class Earnings:
     tallies: dict[Source, SourceTally] = field(default_factory=lambda: {s: SourceTally() for s in SOURCES})
 
-    def expected(self, source: Source, n: int) -> float:
-        """Tokens `n` drafts of `source` add to a round, expected."""
-        a = self.tallies[source].acceptance
+    def expected(self, source: Source, n: int, prior: float = PRIOR) -> float:
+        """Tokens `n` drafts of `source` add to a round, expected (the row's acceptance from `prior`)."""
+        a = self.tallies[source].acceptance_from(prior)
         return sum(a ** j for j in range(1, n + 1))
 
     def record(self, source: Source, proposed: int, accepted: int, *, verified: bool) -> None:
@@ -107,14 +149,25 @@ class RoundCosts:
 
     def best_width(self, bucket: int, tokens: dict[int, float]) -> int:
         """The width (of `tokens`: width -> expected tokens of all rows at it) with the most
-        tokens per second; a width timed fewer than `FIRST_SAMPLES` times first, and one stale by
-        `PROBE_EVERY` rounds."""
+        tokens per second; the narrowest first while none is timed `FIRST_SAMPLES` times, then an
+        untimed one narrower than the best, or wider and promising `EXPLORE_GAIN` times the best's
+        tokens, then one stale by
+        `PROBE_EVERY` rounds that came within `PROBE_WITHIN` of the best."""
         widths = sorted(tokens)
+        timed = [w for w in widths if len(self.samples.get((bucket, w), ())) >= FIRST_SAMPLES]
+        if not timed:
+            return widths[0]
+
+        def rate(w: int) -> float:
+            return tokens[w] / self.seconds(bucket, w)
+
+        best = max(timed, key=rate)
         for w in widths:
-            if len(self.samples.get((bucket, w), ())) < FIRST_SAMPLES:
+            # a narrower width costs less: tried whatever it promises; a wider one where it promises enough
+            if w not in timed and (w < best or tokens[w] >= EXPLORE_GAIN * tokens[best]):
                 return w
-        best = max(widths, key=lambda w: tokens[w] / self.seconds(bucket, w))
-        for w in widths:
-            if w != best and tokens[w] > 0 and self.rounds - self.last_run.get((bucket, w), 0) >= PROBE_EVERY:
+        for w in timed:
+            stale = self.rounds - self.last_run.get((bucket, w), 0) >= PROBE_EVERY
+            if w != best and tokens[w] > 0 and stale and rate(w) >= PROBE_WITHIN * rate(best):
                 return w
         return best
