@@ -117,9 +117,10 @@ def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, metho
     fin = list(d.finished.values())
     return {"tok_s": tokens / elapsed if elapsed else float("nan"), "tokens": tokens, "seconds": elapsed,
             "rounds": st.mtp_rounds - base.mtp_rounds, "wide_rounds": st.wide_rounds - base.wide_rounds,
-            "mtp_drafted": sum(f.mtp_drafted for f in fin), "mtp_accepted": sum(f.mtp_accepted for f in fin),
-            "context_drafted": sum(f.context_drafted for f in fin),
-            "context_accepted": sum(f.context_accepted for f in fin),
+            "mtp_drafted": sum(f.drafts.mtp.drafted for f in fin),
+            "mtp_accepted": sum(f.drafts.mtp.accepted for f in fin),
+            "context_drafted": sum(f.drafts.context.drafted for f in fin),
+            "context_accepted": sum(f.drafts.context.accepted for f in fin),
             "ids": [d.tokens.get(i, []) for i in range(len(batch))]}
 
 

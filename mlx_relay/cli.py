@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "per request and round), mtp, context, none (default auto)")
     spec.add_argument("--max-draft-tokens", type=int, default=8,
                       help="context drafts verified per round at most; 0: no context drafts (default 8)")
+    spec.add_argument("--draft-model", default=None, metavar="MODEL",
+                      help="a draft checkpoint with the served model's vocabulary (dir or Hub id): requests with "
+                           "speculation.method \"draft\" take its drafts (default: none)")
+    spec.add_argument("--draft-tokens", type=int, default=4,
+                      help="a draft model's drafts per round at most (default 4)")
     spec.add_argument("--context-policy", choices=("auto", "always"), default="auto",
                       help="auto: a row's context proposal is verified where it is expected to yield more tokens "
                            "per second (its acceptance so far, the measured round times); always: whenever it has one")
@@ -389,6 +394,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         speculation=args.speculation,
         max_draft_tokens=args.max_draft_tokens,
         context_policy=args.context_policy,
+        draft_model=args.draft_model,
+        draft_tokens=args.draft_tokens,
         prefix_cache=not args.no_prefix_cache,
         prefix_cache_bytes=_gib(args.prefix_cache_gb),
         prefix_min_snapshot_tokens=args.prefix_min_snapshot_tokens,

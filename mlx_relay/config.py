@@ -130,6 +130,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # per second than the round without it (the row's acceptance so far, the widths' measured round
     # times); "always" whenever the row has one (no timing: the same rounds on every run)
     context_policy: Literal["auto", "always"] = "auto"
+    # a draft model for speculative decoding (a checkpoint with the served model's vocabulary): a
+    # request's `speculation.method: "draft"` takes its drafts, verified as context drafts are
+    # (`engine/speculation/draft_model.py`); None: no draft model
+    draft_model: str | None = None
+    draft_tokens: int = 4  # a draft model's drafts per round at most
     # prefix cache: exact snapshots of prompt state at system-prompt ends and finished turns
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None  # byte budget; None: a share of the device's memory
@@ -166,6 +171,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError("EngineConfig.prefix_cache_preload must be in [0, 1]")
         if not 0 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"EngineConfig.max_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}]")
+        if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"EngineConfig.draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]")
+        if self.draft_model is not None and self.pipeline.enabled:
+            # every rank of a pipeline must verify the same drafts: the draft would run on each
+            raise ValueError("a draft model (draft_model) does not run with pipeline")
         if self.pipeline.enabled and self.prefix_cache_dir is not None:
             # each rank holds its own layers' state: a file per snapshot would be a file per rank
             raise ValueError("the prefix cache's disk tier (prefix_cache_dir) does not run with pipeline")

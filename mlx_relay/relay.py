@@ -171,6 +171,9 @@ class Relay:
         try:
             path = await anyio.to_thread.run_sync(resolve_model_path, cfg.model)
             engine_cfg = msgspec.structs.replace(cfg.engine, model_path=str(path))
+            if engine_cfg.draft_model is not None:
+                spec_draft = await anyio.to_thread.run_sync(resolve_model_path, engine_cfg.draft_model)
+                engine_cfg = msgspec.structs.replace(engine_cfg, draft_model=str(spec_draft))
             sp_cfg = cfg.specprefill
             if sp_cfg.draft_model is not None:
                 draft = await anyio.to_thread.run_sync(resolve_model_path, sp_cfg.draft_model)

@@ -189,7 +189,7 @@ class ChatService:
                     f"model's weights and the prefix cache); the prompt has {prompt_tokens} tokens",
                     prompt_tokens=prompt_tokens, limit=memory - 1)
             context, room = memory, memory - prompt_tokens
-        validate_request(req)
+        validate_request(req, draft_model=self.info.speculative_draft is not None)
         if req.max_tokens is not None and req.max_tokens > room and self.max_tokens_policy == "error":
             raise MaxTokensExceedContext(
                 f"max_tokens is {req.max_tokens}, but this model's maximum context length is {context} tokens "
@@ -411,8 +411,9 @@ _SEED_LIMIT = 2**63  # seeds are 63-bit (numpy's and MLX's generators take them)
 MAX_ANCHOR_NGRAM = 64  # a request's SpecPrefill anchor n-gram (longer runs are whole sentences)
 
 
-def validate_request(req: ChatRequest) -> None:
-    """The request's own numbers, each a 400 naming its parameter (OpenAI's ranges)."""
+def validate_request(req: ChatRequest, *, draft_model: bool = False) -> None:
+    """The request's own numbers, each a 400 naming its parameter (OpenAI's ranges); `draft_model`:
+    the server has one (else `speculation.method: "draft"` is refused)."""
     checks: list[tuple[bool, str, str]] = [
         (req.max_tokens is None or req.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
         (req.seed is None or 0 <= req.seed < _SEED_LIMIT, "seed", "seed must be in [0, 2^63)"),
@@ -435,9 +436,9 @@ def validate_request(req: ChatRequest) -> None:
     for ok, param, message in checks:
         if not ok:
             raise InvalidRequest(message, param=param)
-    if req.speculation == "draft":
+    if req.speculation == "draft" and not draft_model:
         raise DraftModelUnavailable('speculation.method "draft" needs a draft model, and this server has none loaded '
-                                    "(--draft-model is not available yet)", param="speculation.method")
+                                    "(start it with --draft-model)", param="speculation.method")
 
 
 def validate_sampling(p: SamplingParams) -> None:
@@ -484,7 +485,6 @@ async def _parsed(started: ReplyStarted, events: EngineEvents, parser: ReplyPars
             tally.prompt_tokens, tally.cached_tokens = ev.prompt_tokens, ev.cached_tokens
             tally.completion_tokens, tally.finish_reason = ev.completion_tokens, reason
             yield ReplyDone(reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, reasoning,
-                            mtp_drafted=ev.mtp_drafted, mtp_accepted=ev.mtp_accepted,
-                            context_drafted=ev.context_drafted, context_accepted=ev.context_accepted,
+                            drafts=ev.drafts,
                             stop_sequence=ev.stop_sequence, specprefill=ev.specprefill)
             return

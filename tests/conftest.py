@@ -47,12 +47,14 @@ def gpu() -> Iterator[Callable[[Callable[[], Any]], Any]]:
 @pytest.fixture(scope="session")
 def server(fp32_model: Path) -> Iterator[LiveServer]:
     """The shared server: fp32 fixture, 8 sequences at once, a queue of 32, the MTP head's drafts
-    unless a request asks for context drafts (a round's source under "auto" is chosen by measured
-    time; tests/test_context_drafts.py covers it at the engine). No warm-up: the tests
+    unless a request asks for context drafts, verified every round (`context_policy` "always": a
+    round's source and whether the head runs are otherwise chosen by measured time and by what the
+    head earned on the rows before, which on a shared server depends on the tests before;
+    tests/test_context_drafts.py covers the choice at the engine). No warm-up: the tests
     compile the kernels they run, not every shape a warm-up covers (each a C++ build on the CPU
     backend); test_mtp_policy's Relay and test_cli's server warm up."""
     config = default_config(fp32_model, served_model_name="tiny", max_num_seqs=8, max_queue=32, mtp_max_batch=8,
-                            mtp_policy="always", speculation="mtp", warmup=False)
+                            mtp_policy="always", speculation="mtp", context_policy="always", warmup=False)
     with LiveServer(config) as live:
         yield live
 
@@ -67,7 +69,8 @@ async def relay(fp32_model: Path) -> AsyncIterator[Relay]:
     holder: list[Relay] = []
 
     async def own() -> None:
-        async with Relay.start(fp32_model, max_num_seqs=8, mtp_max_batch=8, mtp_policy="always", warmup=False) as r:
+        async with Relay.start(fp32_model, max_num_seqs=8, mtp_max_batch=8, mtp_policy="always",
+                               context_policy="always", warmup=False) as r:
             holder.append(r)
             ready.set()
             await stop.wait()

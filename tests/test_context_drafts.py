@@ -227,15 +227,15 @@ def test_context_drafts_keep_greedy_output(gpu: Callable, variant: str, compiled
     (tokens, finished, stats), ref = gpu(run)
     for sid, want in enumerate(ref):
         assert tokens[sid] == want[:max_tokens[sid]], sid
-    drafted = sum(f.context_drafted for f in finished.values())
-    accepted = sum(f.context_accepted for f in finished.values())
+    drafted = sum(f.drafts.context.drafted for f in finished.values())
+    accepted = sum(f.drafts.context.accepted for f in finished.values())
     assert 0 <= accepted <= drafted
     if variant == "bigram" and method == "context":
         # the copy rows verify copied drafts and most are right: fewer rounds than tokens
-        assert finished[0].context_accepted >= 20, finished[0]
+        assert finished[0].drafts.context.accepted >= 20, finished[0]
         assert stats.mtp_rounds < sum(max_tokens)
     if method == "context" or not head:
-        assert all(f.mtp_drafted == 0 for f in finished.values())  # the head's drafts are not used
+        assert all(f.drafts.mtp.drafted == 0 for f in finished.values())  # the head's drafts are not used
     if not head and method == "context":  # every row ran in the lane, one token per round where nothing was copied
         assert stats.mtp_running == 0 and stats.mtp_rounds > 0
     if not head and method == "auto":  # auto: context drafts ride with the head's; without it, plainly
@@ -267,8 +267,8 @@ def test_context_drafts_keep_the_sampling_distribution(gpu: Callable) -> None:
         return tokens, finished, _exact_two_token_distribution(path, prompt, params)
 
     tokens, finished, exact = gpu(run)
-    drafted = sum(f.context_drafted for f in finished.values())
-    accepted = sum(f.context_accepted for f in finished.values())
+    drafted = sum(f.drafts.context.drafted for f in finished.values())
+    accepted = sum(f.drafts.context.accepted for f in finished.values())
     assert drafted > n // 2 and 0 < accepted < drafted  # both branches of the walk ran
     counts = Counter(tuple(t) for t in tokens.values())
     assert all(len(t) == 2 for t in counts)

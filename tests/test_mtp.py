@@ -70,8 +70,8 @@ def test_mtp_greedy_equals_plain_decoding(gpu: Callable, variant: str, block: in
         assert tokens[sid] == want[: MAX_TOKENS[sid]], sid
         assert finished[sid].reason == "length"
     assert stats.mtp_rounds > 0 and stats.mtp_running == 0
-    drafted = sum(f.mtp_drafted for f in finished.values())
-    accepted = sum(f.mtp_accepted for f in finished.values())
+    drafted = sum(f.drafts.mtp.drafted for f in finished.values())
+    accepted = sum(f.drafts.mtp.accepted for f in finished.values())
     assert drafted == stats.mtp_drafted and accepted == stats.mtp_accepted
     if variant == "bigram":  # the head is right most of the time, and not always: ragged rounds
         assert 0.7 * drafted < accepted < drafted
@@ -94,9 +94,9 @@ def test_mtp_rows_alongside_plain_rows_and_routing(gpu: Callable, bigram_model: 
 
     (tokens, finished, _stats), ref = gpu(run)
     assert [tokens[i] for i in range(4)] == ref
-    assert finished[0].mtp_drafted > 0 and finished[2].mtp_drafted > 0
-    assert finished[1].mtp_drafted == 0  # opted out
-    assert finished[3].mtp_drafted == 0  # 3 rows were running when it started (mtp_max_batch=3)
+    assert finished[0].drafts.mtp.drafted > 0 and finished[2].drafts.mtp.drafted > 0
+    assert finished[1].drafts.mtp.drafted == 0  # opted out
+    assert finished[3].drafts.mtp.drafted == 0  # 3 rows were running when it started (mtp_max_batch=3)
 
 
 def test_mtp_off_for_the_whole_engine(gpu: Callable, bigram_model: Path) -> None:
@@ -108,8 +108,8 @@ def test_mtp_off_for_the_whole_engine(gpu: Callable, bigram_model: Path) -> None
         return run_engine(loaded, req, mtp=False), run_engine(loaded, req, mtp=False, max_draft_tokens=0)
 
     (_tokens, finished, _stats), (_tokens0, finished0, stats0) = gpu(run)
-    assert finished[0].mtp_drafted == 0
-    assert finished0[0].mtp_drafted == 0 and finished0[0].context_drafted == 0 and stats0.mtp_rounds == 0
+    assert finished[0].drafts.mtp.drafted == 0
+    assert finished0[0].drafts.mtp.drafted == 0 and finished0[0].drafts.context.drafted == 0 and stats0.mtp_rounds == 0
 
 
 def test_mtp_row_cancelled_mid_flight(gpu: Callable, bigram_model: Path) -> None:

@@ -95,9 +95,9 @@ def test_mtp_with_a_grammar_equals_the_plain_lane_with_it(gpu: Callable, variant
         assert tokens[sid] == plain[sid], sid
         assert finished[sid].reason == plain_finished[sid].reason
     for sid in (0, 2):
-        assert finished[sid].mtp_drafted > 0, sid
+        assert finished[sid].drafts.mtp.drafted > 0, sid
     if variant == "bigram":
-        assert finished[0].mtp_accepted + finished[2].mtp_accepted > 0
+        assert finished[0].drafts.mtp.accepted + finished[2].drafts.mtp.accepted > 0
     assert stats.mtp_rounds > 0
 
 
@@ -107,7 +107,7 @@ def test_a_forced_call_through_mtp_is_a_valid_call(gpu: Callable, choice: str) -
     grammar = _grammar(path, choice, BOUNDED)
     tokens, finished, _stats = gpu(lambda: _run(path, [Generate("c", PROMPTS[1], SamplingParams(
         max_tokens=200, grammar=grammar))], mtp_policy="always", mtp_block_size=3))
-    assert finished[0].mtp_drafted > 0 and finished[0].reason == "stop"
+    assert finished[0].drafts.mtp.drafted > 0 and finished[0].reason == "stop"
     tok = AutoTokenizer.from_pretrained(str(path))
     text = tok.decode(tokens[0], skip_special_tokens=False).removesuffix("<|im_end|>")
     parser = ReplyParser(tools=BOUNDED, tool_format="qwen3_coder")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlx_relay.actors.text_mtp_executor import EXPLORE_EVERY, MIN_DRAFTS, TextMTPExecutor
+from mlx_relay.chat.output import Drafts, SourceDrafts
 from mlx_relay.config import EngineConfig
 from mlx_relay.messages.gpu import ModelInfo, SamplingParams, Speculate
 from mlx_relay.messages.text_mtp import MTPOutcome, PlanText
@@ -46,10 +47,10 @@ def test_the_measured_acceptance_decides_and_mtp_is_still_sampled_while_it_does_
     ex = _executor()
     ex.round_cost = 1.5  # pays above acceptance 0.5 at block 2
     assert _plans(ex, 4) == [True] * 4  # fewer than MIN_DRAFTS counted: optimistic
-    ex.count(MTPOutcome(drafted=MIN_DRAFTS, accepted=int(0.3 * MIN_DRAFTS)))
+    ex.count(MTPOutcome(Drafts(mtp=SourceDrafts(MIN_DRAFTS, int(0.3 * MIN_DRAFTS)))))
     plans = _plans(ex, 2 * EXPLORE_EVERY)
     assert plans.count(True) == 2  # one in EXPLORE_EVERY keeps measuring
-    ex.count(MTPOutcome(drafted=10 * MIN_DRAFTS, accepted=9 * MIN_DRAFTS))  # acceptance now ~0.83
+    ex.count(MTPOutcome(Drafts(mtp=SourceDrafts(10 * MIN_DRAFTS, 9 * MIN_DRAFTS))))  # acceptance now ~0.83
     assert _plans(ex, 4) == [True] * 4
 
 

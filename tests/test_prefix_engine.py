@@ -64,9 +64,9 @@ def test_restored_system_prompt_and_turn_equal_plain_decoding(gpu: Callable, big
     cached = [d.finished[s].cached_tokens for s in sids]
     assert cached == [0, len(SYSTEM), len(SYSTEM), turn.length]
     if mtp:
-        assert all(d.finished[s].mtp_drafted > 0 for s in sids)
+        assert all(d.finished[s].drafts.mtp.drafted > 0 for s in sids)
     else:
-        assert all(d.finished[s].mtp_drafted == 0 for s in sids)
+        assert all(d.finished[s].drafts.mtp.drafted == 0 for s in sids)
     assert stats.snapshots >= 2 and stats.snapshot_bytes > 0
 
 

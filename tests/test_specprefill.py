@@ -119,7 +119,8 @@ def test_scoring_runs_between_decode_steps(gpu: Callable, loaded: Any, fp32_mode
     prompt = long_prompt(640, seed=2)
 
     def run() -> tuple[int, int, int, list[int], list[int]]:
-        d = Driver(loaded, prefix_cache=True, prefill_step_size=step, mtp_max_batch=0, draft_model=str(fp32_model))
+        d = Driver(loaded, prefix_cache=True, prefill_step_size=step, mtp_max_batch=0,
+                   specprefill_draft=str(fp32_model))
         a = d.add(Generate("a", [7, 8, 9, 10], SamplingParams(max_tokens=200)))
         while not d.tokens[a]:
             d.step()

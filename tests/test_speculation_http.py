@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from mlx_relay.chat.output import ReplyDone, ReplyStarted
+from mlx_relay.chat.output import Drafts, ReplyDone, ReplyStarted, SourceDrafts
 from mlx_relay.chat.reply import ReplyCollector
 from mlx_relay.errors import DraftModelUnavailable, InvalidRequest
 from mlx_relay.http.formats.anthropic.encoder import StreamBlocks
@@ -165,8 +165,9 @@ def test_lax_numbers_as_the_body_reads_them(server: LiveServer) -> None:
 
 # -- the parts on their own ------------------------------------------------------------------------
 
-BOTH = ReplyDone("length", 20, 16, mtp_drafted=10, mtp_accepted=7, context_drafted=4, context_accepted=1)
-CONTEXT = ReplyDone("stop", 20, 5, context_drafted=3, context_accepted=3)
+BOTH = ReplyDone("length", 20, 16, drafts=Drafts(mtp=SourceDrafts(10, 7), context=SourceDrafts(4, 1)))
+CONTEXT = ReplyDone("stop", 20, 5, drafts=Drafts(context=SourceDrafts(3, 3)))
+DRAFT = ReplyDone("stop", 20, 5, drafts=Drafts(draft=SourceDrafts(6, 5)))
 NONE = ReplyDone("stop", 20, 5)
 BOTH_SOURCES = {"mtp": {"drafted": 10, "accepted": 7, "acceptance": 0.7},
                 "context": {"drafted": 4, "accepted": 1, "acceptance": 0.25}}
@@ -183,6 +184,7 @@ def test_openai_usage_reports_each_source_beside_the_mtp_key() -> None:
     use = builtins(usage_of(CONTEXT))
     assert use["speculation"] == {"context": {"drafted": 3, "accepted": 3, "acceptance": 1.0}} and "mtp" not in use
     assert "speculation" not in builtins(usage_of(NONE))
+    assert builtins(usage_of(DRAFT))["speculation"] == {"draft": {"drafted": 6, "accepted": 5, "acceptance": 0.8333}}
     # n choices: the drafts of every choice
     summed = builtins(total_usage([BOTH, CONTEXT]))["speculation"]
     assert summed["context"] == {"drafted": 7, "accepted": 4, "acceptance": round(4 / 7, 4)}
@@ -226,17 +228,17 @@ def test_the_in_process_reply_carries_each_source() -> None:
     fold = ReplyCollector()
     fold.feed(BOTH)
     reply = fold.reply()
-    assert (reply.mtp_drafted, reply.mtp_accepted, reply.context_drafted, reply.context_accepted) == (10, 7, 4, 1)
+    assert reply.drafts == BOTH.drafts and (reply.mtp_drafted, reply.usage.mtp_accepted) == (10, 7)
 
 
 async def test_the_service_carries_the_engines_counts_into_reply_done() -> None:
     async def events() -> AsyncIterator[Finished]:
-        yield Finished("stop", 12, 6, mtp_drafted=5, mtp_accepted=2, context_drafted=8, context_accepted=6)
+        yield Finished("stop", 12, 6, drafts=Drafts(SourceDrafts(5, 2), SourceDrafts(8, 6), SourceDrafts(3, 1)))
 
     out = [ev async for ev in _parsed(ReplyStarted(12), events(), None, ReplyTally())]
     done = out[-1]
     assert isinstance(done, ReplyDone)
-    assert (done.mtp_drafted, done.mtp_accepted, done.context_drafted, done.context_accepted) == (5, 2, 8, 6)
+    assert done.drafts == Drafts(SourceDrafts(5, 2), SourceDrafts(8, 6), SourceDrafts(3, 1))
 
 
 def _service() -> ChatService:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.models import served_by_mtp_lane
-from mlx_relay.messages.gpu import ModelInfo, Speculate
+from mlx_relay.messages.gpu import Drafts, ModelInfo, Speculate
 from mlx_relay.messages.text_mtp import (
     GetMTPStats,
     MTPCalibration,
@@ -58,11 +58,12 @@ class TextMTPExecutor(Actor):
         lane = config.mtp_max_batch > 0 and served_by_mtp_lane(info.model_type)
         self.has_head = config.mtp and info.has_mtp and lane
         self.has_context = config.max_draft_tokens > 0 and lane and not config.pipeline.enabled
-        self.enabled = self.has_head or self.has_context
+        self.has_draft = info.speculative_draft is not None  # the lane verifies a draft model's drafts
+        self.enabled = self.has_head or self.has_context or self.has_draft
         self.round_cost: float | None = None
         self._planned = self._declined = self._requests = self._unpaid = 0
-        self._rounds = self._drafted = self._accepted = 0
-        self._context_planned = self._context_drafted = self._context_accepted = 0
+        self._rounds = self._context_planned = self._draft_planned = 0
+        self._drafts = Drafts()  # the finished requests' verified drafts by source
 
     async def receive(self, msg: PlanText | MTPOutcome | MTPCalibration | GetMTPStats,
                       stream: ReplyStream | None) -> object:
@@ -81,18 +82,17 @@ class TextMTPExecutor(Actor):
                 self.round_cost = cost
                 return None
             case GetMTPStats():
+                d = self._drafts
                 return MTPStats(self.enabled, self.config.mtp_block_size, self._planned, self._declined,
-                                self._requests, self._rounds, self._drafted, self._accepted, self.round_cost,
-                                self._context_planned, self._context_drafted, self._context_accepted)
+                                self._requests, self._rounds, d.mtp.drafted, d.mtp.accepted, self.round_cost,
+                                self._context_planned, d.context.drafted, d.context.accepted,
+                                self._draft_planned, d.draft.drafted, d.draft.accepted)
         raise TypeError(type(msg).__name__)
 
     def count(self, outcome: MTPOutcome) -> None:
         self._requests += 1
         self._rounds += outcome.rounds
-        self._drafted += outcome.drafted
-        self._accepted += outcome.accepted
-        self._context_drafted += outcome.context_drafted
-        self._context_accepted += outcome.context_accepted
+        self._drafts += outcome.drafts
 
     def plan(self, msg: PlanText) -> TextPlan:
         """The request's speculation: the head's drafts where they pay (`_head_pays`), context drafts
@@ -103,8 +103,6 @@ class TextMTPExecutor(Actor):
         method = sampling.speculation or self.config.speculation
         if method == "none":
             return TextPlan(why="speculation is off for the request")
-        if method == "draft":
-            return TextPlan(why="no draft model is loaded")
         if sampling.needs_plain_lane:
             return TextPlan(why="logprobs, penalties and thinking budgets run in the plain lane")
         if msg.sparse:
@@ -113,6 +111,8 @@ class TextMTPExecutor(Actor):
         # a seeded sampling request's draws must not depend on the widths the lane picks round by
         # round (timed, and shared with the other rows): it verifies the head's drafts only
         seeded = sampling.seed is not None and sampling.temperature > 0
+        if method == "draft":
+            return self._draft_plan(msg, seeded)
         if method in ("auto", "context") and sampling.grammar is None and self.has_context and not seeded:
             cap = sampling.max_draft_tokens
             context = self.config.max_draft_tokens if cap is None else min(cap, self.config.max_draft_tokens)
@@ -135,6 +135,22 @@ class TextMTPExecutor(Actor):
             self._context_planned += 1
         return TextPlan(Speculate(self.config.mtp_block_size, head=head, context=context), why=why)
 
+    def _draft_plan(self, msg: PlanText, seeded: bool) -> TextPlan:
+        """The draft model's drafts alone (the lane weighs them round by round as context drafts)."""
+        sampling = msg.sampling
+        if not self.has_draft:
+            return TextPlan(why="no draft model is loaded")
+        if sampling.grammar is not None:
+            return TextPlan(why="an output grammar verifies the head's drafts only")
+        if seeded:
+            return TextPlan(why="a seeded sampling request verifies the head's drafts only")
+        cap = sampling.max_draft_tokens
+        n = self.config.draft_tokens if cap is None else min(cap, self.config.draft_tokens)
+        if n == 0:
+            return TextPlan(why="the request allows no drafts (max_draft_tokens 0)")
+        self._draft_planned += 1
+        return TextPlan(Speculate(self.config.mtp_block_size, head=False, context=n, draft=True))
+
     def _head_pays(self) -> tuple[bool, str]:
         """Whether the head's drafts are planned (`mtp_policy`), and why not."""
         k = self.config.mtp_block_size
@@ -142,8 +158,9 @@ class TextMTPExecutor(Actor):
             r = self.round_cost
             if k / r <= 1.0:
                 return False, f"a round costs {r:.2f} plain steps here: {k} tokens per round cannot pay"
-            if self._drafted >= MIN_DRAFTS:
-                a = self._accepted / self._drafted
+            head = self._drafts.mtp
+            if head.drafted >= MIN_DRAFTS:
+                a = head.accepted / head.drafted
                 if (1 + a * (k - 1)) / r <= 1.0:
                     self._unpaid += 1
                     if self._unpaid % EXPLORE_EVERY:

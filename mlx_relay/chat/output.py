@@ -89,6 +89,36 @@ class ToolCallEnd(msgspec.Struct, frozen=True):
     arguments: str
 
 
+class SourceDrafts(msgspec.Struct, frozen=True):
+    """One draft source's verified drafts and how many were accepted."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+    def __add__(self, other: SourceDrafts) -> SourceDrafts:
+        return SourceDrafts(self.drafted + other.drafted, self.accepted + other.accepted)
+
+
+class Drafts(msgspec.Struct, frozen=True):
+    """A request's speculative drafts by source (carried whole from the engine to the reply's
+    usage): the MTP head's, those copied from its context, a draft model's."""
+
+    mtp: SourceDrafts = SourceDrafts()
+    context: SourceDrafts = SourceDrafts()
+    draft: SourceDrafts = SourceDrafts()
+
+    def __add__(self, other: Drafts) -> Drafts:
+        return Drafts(self.mtp + other.mtp, self.context + other.context, self.draft + other.draft)
+
+    def by_source(self) -> dict[str, SourceDrafts]:
+        return {name: getattr(self, name) for name in self.__struct_fields__}
+
+    @classmethod
+    def of(cls, tallies: dict[str, tuple[int, int]]) -> Drafts:
+        """From a lane's (drafted, accepted) per source name."""
+        return cls(**{name: SourceDrafts(*tallies[name]) for name in cls.__struct_fields__ if name in tallies})
+
+
 class ReplyDone(msgspec.Struct, frozen=True):
     """The reply ended. `finish_reason` is "tool_calls" when the reply made at least one call."""
 
@@ -97,11 +127,7 @@ class ReplyDone(msgspec.Struct, frozen=True):
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
-    # speculative decoding: drafts verified and accepted, the MTP head's and those copied from the context
-    mtp_drafted: int = 0
-    mtp_accepted: int = 0
-    context_drafted: int = 0
-    context_accepted: int = 0
+    drafts: Drafts = Drafts()  # speculative decoding: drafts verified and accepted, by source
     stop_sequence: str | None = None  # the stop string that ended the reply, if one did
     specprefill: SpecPrefillReport | None = None  # when SpecPrefill ran or was due
 

@@ -17,6 +17,7 @@ import msgspec
 
 from mlx_relay.chat.output import (
     ContentDelta,
+    Drafts,
     ReasoningDelta,
     ReplyDone,
     ReplyEvent,
@@ -42,16 +43,22 @@ class ToolCall(msgspec.Struct, frozen=True):
 class ReplyUsage(msgspec.Struct, frozen=True):
     """What the reply cost: prompt tokens (of which `cached_tokens` came from the prefix cache),
     generated tokens (of which `reasoning_tokens` were thinking), and the speculative drafts
-    verified/accepted by source: the MTP head's, and those copied from the context."""
+    verified/accepted by source (`drafts`: the MTP head's, those copied from the context, a draft
+    model's)."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
-    mtp_drafted: int = 0
-    mtp_accepted: int = 0
-    context_drafted: int = 0
-    context_accepted: int = 0
+    drafts: Drafts = Drafts()
+
+    @property
+    def mtp_drafted(self) -> int:
+        return self.drafts.mtp.drafted
+
+    @property
+    def mtp_accepted(self) -> int:
+        return self.drafts.mtp.accepted
 
     @property
     def total_tokens(self) -> int:
@@ -86,20 +93,16 @@ class ChatReply(msgspec.Struct, frozen=True, kw_only=True):
         return self.usage.cached_tokens
 
     @property
+    def drafts(self) -> Drafts:
+        return self.usage.drafts
+
+    @property
     def mtp_drafted(self) -> int:
         return self.usage.mtp_drafted
 
     @property
     def mtp_accepted(self) -> int:
         return self.usage.mtp_accepted
-
-    @property
-    def context_drafted(self) -> int:
-        return self.usage.context_drafted
-
-    @property
-    def context_accepted(self) -> int:
-        return self.usage.context_accepted
 
 
 class ReplyCollector:
@@ -128,7 +131,7 @@ class ReplyCollector:
         if done is None:
             raise RuntimeError("the reply has not finished")
         usage = ReplyUsage(done.prompt_tokens, done.completion_tokens, done.cached_tokens, done.reasoning_tokens,
-                           done.mtp_drafted, done.mtp_accepted, done.context_drafted, done.context_accepted)
+                           done.drafts)
         return ChatReply(content="".join(self._content), reasoning="".join(self._reasoning),
                          tool_calls=list(self._calls), finish_reason=done.finish_reason, usage=usage,
                          stop_sequence=done.stop_sequence, specprefill=done.specprefill,

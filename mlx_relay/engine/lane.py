@@ -51,6 +51,7 @@ class RowSpec:
     block_size: int = 2  # MTP rows: tokens per verify round
     use_head: bool = True  # MTP rows: the head drafts (else only context drafts, where they match)
     context_drafts: int = 0  # MTP rows: at most this many drafts copied from the context per round (0: none)
+    draft_model: bool = False  # MTP rows: ... made by the lane's draft model instead (`context_drafts` of them)
 
 
 @dataclass
@@ -70,7 +71,9 @@ class MTPCounts:
     fallback_rounds: int = 0  # rounds run eagerly while the compiled round is on
     context_drafted: int = 0  # drafts copied from the rows' contexts, verified
     context_accepted: int = 0
-    wide_rounds: int = 0  # rounds run at the context drafts' width
+    draft_drafted: int = 0  # a draft model's drafts, verified
+    draft_accepted: int = 0
+    wide_rounds: int = 0  # rounds run at the host drafts' width (the context's, a draft model's)
 
     def add(self, other: MTPCounts) -> None:
         self.rounds += other.rounds
@@ -79,7 +82,18 @@ class MTPCounts:
         self.fallback_rounds += other.fallback_rounds
         self.context_drafted += other.context_drafted
         self.context_accepted += other.context_accepted
+        self.draft_drafted += other.draft_drafted
+        self.draft_accepted += other.draft_accepted
         self.wide_rounds += other.wide_rounds
+
+    def add_host(self, source: str, drafted: int, accepted: int) -> None:
+        """Verified host drafts of `source` ("context", or a draft model's "draft")."""
+        if source == "draft":
+            self.draft_drafted += drafted
+            self.draft_accepted += accepted
+        else:
+            self.context_drafted += drafted
+            self.context_accepted += accepted
 
 
 @dataclass

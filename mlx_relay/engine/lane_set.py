@@ -32,6 +32,7 @@ from mlx_relay.engine.models.library_kv import uses_library_forward
 from mlx_relay.engine.models.loader import LoadedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.speculation.draft_model import DraftModel
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +83,26 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
     has_head = config.mtp and info.has_mtp and speculates
     # context drafts need every rank of a pipeline to make the same choices: not in a pipeline
     context = config.max_draft_tokens if stage is None and speculates else 0
-    if (has_head or context > 0) and config.mtp_max_batch > 0:
+    if (has_head or context > 0 or config.draft_model is not None) and config.mtp_max_batch > 0:
         # a pipeline stage verifies with the batched forward: mlx-vlm's exact verifier runs the
         # whole model in one call
         exact = stage is None and (config.mtp_verify == "exact"
                                    or (config.mtp_verify == "auto" and info.backend == "metal"))
         # no head in the checkpoint (or MTP turned off): the lane verifies context drafts only
         head = MTPHead.load(Path(info.model_path), lm, exact=exact) if has_head else MTPHead(None, lm, exact=exact)
+        draft = None
+        if config.draft_model is not None and stage is None:
+            processor = loaded.processor
+            draft = DraftModel.load(Path(config.draft_model), getattr(processor, "tokenizer", processor),
+                                    config.draft_tokens)
         lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size, prefill_step_size=step,
                                eos_token_ids=info.eos_token_ids, exact_verify=exact, compiled=config.compile_mtp,
                                stage=stage, max_context=context, always_context=config.context_policy == "always",
-                               prefill_options=prefill_options)
+                               prefill_options=prefill_options, draft=draft)
     return lanes
+
+
+def speculative_draft(lanes: dict[LaneName, Lane]) -> str | None:
+    """The draft model whose drafts the MTP lane verifies (its path), when one is loaded."""
+    lane = lanes.get("mtp")
+    return lane.draft.info.path if isinstance(lane, MTPLane) and lane.draft is not None else None

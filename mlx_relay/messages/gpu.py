@@ -9,7 +9,7 @@ from typing import Literal
 import msgspec
 
 from mlx_relay.cache.snapshot_files import SnapshotIdentity
-from mlx_relay.chat.output import TokenLogprob
+from mlx_relay.chat.output import Drafts, TokenLogprob
 from mlx_relay.media.tensors import VisionInputs
 from mlx_relay.messages.prefix_cache import PrefixPlan
 from mlx_relay.messages.specprefill import ScorePlan, SparsePrefill, SpecPrefillReport
@@ -54,11 +54,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 class Speculate(msgspec.Struct, frozen=True):
     """How the MTP lane drafts for a row (TextMTPExecutor's plan): `block_size` tokens per round of
     the head's (the lane's block), whether the head drafts at all, and at most `context` drafts
-    copied from the row's context per round (0: none)."""
+    copied from the row's context per round (0: none), or with `draft`, made by the draft model."""
 
     block_size: int
     head: bool = True
     context: int = 0
+    draft: bool = False
 
 
 class Generate(msgspec.Struct, frozen=True):
@@ -97,12 +98,7 @@ class Finished(msgspec.Struct, frozen=True):
     # time from arrival at the GPU thread to the first token, and to the end (seconds)
     ttft_s: float = 0.0
     total_s: float = 0.0
-    # speculative decoding on this request: the MTP head's drafts verified and accepted (0 / 0:
-    # off), and drafts copied from its context
-    mtp_drafted: int = 0
-    mtp_accepted: int = 0
-    context_drafted: int = 0
-    context_accepted: int = 0
+    drafts: Drafts = Drafts()  # speculative decoding on this request: verified drafts by source
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache (not prefilled)
     specprefill: SpecPrefillReport | None = None  # when SpecPrefill ran or was due for the request
     stop_sequence: str | None = None  # the request's stop string that ended it ("stop"), if one did
@@ -146,7 +142,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     mtp_fallback_rounds: int = 0  # MTP rounds run eagerly while the compiled round is on (sampling rows)
     context_drafted: int = 0  # drafts copied from the rows' contexts, verified
     context_accepted: int = 0
-    wide_rounds: int = 0  # rounds at the context drafts' width
+    draft_drafted: int = 0  # a draft model's drafts, verified
+    draft_accepted: int = 0
+    wide_rounds: int = 0  # rounds at the host drafts' width (the context's, a draft model's)
     snapshots: int = 0  # prefix-cache snapshots held on the GPU thread
     snapshot_bytes: int = 0
     features: int = 0  # encoded image features held on the GPU thread
@@ -192,5 +190,6 @@ class ModelInfo(msgspec.Struct, frozen=True):
     memory_tokens: int = 0
     memory_limit_bytes: int = 0  # what that is counted within (MLX's limit, or the device's memory)
     draft: DraftInfo | None = None  # SpecPrefill's draft model, when one is loaded
+    speculative_draft: str | None = None  # the draft model whose drafts the MTP lane verifies, when one is loaded
     # what the prefix cache's snapshot files must match (None: the disk tier is off)
     snapshot_identity: SnapshotIdentity | None = None

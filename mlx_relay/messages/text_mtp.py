@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from mlx_relay.messages.gpu import SamplingParams, Speculate
+from mlx_relay.messages.gpu import Drafts, SamplingParams, Speculate
 
 
 class PlanText(msgspec.Struct, frozen=True):
@@ -25,14 +25,11 @@ class TextPlan(msgspec.Struct, frozen=True):
 
 
 class MTPOutcome(msgspec.Struct, frozen=True):
-    """Tell (GPUExecutor -> TextMTPExecutor): one MTP-lane request's verified drafts, at its end:
-    the head's, and those copied from its context."""
+    """Tell (GPUExecutor -> TextMTPExecutor): one MTP-lane request's verified drafts by source, at
+    its end."""
 
-    drafted: int
-    accepted: int
+    drafts: Drafts
     rounds: int = 0
-    context_drafted: int = 0
-    context_accepted: int = 0
 
 
 class MTPCalibration(msgspec.Struct, frozen=True):
@@ -59,6 +56,9 @@ class MTPStats(msgspec.Struct, frozen=True):
     context_planned: int = 0  # requests planned with context drafts
     context_drafted: int = 0
     context_accepted: int = 0
+    draft_planned: int = 0  # requests planned with a draft model's drafts
+    draft_drafted: int = 0
+    draft_accepted: int = 0
 
     @property
     def acceptance(self) -> float:

@@ -123,13 +123,14 @@ class StatsCollector(Collector):
                           tier="memory")
 
     def _mtp(self, m: MTPStats) -> Iterator[Metric]:
-        sources = "by source: mtp (the MTP head's) or context (copied from the request's context)"
+        sources = ("by source: mtp (the MTP head's), context (copied from the request's context) or draft (the "
+                   "draft model's)")
         yield self._by(CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified "
                                            f"(finished requests), {sources}", labels=["model_name", "source"]),
-                       {"mtp": m.drafted, "context": m.context_drafted})
+                       {"mtp": m.drafted, "context": m.context_drafted, "draft": m.draft_drafted})
         yield self._by(CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted "
                                            f"(finished requests), {sources}", labels=["model_name", "source"]),
-                       {"mtp": m.accepted, "context": m.context_accepted})
+                       {"mtp": m.accepted, "context": m.context_accepted, "draft": m.draft_accepted})
         yield self._counter("context_draft_requests", "Text requests planned with drafts copied from their context",
                             m.context_planned)
         yield self._by(CounterMetricFamily(PREFIX + "mtp_requests", "Text requests by decode path: mtp (planned "

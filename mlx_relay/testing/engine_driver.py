@@ -21,17 +21,20 @@ from mlx_relay.messages.text_mtp import PlanText
 
 class Driver:
     """An EngineCore (prefix cache on unless told otherwise); `run` steps it until it drains.
-    Keyword arguments are EngineConfig fields, plus `prefix_cache` and `draft_model`. Decode
+    Keyword arguments are EngineConfig fields (`draft_model`: speculative decoding's draft), plus
+    `prefix_cache` and `specprefill_draft` (SpecPrefill's draft). Decode
     priority is off unless asked (`decode_stall_factor`): it schedules prefill by measured time,
     so the steps a test counts would vary with the machine's load. Speculation is the head's alone
     unless asked (`speculation`): under "auto" a round's source is chosen by measured time too."""
 
-    def __init__(self, loaded: Any, *, prefix_cache: bool = True, draft_model: str | None = None, **kw: Any) -> None:
+    def __init__(self, loaded: Any, *, prefix_cache: bool = True, specprefill_draft: str | None = None,
+                 **kw: Any) -> None:
         fields = {"max_num_seqs": 8, "prefill_batch_size": 4, "prefill_step_size": 16, "seed": 0,
                   "mtp_max_batch": 8, "decode_stall_factor": 0, "speculation": "mtp"} | kw
         self.config = EngineConfig(model_path=loaded.info.model_path, **fields)
-        self.engine = EngineCore(loaded, self.config, prefix_cache=prefix_cache, draft_model=draft_model)
-        self.policy = TextMTPExecutor(self.config, loaded.info)
+        self.engine = EngineCore(loaded, self.config, prefix_cache=prefix_cache, draft_model=specprefill_draft)
+        self.policy = TextMTPExecutor(self.config, msgspec.structs.replace(
+            loaded.info, speculative_draft=self.engine.speculative_draft))
         self.tokens: dict[int, list[int]] = {}
         self.finished: dict[int, Finished] = {}
         self.snapshots: dict[int, list[SnapshotTaken]] = {}

@@ -139,7 +139,8 @@ class LocalEngine:
             identity = self._snapshot_identity(core, Path(loaded.info.model_path))
         kv = core.kv_budget
         info = msgspec.structs.replace(loaded.info, prefix_cache_bytes=budget, context_length=context,
-                                       draft=core.draft, snapshot_identity=identity,
+                                       draft=core.draft, speculative_draft=core.speculative_draft,
+                                       snapshot_identity=identity,
                                        memory_tokens=kv.memory_tokens if kv is not None else 0,
                                        memory_limit_bytes=kv.limit if kv is not None else 0)
         self._core = core if stage is None else PipelineLeader(core, stage.group)

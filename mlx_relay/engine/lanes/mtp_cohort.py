@@ -112,6 +112,10 @@ class EagerCohort:
         if self._draft_logq is not None:
             self._draft_logq = self._draft_logq[idx]
 
+    def forget(self) -> None:
+        """What the round plans learned of the head from the rows so far is dropped (`RoundDrafts.forget`)."""
+        self._plans.forget()
+
     def clear(self) -> None:
         self.rows = []
         self._cache = self._dcache = self._bonus = self._drafts = None

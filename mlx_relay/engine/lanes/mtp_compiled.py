@@ -112,6 +112,10 @@ class CompiledCohort:
             self._state.filter(keep)
         return True
 
+    def forget(self) -> None:
+        """What the round plans learned of the head from the rows so far is dropped (`RoundDrafts.forget`)."""
+        self._plans.forget()
+
     def clear(self) -> None:
         self.rows = []
         self._state = None

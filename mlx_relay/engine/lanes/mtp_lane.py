@@ -46,6 +46,7 @@ from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models import UnsupportedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.speculation.draft_model import DraftModel
 
 
 class MTPLane:
@@ -54,7 +55,7 @@ class MTPLane:
     def __init__(self, lm: Any, head: MTPHead, *, block_size: int, prefill_step_size: int,
                  eos_token_ids: Sequence[int], exact_verify: bool = True, compiled: bool = True,
                  stage: Stage | None = None, max_context: int = 0, always_context: bool = False,
-                 prefill_options: PrefillOptions | None = None) -> None:
+                 prefill_options: PrefillOptions | None = None, draft: DraftModel | None = None) -> None:
         if block_size < 2:
             raise ValueError("MTP block size must be at least 2")
         if stage is not None and exact_verify:
@@ -64,7 +65,11 @@ class MTPLane:
         self.head = head
         self.k = block_size
         self.eos = frozenset(eos_token_ids)
-        self.max_context = max_context  # context drafts per round at most (0: the head's only)
+        # a draft model's drafts ride at the host drafts' width: a round verifies as many as the context's
+        if draft is not None:
+            max_context = max(max_context, draft.info.tokens)
+        self.max_context = max_context  # host drafts per round at most (0: the head's only)
+        self.draft = draft  # rows that ask for it take their host drafts from it
         # the batched verify's forward: the model, or this pipeline stage of it (which answers every
         # rank the whole model's hidden states); the prefill's: the family's prefill, or the stage's
         run: Any = lm if stage is None else StageForward(lm, stage)
@@ -106,8 +111,12 @@ class MTPLane:
             raise ValueError(f"this MTP lane verifies blocks of {self.k}, not {spec.block_size}")
         # a grammar row verifies the head's drafts only (its matcher walks them)
         context = 0 if spec.grammar is not None else min(spec.context_drafts, self.max_context)
+        drafter = self.draft if spec.draft_model else None
+        if spec.draft_model and drafter is None:
+            raise ValueError("this MTP lane has no draft model")
         self._prefill.add(MTPRow(rid=spec.rid, prompt=spec.prompt, max_tokens=spec.max_tokens, sampler=spec.sampler,
-                                 grammar=spec.grammar, use_head=spec.use_head, max_context=context),
+                                 grammar=spec.grammar, use_head=spec.use_head, max_context=context,
+                                 drafter=drafter),
                           spec.restore, spec.snapshot_at)
 
     def cached_tokens(self, rid: int) -> int:
@@ -194,7 +203,12 @@ class MTPLane:
         return probe_layout(self.lm, self.head if self.head.drafts else None)
 
     def warm(self, vocab_size: int, max_rows: int) -> str:
-        return f"compiled MTP round traced at {self.warm_rounds(max_rows)} batch sizes"
+        """Trace the compiled round's shapes, and forget what the warm-up's rows (synthetic tokens)
+        taught the cohorts' round plans of the head's acceptance (`RoundDrafts.forget`)."""
+        sizes = self.warm_rounds(max_rows)
+        for cohort in self._cohorts():
+            cohort.forget()
+        return f"compiled MTP round traced at {sizes} batch sizes"
 
     def warm_rounds(self, max_rows: int) -> int:
         """Trace the compiled round at every batch size its cohort can run at (idle rows from a

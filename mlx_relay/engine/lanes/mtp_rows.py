@@ -18,7 +18,9 @@ from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.sampling.processors import GrammarMask
 from mlx_relay.engine.sampling.row_sampler import RowSampler
 from mlx_relay.engine.speculation.context_drafts import ContextDrafts
+from mlx_relay.engine.speculation.draft_model import DraftModel
 from mlx_relay.engine.speculation.earnings import Earnings
+from mlx_relay.engine.speculation.proposer import Proposer
 
 
 @dataclass
@@ -30,8 +32,9 @@ class MTPRow:
     grammar: GrammarMask | None = None  # the output grammar, applied inside the round (`mtp_grammar.py`)
     emitted: int = 0
     use_head: bool = True  # the head's drafts (False: the row verifies only context drafts)
-    max_context: int = 0  # context drafts per round at most (0: none)
-    context: ContextDrafts | None = None  # the row's prompt and output, indexed once it joins a cohort
+    max_context: int = 0  # host drafts per round at most (0: none)
+    drafter: DraftModel | None = None  # the host drafts are this draft model's (else the context's)
+    context: Proposer | None = None  # the row's host drafts' proposer, once it joins a cohort
     earnings: Earnings = field(default_factory=Earnings)
     # prefill (rows not yet in the cohort): the target's own prefill, restorable from a snapshot
     pre: RowPrefill | None = None
@@ -54,9 +57,12 @@ class MTPRow:
         return sum(t.accepted for t in self.earnings.tallies.values())
 
     def start_context(self, first: int) -> None:
-        """Index the row's prompt and first token, if it takes context drafts."""
-        if self.max_context > 0:
-            self.context = ContextDrafts([*self.prompt, first])
+        """The row's host drafts from its prompt and first token: the draft model's proposals, or
+        its context indexed, if it takes them."""
+        if self.max_context <= 0:
+            return
+        tokens = [*self.prompt, first]
+        self.context = self.drafter.proposals(tokens) if self.drafter is not None else ContextDrafts(tokens)
 
 
 @dataclass

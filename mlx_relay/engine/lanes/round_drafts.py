@@ -60,6 +60,12 @@ class RoundPlan:
 HEAD_OFF_AFTER = 16
 
 
+def _expected(row: MTPRow, proposal: list[int]) -> float:
+    """Tokens `row`'s host proposal adds, expected (by what its source earned on the row)."""
+    assert row.context is not None
+    return row.earnings.expected(row.context.source, len(proposal))
+
+
 class RoundDrafts:
     def __init__(self, block_size: int, max_context: int, min_width: int, always: bool = False,
                  weigh_head: bool = True) -> None:
@@ -71,11 +77,17 @@ class RoundDrafts:
         self.costs = RoundCosts()
         self.head_tally = LaneTally()  # the head's drafts over the cohort's rows: a new row's prior
 
+    def forget(self) -> None:
+        """Drop what the cohort's rows measured of the head (the warm-up's rows are not traffic);
+        the widths' round times stay."""
+        self.head_tally = LaneTally()
+
     @property
     def wide(self) -> int:
         return 1 + self.max_context
 
     def plan(self, rows: Sequence[MTPRow]) -> RoundPlan:
+        started = time.perf_counter()  # the round's time counts its proposals (a draft model's forwards)
         n = len(rows)
         heads = [r.use_head for r in rows]
         # the width without context drafts: the head's block, or one token (plus padding up to
@@ -91,19 +103,19 @@ class RoundDrafts:
             options[self.min_width] = float(n)
         use = [False] * n
         if self.max_context > 0 and any(proposals):
-            use = [bool(p) and (self.always or 1.0 + r.earnings.expected("context", len(p)) > h)
+            use = [bool(p) and (self.always or 1.0 + _expected(r, p) > h)
                    for r, p, h in zip(rows, proposals, head, strict=True)]
             if any(use) and self.wide > k:
                 if self.always:
-                    return RoundPlan(self.wide, proposals, use, heads=heads)
-                options[self.wide] = sum(1.0 + r.earnings.expected("context", len(p)) if u else h
+                    return RoundPlan(self.wide, proposals, use, started, heads=heads)
+                options[self.wide] = sum(1.0 + _expected(r, p) if u else h
                                          for r, p, u, h in zip(rows, proposals, use, head, strict=True))
         width = k if len(options) == 1 else self.costs.best_width(batch_bucket(n), options)
         if width == k:  # context drafts shorter than the block ride in it
-            return RoundPlan(k, proposals, use if self.wide <= k else [False] * n, heads=heads)
+            return RoundPlan(k, proposals, use if self.wide <= k else [False] * n, started, heads=heads)
         if width == self.wide and self.wide in options and self.wide != self.min_width:
-            return RoundPlan(width, proposals, use, heads=heads)
-        return RoundPlan(width, proposals, [False] * n, heads=[False] * n)  # the head off this round
+            return RoundPlan(width, proposals, use, started, heads=heads)
+        return RoundPlan(width, proposals, [False] * n, started, heads=[False] * n)  # the head off this round
 
     def _weighs_head(self, rows: Sequence[MTPRow], heads: list[bool], k: int) -> bool:
         """Whether this round weighs the head off: where rounds may differ in width by their timing
@@ -122,10 +134,10 @@ class RoundDrafts:
         for i, row in enumerate(rows):
             tokens = emitted.get(row.rid, [])
             proposal = plan.proposals[i]
+            source = row.context.source if row.context is not None else "context"
             if plan.use_context[i]:
-                row.earnings.record("context", len(proposal), took[i], verified=True)
-                counts.context_drafted += len(proposal)
-                counts.context_accepted += took[i]
+                row.earnings.record(source, len(proposal), took[i], verified=True)
+                counts.add_host(source, len(proposal), took[i])
             else:
                 if row.use_head:
                     n = min(self.k, plan.width) - 1
@@ -136,7 +148,7 @@ class RoundDrafts:
                 if proposal and tokens:
                     # unverified, the proposal is scored against what the row emitted (a proposal
                     # longer than the round's tokens: only as far as they go)
-                    row.earnings.record("context", min(len(proposal), len(tokens)), agreed(proposal, tokens),
+                    row.earnings.record(source, min(len(proposal), len(tokens)), agreed(proposal, tokens),
                                         verified=False)
             if row.context is not None:
                 row.context.extend(tokens)

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-Source = Literal["mtp", "context"]
-SOURCES: tuple[Source, ...] = ("mtp", "context")
+Source = Literal["mtp", "context", "draft"]
+SOURCES: tuple[Source, ...] = ("mtp", "context", "draft")
 
 DECAY = 0.9  # each proposal's weight against the ones before it (about the last 10 count)
 PRIOR = 0.5  # acceptance before a source was measured on the request

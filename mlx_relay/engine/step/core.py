@@ -28,7 +28,7 @@ from typing import Any
 
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.lane import Lane, LaneName, LaneStep, MTPCounts
-from mlx_relay.engine.lane_set import build_lanes, prefill_step_size
+from mlx_relay.engine.lane_set import build_lanes, prefill_step_size, speculative_draft
 from mlx_relay.engine.memory.held import HeldMemory
 from mlx_relay.engine.memory.kv_budget import engine_plan, with_held_weights
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout
@@ -64,7 +64,7 @@ from mlx_relay.engine.step.rows import Row
 from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
 from mlx_relay.engine.step.warmup import warm_up
 from mlx_relay.errors import GenerationFailed
-from mlx_relay.messages.gpu import DraftInfo, EngineStats, Generate, WarmupReport
+from mlx_relay.messages.gpu import DraftInfo, Drafts, EngineStats, Generate, WarmupReport
 from mlx_relay.messages.prefix_cache import PrefixPlan, SnapshotTaken
 from mlx_relay.messages.specprefill import ScoringOutcome
 from mlx_relay.messages.text_mtp import MTPOutcome
@@ -144,6 +144,11 @@ class EngineCore:
     @property
     def draft(self) -> DraftInfo | None:
         return self.scoring.draft
+
+    @property
+    def speculative_draft(self) -> str | None:
+        """The draft model the MTP lane verifies drafts of, when one is loaded."""
+        return speculative_draft(self.lanes)
 
     @property
     def has_work(self) -> bool:
@@ -319,11 +324,8 @@ class EngineCore:
         lane = self.lanes[row.lane]
         counts = RowCounts(cached_tokens=lane.cached_tokens(row.rid))
         if (drafts := lane.drafts(row.rid)) is not None:  # a lane that speculates
-            counts.mtp_drafted, counts.mtp_accepted = drafts.get("mtp", (0, 0))
-            counts.context_drafted, counts.context_accepted = drafts.get("context", (0, 0))
-            updated.mtp.append(MTPOutcome(counts.mtp_drafted, counts.mtp_accepted,
-                                          context_drafted=counts.context_drafted,
-                                          context_accepted=counts.context_accepted))
+            counts.drafts = Drafts.of(drafts)
+            updated.mtp.append(MTPOutcome(counts.drafts))
         if ending.whole_step and (turn := self._turn_snapshot(row, lane)) is not None:
             updated.snapshots.append(turn)
         lane.remove(row.rid)
@@ -374,6 +376,7 @@ class EngineCore:
                            mtp_rounds=totals.rounds, mtp_drafted=totals.drafted, mtp_accepted=totals.accepted,
                            mtp_fallback_rounds=totals.fallback_rounds,
                            context_drafted=totals.context_drafted, context_accepted=totals.context_accepted,
+                           draft_drafted=totals.draft_drafted, draft_accepted=totals.draft_accepted,
                            wide_rounds=totals.wide_rounds,
                            prefill_chunks=self.prefill_chunks, prefill_rows=self.prefill_rows,
                            mixed_steps=self.mixed_steps, **self.memory.stats())

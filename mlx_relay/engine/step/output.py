@@ -12,13 +12,13 @@ running row's text and tokens so far go out as one `TokenDelta`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlx_relay.engine.lane import RowTokens
 from mlx_relay.engine.protocol import Event
 from mlx_relay.engine.step.rows import Row
 from mlx_relay.errors import GenerationFailed
-from mlx_relay.messages.gpu import Finished, TokenDelta
+from mlx_relay.messages.gpu import Drafts, Finished, TokenDelta
 from mlx_relay.runtime.supervision import is_failure
 
 
@@ -37,10 +37,7 @@ class RowCounts:
     """What the row's lane knows at its end."""
 
     cached_tokens: int = 0
-    mtp_drafted: int = 0
-    mtp_accepted: int = 0
-    context_drafted: int = 0
-    context_accepted: int = 0
+    drafts: Drafts = field(default_factory=Drafts)
 
 
 class OutputStage:
@@ -101,10 +98,7 @@ class OutputStage:
             completion_tokens=row.generated,
             ttft_s=(row.first_token_at or now) - row.arrived,
             total_s=now - row.arrived,
-            mtp_drafted=counts.mtp_drafted,
-            mtp_accepted=counts.mtp_accepted,
-            context_drafted=counts.context_drafted,
-            context_accepted=counts.context_accepted,
+            drafts=counts.drafts,
             cached_tokens=counts.cached_tokens,
             specprefill=row.specprefill,
             stop_sequence=row.stops.matched if reason == "stop" else None,

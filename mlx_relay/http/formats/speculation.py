@@ -20,7 +20,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from mlx_relay.chat.output import ReplyDone
+from mlx_relay.chat.output import Drafts, ReplyDone, SourceDrafts
 from mlx_relay.config import MAX_DRAFT_TOKENS
 from mlx_relay.errors import InvalidRequest
 from mlx_relay.service import SPECULATION_METHODS
@@ -82,21 +82,16 @@ class SpeculationUsage(msgspec.Struct, omit_defaults=True):
 
     mtp: SourceUsage | None = None  # the model's MTP head
     context: SourceUsage | None = None  # tokens copied from the request's context
+    draft: SourceUsage | None = None  # the server's draft model (`--draft-model`)
 
 
-def _source(drafted: int, accepted: int) -> SourceUsage | None:
-    return SourceUsage(drafted, accepted, round(accepted / drafted, 4)) if drafted else None
+def _source(d: SourceDrafts) -> SourceUsage | None:
+    return SourceUsage(d.drafted, d.accepted, round(d.accepted / d.drafted, 4)) if d.drafted else None
 
 
 def speculation_usage(dones: Iterable[ReplyDone]) -> SpeculationUsage | None:
     """The request's drafts per source, summed over its replies (choices, prompts); None when no
     source drafted."""
-    mtp_drafted = mtp_accepted = context_drafted = context_accepted = 0
-    for done in dones:
-        mtp_drafted += done.mtp_drafted
-        mtp_accepted += done.mtp_accepted
-        context_drafted += done.context_drafted
-        context_accepted += done.context_accepted
-    if not mtp_drafted and not context_drafted:
-        return None
-    return SpeculationUsage(_source(mtp_drafted, mtp_accepted), _source(context_drafted, context_accepted))
+    total = sum((done.drafts for done in dones), Drafts())
+    sources = {name: _source(d) for name, d in total.by_source().items()}
+    return SpeculationUsage(**sources) if any(sources.values()) else None

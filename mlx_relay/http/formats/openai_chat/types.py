@@ -109,8 +109,9 @@ def usage_of(done: ReplyDone) -> Usage:
     """One reply's usage (MTP's counts and the drafts per source when it drafted, reasoning tokens
     when it reasoned)."""
     mtp = None
-    if done.mtp_drafted:
-        mtp = MTPUsage(done.mtp_drafted, done.mtp_accepted, round(done.mtp_accepted / done.mtp_drafted, 4))
+    head = done.drafts.mtp
+    if head.drafted:
+        mtp = MTPUsage(head.drafted, head.accepted, round(head.accepted / head.drafted, 4))
     return Usage(done.prompt_tokens, done.completion_tokens, done.prompt_tokens + done.completion_tokens,
                  PromptTokensDetails(cached_tokens=done.cached_tokens), mtp=mtp,
                  speculation=speculation_usage([done]), specprefill=done.specprefill,

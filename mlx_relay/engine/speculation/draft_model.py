@@ -1,0 +1,145 @@
+"""A draft model's proposals: the MTP lane's third source of drafts, beside the head's and the
+context's (GPU thread only; `--draft-model PATH`, per request `speculation.method: "draft"`).
+
+A small checkpoint with the target's vocabulary (`DraftModel.load`: any family mlx-lm or mlx-vlm
+loads, through `scoring.draft_library`, as SpecPrefill's draft) proposes each round's drafts for a
+row greedily from the row's tokens so far. The round verifies them as it verifies drafts copied
+from the context (host drafts: a point-mass proposal, so greedy output is plain decoding's and a
+sampling row's distribution is the target's, as `tests/test_context_drafts.py` pins for that
+path); `round_drafts.RoundDrafts` weighs them by what they earn (`earnings`, source `"draft"`).
+
+Each row keeps its own draft caches (`DraftProposals`), in step with its committed tokens: a
+round's `propose` first puts the caches back where the last committed token left them (attention
+caches trimmed to their length, the recurrent layers' states the arrays kept then: MLX arrays
+are values, and the libraries replace a recurrent state rather than write into it), feeds the
+tokens committed since (`extend`: the verified drafts and the target's token after them) in one
+forward, keeps that state, and then drafts token after token. A draft costs one small forward;
+the draft's caches are not counted in the KV budget (a small model's, one per row of the lane).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache as LmArraysCache
+from mlx_vlm.models.cache import ArraysCache as VlmArraysCache
+
+from mlx_relay.engine.scoring.draft_library import LoadedDraft, is_attention_cache, load_draft, make_cache
+from mlx_relay.engine.speculation.earnings import Source
+from mlx_relay.errors import ModelLoadError
+
+#: the longest piece of a row's tokens the draft reads in one forward (a prompt in chunks)
+FEED_CHUNK = 2048
+
+
+class DraftModelIncompatible(ModelLoadError):
+    """The draft model cannot draft for the served model: another vocabulary (its token ids mean
+    other text), or a layer whose cache it cannot put back a round (a sliding window)."""
+
+
+def _restorable(cache: Any) -> bool:
+    """A cache `DraftProposals` puts back: a full-attention KV cache (trimmed) or a recurrent
+    layer's arrays (replaced whole by the library's forward, so the arrays kept are intact)."""
+    return is_attention_cache(cache) or isinstance(cache, (LmArraysCache, VlmArraysCache))
+
+
+def _vocabulary(tokenizer: Any) -> dict[str, int]:
+    inner = getattr(tokenizer, "tokenizer", tokenizer)
+    get_vocab = getattr(inner, "get_vocab", None)
+    return dict(get_vocab()) if get_vocab is not None else {}
+
+
+@dataclass(frozen=True)
+class DraftInfo:
+    path: str
+    model_type: str
+    library: str
+    tokens: int  # drafts a round at most
+
+
+class DraftModel:
+    """The loaded draft (GPU thread only): `proposals(tokens)` starts a row's."""
+
+    def __init__(self, loaded: LoadedDraft, path: Path, tokens: int) -> None:
+        if tokens < 1:
+            raise ValueError("a draft model proposes at least one token a round")
+        self.model = loaded.model
+        self.info = DraftInfo(str(path), loaded.model_type, loaded.library, tokens)
+        kinds = {type(c).__name__ for c in make_cache(self.model) if not _restorable(c)}
+        if kinds:
+            raise DraftModelIncompatible(f"the draft model {path} has layers whose caches a round cannot put "
+                                         f"back ({', '.join(sorted(kinds))})")
+
+    @classmethod
+    def load(cls, path: Path, target_tokenizer: Any, tokens: int) -> DraftModel:
+        """The draft at `path`; `ModelLoadError` if it cannot be loaded, `DraftModelIncompatible`
+        if it cannot draft for the target (`target_tokenizer`'s vocabulary)."""
+        try:
+            loaded = load_draft(path)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load the draft model {path}: {exc}") from exc
+        mine, theirs = _vocabulary(loaded.tokenizer), _vocabulary(target_tokenizer)
+        if not mine or mine != theirs:
+            raise DraftModelIncompatible(f"the draft model {path} has another vocabulary than the served model "
+                                          f"({len(mine)} tokens against {len(theirs)})")
+        return cls(loaded, path, tokens)
+
+    def proposals(self, tokens: list[int]) -> DraftProposals:
+        """A row's proposer, its tokens so far `tokens` (read at its first proposal)."""
+        return DraftProposals(self, tokens)
+
+    def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        """The draft's logits [1, T, V] over `tokens` [1, T], its caches advanced."""
+        out = self.model(tokens, cache=cache)
+        return out if isinstance(out, mx.array) else out.logits
+
+
+class DraftProposals:
+    """One row's drafts (the `round_drafts` proposer protocol: `source`, `propose`, `extend`)."""
+
+    source: Source = "draft"
+
+    def __init__(self, model: DraftModel, tokens: list[int]) -> None:
+        self._model = model
+        self._cache = make_cache(model.model)
+        self._pending = list(tokens)  # committed, not yet read by the draft
+        self._kept: list[Any] | None = None  # the caches' state at the last committed token
+
+    def extend(self, tokens: list[int]) -> None:
+        """The row committed `tokens`."""
+        self._pending.extend(tokens)
+
+    def propose(self, n: int) -> list[int]:
+        """Up to `n` drafts (at most the model's `tokens`) after the row's committed tokens."""
+        n = min(n, self._model.info.tokens)
+        if n <= 0 or not self._pending:
+            return []
+        self._rewind()
+        logits = None
+        for start in range(0, len(self._pending), FEED_CHUNK):
+            chunk = mx.array([self._pending[start:start + FEED_CHUNK]], dtype=mx.int32)
+            logits = self._model.forward(chunk, self._cache)
+        assert logits is not None
+        self._pending = []
+        self._keep()
+        drafts = [mx.argmax(logits[:, -1, :], axis=-1)]
+        for _ in range(n - 1):
+            logits = self._model.forward(drafts[-1][:, None], self._cache)
+            drafts.append(mx.argmax(logits[:, -1, :], axis=-1))
+        return [int(t) for t in mx.concatenate(drafts).tolist()]
+
+    def _keep(self) -> None:
+        self._kept = [c.offset if is_attention_cache(c) else list(c.state) for c in self._cache]
+
+    def _rewind(self) -> None:
+        """The caches back at the last committed token (the drafts past it dropped)."""
+        if self._kept is None:
+            return
+        for cache, kept in zip(self._cache, self._kept, strict=True):
+            if is_attention_cache(cache):
+                cache.trim(cache.offset - kept)
+            else:
+                cache.state = kept

@@ -1,0 +1,23 @@
+"""What a row's drafts made on the host look like to the MTP lane's round plan (no MLX of its own;
+`lanes/round_drafts.py` asks it before each round): drafts copied from the row's context
+(`context_drafts.ContextDrafts`) or a draft model's (`draft_model.DraftProposals`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from mlx_relay.engine.speculation.earnings import Source
+
+
+class Proposer(Protocol):
+    #: the earnings' source its drafts are credited to
+    source: Source
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` drafts after the row's committed tokens (none: nothing worth verifying)."""
+        ...
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """The row committed `tokens`."""
+        ...

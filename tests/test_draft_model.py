@@ -1,0 +1,119 @@
+"""A draft model as the MTP lane's third source of drafts (issue 45.1; `engine/speculation/draft_model.py`),
+on the real float32 fixtures: the served model drafting for itself (every draft right, so the draft's
+caches must follow the committed tokens exactly), another model drafting (its drafts mostly wrong),
+greedy output identical to plain decoding either way, compiled and eager; what the lane refuses."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlx_relay.config import EngineConfig, PipelineConfig
+from mlx_relay.engine.models.loader import load_model
+from mlx_relay.engine.speculation.draft_model import DraftModel, DraftModelIncompatible
+from mlx_relay.messages.gpu import Generate, SamplingParams
+from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
+from mlx_relay.testing.reference import greedy_reference
+from tests.test_mtp import _chi2_critical, _exact_two_token_distribution, run_engine
+
+BASE = list(range(5, 25))
+
+
+def _run(gpu: Callable, target: Path, draft: Path, *, compiled: bool, policy: str = "always") -> tuple[Any, ...]:
+    max_tokens = [40, 12, 33, 25]
+    prompts = [BASE, [*BASE[3:], 40, 41, 42], list(range(30, 70)), BASE * 2]
+
+    def run() -> tuple[Any, ...]:
+        loaded = load_model(target)
+        plan = [(at, Generate(f"r{i}", p, SamplingParams(max_tokens=m, speculation="draft")))
+                for i, (at, p, m) in enumerate(zip((0, 0, 2, 4), prompts, max_tokens, strict=True))]
+        got = run_engine(loaded, plan, mtp_max_batch=4, compile_mtp=compiled, mtp_verify="batched",
+                         draft_model=str(draft), draft_tokens=3, speculation="auto", mtp_policy="always",
+                         context_policy=policy)
+        return got, greedy_reference(target, prompts, max(max_tokens))
+
+    (tokens, finished, stats), ref = gpu(run)
+    for sid, want in enumerate(ref):
+        assert tokens[sid] == want[:max_tokens[sid]], sid
+    return tokens, finished, stats
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_model_drafting_for_itself_is_always_right(gpu: Callable, compiled: bool) -> None:
+    """Draft = target: every draft the round verifies is the target's own greedy token, so nearly
+    all are accepted (float32; the draft runs the library's forward, the verify the engine's), and
+    rounds emit several tokens: the draft's caches followed every row's committed tokens."""
+    path = fixture_path(FixtureSpec(variant="fp32", seed=0))
+    _tokens, finished, stats = _run(gpu, path, path, compiled=compiled)
+    drafted = sum(f.drafts.draft.drafted for f in finished.values())
+    accepted = sum(f.drafts.draft.accepted for f in finished.values())
+    assert drafted > 0 and accepted >= 0.9 * drafted, (drafted, accepted)
+    assert stats.draft_drafted == drafted and stats.mtp_rounds < sum(f.completion_tokens for f in finished.values())
+    # the draft model's drafts alone
+    assert all(f.drafts.mtp.drafted == 0 and f.drafts.context.drafted == 0 for f in finished.values())
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_another_model_s_drafts_keep_greedy_output(gpu: Callable, compiled: bool) -> None:
+    """A draft of other weights (same vocabulary): its drafts mostly miss; the output is still
+    plain decoding's, verified draft by draft."""
+    target = fixture_path(FixtureSpec(variant="fp32", seed=0))
+    draft = fixture_path(FixtureSpec(variant="fp32", seed=1))
+    _tokens, finished, _stats = _run(gpu, target, draft, compiled=compiled)
+    drafted = sum(f.drafts.draft.drafted for f in finished.values())
+    accepted = sum(f.drafts.draft.accepted for f in finished.values())
+    assert drafted > 0 and accepted < drafted
+
+
+def test_draft_model_drafts_keep_the_sampling_distribution(gpu: Callable) -> None:
+    """Sampling rows whose second token is decided by the draft model's greedy draft (a point mass
+    q, walked as a copied draft's: accept with p(d), else draw from p without d): the joint
+    distribution of the first two tokens over many rows fits the exact one (G-test at p = 0.001).
+    The draft is the target itself: its greedy draft is the target's likeliest token, which a draw
+    at temperature 1.5 takes only some of the time, so both branches of the walk run."""
+    target = draft = fixture_path(FixtureSpec(variant="bigram", seed=0))
+    n = 200
+    prompt = list(range(5, 35))
+
+    def run() -> tuple[Any, ...]:
+        loaded = load_model(target)
+        params = SamplingParams(temperature=1.5, top_k=4, max_tokens=2, speculation="draft")
+        plan = [(i // 16, Generate(f"s{i}", prompt, params)) for i in range(n)]
+        tokens, finished, _stats = run_engine(loaded, plan, max_num_seqs=16, mtp_max_batch=16, mtp=False,
+                                              draft_model=str(draft), draft_tokens=2, context_policy="always")
+        exact = _exact_two_token_distribution(target, prompt, SamplingParams(temperature=1.5, top_k=4, max_tokens=2))
+        return tokens, finished, exact
+
+    tokens, finished, exact = gpu(run)
+    drafted = sum(f.drafts.draft.drafted for f in finished.values())
+    accepted = sum(f.drafts.draft.accepted for f in finished.values())
+    assert drafted > n // 2 and 0 < accepted < drafted  # both branches of the walk ran
+    counts = Counter(tuple(t) for t in tokens.values())
+    assert all(len(t) == 2 for t in counts)
+    assert set(counts) <= set(exact), set(counts) - set(exact)
+    g = 2.0 * sum(c * math.log(c / (n * exact[cell])) for cell, c in counts.items())
+    assert g < _chi2_critical(len(exact) - 1), (g, counts.most_common(5))
+
+
+def test_a_draft_of_another_vocabulary_is_refused(gpu: Callable) -> None:
+    """Token ids of another vocabulary mean other text: refused at load, as a model load error."""
+    path = fixture_path(FixtureSpec(variant="fp32", seed=0))
+
+    class OtherVocabulary:
+        def get_vocab(self) -> dict[str, int]:
+            return {"a": 0, "b": 1}
+
+    with pytest.raises(DraftModelIncompatible, match="another vocabulary"):
+        gpu(lambda: DraftModel.load(path, OtherVocabulary(), 3))
+
+
+def test_draft_tokens_are_bounded() -> None:
+    with pytest.raises(ValueError, match="draft_tokens"):
+        EngineConfig(model_path="x", draft_tokens=0)
+    with pytest.raises(ValueError, match="pipeline"):
+        EngineConfig(model_path="x", draft_model="d", pipeline=PipelineConfig(enabled=True))
