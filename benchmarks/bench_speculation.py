@@ -8,6 +8,7 @@ drift cancels, for each batch size B (rows in the MTP lane up to B: `mtp_max_bat
   - `mtp`      the checkpoint's head only (block `--block`), where the checkpoint has one
   - `context`  drafts copied from each row's prompt and output only, up to `--max-draft` per round
   - `auto`     both; each row and round verifies the source expected to yield more per second
+  - `draft`    a draft model's drafts (`--draft-model`, up to `--max-draft` a round), where one is given
   - `raw`      mlx-vlm's own loop without speculation (`stream_generate` at B=1, else
                `BatchGenerator`), unless `--no-raw`
 Decode tok/s counts steady decoding only (after every row of the batch has its first token).
@@ -71,24 +72,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 from step_recorder import StepRecorder, show
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
-METHODS = ("none", "mtp", "context", "auto")
+METHODS = ("none", "mtp", "context", "auto", "draft")
 
 
 def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, method: str, *, block: int,
-             max_draft: int, context_policy: str = "auto", recorder: StepRecorder | None = None) -> dict[str, Any]:
+             max_draft: int, context_policy: str = "auto", recorder: StepRecorder | None = None,
+             draft_model: Path | None = None) -> dict[str, Any]:
     """One pass of `batch` through an EngineCore planned by the TextMTPExecutor for `method`
-    (`recorder`: started with the steady steps, stopped after the last)."""
+    (`recorder`: started with the steady steps, stopped after the last; "draft": `draft_model`'s
+    drafts, at most `max_draft` a round)."""
+    draft = {"draft_model": str(draft_model), "draft_tokens": max_draft} if method == "draft" else {}
     d = Driver(loaded, prefix_cache=True, max_num_seqs=len(batch), prefill_batch_size=min(8, len(batch)),
                prefill_step_size=2048, mtp_max_batch=len(batch), mtp_block_size=block, mtp_policy="always",
-               speculation=method, max_draft_tokens=max_draft, context_policy=context_policy)
+               speculation="auto" if method == "draft" else method, max_draft_tokens=max_draft,
+               context_policy=context_policy, **draft)
     engine: EngineCore = d.engine
     # as the server's warm-up does: every decode shape this batch runs at traced before timing
     if isinstance(plain := engine.lanes["plain"], PlainLane):
         plain.warm_decode(len(batch))
     if isinstance(mtp := engine.lanes.get("mtp"), MTPLane):
         mtp.warm_rounds(len(batch))
+    asked = "draft" if method == "draft" else None  # the server's default method for the others
     for i, p in enumerate(batch):
-        d.add(Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens)))
+        d.add(Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens, speculation=asked)))
     started: set[int] = set()
     tokens, steady, base = 0, None, engine.stats()
     while engine.has_work:
@@ -121,6 +127,8 @@ def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, metho
             "mtp_accepted": sum(f.drafts.mtp.accepted for f in fin),
             "context_drafted": sum(f.drafts.context.drafted for f in fin),
             "context_accepted": sum(f.drafts.context.accepted for f in fin),
+            "draft_drafted": sum(f.drafts.draft.drafted for f in fin),
+            "draft_accepted": sum(f.drafts.draft.accepted for f in fin),
             "ids": [d.tokens.get(i, []) for i in range(len(batch))]}
 
 
@@ -180,7 +188,7 @@ def summarize(b: int, per: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             if "raw" in per:
                 row[f"{v}_vs_raw"] = round(med[v] / med["raw"], 3)
             r = per[v][0]
-            for source in ("mtp", "context"):
+            for source in ("mtp", "context", "draft"):
                 drafted = r[f"{source}_drafted"]
                 if drafted:
                     row[f"{v}_{source}_acceptance"] = round(r[f"{source}_accepted"] / drafted, 3)
@@ -200,7 +208,10 @@ def main() -> None:
                     help="agent scenario: the curriculum's families, a table row each")
     ap.add_argument("--batch", default="1")
     ap.add_argument("--block", type=int, default=2)
-    ap.add_argument("--max-draft", type=int, default=8)
+    ap.add_argument("--max-draft", type=int, default=8,
+                    help="context drafts a round at most (and a draft model's, for the draft method)")
+    ap.add_argument("--draft-model", type=Path, default=None,
+                    help="a draft checkpoint with the model's vocabulary: adds the method \"draft\" (its drafts)")
     ap.add_argument("--context-policy", choices=("auto", "always"), default="auto",
                     help="the engine's --context-policy (always: every proposal verified, no timing)")
     ap.add_argument("--max-tokens", type=int, default=160)
@@ -215,7 +226,8 @@ def main() -> None:
     args = ap.parse_args()
 
     loaded = load_model(args.model)
-    methods = [m for m in args.methods.split(",") if m != "mtp" or loaded.info.has_mtp]
+    methods = [m for m in args.methods.split(",") if (m != "mtp" or loaded.info.has_mtp)
+               and (m != "draft" or args.draft_model is not None)]
     variants = methods + ([] if args.no_raw else ["raw"])
     rows, raw_runs, identity = [], {}, {}
     cases = [(b, f) for b in (int(x) for x in args.batch.split(","))
@@ -234,7 +246,7 @@ def main() -> None:
                 if v == "raw":
                     return run_raw(loaded.model, loaded.processor, None, rows_, n, args.block, batch_only=True)
                 return run_ours(loaded, rows_, n, v, block=args.block, max_draft=args.max_draft,
-                                context_policy=args.context_policy)
+                                context_policy=args.context_policy, draft_model=args.draft_model)
             finally:  # each pass's engine and its buffers gone before the next (36 GB of weights stay)
                 gc.collect()
                 mx.clear_cache()
@@ -254,7 +266,7 @@ def main() -> None:
             for v in methods:
                 rec = StepRecorder()
                 r = run_ours(loaded, batch, args.max_tokens, v, block=args.block, max_draft=args.max_draft,
-                             context_policy=args.context_policy, recorder=rec)
+                             context_policy=args.context_policy, recorder=rec, draft_model=args.draft_model)
                 row["profile"][v] = rec.summary(r["tokens"], r["seconds"])
                 show(f"B={b} {family} {v}", row["profile"][v])
                 gc.collect()

@@ -145,7 +145,9 @@ class CompiledCohort:
         """A one-token round's tokens (its rows' contexts scored for them, as if proposed)."""
         targets: list[list[int]] = flight.out.targets.tolist()
         rows, n = flight.rows, len(flight.rows)
-        proposals = [r.context.propose(r.max_context) if r.context is not None else [] for r in rows]
+        # free proposals are scored against the tokens read; a costly one (a draft model's) is not made
+        proposals = [r.context.propose(r.max_context) if r.context is not None and not r.context.costly else []
+                     for r in rows]
         plan = RoundPlan(1, proposals, [False] * n, started=self._last_read, heads=[False] * n,
                          timed=not self._untimed)
         self._untimed = False

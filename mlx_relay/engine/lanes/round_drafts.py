@@ -60,6 +60,12 @@ class RoundPlan:
 HEAD_OFF_AFTER = 16
 
 
+def _made(rows: Sequence[MTPRow], proposals: list[list[int]], costly: list[bool], use: list[bool]) -> list[list[int]]:
+    """The proposals with each costly one made where the round verifies it (else none)."""
+    return [(r.context.propose(r.max_context) if u and r.context is not None else []) if c else p
+            for r, p, c, u in zip(rows, proposals, costly, use, strict=True)]
+
+
 def _expected(row: MTPRow, proposal: list[int]) -> float:
     """Tokens `row`'s host proposal adds, expected (by what its source earned on the row)."""
     assert row.context is not None
@@ -93,7 +99,11 @@ class RoundDrafts:
         # the width without context drafts: the head's block, or one token (plus padding up to
         # `min_width`) when no row takes the head's drafts
         k = self.k if any(heads) else self.min_width
-        proposals = [r.context.propose(r.max_context) if r.context is not None else [] for r in rows]
+        # a free proposal is made every round; a costly one (a draft model's) is first promised at
+        # full length, and made only if the round then verifies it
+        costly = [r.context is not None and r.context.costly for r in rows]
+        proposals = [[0] * r.max_context if c else r.context.propose(r.max_context) if r.context is not None else []
+                     for r, c in zip(rows, costly, strict=True)]
         prior = self.head_tally.prior
         head = [1.0 + (r.earnings.expected("mtp", k - 1, prior) if r.use_head else 0.0) for r in rows]
         # the widths worth timing: the head's block; the head off for the round (one token a row,
@@ -107,15 +117,21 @@ class RoundDrafts:
                    for r, p, h in zip(rows, proposals, head, strict=True)]
             if any(use) and self.wide > k:
                 if self.always:
-                    return RoundPlan(self.wide, proposals, use, started, heads=heads)
+                    return RoundPlan(self.wide, _made(rows, proposals, costly, use), use, started, heads=heads)
                 options[self.wide] = sum(1.0 + _expected(r, p) if u else h
                                          for r, p, u, h in zip(rows, proposals, use, head, strict=True))
         width = k if len(options) == 1 else self.costs.best_width(batch_bucket(n), options)
-        if width == k:  # context drafts shorter than the block ride in it
-            return RoundPlan(k, proposals, use if self.wide <= k else [False] * n, started, heads=heads)
-        if width == self.wide and self.wide in options and self.wide != self.min_width:
-            return RoundPlan(width, proposals, use, started, heads=heads)
-        return RoundPlan(width, proposals, [False] * n, started, heads=[False] * n)  # the head off this round
+        verified = width == self.wide and self.wide in options and self.wide != self.min_width
+        if width == k and self.wide <= k:  # context drafts shorter than the block ride in it
+            verified = True
+        made = _made(rows, proposals, costly, use if verified else [False] * n)
+        if verified:
+            use = [u and bool(p) for u, p in zip(use, made, strict=True)]
+        if width == k:
+            return RoundPlan(k, made, use if self.wide <= k else [False] * n, started, heads=heads)
+        if verified:
+            return RoundPlan(width, made, use, started, heads=heads)
+        return RoundPlan(width, made, [False] * n, started, heads=[False] * n)  # the head off this round
 
     def _weighs_head(self, rows: Sequence[MTPRow], heads: list[bool], k: int) -> bool:
         """Whether this round weighs the head off: where rounds may differ in width by their timing

@@ -101,6 +101,7 @@ class DraftProposals:
     """One row's drafts (the `round_drafts` proposer protocol: `source`, `propose`, `extend`)."""
 
     source: Source = "draft"
+    costly = True  # made only for a round that verifies it (`round_drafts.RoundDrafts.plan`)
 
     def __init__(self, model: DraftModel, tokens: list[int]) -> None:
         self._model = model

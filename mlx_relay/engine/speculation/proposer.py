@@ -13,6 +13,9 @@ from mlx_relay.engine.speculation.earnings import Source
 class Proposer(Protocol):
     #: the earnings' source its drafts are credited to
     source: Source
+    #: a proposal costs model calls: made only for a round that will verify it (a free one is made
+    #: every round, and scored against what the row wrote when it is not verified)
+    costly: bool
 
     def propose(self, k: int) -> list[int]:
         """Up to `k` drafts after the row's committed tokens (none: nothing worth verifying)."""
