@@ -16,6 +16,7 @@ import pytest
 from mlx_relay.config import EngineConfig, PipelineConfig
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.speculation.draft_model import DraftModel, DraftModelIncompatible
+from mlx_relay.errors import ModelLoadError
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.reference import greedy_reference
@@ -110,6 +111,26 @@ def test_a_draft_of_another_vocabulary_is_refused(gpu: Callable) -> None:
 
     with pytest.raises(DraftModelIncompatible, match="another vocabulary"):
         gpu(lambda: DraftModel.load(path, OtherVocabulary(), 3))
+
+
+def test_a_draft_that_cannot_run_is_refused_at_load(gpu: Callable, tmp_path: Path) -> None:
+    """A checkpoint that does not load or run as its config says (here: mlx-vlm's qwen3_5 with no
+    full-attention layer, whose forward needs one) is refused when it is loaded (a load error), not
+    when a round first asks it for drafts (the lane's step, every row of it, would fail)."""
+    import json
+    import shutil
+
+    src = fixture_path(FixtureSpec(variant="fp32", seed=0))
+    broken = tmp_path / "draft"
+    shutil.copytree(src, broken)
+    config = json.loads((broken / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["full_attention_interval"] = 99  # no layer is full attention, which the model's forward needs
+    text.pop("layer_types", None)
+    (broken / "config.json").write_text(json.dumps(config))
+    tok = gpu(lambda: load_model(src).processor)
+    with pytest.raises(ModelLoadError):
+        gpu(lambda: DraftModel.load(broken, getattr(tok, "tokenizer", tok), 3))
 
 
 def test_draft_tokens_are_bounded() -> None:

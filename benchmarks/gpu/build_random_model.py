@@ -244,8 +244,13 @@ def copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
             shutil.copy2(tokenizer_dir / name, out / name)
 
 
-def build_draft(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Path:
-    """SpecPrefill's draft (`--shape draft`): random bf16 weights, drawn one layer at a time, not quantized."""
+def build_draft(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, agree_with: float | None = None,
+                layers: int | None = None) -> Path:
+    """SpecPrefill's draft (`--shape draft`): random bf16 weights, drawn one layer at a time, not quantized.
+    `agree_with` RATE (issue 45.1): a speculative draft for the `--mtp-agree` target of the same seed,
+    whose greedy next token is the target's at the cycle positions a plan of RATE agrees at
+    (`mtp_agree.draft_embed_and_head`: untied embeddings and head, small residual outputs);
+    `layers`: that many decoder layers (default the shape's)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.models import qwen3_5
@@ -255,13 +260,32 @@ def build_draft(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int) -> Pat
     mx.random.seed(seed)
     mx.set_cache_limit(0)
     config = make_draft_config(tokenizer_dir, tiny)
+    text = config["text_config"]
+    if layers is not None:
+        text["num_hidden_layers"] = layers
+        text.pop("layer_types", None)  # derived from full_attention_interval
+    if agree_with is not None:
+        config["tie_word_embeddings"] = text["tie_word_embeddings"] = False
+        if tiny:  # the cycle's logit margin is too thin at 64 (as the target's, TINY_AGREE_HIDDEN)
+            text["hidden_size"] = config["vision_config"]["out_hidden_size"] = TINY_AGREE_HIDDEN
     model = qwen3_5.Model(qwen3_5.ModelConfig.from_dict(copy.deepcopy(config)))
     lm = model.language_model
+    init = _agree_init_value if agree_with is not None else _init_value
     for i, layer in enumerate(lm.model.layers):
-        randomize(layer, f"language_model.model.layers.{i}")
-    for name, sub in (("language_model.model.embed_tokens", lm.model.embed_tokens),
-                      ("language_model.model.norm", lm.model.norm)):
-        randomize(sub, name)
+        randomize(layer, f"language_model.model.layers.{i}", init)
+    randomize(lm.model.norm, "language_model.model.norm")
+    if agree_with is None:
+        randomize(lm.model.embed_tokens, "language_model.model.embed_tokens")
+    else:
+        from mtp_agree import draft_embed_and_head, make_plan
+
+        plan = make_plan(agree_with, min(special_ids(tokenizer_dir).values()), seed)
+        embed, head = draft_embed_and_head(plan, text["vocab_size"], text["hidden_size"], mx.bfloat16)
+        lm.model.embed_tokens.update({"weight": embed})
+        lm.lm_head.update({"weight": head})
+        del embed, head
+        print(f"draft agreeing with the cycle at {plan.design_rate:.4f} of positions ({2 * plan.a} of "
+              f"{plan.period} in runs)", flush=True)
     randomize(model.vision_tower, "vision_tower")
     mx.eval(model.parameters())
     n_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -360,6 +384,10 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, default="35b-a3b",
                         help="35b-a3b: the 8-bit MoE target (default); draft: SpecPrefill's small dense bf16 draft")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--agree-with", type=float, default=None, metavar="RATE",
+                        help="draft only: a speculative draft for the --mtp-agree target of the same --seed, drafting "
+                             "the target's next token at RATE of the cycle's positions (issue 45.1)")
+    parser.add_argument("--draft-layers", type=int, default=None, help="draft only: decoder layers (default 24)")
     parser.add_argument("--mtp-agree", type=float, default=None, metavar="RATE",
                         help="35b-a3b only: the target a fixed long bigram cycle, the MTP head agreeing with it "
                              "at block-2 acceptance RATE (0 < RATE <= 1; mtp_agree.py)")
@@ -367,7 +395,10 @@ def main() -> None:
     if args.shape == "draft":
         if args.mtp_agree is not None:
             parser.error("--mtp-agree builds the 35b-a3b shape only")
-        build_draft(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed)
+        if args.agree_with is not None and not 0.0 < args.agree_with <= 1.0:
+            parser.error(f"--agree-with must be in (0, 1], got {args.agree_with}")
+        build_draft(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed, agree_with=args.agree_with,
+                    layers=args.draft_layers)
     else:
         if args.mtp_agree is not None and not 0.0 < args.mtp_agree <= 1.0:
             parser.error(f"--mtp-agree must be in (0, 1], got {args.mtp_agree}")

@@ -41,7 +41,8 @@ import numpy as np
 
 #: Output projections of the residual branches (names end with one of these).
 RESIDUAL_OUT_SUFFIXES = (".self_attn.o_proj.weight", ".linear_attn.out_proj.weight",
-                         ".mlp.switch_mlp.down_proj.weight", ".mlp.shared_expert.down_proj.weight")
+                         ".mlp.switch_mlp.down_proj.weight", ".mlp.shared_expert.down_proj.weight",
+                         ".mlp.down_proj.weight")  # the last: a dense draft's MLP
 #: Their gain: N(0, (gain / sqrt(fan_in))^2).
 RESIDUAL_GAIN = 0.02
 #: Largest period denominator a RATE is approximated with.
@@ -129,6 +130,23 @@ def embed_and_head(plan: AgreePlan, vocab: int, hidden: int, dtype: Any) -> tupl
     head = mx.zeros((vocab, hidden), dtype=dtype)
     order, succ = mx.array(plan.order), mx.array(plan.successors())
     head[succ] = (embed[order].astype(mx.float32) / float(np.sqrt(hidden))).astype(dtype)
+    mx.eval(head)
+    return embed, head
+
+
+def draft_embed_and_head(plan: AgreePlan, vocab: int, hidden: int, dtype: Any) -> tuple[Any, Any]:
+    """A draft model's (embed_tokens.weight, lm_head.weight) for the target of the same cycle (issue
+    45.1: `build_random_model.py --shape draft --agree-with RATE`): N(0, 1) embeddings, and the
+    head's row of the token it drafts after `x_i` is `embed(x_i) / sqrt(d)`: the target's next
+    token `x_{i+1}` where `plan` agrees at position i, else `x_{i+2}` (a token the target does not
+    write there); rows that two positions point at hold the sum (the other's term is noise)."""
+    import mlx.core as mx
+
+    embed = mx.random.normal((vocab, hidden)).astype(dtype)
+    mx.eval(embed)
+    drafted = np.where(plan.agrees(), plan.successors(), np.roll(plan.order, -2))
+    rows = (embed[mx.array(plan.order)].astype(mx.float32) / float(np.sqrt(hidden)))
+    head = mx.zeros((vocab, hidden), dtype=mx.float32).at[mx.array(drafted)].add(rows).astype(dtype)
     mx.eval(head)
     return embed, head
 

@@ -72,6 +72,12 @@ class DraftModel:
         if kinds:
             raise DraftModelIncompatible(f"the draft model {path} has layers whose caches a round cannot put "
                                          f"back ({', '.join(sorted(kinds))})")
+        try:  # its forward over a prompt and a token, as a row's drafts run it (a failure here, not mid-step)
+            cache = make_cache(self.model)
+            mx.eval(self.forward(mx.array([[0, 1]], dtype=mx.int32), cache))
+            mx.eval(self.forward(mx.array([[2]], dtype=mx.int32), cache))
+        except Exception as exc:
+            raise DraftModelIncompatible(f"the draft model {path} cannot run a row's drafts: {exc!r}") from exc
 
     @classmethod
     def load(cls, path: Path, target_tokenizer: Any, tokens: int) -> DraftModel:
