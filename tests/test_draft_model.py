@@ -5,8 +5,6 @@ greedy output identical to plain decoding either way, compiled and eager; what t
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ from mlx_relay.errors import ModelLoadError
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.reference import greedy_reference
-from tests.test_mtp import _chi2_critical, _exact_two_token_distribution, run_engine
+from tests.test_mtp import _exact_two_token_distribution, assert_two_tokens_fit, run_engine
 
 BASE = list(range(5, 25))
 
@@ -94,11 +92,7 @@ def test_draft_model_drafts_keep_the_sampling_distribution(gpu: Callable) -> Non
     drafted = sum(f.drafts.draft.drafted for f in finished.values())
     accepted = sum(f.drafts.draft.accepted for f in finished.values())
     assert drafted > n // 2 and 0 < accepted < drafted  # both branches of the walk ran
-    counts = Counter(tuple(t) for t in tokens.values())
-    assert all(len(t) == 2 for t in counts)
-    assert set(counts) <= set(exact), set(counts) - set(exact)
-    g = 2.0 * sum(c * math.log(c / (n * exact[cell])) for cell, c in counts.items())
-    assert g < _chi2_critical(len(exact) - 1), (g, counts.most_common(5))
+    assert_two_tokens_fit(tokens, exact, n)
 
 
 def test_a_draft_of_another_vocabulary_is_refused(gpu: Callable) -> None:

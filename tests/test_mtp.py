@@ -163,6 +163,18 @@ def _chi2_critical(dof: int, z: float = 3.09) -> float:
     return dof * (1.0 - a + z * math.sqrt(a)) ** 3
 
 
+def assert_two_tokens_fit(tokens: dict[int, list[int]], exact: dict[tuple[int, int], float], n: int
+                          ) -> Counter[tuple[int, ...]]:
+    """The rows' first two tokens (`n` rows) fit `exact` (G-test at p = 0.001), nothing outside it
+    (what the target cannot produce); their counts."""
+    counts = Counter(tuple(t) for t in tokens.values())
+    assert all(len(t) == 2 for t in counts)
+    assert set(counts) <= set(exact), set(counts) - set(exact)
+    g = 2.0 * sum(c * math.log(c / (n * exact[cell])) for cell, c in counts.items())
+    assert g < _chi2_critical(len(exact) - 1), (g, counts.most_common(5))
+    return counts
+
+
 @pytest.mark.parametrize(("variant", "temperature"), [("fp32", 1.0), ("bigram", 1.5)])
 def test_mtp_speculative_sampling_keeps_the_target_distribution(gpu: Callable, variant: str,
                                                                  temperature: float) -> None:
@@ -190,10 +202,6 @@ def test_mtp_speculative_sampling_keeps_the_target_distribution(gpu: Callable, v
     tokens, stats, exact = gpu(run)
     assert stats.mtp_drafted == n
     assert stats.mtp_accepted > 0.9 * n if variant == "bigram" else stats.mtp_accepted < 0.1 * n
-    counts = Counter(tuple(t) for t in tokens.values())
-    assert all(len(t) == 2 for t in counts)
-    assert set(counts) <= set(exact), set(counts) - set(exact)  # nothing the target cannot produce
-    g = 2.0 * sum(c * math.log(c / (n * exact[cell])) for cell, c in counts.items())
-    assert g < _chi2_critical(len(exact) - 1), (g, counts.most_common(5))
+    counts = assert_two_tokens_fit(tokens, exact, n)
     tv = 0.5 * sum(abs(counts.get(cell, 0) / n - p) for cell, p in exact.items())
     assert tv < 0.2, tv  # sampling noise for 16 cells at n = 200 is about 0.1

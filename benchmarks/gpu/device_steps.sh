@@ -26,7 +26,9 @@
 #            AGREE_DIR, bench_speculation.py --scenario copy for each RATE:BATCH of COPY (default
 #            "0.7:1 0:1 0.7:16"; SPEC_TOKENS 160, MAX_DRAFT 8, REPEATS 3), delete it; first the launches of
 #            a plain step, an MTP round and the head-free round at widths 1 and MAX_DRAFT + 1 (spec_ops.*).
-#            Results: spec_copy_*
+#            With DRAFT_AGREE (issue 45.1): also a dense draft of DRAFT_LAYERS (4) layers drafting the cycle's
+#            next token at that rate (build_random_model.py --shape draft --agree-with), the method "draft"
+#            beside SPEC_METHODS (none,mtp,context,auto). Results: spec_copy_*
 #   prefill  (issue 43.2) bench_prefill.py: our server against the raw mlx-vlm forward (generate_step, its
 #            own chunking and caches) at PREFILL_SIZES (default 2048,8192,32768,131072) uncached tokens and
 #            PREFILL_CACHED (28672+4096: a 4K suffix behind a 28K cached system prompt), REPEATS (3) each;
@@ -148,17 +150,25 @@ spec)
     python3 benchmarks/bench_decode_step.py "$AGREE_DIR" --batch 1 --prompt-tokens 64 --count-ops --mtp-block 2 \
       --spec-widths "1,$(( ${MAX_DRAFT:-8} + 1 ))" --out $O/spec_ops.json > $O/spec_ops.txt 2>&1
     say "spec ops (rc $?): $(grep -h 'batch 1\|round' $O/spec_ops.txt | tr '\n' ' ')"
+    draft=()
+    if [ -n "${DRAFT_AGREE:-}" ]; then  # issue 45.1: a small dense draft agreeing with the cycle at DRAFT_AGREE
+      rm -rf "$AGREE_DIR-draft"
+      python3 benchmarks/gpu/build_random_model.py "$AGREE_DIR-draft" --tokenizer "$TOK" --shape draft \
+        --agree-with "$DRAFT_AGREE" --draft-layers "${DRAFT_LAYERS:-4}" $BUILD_FLAGS > $O/build_draft.txt 2>&1 \
+        && draft=(--draft-model "$AGREE_DIR-draft" --methods "${SPEC_METHODS:-none,mtp,context,auto,draft}")
+      say "draft: $(tail -n 2 $O/build_draft.txt | tr '\n' ' ')"
+    fi
     for case in ${COPY:-0.7:1 0:1 0.7:16}; do
       r=${case%%:*}; b=${case##*:}
       python3 benchmarks/bench_speculation.py "$AGREE_DIR" --scenario copy --copy-rate "$r" --batch "$b" \
-        --max-tokens "${SPEC_TOKENS:-160}" --repeats "${REPEATS:-3}" --max-draft "${MAX_DRAFT:-8}" \
+        --max-tokens "${SPEC_TOKENS:-160}" --repeats "${REPEATS:-3}" --max-draft "${MAX_DRAFT:-8}" "${draft[@]}" \
         --out $O/spec_copy_${r}_b$b.json > $O/spec_copy_${r}_b$b.txt 2>&1
       say "spec copy $r b$b (rc $?): $(grep -h 'B=' $O/spec_copy_${r}_b$b.txt | tail -n 5 | tr '\n' ' ')"
     done
   else
     say "build failed: $(tail -n 1 $O/build_spec.txt)"
   fi
-  rm -rf "$AGREE_DIR" ;;
+  rm -rf "$AGREE_DIR" "$AGREE_DIR-draft" ;;
 pool)
   # issue 34.6: two 35B-A3B-shape models under a budget that holds one (POOL_BUDGET GiB, default 60): model b
   # is a second directory of hard links to model a's files (the disk holds one 38.6 GB model), so every
