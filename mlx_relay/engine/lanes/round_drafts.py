@@ -109,7 +109,7 @@ class RoundDrafts:
         # the widths worth timing: the head's block; the head off for the round (one token a row,
         # where a head whose drafts miss costs more than it earns); the context drafts' width
         options = {k: sum(head)}
-        if self._weighs_head(rows, heads, k):
+        if self._weighs_head(heads, k):
             options[self.min_width] = float(n)
         use = [False] * n
         if self.max_context > 0 and any(proposals):
@@ -133,7 +133,7 @@ class RoundDrafts:
             return RoundPlan(width, made, use, started, heads=heads)
         return RoundPlan(width, made, [False] * n, started, heads=[False] * n)  # the head off this round
 
-    def _weighs_head(self, rows: Sequence[MTPRow], heads: list[bool], k: int) -> bool:
+    def _weighs_head(self, heads: list[bool], k: int) -> bool:
         """Whether this round weighs the head off: where rounds may differ in width by their timing
         (not a pipeline: its ranks must choose alike), once the cohort verified `HEAD_OFF_AFTER` of
         the head's drafts."""
