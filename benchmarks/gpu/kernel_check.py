@@ -289,16 +289,18 @@ def float_weights_of(proj: dict[str, mx.array]) -> mx.array:
                          group_size=64, bits=8)
 
 
-def check_grouped_experts(T: int, kernel: bool) -> dict[str, Any]:
-    """The grouped experts (dequantized for CUTLASS's grouped GEMM, or our kernel) and the library's
-    8-bit `SwitchGLU`, each against the float32 truth (`experts_truth.truth`)."""
+def check_grouped_experts(T: int, kernel: bool, narrow: bool = False) -> dict[str, Any]:
+    """The grouped experts (dequantized for CUTLASS's grouped GEMM, or our kernel; `narrow`: few rows
+    an expert on `narrow_qmm`'s tensor cores, CUDA's default) and the library's 8-bit `SwitchGLU`,
+    each against the float32 truth (`experts_truth.truth`)."""
     H, E, k = SHAPE["hidden_size"], SHAPE["num_experts"], SHAPE["num_experts_per_tok"]
     switch = quantized_switch()
     x = mx.random.normal((1, T, H)).astype(mx.bfloat16)
     inds = mx.argpartition(mx.random.normal((1, T, E)), kth=-k, axis=-1)[..., -k:].astype(mx.uint32)
-    ours, ref, true = grouped_switch_glu(switch, x, inds, kernel=kernel), switch(x, inds), truth(switch, x, inds)
+    ours = grouped_switch_glu(switch, x, inds, kernel=kernel, narrow=narrow)
+    ref, true = switch(x, inds), truth(switch, x, inds)
     mx.eval(ours, ref, true)
-    result = {"T": T, "kernel": kernel, "rel": rel(ours, true), "library_rel": rel(ref, true),
+    result = {"T": T, "kernel": kernel, "narrow": narrow, "rel": rel(ours, true), "library_rel": rel(ref, true),
               "shape_match": ours.shape == ref.shape and ours.dtype == ref.dtype}
     result["ok"] = bool(result["shape_match"] and max(result["rel"], result["library_rel"]) <= TOLERANCE)
     return result
@@ -335,6 +337,9 @@ def main() -> None:
     for T in (256, 2048):
         for kernel in (False, True):
             record("grouped_experts", check_grouped_experts, T, kernel)
+    # CUDA's default experts (narrow up to 32 rows an expert: 256 and 1,024 tokens over 256 experts)
+    for T in (64, 256, 1024):
+        record("grouped_experts", check_grouped_experts, T, True, True)
     # 2,048 tokens: the tensor-core kernel; 512 and fewer: grouped_qmv's (few rows an expert; skewed:
     # a few experts with hundreds of rows, a pass per 8)
     for T, skewed in ((2048, False), (2048, True), (512, False), (256, False), (256, True), (37, False), (1, False)):
