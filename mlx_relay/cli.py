@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from mlx_relay.bench.cli import add_parser as add_bench_parser
 from mlx_relay.bench.cli import run_from_args as run_bench
@@ -24,7 +24,7 @@ from mlx_relay.chat.types import TOOL_FORMATS
 from mlx_relay.cluster.cli import add_parser as add_cluster_parser
 from mlx_relay.cluster.cli import run_from_args as run_cluster
 from mlx_relay.cluster.cli import split_args
-from mlx_relay.config import PipelineConfig, ServerConfig, build_config
+from mlx_relay.config import PipelineConfig, ServerConfig, SpeculationMethod, build_config
 from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
 from mlx_relay.http.served import one_model
 from mlx_relay.http.server import serve
@@ -152,15 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     media.add_argument("--max-video-frames", type=int, default=32)
     spec = serve.add_argument_group("speculative decoding (text requests): the checkpoint's MTP head, drafts copied "
                                     "from the context")
-    spec.add_argument("--speculation", choices=("auto", "mtp", "context", "none"), default="auto",
+    spec.add_argument("--speculation", choices=get_args(SpeculationMethod), default="auto",
                       help="where drafts come from for a request that does not say (its `speculation.method`): "
                            "auto (the head where it pays, context drafts where they are expected to beat it, "
-                           "per request and round), mtp, context, none (default auto)")
+                           "per request and round), mtp, context, draft (--draft-model's: what agents' CLIs, "
+                           "which cannot send the extension, then get), none (default auto)")
     spec.add_argument("--max-draft-tokens", type=int, default=8,
                       help="context drafts verified per round at most; 0: no context drafts (default 8)")
     spec.add_argument("--draft-model", default=None, metavar="MODEL",
                       help="a draft checkpoint with the served model's vocabulary (dir or Hub id): requests with "
-                           "speculation.method \"draft\" take its drafts (default: none)")
+                           "speculation.method \"draft\" (or --speculation draft) take its drafts (default: none)")
     spec.add_argument("--draft-tokens", type=int, default=4,
                       help="a draft model's drafts per round at most (default 4)")
     spec.add_argument("--context-policy", choices=("auto", "always"), default="auto",

@@ -11,6 +11,9 @@ from typing import Any, Literal
 
 import msgspec
 
+#: Where a request's speculative drafts may come from: "auto" (what earns), "mtp" (the checkpoint's
+#: head), "context" (copied from the prompt and the output so far), "draft" (a draft model), "none".
+SpeculationMethod = Literal["auto", "mtp", "context", "draft", "none"]
 
 class PipelineConfig(msgspec.Struct, frozen=True):
     """One model split by layers over the processes of an `mlx.launch` group (`engine/pipeline_*.py`).
@@ -122,7 +125,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # head where it pays (`mtp_policy`) and drafts copied from the request's context wherever they
     # are expected to beat it (per request and round, by what each earned: `engine/speculation/`);
     # "mtp" the head only; "context" context drafts only; "none" no speculation
-    speculation: Literal["auto", "mtp", "context", "none"] = "auto"
+    speculation: SpeculationMethod = "auto"
     # at most this many context drafts verified per round (a round then verifies 1 + this many
     # tokens); 0: no context drafts at all
     max_draft_tokens: int = 8
@@ -173,6 +176,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"EngineConfig.max_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}]")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"EngineConfig.draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]")
+        if self.speculation == "draft" and self.draft_model is None:
+            raise ValueError('EngineConfig.speculation "draft" needs a draft model (draft_model)')
         if self.draft_model is not None and self.pipeline.enabled:
             # every rank of a pipeline must verify the same drafts: the draft would run on each
             raise ValueError("a draft model (draft_model) does not run with pipeline")

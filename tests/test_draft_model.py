@@ -132,3 +132,22 @@ def test_draft_tokens_are_bounded() -> None:
         EngineConfig(model_path="x", draft_tokens=0)
     with pytest.raises(ValueError, match="pipeline"):
         EngineConfig(model_path="x", draft_model="d", pipeline=PipelineConfig(enabled=True))
+
+
+async def test_a_server_default_of_draft_serves_requests_that_do_not_ask(fp32_model: Path) -> None:
+    """`--speculation draft`: a request without the extension (what an agent's CLI sends) takes the
+    draft model's drafts, reported in its usage; the output is plain decoding's. A server default of
+    "draft" without a draft model does not start."""
+    from mlx_relay.relay import Relay
+
+    ask = [{"role": "user", "content": "hello there"}]
+    async with Relay.start(fp32_model, max_num_seqs=2, warmup=False, speculation="draft",
+                           draft_model=str(fp32_model), context_policy="always") as relay:
+        drafted = await relay.chat(ask, max_tokens=16, temperature=0)
+    async with Relay.start(fp32_model, max_num_seqs=2, warmup=False, speculation="none") as relay:
+        plain = await relay.chat(ask, max_tokens=16, temperature=0)
+    assert drafted.token_ids == plain.token_ids
+    assert drafted.drafts.draft.drafted > 0 and drafted.drafts.draft.accepted >= 0.9 * drafted.drafts.draft.drafted
+    assert drafted.drafts.mtp.drafted == 0 and plain.drafts.draft.drafted == 0
+    with pytest.raises(ValueError, match="draft model"):
+        EngineConfig(model_path="x", speculation="draft")

@@ -10,14 +10,12 @@ import msgspec
 
 from mlx_relay.cache.snapshot_files import SnapshotIdentity
 from mlx_relay.chat.output import Drafts, TokenLogprob
+from mlx_relay.config import SpeculationMethod
 from mlx_relay.media.tensors import VisionInputs
 from mlx_relay.messages.prefix_cache import PrefixPlan
 from mlx_relay.messages.specprefill import ScorePlan, SparsePrefill, SpecPrefillReport
 
 FinishReason = Literal["stop", "length"]
-#: Where a request's speculative drafts may come from: "auto" (what earns), "mtp" (the checkpoint's
-#: head), "context" (copied from the prompt and the output so far), "draft" (a draft model), "none".
-SpeculationMethod = Literal["auto", "mtp", "context", "draft", "none"]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -15,9 +15,11 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
+
+from mlx_relay.config import SpeculationMethod
 
 
 class ModelsConfigError(ValueError):
@@ -35,7 +37,7 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     mtp: bool | None = None
-    speculation: Literal["auto", "mtp", "context", "none"] | None = None
+    speculation: SpeculationMethod | None = None
     max_draft_tokens: int | None = None
     specprefill_draft_model: str | None = None
     prefix_cache: bool | None = None
