@@ -88,9 +88,9 @@ class LaneTally:
     misses: float = 0.0
 
     def record_round(self, verified: Sequence[tuple[int, int]]) -> None:
-        """One round's (proposed, accepted) of each row that verified the source (none: the round
-        did not verify it, and what was measured before fades toward `PRIOR`, so a source switched
-        off for the cohort is tried again on its new rows)."""
+        """One round's (proposed, accepted) of each row that verified the source (a round that
+        verified none does not count: a head the round plan switched off is measured again by its
+        probes, `PROBE_EVERY`)."""
         self.hits *= LANE_DECAY
         self.misses *= LANE_DECAY
         for proposed, accepted in verified:
