@@ -151,3 +151,53 @@ async def test_a_server_default_of_draft_serves_requests_that_do_not_ask(fp32_mo
     assert drafted.drafts.mtp.drafted == 0 and plain.drafts.draft.drafted == 0
     with pytest.raises(ValueError, match="draft model"):
         EngineConfig(model_path="x", speculation="draft")
+
+
+def test_each_method_plans_the_draft_model_where_it_may_run() -> None:
+    """With a draft model loaded: "draft" plans its drafts alone; "auto" plans them beside the head's
+    and the context's (each round a row verifies the host proposal expected to yield the most);
+    "context" and "mtp" do not; a grammar or a seeded sampling row takes none."""
+    from mlx_relay.actors.text_mtp_executor import TextMTPExecutor
+    from mlx_relay.messages.gpu import ModelInfo, Speculate
+    from mlx_relay.messages.text_mtp import PlanText
+
+    config = EngineConfig(model_path="m", mtp_policy="always", draft_model="d", draft_tokens=3)
+    info = ModelInfo(model_path="m", model_type="qwen3_5", backend="cpu", context_length=100, vocab_size=10,
+                     eos_token_ids=[1], has_vision=False, has_mtp=True, load_seconds=0.0, speculative_draft="d")
+    ex = TextMTPExecutor(config, info)
+
+    def plan(**kw: Any) -> Speculate | None:
+        return ex.plan(PlanText("r", SamplingParams(**kw))).speculate
+
+    assert plan(speculation="draft") == Speculate(2, head=False, context=3, draft=True, copy=False)
+    assert plan() == Speculate(2, head=True, context=8, draft=True)
+    assert plan(speculation="context") == Speculate(2, head=False, context=8)
+    assert plan(speculation="mtp") == Speculate(2, head=True, context=0)
+    assert plan(speculation="draft", grammar="start: /a/") is None
+    assert plan(speculation="draft", temperature=0.7, seed=1) is None
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_auto_with_a_draft_model_verifies_the_likelier_host_proposal(gpu: Callable, compiled: bool) -> None:
+    """Under "auto" a row holds both host proposers, the context's (free, scored every round) and the
+    draft model's (made only for a round that verifies it), and each round verifies the one expected
+    to yield more: with the target drafting for itself, the draft model's drafts are verified and
+    nearly all accepted; the output is plain decoding's."""
+    path = fixture_path(FixtureSpec(variant="fp32", seed=0))
+    max_tokens = [30, 20]
+    prompts = [BASE, list(range(30, 60))]
+
+    def run() -> tuple[Any, ...]:
+        loaded = load_model(path)
+        plan = [(0, Generate(f"r{i}", p, SamplingParams(max_tokens=m))) for i, (p, m) in
+                enumerate(zip(prompts, max_tokens, strict=True))]
+        got = run_engine(loaded, plan, mtp_max_batch=4, compile_mtp=compiled, mtp_verify="batched",
+                         draft_model=str(path), draft_tokens=3, speculation="auto", mtp_policy="always",
+                         max_draft_tokens=3, context_policy="always")
+        return got, greedy_reference(path, prompts, max(max_tokens))
+
+    (tokens, finished, _stats), ref = gpu(run)
+    for sid, want in enumerate(ref):
+        assert tokens[sid] == want[:max_tokens[sid]], sid
+    drafted = sum(f.drafts.draft.drafted for f in finished.values())
+    assert drafted > 0 and sum(f.drafts.draft.accepted for f in finished.values()) >= 0.9 * drafted

@@ -96,7 +96,8 @@ class TextMTPExecutor(Actor):
 
     def plan(self, msg: PlanText) -> TextPlan:
         """The request's speculation: the head's drafts where they pay (`_head_pays`), context drafts
-        where the request and the server allow them; the lane picks between them round by round."""
+        where the request and the server allow them, a draft model's beside them under "auto" (or alone
+        for "draft"); the lane picks among them round by round."""
         if not self.enabled:
             return TextPlan(why="this server has no MTP lane (no MTP head, or MTP turned off)")
         sampling = msg.sampling
@@ -133,7 +134,12 @@ class TextMTPExecutor(Actor):
             return TextPlan(why=why)
         if context:
             self._context_planned += 1
-        return TextPlan(Speculate(self.config.mtp_block_size, head=head, context=context), why=why)
+        # under "auto" a loaded draft model's drafts ride with the head's and the context's: each round
+        # a row verifies the host proposal expected to yield the most (`lanes/round_drafts.py`)
+        draft = method == "auto" and head and context > 0 and self.has_draft
+        if draft:
+            self._draft_planned += 1
+        return TextPlan(Speculate(self.config.mtp_block_size, head=head, context=context, draft=draft), why=why)
 
     def _draft_plan(self, msg: PlanText, seeded: bool) -> TextPlan:
         """The draft model's drafts alone (the lane weighs them round by round as context drafts)."""
@@ -149,7 +155,7 @@ class TextMTPExecutor(Actor):
         if n == 0:
             return TextPlan(why="the request allows no drafts (max_draft_tokens 0)")
         self._draft_planned += 1
-        return TextPlan(Speculate(self.config.mtp_block_size, head=False, context=n, draft=True))
+        return TextPlan(Speculate(self.config.mtp_block_size, head=False, context=n, draft=True, copy=False))
 
     def _head_pays(self) -> tuple[bool, str]:
         """Whether the head's drafts are planned (`mtp_policy`), and why not."""

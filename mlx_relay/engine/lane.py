@@ -51,7 +51,8 @@ class RowSpec:
     block_size: int = 2  # MTP rows: tokens per verify round
     use_head: bool = True  # MTP rows: the head drafts (else only context drafts, where they match)
     context_drafts: int = 0  # MTP rows: at most this many drafts copied from the context per round (0: none)
-    draft_model: bool = False  # MTP rows: ... made by the lane's draft model instead (`context_drafts` of them)
+    draft_model: bool = False  # MTP rows: ... made by the lane's draft model too (`context_drafts` of them)
+    copy_drafts: bool = True  # MTP rows: ... copied from the context (off: the draft model's alone)
 
 
 @dataclass

@@ -52,12 +52,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 class Speculate(msgspec.Struct, frozen=True):
     """How the MTP lane drafts for a row (TextMTPExecutor's plan): `block_size` tokens per round of
     the head's (the lane's block), whether the head drafts at all, and at most `context` drafts
-    copied from the row's context per round (0: none), or with `draft`, made by the draft model."""
+    copied from the row's context per round (0: none), with `draft` the draft model's too (without
+    `copy`: the draft model's alone), the row's proposal each round the one expected to yield more."""
 
     block_size: int
     head: bool = True
     context: int = 0
     draft: bool = False
+    copy: bool = True
 
 
 class Generate(msgspec.Struct, frozen=True):

@@ -146,10 +146,9 @@ class CompiledCohort:
         targets: list[list[int]] = flight.out.targets.tolist()
         rows, n = flight.rows, len(flight.rows)
         # free proposals are scored against the tokens read; a costly one (a draft model's) is not made
-        proposals = [r.context.propose(r.max_context) if r.context is not None and not r.context.costly else []
-                     for r in rows]
-        plan = RoundPlan(1, proposals, [False] * n, started=self._last_read, heads=[False] * n,
-                         timed=not self._untimed)
+        free = [{j: h.propose(r.max_context) for j, h in enumerate(r.hosts) if not h.costly} for r in rows]
+        plan = RoundPlan(1, [[] for _ in rows], [False] * n, started=self._last_read, heads=[False] * n,
+                         timed=not self._untimed, free=free)
         self._untimed = False
         emitted = {}
         for i, row in enumerate(rows):

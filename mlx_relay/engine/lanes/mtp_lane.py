@@ -116,7 +116,7 @@ class MTPLane:
             raise ValueError("this MTP lane has no draft model")
         self._prefill.add(MTPRow(rid=spec.rid, prompt=spec.prompt, max_tokens=spec.max_tokens, sampler=spec.sampler,
                                  grammar=spec.grammar, use_head=spec.use_head, max_context=context,
-                                 drafter=drafter),
+                                 drafter=drafter, copy_drafts=spec.copy_drafts),
                           spec.restore, spec.snapshot_at)
 
     def cached_tokens(self, rid: int) -> int:

@@ -33,8 +33,9 @@ class MTPRow:
     emitted: int = 0
     use_head: bool = True  # the head's drafts (False: the row verifies only context drafts)
     max_context: int = 0  # host drafts per round at most (0: none)
-    drafter: DraftModel | None = None  # the host drafts are this draft model's (else the context's)
-    context: Proposer | None = None  # the row's host drafts' proposer, once it joins a cohort
+    drafter: DraftModel | None = None  # host drafts from this draft model too
+    copy_drafts: bool = True  # host drafts copied from the row's context (with `drafter`: too)
+    hosts: list[Proposer] = field(default_factory=list)  # the row's host drafts' proposers, once it joins
     earnings: Earnings = field(default_factory=Earnings)
     # prefill (rows not yet in the cohort): the target's own prefill, restorable from a snapshot
     pre: RowPrefill | None = None
@@ -57,12 +58,15 @@ class MTPRow:
         return sum(t.accepted for t in self.earnings.tallies.values())
 
     def start_context(self, first: int) -> None:
-        """The row's host drafts from its prompt and first token: the draft model's proposals, or
-        its context indexed, if it takes them."""
+        """The row's host drafts from its prompt and first token: the draft model's proposals and/or
+        its context indexed, as it takes them."""
         if self.max_context <= 0:
             return
         tokens = [*self.prompt, first]
-        self.context = self.drafter.proposals(tokens) if self.drafter is not None else ContextDrafts(tokens)
+        if self.drafter is not None:
+            self.hosts.append(self.drafter.proposals(tokens))
+        if self.copy_drafts or self.drafter is None:
+            self.hosts.append(ContextDrafts(tokens))
 
 
 @dataclass

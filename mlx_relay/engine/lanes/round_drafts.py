@@ -30,14 +30,17 @@ from mlx_relay.engine.speculation.earnings import LaneTally, RoundCosts, agreed
 
 @dataclass
 class RoundPlan:
-    """One round's drafts: its width and, per row, the context proposal and whether it is verified."""
+    """One round's drafts: its width and, per row, its host proposal (of the row's proposers, the one
+    expected to yield the most) and whether it is verified."""
 
     width: int
-    proposals: list[list[int]]  # per row: its context proposal (maybe empty)
+    proposals: list[list[int]]  # per row: its host proposal (maybe empty)
     use_context: list[bool]  # per row: the round verifies its proposal (else the head's drafts)
     started: float = field(default_factory=time.perf_counter)  # the round's time runs from here
     heads: list[bool] = field(default_factory=list)  # per row: it takes the head's drafts
     timed: bool = True  # its time (from `started` to its settling) is the round's alone: recorded
+    chosen: list[int] = field(default_factory=list)  # per row: whose proposal (`MTPRow.hosts`; -1: none)
+    free: list[dict[int, list[int]]] = field(default_factory=list)  # per row: the free proposals made, by proposer
 
     @property
     def host(self) -> list[list[int]] | None:
@@ -60,16 +63,33 @@ class RoundPlan:
 HEAD_OFF_AFTER = 16
 
 
-def _made(rows: Sequence[MTPRow], proposals: list[list[int]], costly: list[bool], use: list[bool]) -> list[list[int]]:
+def _pick(row: MTPRow) -> tuple[int, list[int], dict[int, list[int]]]:
+    """The row's host proposal: of its proposers' (a free one made now, a costly one promised at full
+    length), the one expected to add the most tokens; (its proposer, it, the free ones made)."""
+    best, proposal, expected, free = -1, [], 0.0, {}
+    for j, host in enumerate(row.hosts):
+        p = [0] * row.max_context if host.costly else host.propose(row.max_context)
+        if not host.costly:
+            free[j] = p
+        e = row.earnings.expected(host.source, len(p)) if p else 0.0
+        if p and (best < 0 or e > expected):
+            best, proposal, expected = j, p, e
+    return best, proposal, free
+
+
+def _made(rows: Sequence[MTPRow], proposals: list[list[int]], chosen: list[int], use: list[bool]) -> list[list[int]]:
     """The proposals with each costly one made where the round verifies it (else none)."""
-    return [(r.context.propose(r.max_context) if u and r.context is not None else []) if c else p
-            for r, p, c, u in zip(rows, proposals, costly, use, strict=True)]
+    out = []
+    for r, p, j, u in zip(rows, proposals, chosen, use, strict=True):
+        if j >= 0 and r.hosts[j].costly:
+            p = r.hosts[j].propose(r.max_context) if u else []
+        out.append(p)
+    return out
 
 
-def _expected(row: MTPRow, proposal: list[int]) -> float:
-    """Tokens `row`'s host proposal adds, expected (by what its source earned on the row)."""
-    assert row.context is not None
-    return row.earnings.expected(row.context.source, len(proposal))
+def _expected(row: MTPRow, j: int, proposal: list[int]) -> float:
+    """Tokens `row`'s host proposal (of its proposer `j`) adds, expected (by what its source earned on the row)."""
+    return row.earnings.expected(row.hosts[j].source, len(proposal))
 
 
 class RoundDrafts:
@@ -101,9 +121,8 @@ class RoundDrafts:
         k = self.k if any(heads) else self.min_width
         # a free proposal is made every round; a costly one (a draft model's) is first promised at
         # full length, and made only if the round then verifies it
-        costly = [r.context is not None and r.context.costly for r in rows]
-        proposals = [[0] * r.max_context if c else r.context.propose(r.max_context) if r.context is not None else []
-                     for r, c in zip(rows, costly, strict=True)]
+        picks = [_pick(r) for r in rows]
+        chosen, proposals, free = [p[0] for p in picks], [p[1] for p in picks], [p[2] for p in picks]
         prior = self.head_tally.prior
         head = [1.0 + (r.earnings.expected("mtp", k - 1, prior) if r.use_head else 0.0) for r in rows]
         # the widths worth timing: the head's block; the head off for the round (one token a row,
@@ -113,25 +132,28 @@ class RoundDrafts:
             options[self.min_width] = float(n)
         use = [False] * n
         if self.max_context > 0 and any(proposals):
-            use = [bool(p) and (self.always or 1.0 + _expected(r, p) > h)
-                   for r, p, h in zip(rows, proposals, head, strict=True)]
+            use = [bool(p) and (self.always or 1.0 + _expected(r, j, p) > h)
+                   for r, j, p, h in zip(rows, chosen, proposals, head, strict=True)]
             if any(use) and self.wide > k:
                 if self.always:
-                    return RoundPlan(self.wide, _made(rows, proposals, costly, use), use, started, heads=heads)
-                options[self.wide] = sum(1.0 + _expected(r, p) if u else h
-                                         for r, p, u, h in zip(rows, proposals, use, head, strict=True))
+                    return RoundPlan(self.wide, _made(rows, proposals, chosen, use), use, started, heads=heads,
+                                     chosen=chosen, free=free)
+                options[self.wide] = sum(1.0 + _expected(r, j, p) if u else h
+                                         for r, j, p, u, h in zip(rows, chosen, proposals, use, head, strict=True))
         width = k if len(options) == 1 else self.costs.best_width(batch_bucket(n), options)
         verified = width == self.wide and self.wide in options and self.wide != self.min_width
         if width == k and self.wide <= k:  # context drafts shorter than the block ride in it
             verified = True
-        made = _made(rows, proposals, costly, use if verified else [False] * n)
+        made = _made(rows, proposals, chosen, use if verified else [False] * n)
         if verified:
             use = [u and bool(p) for u, p in zip(use, made, strict=True)]
         if width == k:
-            return RoundPlan(k, made, use if self.wide <= k else [False] * n, started, heads=heads)
+            return RoundPlan(k, made, use if self.wide <= k else [False] * n, started, heads=heads,
+                             chosen=chosen, free=free)
         if verified:
-            return RoundPlan(width, made, use, started, heads=heads)
-        return RoundPlan(width, made, [False] * n, started, heads=[False] * n)  # the head off this round
+            return RoundPlan(width, made, use, started, heads=heads, chosen=chosen, free=free)
+        # the head off this round
+        return RoundPlan(width, made, [False] * n, started, heads=[False] * n, chosen=chosen, free=free)
 
     def _weighs_head(self, heads: list[bool], k: int) -> bool:
         """Whether this round weighs the head off: where rounds may differ in width by their timing
@@ -150,23 +172,25 @@ class RoundDrafts:
         for i, row in enumerate(rows):
             tokens = emitted.get(row.rid, [])
             proposal = plan.proposals[i]
-            source = row.context.source if row.context is not None else "context"
-            if plan.use_context[i]:
+            j = plan.chosen[i] if plan.chosen else -1
+            verified = plan.use_context[i] and j >= 0
+            if verified:
+                source = row.hosts[j].source
                 row.earnings.record(source, len(proposal), took[i], verified=True)
                 counts.add_host(source, len(proposal), took[i])
-            else:
-                if row.use_head:
-                    n = min(self.k, plan.width) - 1
-                    row.earnings.record("mtp", n, took[i], verified=True)
-                    head.append((n, took[i]))
-                    counts.drafted += n
-                    counts.accepted += took[i]
-                if proposal and tokens:
-                    # unverified, the proposal is scored against what the row emitted (a proposal
+            elif row.use_head:
+                n = min(self.k, plan.width) - 1
+                row.earnings.record("mtp", n, took[i], verified=True)
+                head.append((n, took[i]))
+                counts.drafted += n
+                counts.accepted += took[i]
+            for jj, p in (plan.free[i].items() if plan.free else ()):
+                if p and tokens and not (verified and jj == j):
+                    # unverified, a free proposal is scored against what the row emitted (a proposal
                     # longer than the round's tokens: only as far as they go)
-                    row.earnings.record(source, min(len(proposal), len(tokens)), agreed(proposal, tokens),
+                    row.earnings.record(row.hosts[jj].source, min(len(p), len(tokens)), agreed(p, tokens),
                                         verified=False)
-            if row.context is not None:
-                row.context.extend(tokens)
+            for host in row.hosts:
+                host.extend(tokens)
         if head:
             self.head_tally.record_round(head)

@@ -32,7 +32,7 @@ def row_spec(row: Row, restore: Snapshot | None, snapshot_at: list[int], chains:
         spec.sampler, spec.grammar = chain.sampler, chain.grammar
         spec.block_size, spec.use_head = req.speculate.block_size, req.speculate.head
         spec.context_drafts = req.speculate.context
-        spec.draft_model = req.speculate.draft
+        spec.draft_model, spec.copy_drafts = req.speculate.draft, req.speculate.copy
     else:
         spec.processors = chain.processors
     if req.vision is not None:
