@@ -9,6 +9,7 @@ drift cancels, for each batch size B (rows in the MTP lane up to B: `mtp_max_bat
   - `context`  drafts copied from each row's prompt and output only, up to `--max-draft` per round
   - `auto`     both; each row and round verifies the source expected to yield more per second
   - `draft`    a draft model's drafts (`--draft-model`, up to `--max-draft` a round), where one is given
+               (and `auto` then has them too, beside the head's and the context's)
   - `raw`      mlx-vlm's own loop without speculation (`stream_generate` at B=1, else
                `BatchGenerator`), unless `--no-raw`
 Decode tok/s counts steady decoding only (after every row of the batch has its first token).
@@ -81,7 +82,9 @@ def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, metho
     """One pass of `batch` through an EngineCore planned by the TextMTPExecutor for `method`
     (`recorder`: started with the steady steps, stopped after the last; "draft": `draft_model`'s
     drafts, at most `max_draft` a round)."""
-    draft = {"draft_model": str(draft_model), "draft_tokens": max_draft} if method == "draft" else {}
+    # "draft": the draft model's alone; "auto" with a draft model: its drafts beside the head's and the context's
+    draft = ({"draft_model": str(draft_model), "draft_tokens": max_draft}
+             if draft_model is not None and method in ("draft", "auto") else {})
     d = Driver(loaded, prefix_cache=True, max_num_seqs=len(batch), prefill_batch_size=min(8, len(batch)),
                prefill_step_size=2048, mtp_max_batch=len(batch), mtp_block_size=block, mtp_policy="always",
                speculation="auto" if method == "draft" else method, max_draft_tokens=max_draft,
