@@ -53,7 +53,7 @@ def _vocabulary(tokenizer: Any) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
-class DraftInfo:
+class DraftModelInfo:
     path: str
     model_type: str
     library: str
@@ -67,7 +67,7 @@ class DraftModel:
         if tokens < 1:
             raise ValueError("a draft model proposes at least one token a round")
         self.model = loaded.model
-        self.info = DraftInfo(str(path), loaded.model_type, loaded.library, tokens)
+        self.info = DraftModelInfo(str(path), loaded.model_type, loaded.library, tokens)
         kinds = {type(c).__name__ for c in make_cache(self.model) if not _restorable(c)}
         if kinds:
             raise DraftModelIncompatible(f"the draft model {path} has layers whose caches a round cannot put "
