@@ -338,3 +338,54 @@ def test_a_row_joining_while_a_one_token_round_is_in_flight_never_gives_another_
 
     got, ref_a, ref_b = gpu(run)
     assert got[0::2] == [ref_a] * 12 and got[1::2] == [ref_b] * 12
+
+
+def test_the_compiled_round_s_block_follows_the_rows_acceptance() -> None:
+    """With blocks 2 .. 4 (the compiled cohort at --mtp-block-size 4), once the head is weighed the
+    round runs the block whose expected tokens a second are the most at the blocks' measured times:
+    a head right 0.95 of the time runs the longest block, one right 0.3 of the time the shortest
+    (issue 45.3: the block follows the measured acceptance)."""
+    from mlx_relay.engine.lanes.mtp_rows import MTPRow
+    from mlx_relay.engine.lanes.round_drafts import HEAD_OFF_AFTER, RoundDrafts
+
+    def steady_block(acceptance: float) -> int:
+        drafts = RoundDrafts(block_size=4, max_context=0, min_width=1, min_block=2)
+        row = MTPRow(rid=0, prompt=[1, 2], max_tokens=10_000)
+        # the row's own history and the cohort's: a draft right at `acceptance`, the misses spread evenly
+        history = [int((i + 1) * acceptance) - int(i * acceptance) for i in range(100)]
+        for ok in history:
+            row.earnings.record("mtp", 1, ok, verified=True)
+        drafts.head_tally.record_round([(1, ok) for ok in history])
+        assert drafts.head_tally.drafted >= HEAD_OFF_AFTER
+        seconds = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6}  # a round's time grows with its block
+        widths = []
+        for _ in range(40):
+            width = drafts.plan([row]).width
+            widths.append(width)
+            drafts.costs.record(1, width, seconds[width])
+        return max(set(widths[-10:]), key=widths[-10:].count)
+
+    assert steady_block(0.95) == 4
+    assert steady_block(0.3) in (1, 2)
+    assert RoundDrafts(block_size=4, max_context=0, min_width=2).blocks == range(4, 5)  # the eager round: one
+
+
+@pytest.mark.parametrize("variant", ["bigram", "fp32"])
+def test_rounds_of_several_blocks_keep_greedy_output(gpu: Callable, variant: str) -> None:
+    """--mtp-block-size 4, compiled: rounds of blocks 2 to 4 as the measured acceptance says, the
+    output plain greedy decoding's (the head's drafts from its own drafts at each block)."""
+    path = fixture_path(FixtureSpec(variant=variant, seed=0))
+    max_tokens = [48, 30]
+    prompts = [BASE, list(range(30, 60))]
+
+    def run() -> tuple[Any, ...]:
+        loaded = load_model(path)
+        plan = [(0, Generate(f"r{i}", p, SamplingParams(max_tokens=m)))
+                for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
+        got = run_engine(loaded, plan, mtp_max_batch=4, compile_mtp=True, mtp_verify="batched",
+                         mtp_block_size=4, speculation="mtp", mtp_policy="always")
+        return got, greedy_reference(path, prompts, max(max_tokens))
+
+    (tokens, _finished, _stats), ref = gpu(run)
+    for sid, want in enumerate(ref):
+        assert tokens[sid] == want[:max_tokens[sid]], sid

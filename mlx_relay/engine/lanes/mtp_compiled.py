@@ -49,7 +49,9 @@ class CompiledCohort:
         weigh_head = step.stage is None
         self._step = step
         self.k = block_size
-        self._plans = RoundDrafts(block_size, max_context, min_width=1, always=always_context, weigh_head=weigh_head)
+        # rounds of the head's blocks 2 .. block_size, by the rows' measured acceptance (issue 45.3)
+        self._plans = RoundDrafts(block_size, max_context, min_width=1, always=always_context, weigh_head=weigh_head,
+                                  min_block=2)
         self.rows: list[MTPRow] = []  # in batch order
         self._state: MTPState | None = None
         self._flight: _InFlight | None = None
@@ -204,7 +206,9 @@ class CompiledCohort:
             return result
         host = plan.host
         room = [max(r.max_tokens - r.emitted, 1) for r in rows]
-        out = step(state, room, None if host is None else HostDrafts(plan.width, host, plan.heads))
+        # the head drafts the round's block - 1 tokens (a round wider than the block: the whole block's)
+        block = plan.width if any(plan.heads) and 2 <= plan.width <= self.k else None
+        out = step(state, room, None if host is None else HostDrafts(plan.width, host, plan.heads), block=block)
         # the counts first, then the rest of the round (commit, the head's next draft) in a second
         # batch that runs while the host emits this round's tokens
         mx.async_eval(out.targets, out.accepted, out.committed)
@@ -227,19 +231,20 @@ class CompiledCohort:
         self._last_read, self._untimed = time.perf_counter(), False
         return result
 
-    def _variants(self, size: int, drafter: bool) -> list[HostDrafts | None]:
-        """The rounds a cohort of `size` can run: with the head (its block; wide, with context
-        drafts) and, where rows can go without it, the head-free one (one token; wide)."""
+    def _variants(self, size: int, drafter: bool) -> list[tuple[HostDrafts | None, int | None]]:
+        """The rounds a cohort of `size` can run, (drafts, block): with the head (each of its blocks;
+        wide, with context drafts) and, where rows can go without it, the head-free one (one token;
+        wide)."""
         wide = self._plans.wide if self._plans.max_context else None
-        out: list[HostDrafts | None] = []
+        out: list[tuple[HostDrafts | None, int | None]] = []
         if drafter:
-            out.append(None)
+            out.extend((None, b) for b in self._plans.blocks)
             if wide is not None:
-                out.append(HostDrafts(wide, [[0]] * size, [True] * size))
+                out.append((HostDrafts(wide, [[0]] * size, [True] * size), None))
         if not drafter or wide is not None:
-            out.append(HostDrafts(1, [[]] * size, [False] * size))
+            out.append((HostDrafts(1, [[]] * size, [False] * size), None))
             if wide is not None:
-                out.append(HostDrafts(wide, [[0]] * size, [False] * size))
+                out.append((HostDrafts(wide, [[0]] * size, [False] * size), None))
         return out
 
     def warm(self, lm: Any, head: MTPHead, max_rows: int) -> int:
@@ -261,7 +266,7 @@ class CompiledCohort:
                     state.extend(row)
             assert state is not None
             state.pad_to_bucket()
-            for drafts in self._variants(size, head.drafts):
-                out_round = self._step(state, [1] * size, drafts)
+            for drafts, block in self._variants(size, head.drafts):
+                out_round = self._step(state, [1] * size, drafts, block=block)
                 mx.eval(out_round.targets, out_round.committed, state.arrays())
         return len(sizes)

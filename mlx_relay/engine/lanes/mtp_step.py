@@ -101,16 +101,22 @@ class MTPStep:
         self.stage = stage  # a pipeline stage: its layers only in the verify, the head on every rank
         self.layout = self.family.cache_layout(lm)
         self._eos = tuple(sorted(set(eos_token_ids)))  # constants of the trace (no array: building costs no memory)
-        self._fn = mx.compile(self._round) if compiled else self._round
+        self._compiled = compiled
+        self._fns: dict[int, Any] = {}  # block -> the round with the head drafting block - 1 tokens
         self._bare = mx.compile(self._bare_round) if compiled else self._bare_round
         self._constants: dict[int, tuple[mx.array, mx.array, mx.array]] = {}  # batch size -> one-token inputs
 
-    def __call__(self, state: MTPState, room: list[int], drafts: HostDrafts | None = None) -> RoundOut:
+    def __call__(self, state: MTPState, room: list[int], drafts: HostDrafts | None = None, *,
+                 block: int | None = None) -> RoundOut:
         """One round; `room[i]` >= 1: tokens row i may still emit (its max_tokens left). With
         `drafts`, the round verifies `drafts.width` tokens per row: a row with host drafts (copied
         from its context) verifies those instead of the head's, the others the head's (or none:
-        then, if no row takes the head's, the head does not run)."""
-        width = self.k if drafts is None else drafts.width
+        then, if no row takes the head's, the head does not run). `block` (2 .. the step's block
+        size, the default): the head drafts `block - 1` tokens."""
+        k = self.k if block is None else block
+        if not 2 <= k <= self.k:
+            raise ValueError(f"a round's block is 2 to {self.k}, not {k}")
+        width = k if drafts is None else drafts.width
         state.ensure_room(width)
         B = state.batch_size
         if drafts is not None and (self.drafter is None or not any(drafts.heads)):
@@ -125,11 +131,21 @@ class MTPStep:
             return RoundOut(targets, accepted, committed)
         lengths, head_lengths, dpos = state.index_arrays()
         room_arr = mx.array(room + [1] * (B - len(room)), dtype=mx.int32)
-        host_arrays = () if drafts is None else drafts.arrays(state.batch_size, self.k)
+        host_arrays = () if drafts is None else drafts.arrays(state.batch_size, k)
         (targets, accepted, committed, state.bonus, state.draft, state.seed, state.kv, state.conv, state.ssm,
-         state.head_kv) = self._fn(state.bonus, state.draft, state.seed, lengths, head_lengths, dpos, room_arr,
-                                   state.kv, state.conv, state.ssm, state.head_kv, *host_arrays)
+         state.head_kv) = self._round_at(k)(state.bonus, state.draft, state.seed, lengths, head_lengths, dpos,
+                                            room_arr, state.kv, state.conv, state.ssm, state.head_kv, *host_arrays)
         return RoundOut(targets, accepted, committed)
+
+    def _round_at(self, k: int) -> Any:
+        """The round whose head drafts `k - 1` tokens (compiled once a block)."""
+        fn = self._fns.get(k)
+        if fn is None:
+            def at_k(*args: Any) -> tuple[Any, ...]:
+                return self._round(*args, k=k)
+
+            fn = self._fns[k] = mx.compile(at_k) if self._compiled else at_k
+        return fn
 
     def _one_token_inputs(self, batch_size: int) -> tuple[mx.array, mx.array, mx.array]:
         """The one-token round's constant inputs at this batch size (built once: the pipelined
@@ -210,8 +226,7 @@ class MTPStep:
     def _round(self, bonus: mx.array, draft: mx.array, seed: mx.array, lengths: mx.array, head_lengths: mx.array,
                dpos: mx.array, room: mx.array, kv: list[tuple[mx.array, mx.array]], conv: list[mx.array],
                ssm: list[mx.array], head_kv: list[tuple[mx.array, mx.array]], host: mx.array | None = None,
-               mine: mx.array | None = None, usable: mx.array | None = None) -> tuple[Any, ...]:
-        k = self.k
+               mine: mx.array | None = None, usable: mx.array | None = None, *, k: int) -> tuple[Any, ...]:
         # 1. draft k - 2 more tokens
         drafts, h, tok = [draft], seed, draft
         for j in range(k - 2):

@@ -94,8 +94,11 @@ def _expected(row: MTPRow, j: int, proposal: list[int]) -> float:
 
 class RoundDrafts:
     def __init__(self, block_size: int, max_context: int, min_width: int, always: bool = False,
-                 weigh_head: bool = True) -> None:
+                 weigh_head: bool = True, min_block: int | None = None) -> None:
         self.k = block_size
+        # the head's blocks a round may run at (`min_block` .. `block_size`: the compiled round's, chosen
+        # by the rows' measured acceptance at each block's measured time; else the block alone)
+        self.blocks = range(block_size if min_block is None else max(2, min_block), block_size + 1)
         self.always = always  # verify every proposal (no expectation, no timing)
         self.weigh_head = weigh_head  # the head may be off for a round (not in a pipeline)
         self.max_context = max_context  # the lane's longest context proposal (0: none)
@@ -130,6 +133,11 @@ class RoundDrafts:
         options = {k: sum(head)}
         if self._weighs_head(heads, k):
             options[self.min_width] = float(n)
+            # shorter blocks: fewer head drafts a row, at their own measured time (not the context's width)
+            for b in self.blocks:
+                if b < k and b != self.wide:
+                    options[b] = sum(1.0 + (r.earnings.expected("mtp", b - 1, prior) if r.use_head else 0.0)
+                                     for r in rows)
         use = [False] * n
         if self.max_context > 0 and any(proposals):
             use = [bool(p) and (self.always or 1.0 + _expected(r, j, p) > h)
@@ -141,14 +149,16 @@ class RoundDrafts:
                 options[self.wide] = sum(1.0 + _expected(r, j, p) if u else h
                                          for r, j, p, u, h in zip(rows, chosen, proposals, use, head, strict=True))
         width = k if len(options) == 1 else self.costs.best_width(batch_bucket(n), options)
+        # the head's block (or a shorter one); context drafts no longer than it ride in it
+        head_round = width == k or (any(heads) and width in self.blocks)
         verified = width == self.wide and self.wide in options and self.wide != self.min_width
-        if width == k and self.wide <= k:  # context drafts shorter than the block ride in it
+        if head_round and self.wide <= width:
             verified = True
         made = _made(rows, proposals, chosen, use if verified else [False] * n)
         if verified:
             use = [u and bool(p) for u, p in zip(use, made, strict=True)]
-        if width == k:
-            return RoundPlan(k, made, use if self.wide <= k else [False] * n, started, heads=heads,
+        if head_round:
+            return RoundPlan(width, made, use if self.wide <= width else [False] * n, started, heads=heads,
                              chosen=chosen, free=free)
         if verified:
             return RoundPlan(width, made, use, started, heads=heads, chosen=chosen, free=free)
