@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "per second (its acceptance so far, the measured round times); always: whenever it has one")
     spec.add_argument("--no-mtp", action="store_true", help="decode every request without MTP")
     spec.add_argument("--mtp-block-size", type=int, default=2,
-                      help="tokens per verify round: the bonus token and BLOCK-1 drafts (default 2)")
+                      help="tokens per verify round at most: the bonus token and BLOCK-1 drafts; the compiled "
+                           "round runs blocks 2..BLOCK by the measured acceptance (default 2)")
     spec.add_argument("--mtp-max-batch", type=int, default=2,
                       help="a text request decodes with MTP only if fewer rows are running when it starts "
                            "(default 2: rounds cost more than plain steps as the batch grows)")
