@@ -28,7 +28,8 @@
 #            a plain step, an MTP round and the head-free round at widths 1 and MAX_DRAFT + 1 (spec_ops.*).
 #            With DRAFT_AGREE (issue 45.1): also a dense draft of DRAFT_LAYERS (4) layers drafting the cycle's
 #            next token at that rate (build_random_model.py --shape draft --agree-with), the method "draft"
-#            beside SPEC_METHODS (none,mtp,context,auto). Results: spec_copy_*
+#            beside SPEC_METHODS (none,mtp,context,auto); SPEC_BLOCK (2): the MTP block size (4: rounds of 2-4
+#            by the measured acceptance). Results: spec_copy_*
 #   prefill  (issue 43.2) bench_prefill.py: our server against the raw mlx-vlm forward (generate_step, its
 #            own chunking and caches) at PREFILL_SIZES (default 2048,8192,32768,131072) uncached tokens and
 #            PREFILL_CACHED (28672+4096: a 4K suffix behind a 28K cached system prompt), REPEATS (3) each;
@@ -162,6 +163,7 @@ spec)
       r=${case%%:*}; b=${case##*:}
       python3 benchmarks/bench_speculation.py "$AGREE_DIR" --scenario copy --copy-rate "$r" --batch "$b" \
         --max-tokens "${SPEC_TOKENS:-160}" --repeats "${REPEATS:-3}" --max-draft "${MAX_DRAFT:-8}" "${draft[@]}" \
+        --block "${SPEC_BLOCK:-2}" \
         --out $O/spec_copy_${r}_b$b.json > $O/spec_copy_${r}_b$b.txt 2>&1
       say "spec copy $r b$b (rc $?): $(grep -h 'B=' $O/spec_copy_${r}_b$b.txt | tail -n 5 | tr '\n' ' ')"
     done
