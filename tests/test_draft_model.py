@@ -201,3 +201,26 @@ def test_auto_with_a_draft_model_verifies_the_likelier_host_proposal(gpu: Callab
         assert tokens[sid] == want[:max_tokens[sid]], sid
     drafted = sum(f.drafts.draft.drafted for f in finished.values())
     assert drafted > 0 and sum(f.drafts.draft.accepted for f in finished.values()) >= 0.9 * drafted
+
+
+def test_a_long_prompt_is_read_by_the_draft_a_piece_a_round(gpu: Callable) -> None:
+    """A row's prompt longer than FEED_CHUNK is read by the draft over several rounds (no round, and no
+    other row's decoding, waits on its whole prefill in the draft): `ready` reads a piece and says no
+    until what is left fits one round; the drafts then are those of the prompt read at once."""
+    from mlx_relay.engine.speculation.draft_model import FEED_CHUNK
+
+    path = fixture_path(FixtureSpec(variant="fp32", seed=0))
+    prompt = [5 + (i * 7) % 900 for i in range(FEED_CHUNK + 1000)]  # within the fixture's 4,096 positions
+
+    def run() -> tuple[list[bool], list[int], list[int]]:
+        tok = load_model(path).processor
+        draft = DraftModel.load(path, getattr(tok, "tokenizer", tok), 3)
+        pieces = draft.proposals(prompt)
+        readiness = [pieces.ready() for _ in range(2)]
+        at_once = draft.proposals(prompt[:FEED_CHUNK])
+        at_once.extend(prompt[FEED_CHUNK:])  # read in one propose (what a short backlog does)
+        return readiness, pieces.propose(3), at_once.propose(3)
+
+    readiness, in_pieces, whole = gpu(run)
+    assert readiness == [False, True]
+    assert in_pieces == whole and len(whole) == 3

@@ -68,6 +68,8 @@ def _pick(row: MTPRow) -> tuple[int, list[int], dict[int, list[int]]]:
     length), the one expected to add the most tokens; (its proposer, it, the free ones made)."""
     best, proposal, expected, free = -1, [], 0.0, {}
     for j, host in enumerate(row.hosts):
+        if host.costly and not host.ready():  # catching up with the row's tokens: no proposal this round
+            continue
         p = [0] * row.max_context if host.costly else host.propose(row.max_context)
         if not host.costly:
             free[j] = p

@@ -21,6 +21,10 @@ from mlx_relay.engine.speculation.earnings import Source
 class ContextDrafts:
     source: Source = "context"  # the `proposer.Proposer` protocol's
     costly = False
+
+    def ready(self) -> bool:
+        """Always: its index catches up inside `propose`, a bounded piece a call."""
+        return True
     def __init__(self, tokens: Iterable[int] = (), *, max_ngram: int = 4, index_per_call: int = 1024) -> None:
         if max_ngram < 1:
             raise ValueError("max_ngram must be at least 1")

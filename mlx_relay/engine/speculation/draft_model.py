@@ -27,11 +27,18 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache as LmArraysCache
 from mlx_vlm.models.cache import ArraysCache as VlmArraysCache
 
-from mlx_relay.engine.scoring.draft_library import LoadedDraft, is_attention_cache, load_draft, make_cache
+from mlx_relay.engine.scoring.draft_library import (
+    LoadedDraft,
+    cache_arrays,
+    is_attention_cache,
+    load_draft,
+    make_cache,
+)
 from mlx_relay.engine.speculation.earnings import Source
 from mlx_relay.errors import ModelLoadError
 
-#: the longest piece of a row's tokens the draft reads in one forward (a prompt in chunks)
+#: the most of a row's tokens the draft reads in one round (a long prompt over several rounds, so
+#: that no round, and no other row's decoding, waits on its whole prefill in the draft)
 FEED_CHUNK = 2048
 
 
@@ -119,8 +126,21 @@ class DraftProposals:
         """The row committed `tokens`."""
         self._pending.extend(tokens)
 
+    def ready(self) -> bool:
+        """Whether a proposal reads at most `FEED_CHUNK` tokens; if not, the draft reads that many of
+        them now (its caches evaluated) and the row has no proposal this round."""
+        if len(self._pending) <= FEED_CHUNK:
+            return True
+        self._rewind()
+        self._model.forward(mx.array([self._pending[:FEED_CHUNK]], dtype=mx.int32), self._cache)
+        self._pending = self._pending[FEED_CHUNK:]
+        self._keep()
+        mx.eval(cache_arrays(self._cache))
+        return False
+
     def propose(self, n: int) -> list[int]:
-        """Up to `n` drafts (at most the model's `tokens`) after the row's committed tokens."""
+        """Up to `n` drafts (at most the model's `tokens`) after the row's committed tokens (those not
+        read yet, at most `FEED_CHUNK` after `ready`, read first in one forward)."""
         n = min(n, self._model.info.tokens)
         if n <= 0 or not self._pending:
             return []

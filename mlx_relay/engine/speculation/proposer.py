@@ -17,6 +17,11 @@ class Proposer(Protocol):
     #: every round, and scored against what the row wrote when it is not verified)
     costly: bool
 
+    def ready(self) -> bool:
+        """Whether it can propose this round (a costly one may first catch up with the row's tokens,
+        a bounded piece a round)."""
+        ...
+
     def propose(self, k: int) -> list[int]:
         """Up to `k` drafts after the row's committed tokens (none: nothing worth verifying)."""
         ...
