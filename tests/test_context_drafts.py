@@ -383,7 +383,7 @@ def test_rounds_of_several_blocks_keep_greedy_output(gpu: Callable, variant: str
         plan = [(0, Generate(f"r{i}", p, SamplingParams(max_tokens=m)))
                 for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
         got = run_engine(loaded, plan, mtp_max_batch=4, compile_mtp=True, mtp_verify="batched",
-                         mtp_block_size=4, speculation="mtp", mtp_policy="always")
+                         mtp_block_size=4, speculation="mtp", mtp_policy="always", context_policy="auto")
         return got, greedy_reference(path, prompts, max(max_tokens))
 
     (tokens, _finished, _stats), ref = gpu(run)

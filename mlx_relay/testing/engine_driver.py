@@ -25,12 +25,13 @@ class Driver:
     `prefix_cache` and `specprefill_draft` (SpecPrefill's draft). Decode
     priority is off unless asked (`decode_stall_factor`): it schedules prefill by measured time,
     so the steps a test counts would vary with the machine's load. Speculation is the head's alone
-    unless asked (`speculation`): under "auto" a round's source is chosen by measured time too."""
+    unless asked (`speculation`), every round verifying it unless asked (`context_policy` "always"):
+    under "auto" a round's source, and whether the head is weighed off, are chosen by measured time."""
 
     def __init__(self, loaded: Any, *, prefix_cache: bool = True, specprefill_draft: str | None = None,
                  **kw: Any) -> None:
         fields = {"max_num_seqs": 8, "prefill_batch_size": 4, "prefill_step_size": 16, "seed": 0,
-                  "mtp_max_batch": 8, "decode_stall_factor": 0, "speculation": "mtp"} | kw
+                  "mtp_max_batch": 8, "decode_stall_factor": 0, "speculation": "mtp", "context_policy": "always"} | kw
         self.config = EngineConfig(model_path=loaded.info.model_path, **fields)
         self.engine = EngineCore(loaded, self.config, prefix_cache=prefix_cache, draft_model=specprefill_draft)
         self.policy = TextMTPExecutor(self.config, msgspec.structs.replace(
