@@ -23,7 +23,8 @@ SYSTEM = ("You are a careful coding agent. Follow the repository's conventions, 
 OPTS: dict[str, Any] = {"max_tokens": 10, "temperature": 0}
 TOOLS = [{"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
                                            "parameters": {"type": "object", "properties": {}}}}]
-CACHE: dict[str, Any] = {"prefix_min_snapshot_tokens": 8, "max_num_seqs": 8, "mtp_policy": "always"}
+CACHE: dict[str, Any] = {"prefix_min_snapshot_tokens": 8, "max_num_seqs": 8, "mtp_policy": "always",
+                         "context_policy": "always"}
 
 
 def conversation(question: str, turns: list[tuple[str, str]] = ()) -> list[dict[str, Any]]:  # type: ignore[assignment]

@@ -55,7 +55,9 @@ def test_text_only_mtp_head_is_the_vlm_checkpoints_head(gpu: Callable, fp32_mode
 
 async def test_text_only_checkpoints_give_the_vlm_checkpoints_tokens(fp32_model: Path) -> None:
     async def greedy(path: Path) -> list[tuple[list[int], int]]:
-        async with Relay.start(path, max_num_seqs=4, mtp_max_batch=4, mtp_policy="always") as relay:
+        # every round verifies the head (no timed weighing: the counts below are the head's own)
+        async with Relay.start(path, max_num_seqs=4, mtp_max_batch=4, mtp_policy="always",
+                               context_policy="always") as relay:
             out = []
             for msgs in MESSAGES:
                 result = await relay.chat(msgs, max_tokens=16, temperature=0)
@@ -71,7 +73,8 @@ async def test_text_only_checkpoints_give_the_vlm_checkpoints_tokens(fp32_model:
 
 
 def test_text_only_checkpoint_serves_over_http_and_refuses_images() -> None:
-    config = default_config(_text_fixture("text"), served_model_name="tiny-text", max_num_seqs=4, mtp_policy="always")
+    config = default_config(_text_fixture("text"), served_model_name="tiny-text", max_num_seqs=4, mtp_policy="always",
+                            context_policy="always")
     with LiveServer(config) as live:
         r = local_http.post(live.url + "/v1/chat/completions", timeout=60, json={
             "model": "tiny-text", "messages": MESSAGES[0], "max_tokens": 8, "temperature": 0})
