@@ -74,6 +74,9 @@
 #            OURS_FLAGS, STREAMS, LONG_TOKENS, WINDOW), so it follows the jobs before it on the same
 #            machine; SBL_NARROW=1 adds --prefill-experts narrow where this run's kernel check passed it.
 #            Results: short_behind_long.tgz, sbl.txt
+#   rivals   (issue 45.4) ours with no flags beside each of RIVALS ("name=flags;...", default "wide=--mtp-max-batch
+#            16;none=--speculation none") in turn, both capped (MEM_GB 62), one alternating harness run a level of
+#            RIVAL_LEVELS ("16:64 64:64"), short_chat. Results: rivals_NAME_C.{json,txt}, the servers' logs
 #   With QMM_FLAGS (e.g. "--prefill-experts kernel"): the prefill and sbl jobs add them to our server's
 #   flags only if the kernels job ran first and passed our grouped 8-bit kernel (grouped_qmm and the
 #   grouped experts through it); qmm.txt says which.
@@ -270,6 +273,37 @@ specmiss)
     --methods "${SPEC_METHODS:-none,context,auto,mtp}" --no-raw --max-tokens "${SPEC_TOKENS:-160}" \
     --repeats "${REPEATS:-3}" --profile --out $O/spec_miss.json > $O/spec_miss.txt 2>&1
   say "specmiss (rc $?): $(grep -h '^== ' $O/spec_miss.txt | cut -c1-150 | tr '\n' ';')" ;;
+rivals)
+  # issue 45.4: our server with no flags stays up while each rival of RIVALS ("name=flags;name=flags", default
+  # "wide=--mtp-max-batch 16;none=--speculation none") starts beside it (both capped at MEM_GB), is warmed
+  # (WARM C:N), and ONE harness run alternates between the two for each RIVAL_LEVELS "C:N" (default
+  # "16:64 64:64"), on short_chat; the rival is stopped before the next starts. Results: rivals_NAME_C.json
+  caps=(--served-model-name qwen35-moe --max-num-seqs 64 --max-queue 512 --memory-limit-gb "${MEM_GB:-62}"
+        --cache-limit-gb 4 --prefix-cache-gb 6)
+  up() { python3 -c "import sys,httpx; sys.exit(httpx.get(sys.argv[1],timeout=2).status_code!=200)" "$1" 2>/dev/null; }
+  setsid nohup python3 -m mlx_relay.cli serve "$MODEL" --port 8100 "${caps[@]}" > $O/rivals_ours.log 2>&1 < /dev/null &
+  ours_pid=$!
+  IFS=';' read -ra rivals <<< "${RIVALS:-wide=--mtp-max-batch 16;none=--speculation none}"
+  for rival in "${rivals[@]}"; do
+    name=${rival%%=*}; read -ra rflags <<< "${rival#*=}"
+    setsid nohup python3 -m mlx_relay.cli serve "$MODEL" --port 8101 "${caps[@]}" "${rflags[@]}" \
+      > $O/rivals_$name.log 2>&1 < /dev/null &
+    rival_pid=$!
+    for _ in $(seq 1 600); do up http://127.0.0.1:8100/health && up http://127.0.0.1:8101/health && break; sleep 1; done
+    pair=(--target ours=http://127.0.0.1:8100 --target "$name=http://127.0.0.1:8101" --scenario short_chat --no-plots)
+    w=${WARM:-16:16}
+    timeout -k 5 200 python3 -m mlx_relay.cli bench "${pair[@]}" --concurrency "${w%%:*}" --requests "${w##*:}" \
+      --out /tmp/rivals-warm --seed 99 > /dev/null 2>&1
+    for lv in ${RIVAL_LEVELS:-16:64 64:64}; do
+      c=${lv%%:*}; n=${lv##*:}
+      python3 -m mlx_relay.cli bench "${pair[@]}" --concurrency "$c" --requests "$n" --duration 400 \
+        --out /tmp/rivals-$name-$c > $O/rivals_${name}_$c.txt 2>&1
+      cp /tmp/rivals-$name-$c/bench.json $O/rivals_${name}_$c.json 2>/dev/null
+      say "rivals $name c=$c: $(grep -h '^| ' $O/rivals_${name}_$c.txt | head -n 4 | cut -c1-200 | tr '\n' ';')"
+    done
+    kill -- -$rival_pid 2>/dev/null; kill $rival_pid 2>/dev/null; sleep 8
+  done
+  kill -- -$ours_pid 2>/dev/null; kill $ours_pid 2>/dev/null; sleep 8 ;;
 snapio)
   python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
   say "snapio done (rc $?)" ;;
