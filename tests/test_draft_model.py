@@ -224,3 +224,36 @@ def test_a_long_prompt_is_read_by_the_draft_a_piece_a_round(gpu: Callable) -> No
     readiness, in_pieces, whole = gpu(run)
     assert readiness == [False, True]
     assert in_pieces == whole and len(whole) == 3
+
+
+def test_compiled_drafts_equal_the_library_s_round_by_round(gpu: Callable) -> None:
+    """A draft of a served family drafts through the engine's compiled decode step
+    (`draft_compiled.py`); the same committed tokens give the same drafts as the library's eager
+    forward (float32), round after round, whatever share of the last drafts the row committed:
+    none, some, all of them (the state kept after the last taken draft, or one step past it), and
+    a round skipped (committed tokens the draft never proposed after)."""
+    path = fixture_path(FixtureSpec(variant="fp32", seed=0))
+    other = fixture_path(FixtureSpec(variant="fp32", seed=1))
+
+    def run() -> tuple[list[list[int]], list[list[int]], bool, bool]:
+        tok = load_model(path).processor
+        tok = getattr(tok, "tokenizer", tok)
+        compiled, eager = DraftModel.load(other, tok, 4), DraftModel.load(other, tok, 4, compiled=False)
+        a, b = compiled.proposals(list(range(5, 40))), eager.proposals(list(range(5, 40)))
+        got_a, got_b = [], []
+        # per round: how many of the drafts the row takes, then the target's own token (None: no proposal)
+        for taken, own in ((0, 7), (2, 9), (4, 11), (None, 13), (1, 15), (4, 17), (3, 19)):
+            if taken is None:
+                a.extend([own, own + 1])
+                b.extend([own, own + 1])
+                continue
+            da, db = a.propose(4), b.propose(4)
+            got_a.append(da)
+            got_b.append(db)
+            a.extend([*da[:taken], own])
+            b.extend([*db[:taken], own])
+        return got_a, got_b, compiled.info.compiled, eager.info.compiled
+
+    got_a, got_b, is_compiled, eager_compiled = gpu(run)
+    assert is_compiled and not eager_compiled
+    assert got_a == got_b and all(len(d) == 4 for d in got_a), (got_a, got_b)

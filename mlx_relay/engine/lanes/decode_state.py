@@ -95,6 +95,26 @@ class DecodeState:
         return cls(kv, conv, ssm, idx, left_padding.astype(mx.int32),
                    mx.array(rope_deltas, dtype=mx.int32), tuple(layout))
 
+    @classmethod
+    def from_row_caches(cls, caches: list[Any], layout: tuple[bool, ...]) -> DecodeState:
+        """One row's state from its batch-1 library caches (either library's; `library_caches`' inverse):
+        keys and values to their offset, the recurrent layers' conv window and state as they are."""
+        kv, conv, ssm = [], [], []
+        idx = 0
+        for linear, c in zip(layout, caches, strict=True):
+            if linear:
+                conv_state, ssm_state = c.state
+                conv.append(conv_state)
+                ssm.append(ssm_state)
+            else:
+                idx = int(c.offset)
+                keys, values = c.state[0][:, :, :idx, :], c.state[1][:, :, :idx, :]
+                cap = _cap_for(idx + 1)
+                kv.append((_shift(keys, 0, cap), _shift(values, 0, cap)))
+        if not kv:
+            raise ValueError("a decode state needs at least one attention layer")
+        return cls(kv, conv, ssm, idx, mx.zeros((1,), dtype=mx.int32), mx.zeros((1,), dtype=mx.int32), layout)
+
     def pad_to(self, rows: int) -> None:
         """Append idle rows (zero state, attending only to their own columns) up to `rows`."""
         k = rows - self.batch_size

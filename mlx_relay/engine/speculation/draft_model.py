@@ -15,6 +15,9 @@ are values, and the libraries replace a recurrent state rather than write into i
 tokens committed since (`extend`: the verified drafts and the target's token after them) in one
 forward, keeps that state, and then drafts token after token. A draft costs one small forward;
 the draft's caches are not counted in the KV budget (a small model's, one per row of the lane).
+A draft of a family the engine serves drafts through its compiled decode step instead
+(`draft_compiled.CompiledDraftProposals`: one traced call a drafted token, the committed drafts
+never read twice); this eager path stays for every other family and for `compiled=False`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache as LmArraysCache
 from mlx_vlm.models.cache import ArraysCache as VlmArraysCache
 
+from mlx_relay.engine.lanes.decode_step import DecodeStep, UnsupportedModel
 from mlx_relay.engine.scoring.draft_library import (
     LoadedDraft,
     cache_arrays,
@@ -34,6 +38,7 @@ from mlx_relay.engine.scoring.draft_library import (
     load_draft,
     make_cache,
 )
+from mlx_relay.engine.speculation.draft_compiled import CompiledDraftProposals
 from mlx_relay.engine.speculation.earnings import Source
 from mlx_relay.errors import ModelLoadError
 
@@ -65,16 +70,23 @@ class DraftModelInfo:
     model_type: str
     library: str
     tokens: int  # drafts a round at most
+    compiled: bool  # drafts through the engine's compiled decode step (else the library's eager forward)
 
 
 class DraftModel:
     """The loaded draft (GPU thread only): `proposals(tokens)` starts a row's."""
 
-    def __init__(self, loaded: LoadedDraft, path: Path, tokens: int) -> None:
+    def __init__(self, loaded: LoadedDraft, path: Path, tokens: int, compiled: bool = True) -> None:
         if tokens < 1:
             raise ValueError("a draft model proposes at least one token a round")
         self.model = loaded.model
-        self.info = DraftModelInfo(str(path), loaded.model_type, loaded.library, tokens)
+        self.step: DecodeStep | None = None
+        if compiled:
+            try:  # a family the engine's decode step serves
+                self.step = DecodeStep(self.model)
+            except UnsupportedModel:
+                self.step = None
+        self.info = DraftModelInfo(str(path), loaded.model_type, loaded.library, tokens, self.step is not None)
         kinds = {type(c).__name__ for c in make_cache(self.model) if not _restorable(c)}
         if kinds:
             raise DraftModelIncompatible(f"the draft model {path} has layers whose caches a round cannot put "
@@ -85,11 +97,18 @@ class DraftModel:
             mx.eval(self.forward(mx.array([[2]], dtype=mx.int32), cache))
         except Exception as exc:
             raise DraftModelIncompatible(f"the draft model {path} cannot run a row's drafts: {exc!r}") from exc
+        if self.step is not None:
+            try:  # and a row's round through the compiled step; if it cannot run, the eager forward drafts
+                self.proposals([0, 1, 2]).propose(2)
+            except Exception:
+                self.step = None
+                self.info = DraftModelInfo(str(path), loaded.model_type, loaded.library, tokens, False)
 
     @classmethod
-    def load(cls, path: Path, target_tokenizer: Any, tokens: int) -> DraftModel:
+    def load(cls, path: Path, target_tokenizer: Any, tokens: int, compiled: bool = True) -> DraftModel:
         """The draft at `path`; `ModelLoadError` if it cannot be loaded, `DraftModelIncompatible`
-        if it cannot draft for the target (`target_tokenizer`'s vocabulary)."""
+        if it cannot draft for the target (`target_tokenizer`'s vocabulary); `compiled`: through the
+        engine's compiled decode step where its family is served."""
         try:
             loaded = load_draft(path)
         except Exception as exc:
@@ -98,10 +117,12 @@ class DraftModel:
         if not mine or mine != theirs:
             raise DraftModelIncompatible(f"the draft model {path} has another vocabulary than the served model "
                                           f"({len(mine)} tokens against {len(theirs)})")
-        return cls(loaded, path, tokens)
+        return cls(loaded, path, tokens, compiled)
 
-    def proposals(self, tokens: list[int]) -> DraftProposals:
+    def proposals(self, tokens: list[int]) -> DraftProposals | CompiledDraftProposals:
         """A row's proposer, its tokens so far `tokens` (read at its first proposal)."""
+        if self.step is not None:
+            return CompiledDraftProposals(self, self.step, tokens)
         return DraftProposals(self, tokens)
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
