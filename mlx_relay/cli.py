@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     logs.add_argument("--log-format", default="text", choices=["text", "json"],
                       help="text: 'LEVEL logger: message key=value ...'; json: one JSON object per line")
+    logs.add_argument("--log-name", default=None, metavar="NAME",
+                      help="a name every log line carries (text: first; json: 'server'); the cluster names its "
+                           "replicas replica-1, replica-2, ...")
     logs.add_argument("--log-prompts", action="store_true",
                       help="put each request's prompt and reply text in its log line (off: counts and timings only)")
     pool = serve.add_argument_group("several models (loaded on demand, unloaded under a memory budget)")
@@ -452,7 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if serve_args and args.command != "cluster":
         parser.error(f"unrecognized arguments: {' '.join(serve_args)}")
     # cluster: its own lines are printed; its health polls are not worth a log line each
-    configure_logging(getattr(args, "log_level", "warning"), args.log_format if args.command == "serve" else "text")
+    configure_logging(getattr(args, "log_level", "warning"), args.log_format if args.command == "serve" else "text",
+                      getattr(args, "log_name", None))
     if args.command == "serve":
         # json logs: the boot's progress as log lines too, so that every line on stderr is JSON
         progress = _progress_printer() if args.log_format == "text" else logging.getLogger("mlx_relay.boot").info

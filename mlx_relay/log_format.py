@@ -5,7 +5,9 @@ server leaves uvicorn's loggers to propagate here) and every module's.
 A record may carry structured fields (`logging`'s `extra={"fields": {...}}`): the text format
 appends them as `key=value` (a value with spaces, quotes or `=` JSON-quoted, None as `-`), so a
 line stays one line whatever the values hold; the json format writes one JSON object per line,
-the fields beside `time`, `level`, `logger` and `message`.
+the fields beside `time`, `level`, `logger` and `message`. With a name (`--log-name`; the cluster
+names its replicas `replica-1`, `replica-2`, ...) every line carries it: first on a text line, as
+`server` in a JSON one, so that the lines of processes sharing one stream can be told apart.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ def fields_of(record: logging.LogRecord) -> dict[str, Any]:
 
 
 class TextFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__(TEXT)
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__(TEXT if name is None else f"{name} {TEXT}")
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -37,8 +39,13 @@ class TextFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__()
+        self.name = name
+
     def format(self, record: logging.LogRecord) -> str:
         obj: dict[str, Any] = {
+            **({"server": self.name} if self.name is not None else {}),
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
@@ -50,14 +57,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(obj, ensure_ascii=False, default=str)
 
 
-def formatter(fmt: LogFormat) -> logging.Formatter:
-    return JsonFormatter() if fmt == "json" else TextFormatter()
+def formatter(fmt: LogFormat, name: str | None = None) -> logging.Formatter:
+    return JsonFormatter(name) if fmt == "json" else TextFormatter(name)
 
 
-def configure_logging(level: str, fmt: LogFormat) -> None:
-    """The root logger: `level`, one handler on stderr in format `fmt`."""
+def configure_logging(level: str, fmt: LogFormat, name: str | None = None) -> None:
+    """The root logger: `level`, one handler on stderr in format `fmt`, each line carrying `name`."""
     handler = logging.StreamHandler()
-    handler.setFormatter(formatter(fmt))
+    handler.setFormatter(formatter(fmt, name))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 

@@ -318,3 +318,15 @@ def test_replica_devices_one_per_replica(capsys: pytest.CaptureFixture[str]) -> 
     assert "names 1 devices for 2 local replicas" in capsys.readouterr().err
     assert main(["cluster", "m", "--replicas", "2", "--replica-devices", "0,"]) == 2
     assert "not a device list" in capsys.readouterr().err
+
+
+def test_each_replica_s_log_lines_carry_its_name() -> None:
+    """The replicas share the cluster's stderr: each runs with `--log-name replica-N` (unless the
+    serve args name one), so a request line says which replica ran it."""
+    from mlx_relay.cluster.config import ClusterConfig, RouterConfig
+    from mlx_relay.cluster.supervisor import build_replicas
+
+    argvs = [r.argv for r in build_replicas(ClusterConfig(model="m", router=RouterConfig(), replicas=2))]
+    assert [a[a.index("--log-name") + 1] for a in argvs] == ["replica-1", "replica-2"]
+    named = ClusterConfig(model="m", router=RouterConfig(), replicas=2, serve_args=("--log-name", "mine"))
+    assert all(r.argv.count("--log-name") == 1 for r in build_replicas(named))

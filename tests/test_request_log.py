@@ -158,3 +158,14 @@ def test_the_text_format_keeps_a_line_one_line() -> None:
     assert text == 'INFO mlx_relay.requests: request a=- b=true c=0.25 d="two words \\"quoted\\"\\nand a newline" ' \
                    'e="[\\"x y\\"]"'
     assert json.loads(JsonFormatter().format(record))["d"] == record.fields["d"]
+
+
+def test_a_named_server_s_lines_carry_its_name() -> None:
+    """`--log-name` (the cluster names its replicas replica-1, ...): first on a text line, `server`
+    in a JSON one, so the lines of processes sharing a stream can be told apart."""
+    record = logging.LogRecord(LOGGER, logging.INFO, __file__, 1, "request", None, None)
+    record.fields = {"request_id": "s3.t1"}
+    assert TextFormatter("replica-2").format(record) == "replica-2 INFO mlx_relay.requests: request request_id=s3.t1"
+    obj = json.loads(JsonFormatter("replica-2").format(record))
+    assert obj["server"] == "replica-2" and obj["request_id"] == "s3.t1"
+    assert "server" not in json.loads(JsonFormatter().format(record))

@@ -23,7 +23,13 @@ EXIT_MARGIN_S = 15.0  # beyond a child's own drain or grace period before it is 
 
 
 def build_replicas(config: ClusterConfig) -> list[Replica]:
-    return [Replica(i, url, serve_argv(config.model, config.replica_host, config.router.port + i, config.serve_args),
+    # each replica's log lines carry its name (they share the cluster's stderr), unless the serve args name it
+    named = any(a == "--log-name" or a.startswith("--log-name=") for a in config.serve_args)
+
+    def args(i: int) -> tuple[str, ...]:
+        return config.serve_args if named else (*config.serve_args, "--log-name", f"replica-{i}")
+
+    return [Replica(i, url, serve_argv(config.model, config.replica_host, config.router.port + i, args(i)),
                     config.replica_env(i))
             for i, url in enumerate(config.replica_urls(), start=1)]
 
