@@ -4,7 +4,19 @@ shape (40 layers, 3 GatedDeltaNet : 1 gated attention, 256 experts with 8 active
 vision tower stays bf16), saved as an mlx-vlm checkpoint with the real Qwen3.5 vocabulary.
 No weights travel: the figures it gives are honest for speed, its text is noise.
 
-    python benchmarks/gpu/build_random_model.py OUT_DIR --tokenizer DIR [--shape 35b-a3b|draft] [--tiny] [--seed 0]
+    python benchmarks/gpu/build_random_model.py OUT_DIR --tokenizer DIR [--shape 35b-a3b|122b-a10b|397b-a17b|draft]
+        [--bits 8|4] [--tiny] [--seed 0]
+
+`--shape 122b-a10b` / `397b-a17b` (issue 46.2: a model larger than one card, served by the
+pipeline) build the larger Qwen3.5 MoE shapes from their published figures (122B-A10B: 48 layers,
+hidden 3,072, 256 experts with 8 active and a shared one, 32 query heads, 12 of 48 layers full
+attention; 397B-A17B: 60 layers, hidden 4,096, 512 experts with 10 active, 32 query / 2 KV heads of
+256; both expert widths 1,024). What those figures leave open is filled as the 35B-A3B's (2 KV heads of
+256, linear-attention heads of 128, 16 key heads) with 64 value heads, which lands the 122B shape at
+122.1 B parameters. These are written layer by layer, each decoder layer's quantized weights to a
+shard of its own and then dropped (`model-layer-NNN.safetensors`, an index beside), so neither the
+device nor the host ever holds the whole model (122B at 8 bits is ~130 GB). `--bits 4` quantizes
+them (and the 35B-A3B shape) to 4 bits instead of 8.
 
 `--shape draft` builds instead a small dense `qwen3_5` model with the same vocabulary and
 tokenizer, for SpecPrefill's draft (benchmarks/bench_specprefill.py): the text shape of
@@ -70,6 +82,16 @@ TEXT_35B_A3B: dict[str, Any] = {
         "mrope_interleaved": True,
     },
 }
+# The larger shapes (issue 46.2): the published figures, the rest as the 35B-A3B's (module docstring).
+TEXT_122B_A10B: dict[str, Any] = {**copy.deepcopy(TEXT_35B_A3B), "hidden_size": 3072, "num_hidden_layers": 48,
+                                  "num_attention_heads": 32, "linear_num_value_heads": 64,
+                                  "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024}
+TEXT_397B_A17B: dict[str, Any] = {**copy.deepcopy(TEXT_35B_A3B), "hidden_size": 4096, "num_hidden_layers": 60,
+                                  "num_attention_heads": 32, "linear_num_value_heads": 64, "num_experts": 512,
+                                  "num_experts_per_tok": 10, "moe_intermediate_size": 1024,
+                                  "shared_expert_intermediate_size": 1024}
+MOE_SHAPES: dict[str, dict[str, Any]] = {"35b-a3b": TEXT_35B_A3B, "122b-a10b": TEXT_122B_A10B,
+                                         "397b-a17b": TEXT_397B_A17B}
 VISION_35B_A3B: dict[str, Any] = {
     "model_type": "qwen3_5_moe",
     "depth": 27,
@@ -123,7 +145,7 @@ DRAFT_TINY_OVERRIDES: dict[str, Any] = {
     "intermediate_size": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
     "linear_value_head_dim": 16, "rope_parameters": copy.deepcopy(TINY_OVERRIDES["rope_parameters"]),
 }
-SHAPES = ("35b-a3b", "draft")
+SHAPES = (*MOE_SHAPES, "draft")
 
 
 TOKENIZER_FILES = (
@@ -141,8 +163,8 @@ def special_ids(tokenizer_dir: Path) -> dict[str, int]:
 def make_config(tokenizer_dir: Path, tiny: bool, shape: str = "35b-a3b", agree: bool = False) -> dict[str, Any]:
     if shape == "draft":
         return make_draft_config(tokenizer_dir, tiny)
-    text = copy.deepcopy(TEXT_35B_A3B)
-    vision = copy.deepcopy(VISION_35B_A3B)
+    text = copy.deepcopy(MOE_SHAPES[shape])
+    vision = {**copy.deepcopy(VISION_35B_A3B), "out_hidden_size": text["hidden_size"]}
     if tiny:
         text.update(copy.deepcopy(TINY_OVERRIDES))
         vision.update(TINY_VISION)
@@ -298,7 +320,22 @@ def build_draft(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, agree_
     return out
 
 
-def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: float | None = None) -> Path:
+def _save_layer(out: Path, i: int, layer: Any, weight_map: dict[str, str]) -> int:
+    """Layer `i`'s weights to a shard of its own, then dropped from the module; the bytes written."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
+    name = f"model-layer-{i:03d}.safetensors"
+    weights = {f"language_model.model.layers.{i}.{k}": v for k, v in tree_flatten(layer.parameters())}
+    n_bytes = sum(v.nbytes for v in weights.values())
+    mx.save_safetensors(str(out / name), weights, metadata={"format": "mlx"})
+    weight_map.update(dict.fromkeys(weights, name))
+    layer.update(tree_map(lambda _: mx.array([]), layer.parameters()))
+    return n_bytes
+
+
+def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: float | None = None,
+          shape: str = "35b-a3b", bits: int = 8, layers: int | None = None) -> Path:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -309,7 +346,14 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: f
     mx.random.seed(seed)
     mx.set_cache_limit(0)
     agree = mtp_agree is not None
-    config = make_config(tokenizer_dir, tiny, agree=agree)
+    config = make_config(tokenizer_dir, tiny, shape=shape, agree=agree)
+    if layers is not None:
+        config["text_config"]["num_hidden_layers"] = layers
+    stream = shape != "35b-a3b"  # each layer to its own shard as it is built
+    weight_map: dict[str, str] = {}
+    streamed = 0
+    if stream:
+        out.mkdir(parents=True, exist_ok=True)
     plan = None
     if mtp_agree is not None:
         from mtp_agree import make_plan
@@ -321,7 +365,7 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: f
               flush=True)
     init = _agree_init_value if agree else _init_value
     model = qwen3_5_moe.Model(qwen3_5_moe.ModelConfig.from_dict(copy.deepcopy(config)))
-    group_size, bits = 64, 8
+    group_size = 64
     model_predicate = getattr(model, "quant_predicate", None)
 
     def predicate(path: str, module: nn.Module) -> bool | dict:
@@ -337,6 +381,8 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: f
         nn.quantize(layer, group_size, bits,
                     class_predicate=lambda p, m, i=i: predicate(f"language_model.model.layers.{i}.{p}", m))
         mx.eval(layer.parameters())
+        if stream:
+            streamed += _save_layer(out, i, layer, weight_map)
         print(f"layer {i + 1}/{len(lm.model.layers)} ({time.perf_counter() - tic:.1f}s)", flush=True)
     if plan is None:
         for name, sub in (("language_model.model.embed_tokens", lm.model.embed_tokens),
@@ -363,9 +409,17 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: f
     mtp = {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())}
     del head
     config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    n_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    n_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) + streamed
     out.mkdir(parents=True, exist_ok=True)
-    save_weights(out, model, donate_weights=True)
+    if stream:  # the rest (embeddings, head, norm, vision tower) as one more shard, and the index of all
+        rest = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("language_model.model.layers.")}
+        mx.save_safetensors(str(out / "model-rest.safetensors"), rest, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(rest, "model-rest.safetensors"))
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": n_bytes}, "weight_map": dict(sorted(weight_map.items()))}, indent=1))
+        del rest
+    else:
+        save_weights(out, model, donate_weights=True)
     # the MTP head beside the model, in MLX layout (`load_drafter(out, kind="mtp")` reads mtp.*)
     mx.save_safetensors(str(out / "model-mtp.safetensors"), mtp, metadata={"format": "mlx"})
     n_bytes += sum(v.nbytes for v in mtp.values())
@@ -382,12 +436,15 @@ def main() -> None:
                         help="dir with the real-vocab tokenizer + processor JSONs (mlx_relay.testing.qwen_vocab)")
     parser.add_argument("--tiny", action="store_true", help="same architecture at toy size (CPU check)")
     parser.add_argument("--shape", choices=SHAPES, default="35b-a3b",
-                        help="35b-a3b: the 8-bit MoE target (default); draft: SpecPrefill's small dense bf16 draft")
+                        help="35b-a3b: the 8-bit MoE target (default); 122b-a10b, 397b-a17b: the larger MoE shapes, "
+                             "written layer by layer; draft: SpecPrefill's small dense bf16 draft")
+    parser.add_argument("--bits", type=int, choices=(8, 4), default=8, help="the MoE shapes' quantization (default 8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--agree-with", type=float, default=None, metavar="RATE",
                         help="draft only: a speculative draft for the --mtp-agree target of the same --seed, drafting "
                              "the target's next token at RATE of the cycle's positions (issue 45.1)")
-    parser.add_argument("--draft-layers", type=int, default=None, help="draft only: decoder layers (default 24)")
+    parser.add_argument("--layers", "--draft-layers", type=int, default=None,
+                        help="decoder layers (default the shape's; e.g. 8 for a --tiny model a pipeline splits in two)")
     parser.add_argument("--mtp-agree", type=float, default=None, metavar="RATE",
                         help="35b-a3b only: the target a fixed long bigram cycle, the MTP head agreeing with it "
                              "at block-2 acceptance RATE (0 < RATE <= 1; mtp_agree.py)")
@@ -398,11 +455,14 @@ def main() -> None:
         if args.agree_with is not None and not 0.0 < args.agree_with <= 1.0:
             parser.error(f"--agree-with must be in (0, 1], got {args.agree_with}")
         build_draft(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed, agree_with=args.agree_with,
-                    layers=args.draft_layers)
+                    layers=args.layers)
     else:
         if args.mtp_agree is not None and not 0.0 < args.mtp_agree <= 1.0:
             parser.error(f"--mtp-agree must be in (0, 1], got {args.mtp_agree}")
-        build(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed, mtp_agree=args.mtp_agree)
+        if args.mtp_agree is not None and args.shape != "35b-a3b":
+            parser.error("--mtp-agree builds the 35b-a3b shape only")
+        build(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed, mtp_agree=args.mtp_agree, shape=args.shape,
+              bits=args.bits, layers=args.layers)
 
 
 if __name__ == "__main__":
