@@ -77,6 +77,9 @@
 #   rivals   (issue 45.4) ours with no flags beside each of RIVALS ("name=flags;...", default "wide=--mtp-max-batch
 #            16;none=--speculation none") in turn, both capped (MEM_GB 62), one alternating harness run a level of
 #            RIVAL_LEVELS ("16:64 64:64"), short_chat. Results: rivals_NAME_C.{json,txt}, the servers' logs
+#   vision   (issue 47.3) ours and mlx_vlm.server side by side (capped at MEM_GB), bench_vision_cache.py: a new
+#            VISION_SIZE (1024) image cold, in a new conversation, then the first conversation's next turn,
+#            REPEATS times alternating. Results: vision_cache.{json,txt}, the servers' logs
 #   With QMM_FLAGS (e.g. "--prefill-experts kernel"): the prefill and sbl jobs add them to our server's
 #   flags only if the kernels job ran first and passed our grouped 8-bit kernel (grouped_qmm and the
 #   grouped experts through it); qmm.txt says which.
@@ -304,6 +307,22 @@ rivals)
     kill -- -$rival_pid 2>/dev/null; kill $rival_pid 2>/dev/null; sleep 8
   done
   kill -- -$ours_pid 2>/dev/null; kill $ours_pid 2>/dev/null; sleep 8 ;;
+vision)
+  # issue 47.3: ours and mlx_vlm.server (APC on) side by side, each capped at MEM_GB, bench_vision_cache.py: a new
+  # VISION_SIZE (1024) image cold, again in a new conversation, then the first conversation's next turn
+  setsid nohup python3 -m mlx_relay.cli serve "$MODEL" --port 8100 --served-model-name qwen35-moe \
+    --memory-limit-gb "${MEM_GB:-62}" --cache-limit-gb 4 > $O/vision_ours.log 2>&1 < /dev/null &
+  ours_pid=$!
+  APC_ENABLED=1 APC_DISK_ENABLED=0 setsid nohup python3 benchmarks/gpu/mlx_vlm_server_capped.py "${MEM_GB:-62}" 4 \
+    -- --model "$MODEL" --host 127.0.0.1 --port 8101 > $O/vision_peer.log 2>&1 < /dev/null &
+  peer_pid=$!
+  up() { python3 -c "import sys,httpx; sys.exit(httpx.get(sys.argv[1],timeout=2).status_code!=200)" "$1" 2>/dev/null; }
+  for _ in $(seq 1 600); do up http://127.0.0.1:8100/health && up http://127.0.0.1:8101/v1/models && break; sleep 1; done
+  python3 benchmarks/bench_vision_cache.py --target ours=http://127.0.0.1:8100 --target mlx_vlm=http://127.0.0.1:8101 \
+    --size "${VISION_SIZE:-1024}" --repeats "${REPEATS:-3}" --commit "$COMMIT" --out $O/vision_cache.json \
+    > $O/vision_cache.txt 2>&1
+  say "vision (rc $?): $(grep -h '^| [a-z]' $O/vision_cache.txt | cut -c1-120 | tr '\n' ';')"
+  kill -- -$ours_pid -$peer_pid 2>/dev/null; kill $ours_pid $peer_pid 2>/dev/null; sleep 8 ;;
 snapio)
   python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
   say "snapio done (rc $?)" ;;
