@@ -230,8 +230,9 @@ def test_compiled_drafts_equal_the_library_s_round_by_round(gpu: Callable) -> No
     """A draft of a served family drafts through the engine's compiled decode step
     (`draft_compiled.py`); the same committed tokens give the same drafts as the library's eager
     forward (float32), round after round, whatever share of the last drafts the row committed:
-    none, some, all of them (the state kept after the last taken draft, or one step past it), and
-    a round skipped (committed tokens the draft never proposed after)."""
+    none, some, all of them (the state kept after the last taken draft, or one step past it), a
+    round skipped (committed tokens the draft never proposed after), and drafts committed without
+    the target's own token after them."""
     path = fixture_path(FixtureSpec(variant="fp32", seed=0))
     other = fixture_path(FixtureSpec(variant="fp32", seed=1))
 
@@ -242,7 +243,8 @@ def test_compiled_drafts_equal_the_library_s_round_by_round(gpu: Callable) -> No
         a, b = compiled.proposals(list(range(5, 40))), eager.proposals(list(range(5, 40)))
         got_a, got_b = [], []
         # per round: how many of the drafts the row takes, then the target's own token (None: no proposal)
-        for taken, own in ((0, 7), (2, 9), (4, 11), (None, 13), (1, 15), (4, 17), (3, 19)):
+        # (own None: the row committed only drafts, its own token not yet; taken None: no proposal)
+        for taken, own in ((0, 7), (2, 9), (4, 11), (None, 13), (1, 15), (4, 17), (3, None), (2, None), (3, 19)):
             if taken is None:
                 a.extend([own, own + 1])
                 b.extend([own, own + 1])
@@ -250,8 +252,8 @@ def test_compiled_drafts_equal_the_library_s_round_by_round(gpu: Callable) -> No
             da, db = a.propose(4), b.propose(4)
             got_a.append(da)
             got_b.append(db)
-            a.extend([*da[:taken], own])
-            b.extend([*db[:taken], own])
+            a.extend([*da[:taken], *([] if own is None else [own])])
+            b.extend([*db[:taken], *([] if own is None else [own])])
         return got_a, got_b, compiled.info.compiled, eager.info.compiled
 
     got_a, got_b, is_compiled, eager_compiled = gpu(run)

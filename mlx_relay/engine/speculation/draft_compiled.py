@@ -101,8 +101,9 @@ class CompiledDraftProposals:
         while taken < min(len(self._drafts), len(self._pending)) and self._pending[taken] == self._drafts[taken]:
             taken += 1
         if self._kept:
-            # the state after step s read the round's first input and its drafts 1..s
-            s = min(taken, len(self._kept) - 1)
+            # the state after step s read the round's first input and its drafts 1..s; at least one
+            # committed token is left to be the round's first input
+            s = min(taken, len(self._kept) - 1, len(self._pending) - 1)
             state.idx, state.conv, state.ssm = self._kept[s]
             del self._pending[:s]
         self._kept, self._drafts = [], []
