@@ -25,22 +25,7 @@ import time
 from typing import Any
 
 import httpx
-
-
-def stream(url: str, model: str, k: int, max_tokens: int, lines: list[str], started: threading.Event) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": f"Count from {k} upwards, one number a line."}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    try:
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-            lines.append(f"status {r.status_code}")
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                    if '"content"' in line:
-                        started.set()
-    except httpx.HTTPError as exc:
-        lines.append(f"transport error {type(exc).__name__}")
-    started.set()
+from cluster_failover import Run  # the same streamed request, its lines kept (benchmarks/ is on the path)
 
 
 def alive(pid: int) -> bool:
@@ -73,8 +58,10 @@ def main() -> None:
     model = httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     logs: list[list[str]] = [[] for _ in range(args.streams)]
     started = [threading.Event() for _ in range(args.streams)]
-    threads = [threading.Thread(target=stream, args=(args.url, model, k, args.max_tokens, logs[k], started[k]),
-                                daemon=True) for k in range(args.streams)]
+    client = Run(args.url, [], model)
+    asks = [[{"role": "user", "content": f"Count from {k} upwards, one number a line."}] for k in range(args.streams)]
+    threads = [threading.Thread(target=client.stream, args=(asks[k], args.max_tokens, logs[k], started[k]), daemon=True)
+               for k in range(args.streams)]
     for t in threads:
         t.start()
     for e in started:
