@@ -207,7 +207,7 @@ def test_a_long_prompt_is_read_by_the_draft_a_piece_a_round(gpu: Callable) -> No
     """A row's prompt longer than FEED_CHUNK is read by the draft over several rounds (no round, and no
     other row's decoding, waits on its whole prefill in the draft): `ready` reads a piece and says no
     until what is left fits one round; the drafts then are those of the prompt read at once."""
-    from mlx_relay.engine.speculation.draft_model import FEED_CHUNK
+    from mlx_relay.engine.speculation.proposer import FEED_CHUNK
 
     path = fixture_path(FixtureSpec(variant="fp32", seed=0))
     prompt = [5 + (i * 7) % 900 for i in range(FEED_CHUNK + 1000)]  # within the fixture's 4,096 positions

@@ -8,7 +8,7 @@ drafts through `lanes.decode_step.DecodeStep` instead, the plain lane's step as 
 (one compiled call a drafted token, no graph built in Python), over the row's caches made explicit
 (`lanes.decode_state.DecodeState`, one row):
 
-- the prompt is read once through the library's forward (as `DraftProposals` does, `FEED_CHUNK`
+- the prompt is read once through the library's forward (as `DraftProposals` does, `proposer.FEED_CHUNK`
   tokens a round at most), its caches then taken into a `DecodeState`;
 - a round's steps keep the state after each (the attention write column and the recurrent layers'
   arrays: values, so keeping them costs nothing); the next round finds how many of its drafts the
@@ -31,12 +31,11 @@ from mlx_relay.engine.lanes.decode_state import DecodeState
 from mlx_relay.engine.lanes.decode_step import DecodeStep
 from mlx_relay.engine.scoring.draft_library import cache_arrays, make_cache
 from mlx_relay.engine.speculation.earnings import Source
+from mlx_relay.engine.speculation.proposer import FEED_CHUNK
 
 if TYPE_CHECKING:
     from mlx_relay.engine.speculation.draft_model import DraftModel
 
-#: the most of a row's prompt the draft reads in one round (as `draft_model.FEED_CHUNK`)
-FEED_CHUNK = 2048
 
 
 class CompiledDraftProposals:

@@ -40,11 +40,8 @@ from mlx_relay.engine.scoring.draft_library import (
 )
 from mlx_relay.engine.speculation.draft_compiled import CompiledDraftProposals
 from mlx_relay.engine.speculation.earnings import Source
+from mlx_relay.engine.speculation.proposer import FEED_CHUNK
 from mlx_relay.errors import ModelLoadError
-
-#: the most of a row's tokens the draft reads in one round (a long prompt over several rounds, so
-#: that no round, and no other row's decoding, waits on its whole prefill in the draft)
-FEED_CHUNK = 2048
 
 
 class DraftModelIncompatible(ModelLoadError):

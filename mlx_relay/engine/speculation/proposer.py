@@ -1,6 +1,7 @@
 """What a row's drafts made on the host look like to the MTP lane's round plan (no MLX of its own;
 `lanes/round_drafts.py` asks it before each round): drafts copied from the row's context
-(`context_drafts.ContextDrafts`) or a draft model's (`draft_model.DraftProposals`)."""
+(`context_drafts.ContextDrafts`) or a draft model's (`draft_model.DraftProposals`,
+`draft_compiled.CompiledDraftProposals`), and how much of a row's tokens a costly one reads a round."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from mlx_relay.engine.speculation.earnings import Source
+
+#: the most of a row's tokens a costly proposer (a draft model) reads in one round: a long prompt
+#: over several rounds, so that no round, and no other row's decoding, waits on its whole prefill
+FEED_CHUNK = 2048
 
 
 class Proposer(Protocol):
