@@ -7,7 +7,7 @@ Behind a cache-aware router the second turn must land on the replica that ran th
 `cached_tokens` cover (nearly) all of the first turn's prompt: this prints, per target, how many
 sessions' second turns were cached at least `--at-least` of their first turn's prompt tokens, and
 the smallest share. With `--log` (a cluster's stderr: each replica's request lines carry its name,
-`--log-name replica-N`, and the harness's request id), each session whose second turn missed is
+`--log-name replica-N`, and the harness's `TARGET/REQUEST` id), each session whose second turn missed is
 named with the replica that ran each of its turns and what each had cached: the same replica with
 nothing cached is a snapshot gone (evicted, or never taken); another replica is the router's choice.
 """
@@ -66,7 +66,7 @@ def main() -> None:
     if args.log is not None:
         logged = request_lines(args.log)
         for name, t in missed:
-            where = [logged.get(t[k]["request_id"], {}) for k in (0, 1)]
+            where = [logged.get(f"{t[k]['target']}/{t[k]['request_id']}", {}) for k in (0, 1)]  # the harness's id
             servers = [w.get("server", "?") for w in where]
             cause = ("not in the log" if "?" in servers else "the router sent it elsewhere"
                      if servers[0] != servers[1] else "same replica, its snapshot gone")

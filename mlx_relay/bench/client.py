@@ -102,7 +102,8 @@ class HttpDriver:
         measurement: Measurement | None = None
         with anyio.move_on_after(self.timeout_s):
             try:
-                measurement = await self._stream(request_body(request, self.model), request.id, checker, t0)
+                measurement = await self._stream(request_body(request, self.model), f"{self.label}/{request.id}",
+                                                 checker, t0)
             except httpx.TimeoutException as exc:
                 measurement = _failed(checker, time.perf_counter() - t0, "timeout", repr(exc))
             except httpx.TransportError as exc:  # refused, reset, closed mid-stream
@@ -114,7 +115,8 @@ class HttpDriver:
 
     async def _stream(self, body: dict[str, Any], request_id: str, checker: StreamChecker, t0: float) -> Measurement:
         content = msgspec.json.encode(body)
-        # the request's id as `x-request-id`: the server's request log names it (a cluster's replica too)
+        # the target's label and the request's id as `x-request-id`: the server's request log names it
+        # (a cluster's replica too)
         async with self.client.stream("POST", self.chat_url, content=content,
                                       headers={"Content-Type": "application/json", "x-request-id": request_id}) as r:
             if r.status_code != 200:
