@@ -175,19 +175,23 @@ rankkill)
 big)
   shape=${BIG_SHAPE:-122b-a10b}; bits=${BIG_BITS:-8}
   { df -h /dev/shm /root 2>/dev/null; free -g 2>/dev/null; } > $O/big_disk.txt
-  if [ -z "${BIG_DIR:-}" ]; then  # tmpfs when it has room for the model (GB: 122b 8-bit ~130)
-    need=$(python3 -c "print({'122b-a10b': 135, '397b-a17b': 430, '35b-a3b': 40}['$shape'] * $bits // 8)")
+  need=$(python3 -c "print({'122b-a10b': 135, '397b-a17b': 430, '35b-a3b': 40}['$shape'] * $bits // 8)")  # GB
+  [ "$LOCAL" = 1 ] || rm -rf "$MODEL"  # the 35B model (38.6 GB): the disk holds one
+  if [ -z "${BIG_DIR:-}" ]; then  # tmpfs when it has room for the model, else the disk
     room=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -n 1 | tr -dc 0-9)
     BIG_DIR=/root/big; [ -n "$room" ] && [ "$room" -gt "$need" ] && BIG_DIR=/dev/shm/big
   fi
-  if [ ! -f "$BIG_DIR/config.json" ]; then
-    [ "$LOCAL" = 1 ] || rm -rf "$MODEL"  # the 35B model: the disk holds one
+  room=$(df -BG --output=avail "$(dirname "$BIG_DIR")" 2>/dev/null | tail -n 1 | tr -dc 0-9)
+  if [ ! -f "$BIG_DIR/config.json" ] && [ "$LOCAL" != 1 ] && [ -n "$room" ] && [ "$room" -le "$need" ]; then
+    say "big: $shape at $bits bits needs ~${need} GB, $(dirname "$BIG_DIR") has ${room} GB: not built (BIG_BITS=4, or a kind with more disk)"
+  elif [ ! -f "$BIG_DIR/config.json" ]; then
     t=$(date +%s)
     python3 benchmarks/gpu/build_random_model.py "$BIG_DIR" --tokenizer "$TOK" --shape "$shape" --bits "$bits" ${BIG_LAYERS:+--layers $BIG_LAYERS} \
       $BUILD_FLAGS > $O/big_build.txt 2>&1
     rc=$?; say "big: built $shape $bits-bit into $BIG_DIR in $(( $(date +%s) - t ))s (rc $rc): $(tail -n 1 $O/big_build.txt)"
   fi
-  python3 - "$BIG_DIR" > $O/big_fit.txt 2>&1 <<'PY'
+  if [ -f "$BIG_DIR/config.json" ]; then
+    python3 - "$BIG_DIR" > $O/big_fit.txt 2>&1 <<'PY'
 import json, subprocess, sys
 from pathlib import Path
 from mlx_relay.engine.models.footprint import weights_bytes
@@ -201,36 +205,37 @@ except (OSError, subprocess.CalledProcessError):
 print(json.dumps({"weights_gib": round(w / 2**30, 2), "cards_gib": [round(c / 2**30, 2) for c in cards],
                   "one_card_left_gib": round((cards[0] - w) / 2**30, 2) if cards else None}))
 PY
-  say "big: $(cat $O/big_fit.txt)"
-  if [ "${BIG_ONE:-0}" = 1 ]; then  # what one card does with it
-    t=$(date +%s)
-    CUDA_VISIBLE_DEVICES=0 python3 -m mlx_relay.cli serve "$BIG_DIR" --port 8300 $FLAGS > $O/big_one.log 2>&1 &
-    one=$!
-    for _ in $(seq 1 900); do get http://127.0.0.1:8300/health > /dev/null && break; kill -0 $one 2>/dev/null || break; sleep 1; done
-    if get http://127.0.0.1:8300/health > /dev/null; then
-      say "big: one GPU ready after $(( $(date +%s) - t ))s"; gpu_memory "big on one GPU"
-    else
-      say "big: one GPU did not serve: $(tail -n 3 $O/big_one.log | tr '\n' ' ' | cut -c1-400)"
+    say "big: $(cat $O/big_fit.txt)"
+    if [ "${BIG_ONE:-0}" = 1 ]; then  # what one card does with it
+      t=$(date +%s)
+      CUDA_VISIBLE_DEVICES=0 python3 -m mlx_relay.cli serve "$BIG_DIR" --port 8300 $FLAGS > $O/big_one.log 2>&1 &
+      one=$!
+      for _ in $(seq 1 900); do get http://127.0.0.1:8300/health > /dev/null && break; kill -0 $one 2>/dev/null || break; sleep 1; done
+      if get http://127.0.0.1:8300/health > /dev/null; then
+        say "big: one GPU ready after $(( $(date +%s) - t ))s"; gpu_memory "big on one GPU"
+      else
+        say "big: one GPU did not serve: $(tail -n 3 $O/big_one.log | tr '\n' ' ' | cut -c1-400)"
+      fi
+      stop_all
     fi
-    stop_all
-  fi
-  t=$(date +%s)
-  launch -n "$RANKS" --backend "$BACKEND" --python python3 -- -m mlx_relay.cli serve "$BIG_DIR" --pipeline --port 8301 \
-    $FLAGS > $O/big_pipe.log 2>&1 &
-  if ready http://127.0.0.1:8301; then
-    say "big: the pipeline over $RANKS ready after $(( $(date +%s) - t ))s"
-    gpu_memory "big pipeline idle"
-    python3 benchmarks/pipeline_identity.py http://127.0.0.1:8301 http://127.0.0.1:8301 --out $O/big_identity.json \
-      > $O/big_identity.txt 2>&1; say "big identity, two passes (rc $?): $(tr '\n' ' ' < $O/big_identity.txt | cut -c1-300)"
-    for lv in "short_chat 1 ${C1_REQUESTS:-16}" "short_chat 16 ${C16_REQUESTS:-64}" "agent_sessions 8 ${AGENT_REQUESTS:-16}"; do
-      set -- $lv
-      python3 -m mlx_relay.cli bench --target big=http://127.0.0.1:8301 --scenario "$1" --concurrency "$2" --requests "$3" \
-        --warmup 2 --no-plots --out $O/big_$1_c$2 > $O/big_$1_c$2.txt 2>&1
-      say "big $1 c=$2 (rc $?): $(grep -h '^| big' $O/big_$1_c$2.txt | head -n 1 | cut -c1-200)"
-    done
-    gpu_memory "big pipeline after"
-  else
-    say "big: the pipeline did not get ready: $(tail -n 3 $O/big_pipe.log | tr '\n' ' ' | cut -c1-400)"
+    t=$(date +%s)
+    launch -n "$RANKS" --backend "$BACKEND" --python python3 -- -m mlx_relay.cli serve "$BIG_DIR" --pipeline --port 8301 \
+      $FLAGS > $O/big_pipe.log 2>&1 &
+    if ready http://127.0.0.1:8301; then
+      say "big: the pipeline over $RANKS ready after $(( $(date +%s) - t ))s"
+      gpu_memory "big pipeline idle"
+      python3 benchmarks/pipeline_identity.py http://127.0.0.1:8301 http://127.0.0.1:8301 --out $O/big_identity.json \
+        > $O/big_identity.txt 2>&1; say "big identity, two passes (rc $?): $(tr '\n' ' ' < $O/big_identity.txt | cut -c1-300)"
+      for lv in "short_chat 1 ${C1_REQUESTS:-16}" "short_chat 16 ${C16_REQUESTS:-64}" "agent_sessions 8 ${AGENT_REQUESTS:-16}"; do
+        set -- $lv
+        python3 -m mlx_relay.cli bench --target big=http://127.0.0.1:8301 --scenario "$1" --concurrency "$2" --requests "$3" \
+          --warmup 2 --no-plots --out $O/big_$1_c$2 > $O/big_$1_c$2.txt 2>&1
+        say "big $1 c=$2 (rc $?): $(grep -h '^| big' $O/big_$1_c$2.txt | head -n 1 | cut -c1-200)"
+      done
+      gpu_memory "big pipeline after"
+    else
+      say "big: the pipeline did not get ready: $(tail -n 3 $O/big_pipe.log | tr '\n' ' ' | cut -c1-400)"
+    fi
   fi
   stop_all ;;
 *) say "unknown job $job" ;;
