@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from mlx_relay.engine.lanes.decode_state import DecodeState
 from mlx_relay.engine.lanes.decode_step import DecodeStep
-from mlx_relay.engine.scoring.draft_library import cache_arrays, make_cache
+from mlx_relay.engine.scoring.draft_library import make_cache
 from mlx_relay.engine.speculation.earnings import Source
 from mlx_relay.engine.speculation.proposer import FEED_CHUNK
 
@@ -63,9 +63,7 @@ class CompiledDraftProposals:
         reads that many now (its caches evaluated) and the row has no proposal this round."""
         if self._cache is None or len(self._pending) <= FEED_CHUNK:
             return True
-        self._model.forward(mx.array([self._pending[:FEED_CHUNK]], dtype=mx.int32), self._cache)
-        self._pending = self._pending[FEED_CHUNK:]
-        mx.eval(cache_arrays(self._cache))
+        self._pending = self._model.read_chunk(self._pending, self._cache)
         return False
 
     def propose(self, n: int) -> list[int]:

@@ -122,6 +122,12 @@ class DraftModel:
             return CompiledDraftProposals(self, self.step, tokens)
         return DraftProposals(self, tokens)
 
+    def read_chunk(self, tokens: list[int], cache: list[Any]) -> list[int]:
+        """`FEED_CHUNK` of a row's unread `tokens` read into its `cache` (evaluated); the rest."""
+        self.forward(mx.array([tokens[:FEED_CHUNK]], dtype=mx.int32), cache)
+        mx.eval(cache_arrays(cache))
+        return tokens[FEED_CHUNK:]
+
     def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """The draft's logits [1, T, V] over `tokens` [1, T], its caches advanced."""
         out = self.model(tokens, cache=cache)
@@ -150,10 +156,8 @@ class DraftProposals:
         if len(self._pending) <= FEED_CHUNK:
             return True
         self._rewind()
-        self._model.forward(mx.array([self._pending[:FEED_CHUNK]], dtype=mx.int32), self._cache)
-        self._pending = self._pending[FEED_CHUNK:]
+        self._pending = self._model.read_chunk(self._pending, self._cache)
         self._keep()
-        mx.eval(cache_arrays(self._cache))
         return False
 
     def propose(self, n: int) -> list[int]:
