@@ -1,9 +1,11 @@
 """The family's dense projections (`models/qwen3_5/kernels/dense.py`): the layer loop calls each
 `nn.QuantizedLinear` through `dense` and each of the library's gated MLPs through `mlp`. Off a CUDA
-GPU (every run here) both are the library's own arithmetic, op for op; on a GPU, few rows of an
-8-bit projection run our kernel (`benchmarks/gpu/kernel_check.py` pins it against a float32 truth).
-What this pins: `mlp` is the library's MLP call exactly (the MoE's shared expert, float32), `dense`
-is the module's call here, and `fits` admits only what the kernel was written for."""
+GPU (every run here) both are the library's own arithmetic, op for op; on a GPU, `dense.path` picks
+our kernel for few rows, a dequantized 16-bit matmul for many (`benchmarks/gpu/kernel_check.py` pins
+the kernel against a float32 truth). What this pins: `mlp` is the library's MLP call exactly (the
+MoE's shared expert, float32), `dense` is the module's call here, the dequantized product is the
+library's (float32), `path` follows the measured table, and `fits` admits only what the kernel was
+written for."""
 
 from __future__ import annotations
 
@@ -56,3 +58,59 @@ def test_fits_admits_only_the_kernels_projections(gpu: Callable) -> None:
 
     assert gpu(run) == {"8-bit": True, "4-bit": False, "group 32": False, "bias": False, "K 128": False,
                         "N 8": False, "float32 rows": False, "float": False}
+
+
+def test_the_dequantized_product_is_the_library_s_in_float32(gpu: Callable) -> None:
+    def run() -> float:
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from mlx_relay.engine.models.qwen3_5.kernels.dense import dequantized
+
+        worst = 0.0
+        for bias in (False, True):
+            q = nn.QuantizedLinear.from_linear(nn.Linear(256, 96, bias=bias), group_size=64, bits=8)
+            for rows in (8, 40, 300):
+                x = mx.random.normal((1, rows, 256))
+                worst = max(worst, mx.abs(dequantized(q, x) - q(x)).max().item())
+        return worst
+
+    assert gpu(run) < 1e-4
+
+
+def test_path_follows_the_measured_table(gpu: Callable) -> None:
+    """Which arithmetic a CUDA GPU runs per projection and row count (`dense.path`; the module
+    docstring gives the device times behind each choice)."""
+    def run() -> dict[str, str]:
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        from mlx_relay.engine.models.qwen3_5.kernels.dense import path
+
+        def q(n: int, k: int, bits: int = 8) -> Any:
+            lin = nn.QuantizedLinear(k, n, bias=False, group_size=64, bits=bits)
+            lin.update({"scales": lin.scales.astype(mx.bfloat16), "biases": lin.biases.astype(mx.bfloat16)})
+            return lin
+
+        head = q(64, 2048)
+        head.update({"weight": mx.zeros((40_000, 512), dtype=mx.uint32)})  # 40,000 x 2,048: only its shape is read
+        shapes = {"8192x2048": q(8192, 2048), "4096x2048": q(4096, 2048), "2048x512": q(2048, 512),
+                  "256x2048": q(256, 2048), "1x2048": q(1, 2048), "4-bit": q(4096, 2048, bits=4), "head": head}
+        out = {}
+        for name, m in shapes.items():
+            K = 2048 if name != "2048x512" else 512
+            for rows in (1, 8, 24, 64, 264):
+                out[f"{name} {rows}"] = path(m, mx.zeros((1, rows, K), dtype=mx.bfloat16))
+        out["float 264"] = path(nn.Linear(64, 64), mx.zeros((264, 64), dtype=mx.bfloat16))
+        return out
+
+    got = gpu(run)
+    expect = {}
+    for name in ("8192x2048", "4096x2048", "2048x512", "256x2048", "head"):
+        expect |= {f"{name} 1": "library", f"{name} 8": "narrow", f"{name} 24": "narrow"}
+    expect |= {"8192x2048 64": "library", "8192x2048 264": "dequantize", "head 64": "library", "head 264": "library"}
+    for name in ("4096x2048", "2048x512", "256x2048", "1x2048"):
+        expect |= {f"{name} 64": "dequantize", f"{name} 264": "dequantize"}
+    expect |= {"1x2048 1": "library", "1x2048 8": "library", "1x2048 24": "library"}  # no whole tile: N 1
+    expect |= {f"4-bit {r}": "library" for r in (1, 8, 24, 64, 264)} | {"float 264": "library"}
+    assert got == expect

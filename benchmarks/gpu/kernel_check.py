@@ -344,7 +344,7 @@ def main() -> None:
     # a few experts with hundreds of rows, a pass per 8)
     for T, skewed in ((2048, False), (2048, True), (512, False), (256, False), (256, True), (37, False), (1, False)):
         record("grouped_qmm", check_grouped_qmm, T, skewed)
-    # the dense projections over 8-16 rows (kernels/dense.py) and the narrow experts (CUDA's default: up to
+    # the dense projections over 8-32 rows (kernels/dense.py) and the narrow experts (CUDA's default: up to
     # 32 rows an expert, 1,024 tokens)
     for T, skewed, dense, split, stages in (
             (1, False, False, 1, 4), (37, False, False, 1, 4), (256, False, False, 1, 4), (256, True, False, 1, 4),
@@ -355,7 +355,8 @@ def main() -> None:
     for R, skewed, rt in ((1, False, 8), (576, False, 8), (2112, True, 8), (2112, False, 64), (16384, True, 64)):
         record("narrow_qmm", check_tiles, R, skewed, rt)
     for M, N, K, split in ((1, 8192, 2048, 4), (2, 8192, 2048, 4), (8, 2048, 4096, 4), (5, 512, 2048, 2),
-                           (16, 8192, 2048, 4), (3, 2048, 512, 1)):
+                           (16, 8192, 2048, 4), (3, 2048, 512, 1), (24, 8192, 2048, 4), (32, 2048, 4096, 4),
+                           (29, 512, 2048, 4)):
         record("narrow_qmm", check_narrow_linear, M, N, K, split)
     ok = all(c["ok"] for group in checks.values() for c in group)
     print("kernel check: " + ("PASS" if ok else "FAIL"))

@@ -12,7 +12,8 @@ operations the loop calls one launch instead (issue 32: the step is launch-bound
 GatedDeltaNet layer between its projections and a mixture of experts' router and combine through
 `kernels/` (this family's CUDA kernels, the library's ops elsewhere), text positions rotated with MLX's
 fused rope, the expert matmuls' row indices made once per step (`ExpertRows`), and each dense 8-bit
-projection through `kernels.dense` (ours over 8 to 16 rows on a CUDA GPU, the library's call otherwise).
+projection through `kernels.dense` (on a CUDA GPU ours over 8 to 32 rows, dequantized for a 16-bit
+matmul over many rows or a narrow output; the library's call otherwise).
 
 The loop itself (`run_layers`: each layer's mixer, then its MLP or mixture of experts, on the
 residual stream) is written once and serves two ways of keeping caches: `forward_block` (the

@@ -11,8 +11,9 @@ replaces a chain of a layer's small operations with one launch:
   and the gated RMSNorm), for a block of T positions;
 - `moe.route_topk`: a mixture of experts' router (softmax, top-k, renormalization);
 - `moe.combine`: the experts' weighted sum, the gated shared expert and the residual add;
-- `dense.dense`: a dense 8-bit projection over 8 to 16 rows (`narrow_qmm`'s tensor-core kernel, one
-  launch as MLX's quantized matmul is, several times less device time at those rows).
+- `dense.dense`: a dense 8-bit projection: over 8 to 32 rows `narrow_qmm`'s tensor-core kernel (one
+  launch as MLX's quantized matmul is, less device time at those rows); over more rows, or for a
+  narrow output, the weights dequantized for a 16-bit matmul (plain MLX ops; `dense.path`).
 
 Which one runs is decided when a step is traced (`backend.cuda_kernels_available`): the kernel
 where the default device is a CUDA GPU and the shapes are ones it was written for, the fallback

@@ -1,5 +1,5 @@
 """An 8-bit projection over few rows on the tensor cores, the rows as the narrow side of the
-product (GPU thread only): the family's dense projections over 8 to 16 rows (`kernels/dense.py`:
+product (GPU thread only): the family's dense projections over 8 to 32 rows (`kernels/dense.py`:
 `cuda_narrow_linear`) and, with `--prefill-experts narrow` (a CUDA GPU's default), `grouped_qmm`'s
 few rows an expert (`cuda_narrow_qmm`; checked by `benchmarks/gpu/kernel_check.py`, timed by
 `grouped_kernels_bench.py`).
