@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a prefill chunk's routed experts on a CUDA GPU: dequantized for MLX's grouped GEMM, our "
                             "grouped 8-bit kernel (narrow: also few rows an expert on the tensor cores), "
                             "or the library's SwitchGLU (default auto: narrow on a CUDA GPU)")
+    serve.add_argument("--dense-16bit", action="store_true",
+                       help="keep a 16-bit copy of each dense 8-bit projection for steps of 8 rows and more "
+                            "(faster on a CUDA GPU; costs the copies' memory)")
     serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
     serve.add_argument("--default-max-tokens", type=int, default=4096,
                        help="max_tokens when a request gives none (default 4096)")
@@ -381,6 +384,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_stall_factor=args.decode_stall_factor,
         prefill_experts=args.prefill_experts,
+        dense_16bit=args.dense_16bit,
         warmup=not args.no_warmup,
         compile_decode=not args.no_compile,
         mixed_steps=args.mixed_steps == "on",

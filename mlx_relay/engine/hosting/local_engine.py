@@ -42,7 +42,7 @@ from mlx_relay.engine.hosting.handle import EngineCallbacks
 from mlx_relay.engine.hosting.pipeline_boot import lead_group, load_stage
 from mlx_relay.engine.hosting.pipeline_sync import PipelineLeader
 from mlx_relay.engine.hosting.pipeline_watch import FollowerWatch
-from mlx_relay.engine.models.loader import apply_memory_limits, load_model, prefix_cache_budget
+from mlx_relay.engine.models.loader import add_copies, apply_memory_limits, load_model, prefix_cache_budget
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.protocol import (
     Asked,
@@ -126,6 +126,8 @@ class LocalEngine:
             progress(f"pipeline: layers {stage.start}..{stage.end - 1} here, of {stage.size} processes")
         else:
             loaded = load_model(Path(config.model_path))
+        if copied := add_copies(loaded, config):
+            progress(f"16-bit copies of the dense projections: {copied / 1e9:.2f} GB")
         budget = prefix_cache_budget(config)
         draft = command.specprefill.draft_model
         if draft is not None:

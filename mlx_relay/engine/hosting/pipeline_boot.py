@@ -33,7 +33,7 @@ from mlx_relay.config import EngineConfig, PipelineConfig, ServerConfig, SpecPre
 from mlx_relay.engine.hosting.pipeline_sync import follow, share_commands
 from mlx_relay.engine.hosting.pipeline_watch import FollowerWatch, LeaderWatch, WatchLeader
 from mlx_relay.engine.models.checkpoint import resolve_model_path
-from mlx_relay.engine.models.loader import LoadedModel, apply_memory_limits, load_model, prefix_cache_budget
+from mlx_relay.engine.models.loader import LoadedModel, add_copies, apply_memory_limits, load_model, prefix_cache_budget
 from mlx_relay.engine.models.pipeline_stage import Stage, UnsupportedSplit, default_transfer, shard_language_model
 from mlx_relay.engine.step.core import EngineCore
 from mlx_relay.errors import PipelineSetupError
@@ -102,6 +102,7 @@ def run_follower(config: EngineConfig, specprefill: SpecPrefillConfig) -> int:
     apply_memory_limits(config)
     group, watch = follow_group(config.pipeline, _leader_lost)
     loaded, stage = load_stage(Path(config.model_path), config.pipeline, group)
+    add_copies(loaded, config)
     core = EngineCore(loaded, config, prefix_cache=prefix_cache_budget(config) > 0,
                       draft_model=specprefill.draft_model, stage=stage)
     follow(core, group)

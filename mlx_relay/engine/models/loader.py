@@ -16,8 +16,10 @@ import mlx.core as mx
 import mlx_vlm
 
 from mlx_relay.config import EngineConfig
+from mlx_relay.engine.models import family_of
 from mlx_relay.engine.models.checkpoint import context_length, eos_token_ids, has_mtp_weights, read_config
-from mlx_relay.engine.models.library_kv import load_text_model, loads_with_mlx_lm
+from mlx_relay.engine.models.dense_copies import add_dense_copies
+from mlx_relay.engine.models.library_kv import load_text_model, loads_with_mlx_lm, uses_library_forward
 from mlx_relay.media.served import unserved_vision
 from mlx_relay.messages.gpu import ModelInfo
 
@@ -115,3 +117,14 @@ def load_model(path: Path, *, lazy: bool = False) -> LoadedModel:
         load_seconds=time.perf_counter() - tic,
     )
     return LoadedModel(model, processor, info)
+
+
+def add_copies(loaded: LoadedModel, config: EngineConfig) -> int:
+    """The weights' load-time copies `config` asks for, in the layers `loaded` holds (a pipeline
+    stage's own, once sharded), before the rows' memory is planned: a 16-bit copy of each dense 8-bit
+    projection (`dense_copies.py`, `EngineConfig.dense_16bit`), for a model of the engine's own
+    families. The bytes added."""
+    lm = loaded.model.language_model
+    if not config.dense_16bit or uses_library_forward(lm):
+        return 0
+    return add_dense_copies(family_of(lm).layers(lm))
