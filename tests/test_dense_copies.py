@@ -3,7 +3,8 @@ on a float32 qwen3_5_moe language model quantized to 8 bits, swapping each decod
 projections for a `DenseCopy` leaves the library's own forward where it was (the copy is the
 library's dequantization, a prompt's logits over 40 rows equal within float32 rounding, a one-row
 step's exactly: it runs the 8-bit call), copies only the dense projections (not the experts, the
-embeddings or the head), counts the bytes it adds, and through the engine's boot path
+embeddings or the head), counts the bytes it adds (and the pool reserves as much, read from the
+checkpoint's headers), and through the engine's boot path
 (`loader.add_copies`) copies a model of ours only when configured."""
 
 from __future__ import annotations
@@ -94,3 +95,30 @@ def test_the_serve_flag_sets_it() -> None:
     args = build_parser().parse_args(["serve", "m", "--dense-16bit"])
     assert serve_overrides(args)["dense_16bit"] is True
     assert serve_overrides(build_parser().parse_args(["serve", "m"]))["dense_16bit"] is False
+
+
+def test_the_pool_counts_the_copies_from_the_checkpoint_s_headers(gpu: Callable, tmp_path: Any) -> None:
+    """`footprint.dense_copy_bytes` (no MLX: the safetensors headers and the config) is what
+    `add_dense_copies` adds on the loaded model (16-bit weights)."""
+    def run() -> int:
+        import mlx.core as mx
+        import mlx.nn as nn
+        from mlx.utils import tree_flatten
+
+        from mlx_relay.engine.models.dense_copies import add_dense_copies
+
+        lm = build_moe_lm(12)
+        lm.apply(lambda x: x.astype(mx.bfloat16))
+        nn.quantize(lm, group_size=64, bits=8)
+        weights = {f"language_model.{k}": v for k, v in tree_flatten(lm.parameters())}
+        half = len(weights) // 2  # two files, as a sharded checkpoint
+        names = sorted(weights)
+        mx.save_safetensors(str(tmp_path / "model-00001.safetensors"), {k: weights[k] for k in names[:half]})
+        mx.save_safetensors(str(tmp_path / "model-00002.safetensors"), {k: weights[k] for k in names[half:]})
+        return add_dense_copies(list(lm.model.layers))
+
+    added = gpu(run)
+    from mlx_relay.engine.models.footprint import dense_copy_bytes
+
+    config = {"quantization": {"group_size": 64, "bits": 8}}
+    assert added > 0 and dense_copy_bytes(tmp_path, config) == added

@@ -17,7 +17,7 @@ import msgspec
 
 from mlx_relay.config import EngineConfig, ServerConfig
 from mlx_relay.engine.models.checkpoint import context_length, read_config
-from mlx_relay.engine.models.footprint import footprint, weights_bytes
+from mlx_relay.engine.models.footprint import dense_copy_bytes, footprint, weights_bytes
 from mlx_relay.pool.config import Reservation
 
 #: a pooled model's prefix cache and MLX buffer cache, when not given, as shares of the budget
@@ -51,7 +51,8 @@ def reservation_for(config: ServerConfig, path: Path, draft_path: Path | None = 
     if engine.max_model_len is not None:
         tokens = min(tokens, engine.max_model_len)
     return Reservation(
-        weights_bytes=shape.weights_bytes + (weights_bytes(draft_path) if draft_path is not None else 0),
+        weights_bytes=shape.weights_bytes + (weights_bytes(draft_path) if draft_path is not None else 0)
+        + (dense_copy_bytes(path, checkpoint) if engine.dense_16bit else 0),
         prefix_cache_bytes=(engine.prefix_cache_bytes or 0) if engine.prefix_cache else 0,
         decode_bytes=shape.caches_bytes(engine.max_num_seqs, tokens),
         buffer_cache_bytes=engine.cache_limit_bytes or 0,

@@ -42,6 +42,35 @@ def weights_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in sorted(path.glob("*.safetensors")))
 
 
+#: parts of a tensor's name that are not a dense projection of a decoder layer (`dense_copies.py`)
+_NOT_DENSE = ("switch_mlp", "experts", "embed_tokens", "lm_head", "mtp", "vision", "visual")
+
+
+def dense_copy_bytes(path: Path, config: dict[str, Any]) -> int:
+    """What `--dense-16bit`'s copies add (`engine/models/dense_copies.py`): 2 bytes an element of
+    each quantized dense projection of the decoder layers, its shape read from the safetensors
+    files' headers (a weight whose `scales` sit beside it: N rows, K = the scales' groups x the
+    checkpoint's `quantization` group size, the projection's own where the config names it)."""
+    quantization = config.get("quantization") or config.get("quantization_config") or {}
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = msgspec.json.decode(fh.read(size))
+        shapes |= {name: meta["shape"] for name, meta in header.items() if name != "__metadata__"}
+    total = 0
+    for name, shape in shapes.items():
+        if not name.endswith(".weight") or ".layers." not in name or any(p in name for p in _NOT_DENSE):
+            continue
+        scales = shapes.get(name[: -len("weight")] + "scales")
+        if scales is None or len(shape) != 2 or len(scales) != 2:
+            continue
+        own = quantization.get(name[: -len(".weight")])
+        group = int((own if isinstance(own, dict) else quantization).get("group_size", 64))
+        total += shape[0] * scales[1] * group * 2
+    return total
+
+
 def cache_shape(config: dict[str, Any]) -> CacheShape:
     """The cache bytes of a checkpoint's config (`config.json`, a VLM's `text_config` read first): its
     family's (`models.Declared.cache_shape`), else every layer an attention layer."""
