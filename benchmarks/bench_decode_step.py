@@ -55,6 +55,8 @@ from mlx_relay.bench.machine import environment
 from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
 from mlx_relay.engine.lanes.decode_step import DecodeStep
 from mlx_relay.engine.memory.batch_caches import as_batch_caches, batched, extend_caches
+from mlx_relay.engine.models import family_of
+from mlx_relay.engine.models.dense_copies import add_dense_copies
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 
@@ -285,6 +287,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--dense-16bit", action="store_true", help="16-bit copies of the dense projections")
     parser.add_argument("--count-ops", action="store_true", help="count one step's operations instead of timing")
     parser.add_argument("--by-layer", action="store_true", help="with --count-ops: launches per part of the step")
     parser.add_argument("--mtp-block", type=int, default=0,
@@ -295,6 +298,9 @@ def main() -> None:
     args = parser.parse_args()
     model = Path(args.model) if args.model else fixture_path(FixtureSpec("bf16", 0))
     loaded = load_model(model)
+    if args.dense_16bit:
+        lm = loaded.model.language_model
+        print(f"16-bit dense copies: {add_dense_copies(family_of(lm).layers(lm)) / 1e9:.2f} GB")
     lm = loaded.model.language_model
     vocab = loaded.info.vocab_size
     rng = random.Random(0)

@@ -39,7 +39,8 @@ from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
 from mlx_relay.engine.lanes.decode_step import DecodeStep
 from mlx_relay.engine.lanes.stage_forward import ModelForward
 from mlx_relay.engine.memory.batch_caches import as_batch_caches
-from mlx_relay.engine.models import Chunk
+from mlx_relay.engine.models import Chunk, family_of
+from mlx_relay.engine.models.dense_copies import add_dense_copies
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 
@@ -142,9 +143,12 @@ def main() -> None:
                     help="the chunk's routed experts (the server's --prefill-experts)")
     ap.add_argument("--min-routes", type=int, default=None,
                     help="(token, expert) pairs from which the experts run grouped (PrefillOptions.grouped_min_routes)")
+    ap.add_argument("--dense-16bit", action="store_true", help="16-bit copies of the dense projections (--dense-16bit)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     lm = load_model(Path(args.model)).model.language_model
+    if args.dense_16bit:
+        print(f"16-bit dense copies: {add_dense_copies(family_of(lm).layers(lm)) / 1e9:.2f} GB")
     bench = Bench(lm, args.rows, args.context, args.seed, args.experts, args.min_routes)
     slices = [int(s) for s in args.slices.split(",")]
     result = measure(bench, slices, args.steps)

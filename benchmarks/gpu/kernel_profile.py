@@ -38,6 +38,8 @@ from bench_prefill import card, commit
 from mixed_step import Bench
 from step_recorder import by_kernel, profiler, short
 
+from mlx_relay.engine.models import family_of
+from mlx_relay.engine.models.dense_copies import add_dense_copies
 from mlx_relay.engine.models.loader import load_model
 
 
@@ -114,6 +116,7 @@ def main() -> None:
                     help="(token, expert) pairs from which the experts run grouped (PrefillOptions.grouped_min_routes)")
     ap.add_argument("--mtp-block", type=int, default=2,
                     help="also an MTP round at this block and the head-free round of width 1, batch 1 (0: none)")
+    ap.add_argument("--dense-16bit", action="store_true", help="16-bit copies of the dense projections (--dense-16bit)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if profiler() is None:
@@ -121,6 +124,8 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     lm = load_model(Path(args.model)).model.language_model
+    if args.dense_16bit:
+        print(f"16-bit dense copies: {add_dense_copies(family_of(lm).layers(lm)) / 1e9:.2f} GB")
     bench, lone = Bench(lm, args.rows, args.context, 0, args.experts, args.min_routes), Bench(lm, 1, 64, 1)
     cases = [dict(record(bench, "decode", 1, args.steps, args.top), label=f"decode b{bench.rows}"),
              dict(record(lone, "decode", 1, args.steps, args.top), label="decode b1")]

@@ -45,7 +45,8 @@ class DenseCopy(nn.Module):
         if x.size // x.shape[-1] < FEW_ROWS:
             out: mx.array = self.quantized(x)
             return out
-        y = x @ self.weight16.astype(x.dtype).T
+        w = self.weight16 if self.weight16.dtype == x.dtype else self.weight16.astype(x.dtype)
+        y = x @ w.T
         return y + self.quantized.bias if "bias" in self.quantized else y
 
 

@@ -78,7 +78,7 @@ def path(m: Any, x: mx.array) -> DensePath:
 def dequantized(m: nn.QuantizedLinear, x: mx.array) -> mx.array:
     """`m(x)` as its weights dequantized to `x`'s dtype, then a matmul (and its bias)."""
     w = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits, mode=m.mode)
-    y = x @ w.astype(x.dtype).T
+    y = x @ (w if w.dtype == x.dtype else w.astype(x.dtype)).T
     return y + m.bias if "bias" in m else y
 
 
