@@ -88,6 +88,7 @@
 #            (/root/agree-model), bench_mtp.py on it at batch 1 (BLOCK 2, MTP_TOKENS 128, REPEATS 2),
 #            delete it. The disk (64 GB) holds one such model: the plain $MODEL is deleted first, so
 #            put agree last. Results: build_agree_RATE.txt (the build's chain check), mtp_agree_RATE.*
+# DENSE ("8bit"; "8bit 16bit": step, mixed and profile run again with --dense-16bit, files tagged _d16).
 # Knobs: BATCH (1,4), BLOCK (2), MTP_TOKENS (64), STEPS (32), REPEATS (3), ROUNDS (3, overhead),
 #   DISK_REPEATS (3).
 # LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR: a dry run off the device (with agree: TOK=tokenizer dir,
@@ -127,6 +128,8 @@ ok = ok and all(x["ok"] for x in c["grouped_experts"] if x.get("kernel"))
 sys.exit(0 if ok else 1)
 PY
 }
+dense_flag() { [ "$1" = 16bit ] && echo --dense-16bit; true; }  # DENSE's variants: 8bit (the default), 16bit
+dense_tag() { [ "$1" = 16bit ] && echo _d16; true; }
 narrow_ok() {  # this run's kernel check passed narrow_qmm's tensor-core kernel
   [ -f $O/kernel_check.json ] && python3 -c "import json,sys; c=json.load(open(sys.argv[1]))['checks'].get('narrow_qmm'); sys.exit(0 if c and all(x['ok'] for x in c) else 1)" $O/kernel_check.json
 }
@@ -197,8 +200,11 @@ count)
 probe)
   python3 benchmarks/gpu/memory_release_probe.py --gb 40 > $O/memory_release.txt 2>&1; say "memory probe done" ;;
 step)
-  python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,4}" --steps "${STEPS:-32}" \
-    --repeats "${REPEATS:-3}" --out $O/decode_step.json > $O/decode_step.txt 2>&1; say "decode step done" ;;
+  for d in ${DENSE:-8bit}; do
+    python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,4}" --steps "${STEPS:-32}" $(dense_flag $d) \
+      --repeats "${REPEATS:-3}" --out $O/decode_step$(dense_tag $d).json > $O/decode_step$(dense_tag $d).txt 2>&1
+    say "decode step $d (rc $?): $(grep -h 'B=' $O/decode_step$(dense_tag $d).txt | cut -c1-120 | tr '\n' ';')"
+  done ;;
 mtp)
   # --raw-batch-only: the random model's ids run past the tokenizer, which stream_generate's detokenizer reads
   python3 benchmarks/bench_mtp.py "$MODEL" --batch "${BATCH:-1,4}" --block "${BLOCK:-2}" --eager-mtp --raw-batch-only \
@@ -247,9 +253,13 @@ grouped)
   say "grouped (rc $?): $(tail -n 12 $O/grouped_kernels.txt | tr -s ' ' | tr '\n' ';')" ;;
 profile)
   pe=${EXPERTS:-kernel}; [ "$pe" = narrow ] && ! narrow_ok && pe=kernel
-  python3 benchmarks/gpu/kernel_profile.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
-    --slices "${PROFILE_SLICES:-64,256,512}" --steps "${PROFILE_STEPS:-4}" --experts "$pe" ${MIN_ROUTES:+--min-routes $MIN_ROUTES} --out $O/kernel_profile.json > $O/kernel_profile.txt 2>&1
-  say "profile (rc $?): $(grep -h '^== ' $O/kernel_profile.txt | cut -c1-160 | tr '\n' ';')" ;;
+  for d in ${DENSE:-8bit}; do
+    t=$(dense_tag $d)
+    python3 benchmarks/gpu/kernel_profile.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
+      --slices "${PROFILE_SLICES:-64,256,512}" --steps "${PROFILE_STEPS:-4}" --experts "$pe" $(dense_flag $d) \
+      ${MIN_ROUTES:+--min-routes $MIN_ROUTES} --out $O/kernel_profile$t.json > $O/kernel_profile$t.txt 2>&1
+    say "profile $d (rc $?): $(grep -h '^== ' $O/kernel_profile$t.txt | cut -c1-160 | tr '\n' ';')"
+  done ;;
 explicit)
   python3 benchmarks/mixed_explicit.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
     --slices "${EXPLICIT_SLICES:-16,64,256,512}" --steps "${STEPS:-8}" --out $O/mixed_explicit.json > $O/mixed_explicit.txt 2>&1
@@ -258,10 +268,13 @@ mixed)
   for spec in ${MIXED_EXPERTS:-${EXPERTS:-kernel}}; do
     e=${spec%%:*}; m=${spec#"$e"}; m=${m#:}; tag=$e${m:+_$m}
     if [ "$e" = narrow ] && ! narrow_ok; then say "mixed $tag skipped: narrow_qmm did not pass"; continue; fi
-    python3 benchmarks/mixed_step.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
-      --slices "${MIXED_SLICES:-16,64,128,256,512,1024}" --steps "${STEPS:-8}" --alone-chunk 4096 \
-      --experts "$e" ${m:+--min-routes $m} --out $O/mixed_step_$tag.json > $O/mixed_step_$tag.txt 2>&1
-    say "mixed $tag (rc $?): $(tail -n 8 $O/mixed_step_$tag.txt | tr -s ' ' | tr '\n' ';')"
+    for d in ${DENSE:-8bit}; do
+      t=$tag$(dense_tag $d)
+      python3 benchmarks/mixed_step.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
+        --slices "${MIXED_SLICES:-16,64,128,256,512,1024}" --steps "${STEPS:-8}" --alone-chunk 4096 $(dense_flag $d) \
+        --experts "$e" ${m:+--min-routes $m} --out $O/mixed_step_$t.json > $O/mixed_step_$t.txt 2>&1
+      say "mixed $t (rc $?): $(tail -n 8 $O/mixed_step_$t.txt | tr -s ' ' | tr '\n' ';')"
+    done
   done ;;
 specops)
   # issue 45.3: launches of a plain step, an MTP round (block BLOCK) and the head-free round at widths 1 and
