@@ -203,7 +203,7 @@ step)
   for d in ${DENSE:-8bit}; do
     python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,4}" --steps "${STEPS:-32}" $(dense_flag $d) \
       --repeats "${REPEATS:-3}" --out $O/decode_step$(dense_tag $d).json > $O/decode_step$(dense_tag $d).txt 2>&1
-    say "decode step $d (rc $?): $(grep -h 'B=' $O/decode_step$(dense_tag $d).txt | cut -c1-120 | tr '\n' ';')"
+    say "decode step $d (rc $?): $(grep -h '^batch' $O/decode_step$(dense_tag $d).txt | cut -c1-200 | tr '\n' ';')"
   done ;;
 mtp)
   # --raw-batch-only: the random model's ids run past the tokenizer, which stream_generate's detokenizer reads
