@@ -12,7 +12,10 @@ own forward over KV caches (`engine/models/library_kv.py`, `engine/lanes/kv_lane
   global attention layers), loaded by mlx-vlm; the same BPE with Gemma's added tokens (BOS/EOS,
   turns, image tokens) and a Gemma 3 chat template (``gemma3_chat_template.jinja``);
 - ``gemma3_text``: the same language model as a text-only ``Gemma3ForCausalLM`` checkpoint (model
-  type ``gemma3_text``), loaded by mlx-lm (whose own Gemma 3 masks the sliding window too).
+  type ``gemma3_text``), loaded by mlx-lm (whose own Gemma 3 masks the sliding window too);
+- ``qwen3_embedding``: the ``qwen3`` weights without a head, laid out as Qwen3-Embedding's
+  checkpoints are (a sentence-transformers model: ``modules.json``, last-token pooling in
+  ``1_Pooling/config.json``, normalized), loaded by mlx-embeddings (issue 47.1).
 
 Weights are the parameter trees of the libraries' own modules (so names and shapes are what they
 load strictly), values drawn from numpy's PCG64 keyed by (seed, tensor name) as in `fixtures`,
@@ -54,7 +57,7 @@ __all__ = ["FAMILY_RECIPE_VERSION", "GEMMA3_TOKENS", "Family", "build_family_fix
 #: Bump whenever anything that changes these fixtures' bytes changes.
 FAMILY_RECIPE_VERSION: Final[int] = 1
 
-Family = Literal["qwen3", "gemma3", "gemma3_text"]
+Family = Literal["qwen3", "gemma3", "gemma3_text", "qwen3_embedding"]
 
 #: Gemma 3's added tokens (id order from BASE_VOCAB_SIZE), with their `special` flag.
 GEMMA3_TOKENS: Final[tuple[tuple[str, bool], ...]] = (
@@ -213,13 +216,14 @@ def _weights(family: Literal["qwen3", "gemma3"], config: dict[str, Any],
 def _write_tokenizer(out: Path, family: Family) -> int:
     """tokenizer.json, tokenizer_config.json, special_tokens_map.json and chat_template.jinja; the
     vocabulary's size."""
-    added = SPECIAL_TOKENS if family == "qwen3" else GEMMA3_TOKENS
+    qwen = family in ("qwen3", "qwen3_embedding")
+    added = SPECIAL_TOKENS if qwen else GEMMA3_TOKENS
     tokenizer = build_tokenizer(added=added)
     raw = json.loads(tokenizer.to_str())
     raw["truncation"] = raw["padding"] = None
     (out / "tokenizer.json").write_text(json.dumps(raw, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     decoder = {str(BASE_VOCAB_SIZE + i): _token_entry(c, special) for i, (c, special) in enumerate(added)}
-    if family == "qwen3":
+    if qwen:
         names = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
         extra: dict[str, Any] = {}
         template = "qwen3_chat_template.jinja"
@@ -237,13 +241,32 @@ def _write_tokenizer(out: Path, family: Family) -> int:
     return int(tokenizer.get_vocab_size(with_added_tokens=True))
 
 
+def _write_sentence_transformers(out: Path, dims: int) -> None:
+    """A sentence-transformers layout as Qwen3-Embedding's: the transformer, last-token pooling, normalize."""
+    _dump_json(out / "modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}])
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    _dump_json(out / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": dims, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+        "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": True, "include_prompt": True})
+    _dump_json(out / "config_sentence_transformers.json", {"prompts": {}, "default_prompt_name": None,
+                                                           "similarity_fn_name": "cosine"})
+
+
 def build_family_fixture(out_dir: Path, family: Family, seed: int = 0) -> Path:
     """Write the checkpoint of `family` into `out_dir` (deterministic for a seed and the installed
     libraries, whose sources are the tokenizer's corpus). Prefer `family_fixture_path`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = _write_tokenizer(out_dir, family)
-    config = qwen3_config(vocab) if family == "qwen3" else gemma3_config(vocab)
-    weights = _weights("qwen3" if family == "qwen3" else "gemma3", config, seed)
+    qwen = family in ("qwen3", "qwen3_embedding")
+    config = qwen3_config(vocab) if qwen else gemma3_config(vocab)
+    weights = _weights("qwen3" if qwen else "gemma3", config, seed)
+    if family == "qwen3_embedding":
+        weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        _write_sentence_transformers(out_dir, config["hidden_size"])
     if family == "gemma3_text":  # the VLM's language model alone, under mlx-lm's names
         config = config["text_config"] | {"architectures": ["Gemma3ForCausalLM"],
                                           "eos_token_id": config["eos_token_id"], "torch_dtype": "float32"}
@@ -251,7 +274,7 @@ def build_family_fixture(out_dir: Path, family: Family, seed: int = 0) -> Path:
     _dump_json(out_dir / "config.json", config)
     eos = config["eos_token_id"]
     _dump_json(out_dir / "generation_config.json", {
-        "do_sample": False, "eos_token_id": [eos, _qwen_id("<|endoftext|>")] if family == "qwen3" else eos})
+        "do_sample": False, "eos_token_id": [eos, _qwen_id("<|endoftext|>")] if qwen else eos})
     if family == "gemma3":
         size = config["vision_config"]["image_size"]
         _dump_json(out_dir / "preprocessor_config.json", {

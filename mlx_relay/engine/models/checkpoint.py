@@ -59,3 +59,22 @@ def has_mtp_weights(path: Path) -> bool:
         if any(key.startswith("mtp.") for key in header):
             return True
     return False
+
+
+#: sentence-transformers' pooling modes (`1_Pooling/config.json`'s `pooling_mode_*` flags), as named here
+POOLING_MODES = ("lasttoken", "mean_tokens", "cls_token", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens")
+
+
+def embedding_pooling(path: Path) -> str | None:
+    """The pooling an embedding checkpoint declares (a sentence-transformers layout: `modules.json`
+    with a Pooling module, its config's `pooling_mode_*` flag: "lasttoken", "mean_tokens", ...), or
+    None when the checkpoint is not an embedding model's."""
+    modules = path / "modules.json"
+    if not modules.is_file():
+        return None
+    for module in json.loads(modules.read_text()):
+        if str(module.get("type", "")).endswith("models.Pooling"):
+            config = path / str(module.get("path", "")) / "config.json"
+            flags = json.loads(config.read_text()) if config.is_file() else {}
+            return next((mode for mode in POOLING_MODES if flags.get(f"pooling_mode_{mode}")), "mean_tokens")
+    return None

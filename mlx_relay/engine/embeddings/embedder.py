@@ -1,0 +1,72 @@
+"""An embedding model (GPU thread only): a checkpoint loaded by mlx-embeddings, its forward over a
+batch of token-id inputs, one normalized vector each (issue 47.1; the engine's `/v1/embeddings`).
+
+    embedder = Embedder.load(path)                  # mlx_embeddings.utils.load, the checkpoint's pooling
+    vectors = embedder.embed([[ids...], [ids...]])  # numpy float32 [inputs, dims], each of norm 1
+
+The library runs the model and its pooling (Qwen3-Embedding's last token, BERT-style models' mean
+over the tokens) and normalizes; this wraps it for the engine: inputs of different lengths are
+padded on the right to the batch's longest with the tokenizer's pad id and an attention mask (so a
+vector does not depend on what it was batched with: `tests/test_embeddings.py` pins each against
+the library's call on the input alone, float32), and the checkpoint's declared pooling
+(`checkpoint.embedding_pooling`) is checked against the one the library runs for its model type.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_relay.engine.models.checkpoint import context_length, embedding_pooling, read_config
+from mlx_relay.errors import ModelLoadError
+
+#: what mlx-embeddings pools for a model type (its `models/<type>.py`), where the engine serves it
+LIBRARY_POOLING = {"qwen3": "lasttoken"}
+
+
+class Embedder:
+    """One loaded embedding model: `embed` a batch of inputs (token ids) to unit vectors."""
+
+    def __init__(self, model: Any, *, pad_id: int, dims: int, context: int, model_type: str) -> None:
+        self._model = model
+        self.pad_id = pad_id
+        self.dims = dims
+        self.context = context
+        self.model_type = model_type
+
+    @classmethod
+    def load(cls, path: Path) -> Embedder:
+        """Load `path` through mlx-embeddings (on the calling thread: the GPU thread); a
+        `ModelLoadError` when it is no embedding checkpoint of a model type served here."""
+        from mlx_embeddings.utils import load
+
+        pooling = embedding_pooling(path)
+        config = read_config(path)
+        model_type = str(config.get("model_type", ""))
+        if pooling is None:
+            raise ModelLoadError(f"{path} is not an embedding model (no sentence-transformers modules.json "
+                                 "with a Pooling module)")
+        if LIBRARY_POOLING.get(model_type) != pooling:
+            raise ModelLoadError(f"embedding models of type {model_type!r} with {pooling} pooling are not served "
+                                 f"(served: {', '.join(f'{t} with {p} pooling' for t, p in LIBRARY_POOLING.items())})")
+        model, tokenizer = load(str(path))
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(tokenizer, "eos_token_id", None) or 0
+        return cls(model, pad_id=int(pad), dims=int(config["hidden_size"]), context=context_length(config),
+                   model_type=model_type)
+
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """One unit vector per input (each a non-empty list of token ids within the context), float32
+        [len(inputs), dims]; the inputs run as one batch, right-padded."""
+        longest = max(len(ids) for ids in inputs)
+        ids = np.full((len(inputs), longest), self.pad_id, dtype=np.int32)
+        mask = np.zeros((len(inputs), longest), dtype=np.int32)
+        for row, tokens in enumerate(inputs):
+            ids[row, : len(tokens)] = tokens
+            mask[row, : len(tokens)] = 1
+        out = self._model(mx.array(ids), attention_mask=mx.array(mask)).text_embeds
+        return np.array(out.astype(mx.float32))

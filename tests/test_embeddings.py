@@ -1,0 +1,77 @@
+"""Embedding models through mlx-embeddings (issue 47.1; `engine/embeddings/embedder.py`): a tiny
+Qwen3-Embedding-layout checkpoint the project builds (`family_fixtures`, ``qwen3_embedding``:
+float32, last-token pooling) gives, batched and padded as the engine runs it, each input's vector
+as the library's own call on that input alone; unit norm; the checkpoint is told apart from a chat
+model's, and a checkpoint whose pooling the library does not run is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlx_relay.testing.family_fixtures import family_fixture_path
+
+INPUTS = [list(range(100, 112)), list(range(300, 303)), [7], list(range(40, 90))]
+
+
+@pytest.fixture(scope="module")
+def embed_path() -> Path:
+    return family_fixture_path("qwen3_embedding")
+
+
+def test_batched_vectors_are_the_library_s_alone(gpu: Callable, embed_path: Path) -> None:
+    def run() -> dict[str, Any]:
+        import mlx.core as mx
+        import numpy as np
+        from mlx_embeddings.utils import load
+
+        from mlx_relay.engine.embeddings.embedder import Embedder
+
+        embedder = Embedder.load(embed_path)
+        batched = embedder.embed(INPUTS)
+        model, _ = load(str(embed_path))
+        alone = np.stack([np.array(model(mx.array([ids])).text_embeds[0]) for ids in INPUTS])
+        return {"shape": batched.shape, "dtype": str(batched.dtype), "dims": embedder.dims,
+                "diff": float(np.abs(batched - alone).max()), "norms": np.linalg.norm(batched, axis=1).tolist(),
+                "distinct": float(np.abs(batched[0] - batched[1]).max())}
+
+    got = gpu(run)
+    assert got["shape"] == (len(INPUTS), got["dims"]) and got["dtype"] == "float32"
+    assert got["diff"] <= 1e-5
+    assert all(abs(n - 1.0) <= 1e-5 for n in got["norms"])
+    assert got["distinct"] > 1e-3
+
+
+def test_the_checkpoint_says_what_it_is(embed_path: Path) -> None:
+    from mlx_relay.engine.models.checkpoint import embedding_pooling
+    from mlx_relay.testing.fixtures import fixture_path
+
+    assert embedding_pooling(embed_path) == "lasttoken"
+    assert embedding_pooling(fixture_path()) is None
+    assert embedding_pooling(family_fixture_path("qwen3")) is None
+
+
+def test_a_pooling_the_library_does_not_run_is_refused(gpu: Callable, embed_path: Path, tmp_path: Path) -> None:
+    mean = tmp_path / "mean"
+    shutil.copytree(embed_path, mean)
+    pooling = mean / "1_Pooling" / "config.json"
+    flags = json.loads(pooling.read_text()) | {"pooling_mode_lasttoken": False, "pooling_mode_mean_tokens": True}
+    pooling.write_text(json.dumps(flags))
+
+    def run() -> str:
+        from mlx_relay.engine.embeddings.embedder import Embedder
+        from mlx_relay.errors import ModelLoadError
+
+        try:
+            Embedder.load(mean)
+        except ModelLoadError as exc:
+            return str(exc)
+        return "loaded"
+
+    said = gpu(run)
+    assert "mean_tokens pooling are not served" in said and "qwen3 with lasttoken pooling" in said
