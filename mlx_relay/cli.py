@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a prefill chunk's routed experts on a CUDA GPU: dequantized for MLX's grouped GEMM, our "
                             "grouped 8-bit kernel (narrow: also few rows an expert on the tensor cores), "
                             "or the library's SwitchGLU (default auto: narrow on a CUDA GPU)")
+    serve.add_argument("--embedding-model", default=None, metavar="PATH",
+                       help="an embedding checkpoint (a sentence-transformers layout, e.g. Qwen3-Embedding) served "
+                            "beside the model at /v1/embeddings")
+    serve.add_argument("--embedding-model-name", default=None,
+                       help="the name /v1/embeddings requests give it (default: its directory's name)")
     serve.add_argument("--dense-16bit", action="store_true",
                        help="keep a 16-bit copy of each dense 8-bit projection for steps of 8 rows and more "
                             "(faster on a CUDA GPU; costs the copies' memory)")
@@ -385,6 +390,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         decode_stall_factor=args.decode_stall_factor,
         prefill_experts=args.prefill_experts,
         dense_16bit=args.dense_16bit,
+        embedding_model=args.embedding_model,
+        embedding_model_name=args.embedding_model_name,
         warmup=not args.no_warmup,
         compile_decode=not args.no_compile,
         mixed_steps=args.mixed_steps == "on",

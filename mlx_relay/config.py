@@ -94,6 +94,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # 1.4-3.3x less device time so than by `kernels/dense.path`, 4.4-6.2x less than by MLX's quantized
     # matmul); costs the copies' memory (2.9 GB on the 35B-A3B shape)
     dense_16bit: bool = False
+    # an embedding model loaded beside the chat model (`engine/embeddings/`, `/v1/embeddings`): its
+    # checkpoint, and the name requests give it (default: its directory's name)
+    embedding_model: str | None = None
+    embedding_model_name: str | None = None
     # the plain lane's decode step as one compiled function (`engine/lanes/decode_step.py`); off: the
     # same function run eagerly (for debugging: same tokens, slower)
     compile_decode: bool = True
@@ -170,6 +174,15 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # one model over several processes (mlx.launch), pipelined by layers; off: this process alone
     pipeline: PipelineConfig = PipelineConfig()
 
+    @property
+    def embedding_names(self) -> tuple[str, ...]:
+        """What requests may call the embedding model: its name (`embedding_model_name`, else its
+        directory's) and its path as given; none without one."""
+        if self.embedding_model is None:
+            return ()
+        name = self.embedding_model_name or self.embedding_model.rstrip("/").rsplit("/", 1)[-1]
+        return (name, self.embedding_model)
+
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("EngineConfig.max_num_batched_tokens must be at least 1")
@@ -177,6 +190,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError("EngineConfig.decode_stall_factor must be more than 1 (or 0: off)")
         if not 0.0 <= self.prefix_cache_preload <= 1.0:
             raise ValueError("EngineConfig.prefix_cache_preload must be in [0, 1]")
+        if self.embedding_model is not None and self.pipeline.enabled:
+            raise ValueError("an embedding model is not served beside a pipelined model (--embedding-model with "
+                             "--pipeline)")
         if not 0 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"EngineConfig.max_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}]")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:

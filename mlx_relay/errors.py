@@ -34,6 +34,13 @@ class DraftModelUnavailable(InvalidRequest):
     code = "draft_model_unavailable"
 
 
+class EmbeddingsUnavailable(InvalidRequest):
+    """`/v1/embeddings` named a model that serves no embeddings (a chat model without
+    `--embedding-model`)."""
+
+    code = "model_not_embedding"
+
+
 class UnprocessableRequest(RelayError):
     """The body is JSON but does not fit the schema (wrong types, out-of-range values)."""
 

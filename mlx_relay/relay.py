@@ -174,6 +174,10 @@ class Relay:
             if engine_cfg.draft_model is not None:
                 spec_draft = await anyio.to_thread.run_sync(resolve_model_path, engine_cfg.draft_model)
                 engine_cfg = msgspec.structs.replace(engine_cfg, draft_model=str(spec_draft))
+            if engine_cfg.embedding_model is not None:  # named as given (a Hub id's name, not its snapshot's)
+                embed = await anyio.to_thread.run_sync(resolve_model_path, engine_cfg.embedding_model)
+                engine_cfg = msgspec.structs.replace(engine_cfg, embedding_model=str(embed),
+                                                     embedding_model_name=engine_cfg.embedding_names[0])
             sp_cfg = cfg.specprefill
             if sp_cfg.draft_model is not None:
                 draft = await anyio.to_thread.run_sync(resolve_model_path, sp_cfg.draft_model)

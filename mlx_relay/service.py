@@ -40,6 +40,7 @@ from mlx_relay.chat.output import ContentDelta, InvalidReason, ReplyDone, ReplyE
 from mlx_relay.chat.reply_parser import ReplyParser
 from mlx_relay.chat.types import ChatMessage, ResponseFormat, ToolChoice, ToolDef
 from mlx_relay.config import MAX_DRAFT_TOKENS
+from mlx_relay.embeddings import EmbeddingService
 from mlx_relay.errors import DraftModelUnavailable, InvalidRequest, MaxTokensExceedContext, PromptTooLong
 from mlx_relay.messages.admission import Acquire, Granted
 from mlx_relay.messages.gpu import Finished, Generate, ModelInfo, SamplingParams, SpeculationMethod, TokenDelta
@@ -172,6 +173,8 @@ class ChatService:
         self.tool_grammar = tool_grammar
         self.metrics = metrics
         self._ids = itertools.count(1)
+        # the embedding model beside the chat model (`/v1/embeddings`), where the engine holds one
+        self.embeddings = EmbeddingService(actors.gpu, info.embedding) if info.embedding is not None else None
 
     def sampling_for(self, req: ChatRequest, prompt_tokens: int, prompt: Prompt | None = None) -> SamplingParams:
         context = self.info.context_length

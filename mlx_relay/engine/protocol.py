@@ -32,7 +32,15 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 import msgspec
 
 from mlx_relay.config import EngineConfig, SpecPrefillConfig
-from mlx_relay.messages.gpu import EngineStats, Finished, Generate, ModelInfo, TokenDelta, WarmupReport
+from mlx_relay.messages.gpu import (
+    EmbeddedVectors,
+    EngineStats,
+    Finished,
+    Generate,
+    ModelInfo,
+    TokenDelta,
+    WarmupReport,
+)
 from mlx_relay.messages.prefix_cache import LoadSnapshot, SaveSnapshot, SnapshotLoaded, SnapshotSaved, SnapshotTaken
 from mlx_relay.messages.specprefill import ScoringOutcome
 from mlx_relay.messages.text_mtp import MTPOutcome
@@ -172,5 +180,15 @@ class LoadSnapshotFile(Asked[tuple[int, int]], frozen=True):
     length: int
 
 
+class EmbedInputs(Asked[EmbeddedVectors], frozen=True):
+    """The embedding model's vectors of a batch of inputs (token ids; the GPUExecutor's callers bound
+    a command's tokens, so a decoding stream waits on at most one such batch between two steps).
+    `UnsupportedRequest` when the engine holds no embedding model. Not on a pipeline."""
+
+    lockstep: ClassVar[Lockstep] = "refused"
+    inputs: list[list[int]]
+
+
 Command = (AddRow | CancelRow | FreeSnapshotHandles | FreeFeatureHashes | BootEngine | RunWarmup | ReadStats
-           | ResetPeakMemory | CloseEngine | WriteSnapshot | ReadSnapshot | CopySnapshotOut | LoadSnapshotFile)
+           | ResetPeakMemory | CloseEngine | WriteSnapshot | ReadSnapshot | CopySnapshotOut | LoadSnapshotFile
+           | EmbedInputs)

@@ -37,6 +37,7 @@ from mlx_relay.http.formats.anthropic.errors import is_anthropic_path
 from mlx_relay.http.formats.anthropic.routes import anthropic_routes
 from mlx_relay.http.formats.openai_chat.routes import openai_chat_routes
 from mlx_relay.http.formats.openai_completions.routes import completions_routes
+from mlx_relay.http.formats.openai_embeddings.routes import embeddings_routes
 from mlx_relay.http.formats.responses.routes import responses_routes
 from mlx_relay.http.guard import RequestGuard
 from mlx_relay.http.lifecycle import Lifecycle
@@ -236,6 +237,7 @@ def create_app(
             Route("/v1/specprefill/stats", routes.specprefill_stats, methods=["GET"]),
             *openai_chat_routes(config, routes.served),
             *completions_routes(config, routes.served),
+            *embeddings_routes(config, routes.served),
             *anthropic_routes(config, routes.served),
             *responses_routes(config, routes.served),
         ],

@@ -20,6 +20,7 @@ from mlx_relay.http.formats.anthropic.errors import ErrorBody as AnthropicError
 from mlx_relay.http.formats.anthropic.types import CountTokensRequest, Message, MessagesRequest, TokenCount
 from mlx_relay.http.formats.openai_chat.types import ChatCompletion, ChatCompletionRequest
 from mlx_relay.http.formats.openai_completions.types import Completion, CompletionRequest
+from mlx_relay.http.formats.openai_embeddings.types import EmbeddingList, EmbeddingRequest
 from mlx_relay.http.formats.responses.types import DeletedResponse, ResponseObject, ResponsesRequest
 from mlx_relay.http.loads import WorkerLoads
 from mlx_relay.http.types import FlushBody, HealthBody, LoadModelBody, ModelCard, ModelList, PooledModelCard
@@ -61,6 +62,9 @@ ROUTES: dict[tuple[str, str], Operation] = {
     ("/chat/completions", "POST"): _chat_ops("Chat completions (OpenAI)", ChatCompletionRequest, ChatCompletion),
     ("/v1/completions", "POST"): _chat_ops("Text completions (OpenAI)", CompletionRequest, Completion),
     ("/completions", "POST"): _chat_ops("Text completions (OpenAI)", CompletionRequest, Completion),
+    ("/v1/embeddings", "POST"): Operation("Embeddings (OpenAI), by the embedding model beside a chat model "
+                                          "(--embedding-model)", EmbeddingList, EmbeddingRequest),
+    ("/embeddings", "POST"): Operation("Embeddings (OpenAI)", EmbeddingList, EmbeddingRequest),
     ("/v1/messages", "POST"): Operation("Messages (Anthropic)", Message, MessagesRequest, streams=True,
                                         shape="anthropic"),
     ("/v1/messages/count_tokens", "POST"): Operation("Count a prompt's tokens (Anthropic)", TokenCount,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import anyio
 
 from mlx_relay.config import ServerConfig
-from mlx_relay.errors import InvalidRequest, ModelLoadError, ModelNotFound, NotReady
+from mlx_relay.errors import EmbeddingsUnavailable, InvalidRequest, ModelLoadError, ModelNotFound, NotReady
 from mlx_relay.http.types import HealthBody, LoadModelBody, ModelCapabilities, ModelCard
 from mlx_relay.messages.admission import AdmissionStats
 from mlx_relay.runtime import RuntimeFault
@@ -34,6 +34,12 @@ class Served(Protocol):
 
     def resolve(self, model: str | None) -> str:
         """A request's `model` -> the served name, or `ModelNotFound` (404) naming what is served."""
+        ...
+
+    def resolve_embedding(self, model: str | None) -> str:
+        """A `/v1/embeddings` request's `model` -> the served model whose engine holds that embedding
+        model (`--embedding-model`); `EmbeddingsUnavailable` (400) for a chat model without one,
+        `ModelNotFound` (404) for any other name."""
         ...
 
     def use(self, name: str) -> AbstractAsyncContextManager[ChatService]:
@@ -71,6 +77,18 @@ class Served(Protocol):
     def ready_line(self) -> str:
         """What `mlx-relay serve` prints once ready."""
         ...
+
+
+def embedding_owner(model: str | None, configs: list[ServerConfig], resolve: Callable[[str | None], str]) -> str:
+    """`Served.resolve_embedding` over the served models' configs (`resolve`: a chat model's name)."""
+    for config in configs:
+        if model is not None and model in config.engine.embedding_names:
+            return config.served_model_name
+    names = [n for config in configs for n in config.engine.embedding_names[:1]]
+    chat = resolve(model)  # ModelNotFound for a name nothing serves
+    raise EmbeddingsUnavailable(f"the model '{chat}' is a chat model and serves no embeddings; "
+                                + (f"embedding models here: {', '.join(names)}" if names else
+                                   "this server has no embedding model (--embedding-model)"), param="model")
 
 
 class BootServed(Protocol):
@@ -111,6 +129,9 @@ class OneModel:
     @property
     def error(self) -> BaseException | None:
         return self._relay.error
+
+    def resolve_embedding(self, model: str | None) -> str:
+        return embedding_owner(model, [self.config], self.resolve)
 
     def resolve(self, model: str | None) -> str:
         served, aliases = self.config.served_model_name, self.config.model_aliases

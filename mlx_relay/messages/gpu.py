@@ -174,6 +174,25 @@ class DraftInfo(msgspec.Struct, frozen=True):
     library: Literal["mlx-lm", "mlx-vlm"] = "mlx-lm"
 
 
+class EmbeddingInfo(msgspec.Struct, frozen=True):
+    """The embedding model an engine holds beside its chat model (`--embedding-model`)."""
+
+    name: str  # what requests call it (`--embedding-model-name`, default its directory's name)
+    model_path: str
+    model_type: str
+    pooling: str  # the checkpoint's (sentence-transformers' name: "lasttoken", ...)
+    dims: int
+    context_length: int
+    vocab_size: int
+
+
+class EmbeddedVectors(msgspec.Struct, frozen=True):
+    """An `EmbedInputs` command's answer: one unit vector per input, float32 little-endian, row-major."""
+
+    dims: int
+    vectors: bytes
+
+
 class ModelInfo(msgspec.Struct, frozen=True):
     model_path: str
     model_type: str
@@ -193,3 +212,4 @@ class ModelInfo(msgspec.Struct, frozen=True):
     speculative_draft: str | None = None  # the draft model whose drafts the MTP lane verifies, when one is loaded
     # what the prefix cache's snapshot files must match (None: the disk tier is off)
     snapshot_identity: SnapshotIdentity | None = None
+    embedding: EmbeddingInfo | None = None  # the embedding model beside the chat model, when one is loaded

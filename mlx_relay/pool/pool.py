@@ -43,7 +43,7 @@ from mlx_relay.errors import (
     NoRoomForModel,
     NotReady,
 )
-from mlx_relay.http.served import BootServed, Served
+from mlx_relay.http.served import BootServed, Served, embedding_owner
 from mlx_relay.http.types import HealthBody, LoadModelBody, ModelCard
 from mlx_relay.messages.admission import AdmissionStats
 from mlx_relay.pool.build import gib
@@ -250,6 +250,9 @@ class ModelPool:
     def resolve(self, model: str | None) -> str:
         return self.names.resolve(model)
 
+    def resolve_embedding(self, model: str | None) -> str:
+        return embedding_owner(model, [m.config for m in self.config.models], self.resolve)
+
     @asynccontextmanager
     async def use(self, name: str) -> AsyncIterator[ChatService]:
         slot = self.slots[name]
@@ -286,18 +289,14 @@ class ModelPool:
         """`Relay.chat` on the model `model` names (loaded first if need be, held in use meanwhile)."""
         name = self.resolve(model)
         async with self.use(name):
-            relay = self.slots[name].relay
-            assert relay is not None
-            return await relay.chat(messages, **params)
+            return await self.relay(name).chat(messages, **params)
 
     async def stream_chat(self, model: str | None, messages: Sequence[ChatMessage | dict[str, Any]],
                           **params: Any) -> AsyncIterator[ReplyEvent]:
         """`Relay.stream_chat` on the model `model` names (loaded first if need be, held in use meanwhile)."""
         name = self.resolve(model)
         async with self.use(name):
-            relay = self.slots[name].relay
-            assert relay is not None
-            async for event in relay.stream_chat(messages, **params):
+            async for event in self.relay(name).stream_chat(messages, **params):
                 yield event
 
     def relay(self, name: str | None) -> Relay:

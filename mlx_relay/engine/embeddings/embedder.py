@@ -20,8 +20,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_relay.config import EngineConfig
 from mlx_relay.engine.models.checkpoint import context_length, embedding_pooling, read_config
 from mlx_relay.errors import ModelLoadError
+from mlx_relay.messages.gpu import EmbeddedVectors, EmbeddingInfo
 
 #: what mlx-embeddings pools for a model type (its `models/<type>.py`), where the engine serves it
 LIBRARY_POOLING = {"qwen3": "lasttoken"}
@@ -30,8 +32,11 @@ LIBRARY_POOLING = {"qwen3": "lasttoken"}
 class Embedder:
     """One loaded embedding model: `embed` a batch of inputs (token ids) to unit vectors."""
 
-    def __init__(self, model: Any, *, pad_id: int, dims: int, context: int, model_type: str) -> None:
+    def __init__(self, model: Any, *, pad_id: int, dims: int, context: int, model_type: str, pooling: str,
+                 vocab_size: int) -> None:
         self._model = model
+        self.vocab_size = vocab_size
+        self.pooling = pooling
         self.pad_id = pad_id
         self.dims = dims
         self.context = context
@@ -57,7 +62,7 @@ class Embedder:
         if pad is None:
             pad = getattr(tokenizer, "eos_token_id", None) or 0
         return cls(model, pad_id=int(pad), dims=int(config["hidden_size"]), context=context_length(config),
-                   model_type=model_type)
+                   model_type=model_type, pooling=pooling, vocab_size=int(config["vocab_size"]))
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """One unit vector per input (each a non-empty list of token ids within the context), float32
@@ -70,3 +75,13 @@ class Embedder:
             mask[row, : len(tokens)] = 1
         out = self._model(mx.array(ids), attention_mask=mx.array(mask)).text_embeds
         return np.array(out.astype(mx.float32))
+
+    def vectors(self, inputs: list[list[int]]) -> EmbeddedVectors:
+        """`embed` as the engine protocol's answer (`EmbedInputs`)."""
+        vectors = self.embed(inputs)
+        return EmbeddedVectors(dims=vectors.shape[1], vectors=vectors.astype("<f4").tobytes())
+
+    def info(self, config: EngineConfig) -> EmbeddingInfo:
+        """What the front end knows of it (`ModelInfo.embedding`)."""
+        return EmbeddingInfo(config.embedding_names[0], str(config.embedding_model), self.model_type, self.pooling,
+                             self.dims, self.context, self.vocab_size)

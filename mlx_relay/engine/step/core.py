@@ -24,9 +24,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mlx_relay.config import EngineConfig
+from mlx_relay.engine.embeddings.embedder import Embedder
 from mlx_relay.engine.lane import Lane, LaneName, LaneStep, MTPCounts
 from mlx_relay.engine.lane_set import build_lanes, prefill_step_size, speculative_draft
 from mlx_relay.engine.memory.held import HeldMemory
@@ -43,6 +45,7 @@ from mlx_relay.engine.protocol import (
     CancelRow,
     CloseEngine,
     CopySnapshotOut,
+    EmbedInputs,
     FreeFeatureHashes,
     FreeSnapshotHandles,
     LoadSnapshotFile,
@@ -63,8 +66,14 @@ from mlx_relay.engine.step.prefill_shares import PrefillShares
 from mlx_relay.engine.step.rows import Row
 from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
 from mlx_relay.engine.step.warmup import warm_up
-from mlx_relay.errors import GenerationFailed
-from mlx_relay.messages.gpu import DraftInfo, Drafts, EngineStats, Generate, WarmupReport
+from mlx_relay.errors import EmbeddingsUnavailable, GenerationFailed
+from mlx_relay.messages.gpu import (
+    DraftInfo,
+    Drafts,
+    EngineStats,
+    Generate,
+    WarmupReport,
+)
 from mlx_relay.messages.prefix_cache import PrefixPlan, SnapshotTaken
 from mlx_relay.messages.specprefill import ScoringOutcome
 from mlx_relay.messages.text_mtp import MTPOutcome
@@ -98,6 +107,9 @@ class EngineCore:
                  draft_model: str | None = None, stage: Stage | None = None) -> None:
         self.config = config
         self._model = loaded.model
+        # an embedding model beside the chat model (`--embedding-model`), loaded before the rows'
+        # memory is planned so that its weights are counted
+        self.embedder = Embedder.load(Path(config.embedding_model)) if config.embedding_model else None
         info = loaded.info
         tok = loaded.processor.tokenizer if hasattr(loaded.processor, "tokenizer") else loaded.processor
         self._tokenizer = tok
@@ -178,6 +190,10 @@ class EngineCore:
                 return self.memory.encode_snapshot(handle, metadata, free_after)
             case LoadSnapshotFile(path=path, length=length):
                 return self.memory.load_snapshot(path, length)
+            case EmbedInputs(inputs=inputs):
+                if self.embedder is None:
+                    raise EmbeddingsUnavailable("this engine holds no embedding model")
+                return self.embedder.vectors(inputs)
         raise TypeError(f"the engine core does not apply {type(command).__name__}")
 
     def add(self, rid: int, req: Generate) -> None:

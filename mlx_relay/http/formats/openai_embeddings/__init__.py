@@ -1,0 +1,1 @@
+"""OpenAI's Embeddings API (`POST /v1/embeddings`)."""

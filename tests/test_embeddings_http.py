@@ -1,0 +1,127 @@
+"""`POST /v1/embeddings` (issue 47.1) on a real server: the chat fixture with the tiny
+Qwen3-Embedding-layout checkpoint beside it (`--embedding-model`). OpenAI's SDK
+(`client.embeddings.create`, base64 by default) and plain JSON get each input's vector as the
+library's own call on that input alone (float32); token-id inputs, `dimensions` (cut and
+renormalized) and usage; a bad request is a 400 in OpenAI's shape saying why (empty input, too many
+items, an input past the context, ids outside the vocabulary, bad `dimensions`, the chat model named,
+or a server without an embedding model), an unknown model a 404; and an embedding request sent while
+a chat reply streams is answered before that stream ends (the engine runs it between two steps)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mlx_relay.relay import default_config
+from mlx_relay.testing import local_http
+from mlx_relay.testing.family_fixtures import family_fixture_path
+from mlx_relay.testing.fixtures import fixture_path
+from mlx_relay.testing.live_server import LiveServer
+
+TEXTS = ["def add(a, b): return a + b", "the ocean is deep", "x"]
+
+
+@pytest.fixture(scope="module")
+def embed_path() -> Path:
+    return family_fixture_path("qwen3_embedding")
+
+
+@pytest.fixture(scope="module")
+def live(embed_path: Path) -> Iterator[LiveServer]:
+    config = default_config(fixture_path(), served_model_name="tiny", max_num_seqs=4, warmup=False,
+                            embedding_model=str(embed_path), embedding_model_name="embed")
+    with LiveServer(config) as server:
+        yield server
+
+
+def library_vectors(path: Path, inputs: list[list[int]]) -> np.ndarray:
+    """The library's own call, each input alone (in a subprocess-free way: the CPU backend here)."""
+    import mlx.core as mx
+    from mlx_embeddings.utils import load
+
+    model, _ = load(str(path))
+    return np.stack([np.array(model(mx.array([ids])).text_embeds[0]) for ids in inputs])
+
+
+def post(live: LiveServer, **body: Any) -> Any:
+    return local_http.post(live.url + "/v1/embeddings", json=body, timeout=60)
+
+
+def test_the_openai_sdk_gets_the_library_s_vectors(live: LiveServer, embed_path: Path) -> None:
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    client = OpenAI(base_url=live.url + "/v1", api_key="none")
+    got = client.embeddings.create(model="embed", input=TEXTS)
+    tok = AutoTokenizer.from_pretrained(str(embed_path))
+    ids = [tok(t)["input_ids"] for t in TEXTS]
+    ref = library_vectors(embed_path, ids)
+    vectors = np.array([d.embedding for d in got.data], dtype=np.float32)
+    assert [d.index for d in got.data] == [0, 1, 2] and got.model == "embed"
+    assert np.abs(vectors - ref).max() <= 1e-5
+    assert got.usage.prompt_tokens == sum(len(x) for x in ids) == got.usage.total_tokens
+
+
+def test_token_ids_floats_and_dimensions(live: LiveServer, embed_path: Path) -> None:
+    ids = [[5, 6, 7, 8], [900, 12]]
+    r = post(live, model="embed", input=ids, encoding_format="float")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    full = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
+    assert np.abs(full - library_vectors(embed_path, ids)).max() <= 1e-5
+    assert body["object"] == "list" and body["usage"]["prompt_tokens"] == 6
+    r = post(live, model="embed", input=ids[0], dimensions=16, encoding_format="float")
+    cut = np.array(r.json()["data"][0]["embedding"], dtype=np.float32)
+    assert cut.shape == (16,) and abs(float(np.linalg.norm(cut)) - 1) <= 1e-5
+    assert np.abs(cut - full[0, :16] / np.linalg.norm(full[0, :16])).max() <= 1e-5
+
+
+@pytest.mark.parametrize(("body", "status", "says"), [
+    ({"model": "embed", "input": []}, 400, "must not be empty"),
+    ({"model": "embed", "input": [[1, 2], []]}, 400, "input 1 is empty"),
+    ({"model": "embed", "input": ["a"] * 2049}, 400, "at most 2048"),
+    ({"model": "embed", "input": [[3] * 4097]}, 400, "maximum context length is 4096"),
+    ({"model": "embed", "input": [[1, 10**9]]}, 400, "outside [0,"),
+    ({"model": "embed", "input": "a", "dimensions": 0}, 400, "'dimensions' must be in [1, 64]"),
+    ({"model": "embed", "input": ["a", [1, 2]]}, 400, "mixes texts and token ids"),
+    ({"model": "tiny", "input": "a"}, 400, "is a chat model and serves no embeddings; embedding models here: embed"),
+    ({"model": "nope", "input": "a"}, 404, "does not exist"),
+])
+def test_bad_requests_say_why(live: LiveServer, body: dict[str, Any], status: int, says: str) -> None:
+    r = post(live, **body)
+    assert r.status_code == status, r.text
+    assert says in r.json()["error"]["message"]
+
+
+def test_a_server_without_an_embedding_model_says_so() -> None:
+    with LiveServer(default_config(fixture_path(), served_model_name="tiny", warmup=False)) as server:
+        r = post(server, model="tiny", input="a")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding"
+    assert "no embedding model (--embedding-model)" in r.json()["error"]["message"]
+
+
+def test_an_embedding_request_is_answered_while_a_stream_runs(live: LiveServer) -> None:
+    order: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "count"}], "max_tokens": 200,
+                "temperature": 0, "stream": True, "ignore_eos": True}
+        with local_http.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    started.set()
+        order.append("stream ended")
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    assert started.wait(60)
+    r = post(live, model="embed", input=TEXTS)
+    order.append("embedded")
+    worker.join(120)
+    assert r.status_code == 200 and order == ["embedded", "stream ended"]
