@@ -125,3 +125,30 @@ def test_an_embedding_request_is_answered_while_a_stream_runs(live: LiveServer) 
     order.append("embedded")
     worker.join(120)
     assert r.status_code == 200 and order == ["embedded", "stream ended"]
+
+
+def test_a_pool_model_serves_its_embedding_model(embed_path: Path) -> None:
+    """In a pool (`--models-config`), a model's table names an embedding model beside it; requests
+    naming that embedding model reach it (loaded with its chat model), and the pool reserves its weights."""
+    from mlx_relay.config import build_config
+    from mlx_relay.engine.models.footprint import weights_bytes
+    from mlx_relay.pool.build import pool_config
+    from mlx_relay.pool.models_file import ModelEntry, NamedEntry
+    from mlx_relay.pool.pool import ModelPool
+
+    entry = ModelEntry(path=str(fixture_path()), embedding_model=str(embed_path), embedding_model_name="embed")
+    plain = ModelEntry(path=str(family_fixture_path("qwen3")))
+    settings = {"warmup": False, "max_num_seqs": 2}
+    pool = pool_config([NamedEntry("chat", entry, "chat", "chat"), NamedEntry("other", plain, "other", "other")],
+                       settings, budget=None)
+    alone = pool_config([NamedEntry("chat", ModelEntry(path=str(fixture_path())), "chat", "chat")], settings,
+                        budget=None)
+    assert (pool.models[0].reservation.weights_bytes - alone.models[0].reservation.weights_bytes
+            == weights_bytes(embed_path))
+    first = pool.models[0].config
+    config = build_config(first.model, served_model_name=first.served_model_name, **settings)
+    with LiveServer(config, boot=ModelPool.boot(pool)) as live:
+        ok = post(live, model="embed", input="hello")
+        chat_model = post(live, model="other", input="hello")
+    assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64
+    assert chat_model.status_code == 400 and "embedding models here: embed" in chat_model.json()["error"]["message"]

@@ -44,12 +44,15 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_cache_gb: float | None = None
     tool_parser: str | None = None
     warmup: bool | None = None  # the kernel warm-up at each load (a swap's largest part on a GPU)
+    embedding_model: str | None = None  # an embedding checkpoint beside it (/v1/embeddings)
+    embedding_model_name: str | None = None
 
     def overrides(self) -> dict[str, Any]:
         """The settings this entry gives, as `config.build_config` takes them."""
         taken = {name: getattr(self, name) for name in ("max_num_seqs", "max_model_len", "mtp", "speculation",
                                                         "max_draft_tokens", "specprefill_draft_model",
-                                                        "prefix_cache", "tool_parser", "warmup")}
+                                                        "prefix_cache", "tool_parser", "warmup",
+                                                        "embedding_model", "embedding_model_name")}
         if self.prefix_cache_gb is not None:
             taken["prefix_cache_bytes"] = int(self.prefix_cache_gb * (1 << 30))
         return {k: v for k, v in taken.items() if v is not None}

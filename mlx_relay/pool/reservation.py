@@ -52,7 +52,8 @@ def reservation_for(config: ServerConfig, path: Path, draft_path: Path | None = 
         tokens = min(tokens, engine.max_model_len)
     return Reservation(
         weights_bytes=shape.weights_bytes + (weights_bytes(draft_path) if draft_path is not None else 0)
-        + (dense_copy_bytes(path, checkpoint) if engine.dense_16bit else 0),
+        + (dense_copy_bytes(path, checkpoint) if engine.dense_16bit else 0)
+        + (weights_bytes(Path(engine.embedding_model)) if engine.embedding_model else 0),
         prefix_cache_bytes=(engine.prefix_cache_bytes or 0) if engine.prefix_cache else 0,
         decode_bytes=shape.caches_bytes(engine.max_num_seqs, tokens),
         buffer_cache_bytes=engine.cache_limit_bytes or 0,
