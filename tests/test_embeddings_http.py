@@ -152,3 +152,25 @@ def test_a_pool_model_serves_its_embedding_model(embed_path: Path) -> None:
         chat_model = post(live, model="other", input="hello")
     assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64
     assert chat_model.status_code == 400 and "embedding models here: embed" in chat_model.json()["error"]["message"]
+
+
+def test_the_indexing_example_finds_a_piece_by_its_own_text(live: LiveServer) -> None:
+    """docs/examples/index_repo.py against the server: it indexes a folder of this repository and,
+    asked with a piece's own text (no instruction), ranks that piece first. (The fixture's weights
+    are random: it finds nothing by meaning; docs/embeddings.md says which model does.)"""
+    import importlib.util
+
+    from openai import OpenAI
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("index_repo", repo / "docs" / "examples" / "index_repo.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    found = example.pieces(repo / "mlx_relay" / "engine" / "embeddings", ["*.py"], 20)
+    client = OpenAI(base_url=live.url + "/v1", api_key="none")
+    index = example.embed(client, "embed", [text for _, text in found], 8)
+    places = [place for place, _ in found]
+    hits = example.search(client, "embed", index, places, found[2][1], 3, instruct=None)
+    assert len(found) > 3 and index.shape == (len(found), 64)
+    assert len(hits) == 3 and hits[0][1] == places[2] and abs(hits[0][0] - 1.0) <= 1e-4
