@@ -75,3 +75,25 @@ def test_a_pooling_the_library_does_not_run_is_refused(gpu: Callable, embed_path
 
     said = gpu(run)
     assert "mean_tokens pooling are not served" in said and "qwen3 with lasttoken pooling" in said
+
+
+def test_an_embedding_model_alone_is_refused_saying_how_to_serve_it(gpu: Callable, embed_path: Path) -> None:
+    """As the model of a server (`load_model`) or a pool's entry of its own, an embedding checkpoint is
+    refused at start, saying to serve it beside a chat model."""
+    from mlx_relay.pool.build import pool_config
+    from mlx_relay.pool.models_file import ModelEntry, ModelsConfigError, NamedEntry
+
+    def run() -> str:
+        from mlx_relay.engine.models.loader import load_model
+        from mlx_relay.errors import ModelLoadError
+
+        try:
+            load_model(embed_path)
+        except ModelLoadError as exc:
+            return str(exc)
+        return "loaded"
+
+    assert "served beside a chat model: --embedding-model PATH" in gpu(run)
+    with pytest.raises(ModelsConfigError, match=r"models.embed: an embedding model is served beside a chat model"):
+        pool_config([NamedEntry("embed", ModelEntry(path=str(embed_path)), "f:3", "f:4")], {"warmup": False},
+                    budget=None)

@@ -11,7 +11,13 @@ from typing import Any, Literal
 import msgspec
 
 from mlx_relay.config import ServerConfig, build_config
-from mlx_relay.engine.models.checkpoint import context_length, read_config, resolve_model_path
+from mlx_relay.engine.models.checkpoint import (
+    EMBEDDING_ALONE,
+    context_length,
+    embedding_pooling,
+    read_config,
+    resolve_model_path,
+)
 from mlx_relay.errors import ModelLoadError
 from mlx_relay.pool.config import PoolConfig, PooledModel
 from mlx_relay.pool.models_file import ModelsConfigError, NamedEntry
@@ -48,11 +54,17 @@ def pool_config(entries: Sequence[NamedEntry], overrides: dict[str, Any], *, bud
             path = resolve_model_path(entry.path)
         except ModelLoadError as exc:
             raise ModelsConfigError(f"{named.path_where}: models.{named.name}: {exc}") from None
+        if embedding_pooling(path) is not None:
+            raise ModelsConfigError(f"{named.path_where}: models.{named.name}: {EMBEDDING_ALONE}")
         settings = {**overrides, **entry.overrides()}
         try:
             draft = settings.get("specprefill_draft_model")
             if draft:
                 settings["specprefill_draft_model"] = str(resolve_model_path(draft))
+            if embed := settings.get("embedding_model"):  # named as given, counted where it is
+                given = embed.rstrip("/").rsplit("/", 1)[-1]
+                settings["embedding_model_name"] = settings.get("embedding_model_name") or given
+                settings["embedding_model"] = str(resolve_model_path(embed))
             aliases = (*(flag_aliases if index == 0 else ()), *entry.aliases)  # --model-alias: the first model's
             config = build_config(path, served_model_name=named.name, model_aliases=aliases, **settings)
             models.append(pooled_model(config, pinned=entry.pinned,

@@ -61,6 +61,10 @@ def has_mtp_weights(path: Path) -> bool:
     return False
 
 
+#: why an embedding checkpoint is not served as a model of its own
+EMBEDDING_ALONE = ("an embedding model is served beside a chat model: --embedding-model PATH (or `embedding_model` in "
+                   "a chat model's table of the models file), not as a model of its own")
+
 #: sentence-transformers' pooling modes (`1_Pooling/config.json`'s `pooling_mode_*` flags), as named here
 POOLING_MODES = ("lasttoken", "mean_tokens", "cls_token", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens")
 

@@ -17,9 +17,17 @@ import mlx_vlm
 
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.models import family_of
-from mlx_relay.engine.models.checkpoint import context_length, eos_token_ids, has_mtp_weights, read_config
+from mlx_relay.engine.models.checkpoint import (
+    EMBEDDING_ALONE,
+    context_length,
+    embedding_pooling,
+    eos_token_ids,
+    has_mtp_weights,
+    read_config,
+)
 from mlx_relay.engine.models.dense_copies import add_dense_copies
 from mlx_relay.engine.models.library_kv import load_text_model, loads_with_mlx_lm, uses_library_forward
+from mlx_relay.errors import ModelLoadError
 from mlx_relay.media.served import unserved_vision
 from mlx_relay.messages.gpu import ModelInfo
 
@@ -98,6 +106,8 @@ def load_model(path: Path, *, lazy: bool = False) -> LoadedModel:
     """Load on the calling thread (which must be the GPU thread); `lazy`: the weights are read when
     first evaluated (a pipeline stage evaluates only its own layers')."""
     tic = time.perf_counter()
+    if embedding_pooling(path) is not None:
+        raise ModelLoadError(f"{path}: {EMBEDDING_ALONE}")
     config = read_config(path)
     if loads_with_mlx_lm(config):  # a text model of no family of ours, or of one that declares mlx-lm
         model, processor = load_text_model(path, lazy=lazy)
