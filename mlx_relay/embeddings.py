@@ -7,8 +7,10 @@ an embedding model beside its chat model (`--embedding-model`; `engine/embedding
 The inputs are tokenized here (the embedding checkpoint's own tokenizer, through transformers: the
 front end never loads MLX), checked (none empty, none past the embedding model's context, at most
 `MAX_INPUTS`), and sent to the GPUExecutor as `EmbedInputs` commands of at most `BATCH_TOKENS`
-tokens each (padding counted), one after another: the engine runs each between two of its steps,
-so a decoding stream waits on at most one such batch, as it waits on a bounded prefill chunk.
+tokens each (padding counted). One batch of a model's is in flight at a time (requests take turns,
+first come first served; past `MAX_WAITING` waiting, a 429): the engine runs commands between two
+of its steps, so a decoding stream waits on about one such batch a step, as it waits on a bounded
+prefill chunk.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import msgspec
 import numpy as np
 
 from mlx_relay.engine.protocol import EmbedInputs
-from mlx_relay.errors import InvalidRequest, PromptTooLong
+from mlx_relay.errors import InvalidRequest, Overloaded, PromptTooLong
 from mlx_relay.messages.gpu import EmbeddedVectors, EmbeddingInfo
 from mlx_relay.runtime import ActorRef
 
 MAX_INPUTS = 2048  # OpenAI's limit on `input`'s items
 BATCH_TOKENS = 8192  # tokens (padding included) of one engine command
+MAX_WAITING = 64  # embedding requests waiting for their turn, past which a 429
 
 
 class EmbeddingResult(msgspec.Struct, frozen=True):
@@ -53,6 +56,8 @@ class EmbeddingService:
     def __init__(self, gpu: ActorRef, info: EmbeddingInfo) -> None:
         self.gpu = gpu
         self.info = info
+        self._turn = anyio.Lock()  # one batch in flight (anyio's lock is first come, first served)
+        self._waiting = 0
 
     @cached_property
     def tokenizer(self) -> Any:
@@ -87,8 +92,15 @@ class EmbeddingService:
         for i, row in enumerate(ids):
             if any(not 0 <= t < vocab for t in row):
                 raise InvalidRequest(f"input {i} has token ids outside [0, {vocab})", param="input")
+        if self._waiting >= MAX_WAITING:
+            raise Overloaded(f"{self._waiting} embedding requests are waiting; retry later")
         out = np.zeros((len(ids), self.info.dims), dtype=np.float32)
         for batch in batches([len(x) for x in ids], BATCH_TOKENS):
-            got: EmbeddedVectors = await self.gpu.ask(EmbedInputs([ids[i] for i in batch]))
+            self._waiting += 1
+            try:
+                async with self._turn:
+                    got: EmbeddedVectors = await self.gpu.ask(EmbedInputs([ids[i] for i in batch]))
+            finally:
+                self._waiting -= 1
             out[batch] = np.frombuffer(got.vectors, dtype="<f4").reshape(len(batch), got.dims)
         return EmbeddingResult(vectors=out, prompt_tokens=sum(len(x) for x in ids))

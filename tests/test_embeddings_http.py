@@ -174,3 +174,17 @@ def test_the_indexing_example_finds_a_piece_by_its_own_text(live: LiveServer) ->
     hits = example.search(client, "embed", index, places, found[2][1], 3, instruct=None)
     assert len(found) > 3 and index.shape == (len(found), 64)
     assert len(hits) == 3 and hits[0][1] == places[2] and abs(hits[0][0] - 1.0) <= 1e-4
+
+
+def test_concurrent_requests_each_get_their_own_vectors(live: LiveServer, embed_path: Path) -> None:
+    """Requests at once, each cut into two engine batches (36 inputs of 240 tokens: 8,640 tokens),
+    take turns and each gets the vectors of its own inputs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    requests = [[[(7 * r + i) % 900 + 1, *range(1, 240)] for i in range(36)] for r in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda ids: post(live, model="embed", input=ids, encoding_format="float"), requests))
+    assert all(a.status_code == 200 for a in answers)
+    for ids, a in zip(requests, answers, strict=True):
+        got = np.array([d["embedding"] for d in a.json()["data"]], dtype=np.float32)
+        assert np.abs(got - library_vectors(embed_path, ids)).max() <= 1e-4
