@@ -150,7 +150,8 @@ def test_a_pool_model_serves_its_embedding_model(embed_path: Path) -> None:
     with LiveServer(config, boot=ModelPool.boot(pool)) as live:
         ok = post(live, model="embed", input="hello")
         chat_model = post(live, model="other", input="hello")
-    assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64
+        ids = {c["id"] for c in local_http.get(live.url + "/v1/models", timeout=30).json()["data"]}
+    assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64 and ids == {"chat", "other", "embed"}
     assert chat_model.status_code == 400 and "embedding models here: embed" in chat_model.json()["error"]["message"]
 
 
@@ -188,3 +189,18 @@ def test_concurrent_requests_each_get_their_own_vectors(live: LiveServer, embed_
     for ids, a in zip(requests, answers, strict=True):
         got = np.array([d["embedding"] for d in a.json()["data"]], dtype=np.float32)
         assert np.abs(got - library_vectors(embed_path, ids)).max() <= 1e-4
+
+
+def test_the_embedding_model_is_listed_with_its_card(live: LiveServer) -> None:
+    """`GET /v1/models` lists the embedding model beside the chat model (capabilities: embeddings),
+    and `GET /v1/models/embed` answers its card; OpenAI's SDK lists it."""
+    from openai import OpenAI
+
+    cards = {c["id"]: c for c in local_http.get(live.url + "/v1/models", timeout=30).json()["data"]}
+    assert set(cards) == {"tiny", "embed"}
+    assert cards["embed"]["capabilities"] == {"vision": False, "tools": False, "reasoning": False, "embeddings": True}
+    assert cards["embed"]["context_length"] == 4096 and "embeddings" not in cards["tiny"]["capabilities"]
+    one = local_http.get(live.url + "/v1/models/embed", timeout=30)
+    assert one.status_code == 200 and one.json()["id"] == "embed"
+    assert local_http.get(live.url + "/v1/models/nope", timeout=30).status_code == 404
+    assert {m.id for m in OpenAI(base_url=live.url + "/v1", api_key="none").models.list()} == {"tiny", "embed"}

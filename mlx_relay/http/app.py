@@ -29,7 +29,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlx_relay.config import ServerConfig
-from mlx_relay.errors import NotFound, NotReady, RelayError, Unauthorized
+from mlx_relay.errors import ModelNotFound, NotFound, NotReady, RelayError, Unauthorized
 from mlx_relay.http.body import decode_body
 from mlx_relay.http.errors import as_relay_error, error_response
 from mlx_relay.http.formats.anthropic.errors import error_response as anthropic_error_response
@@ -127,9 +127,15 @@ class ServerRoutes:
         return _json(ModelList(await self.served().model_cards(self.created)))
 
     async def model(self, request: Request) -> Response:
-        served = self.served()
-        name = served.resolve(request.path_params["model"])
-        return _json(next(card for card in await served.model_cards(self.created) if card.id == name))
+        served, wanted = self.served(), request.path_params["model"]
+        cards = await served.model_cards(self.created)
+        try:
+            name = served.resolve(wanted)
+        except ModelNotFound:  # an embedding model beside a served one is no model of its own: its card
+            if (card := next((c for c in cards if c.id == wanted), None)) is None:
+                raise
+            return _json(card)
+        return _json(next(card for card in cards if card.id == name))
 
     async def load_model(self, request: Request) -> Response:
         """`POST /v1/models/{name}/load` (a pool's): load it now; with a body naming a `path`, a

@@ -168,7 +168,7 @@ class OneModel:
         return body, health.ready
 
     async def model_cards(self, created: int) -> list[ModelCard]:
-        return [model_card(self._relay, created)]
+        return [model_card(self._relay, created), *embedding_card(self.config, self._relay, created)]
 
     async def admission_stats(self) -> AdmissionStats:
         try:
@@ -198,6 +198,18 @@ class OneModel:
 def _serves_one_model() -> InvalidRequest:
     return InvalidRequest("this server serves one model; start it with --model NAME=PATH (or --models-config) "
                           "to load and unload models")
+
+
+def embedding_card(config: ServerConfig, relay: Relay | None, created: int) -> list[ModelCard]:
+    """The card of the embedding model beside `config`'s model (none without one): its name, and once
+    its engine has loaded it its context (capabilities: embeddings only)."""
+    if not config.engine.embedding_names:
+        return []
+    info = relay.info.embedding if relay is not None and relay.info is not None else None
+    ctx = info.context_length if info is not None else None
+    caps = ModelCapabilities(vision=False, tools=False, reasoning=False, embeddings=True) if info else None
+    return [ModelCard(config.engine.embedding_names[0], created, context_length=ctx, max_model_len=ctx,
+                      capabilities=caps)]
 
 
 def model_card(relay: Relay, created: int) -> ModelCard:

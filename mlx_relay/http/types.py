@@ -9,12 +9,13 @@ from typing import Literal
 import msgspec
 
 
-class ModelCapabilities(msgspec.Struct, frozen=True):
+class ModelCapabilities(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the served model takes and does (a router picks a backend by these)."""
 
     vision: bool  # image and video inputs
     tools: bool  # tool calls (the chat template teaches a tool-call syntax the replies are parsed for)
     reasoning: bool  # thinking blocks, returned as reasoning apart from the content
+    embeddings: bool = False  # an embedding model (`/v1/embeddings`), not a chat model (only written when true)
 
 
 class ModelCard(msgspec.Struct):

@@ -43,7 +43,7 @@ from mlx_relay.errors import (
     NoRoomForModel,
     NotReady,
 )
-from mlx_relay.http.served import BootServed, Served, embedding_owner
+from mlx_relay.http.served import BootServed, Served, embedding_card, embedding_owner
 from mlx_relay.http.types import HealthBody, LoadModelBody, ModelCard
 from mlx_relay.messages.admission import AdmissionStats
 from mlx_relay.pool.build import gib
@@ -319,7 +319,9 @@ class ModelPool:
         return body, self.state == "ready"
 
     async def model_cards(self, created: int) -> list[ModelCard]:
-        return [await card_of(slot, created) for slot in self.slots.values()]
+        slots = list(self.slots.values())
+        embeds = [card for slot in slots for card in embedding_card(slot.model.config, slot.relay, created)]
+        return [*[await card_of(slot, created) for slot in slots], *embeds]
 
     async def admission_stats(self) -> AdmissionStats:
         return await admission_total(list(self.slots.values()), self.state)
