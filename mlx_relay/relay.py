@@ -49,9 +49,10 @@ from mlx_relay.chat.reply import ChatReply, ReplyCollector
 from mlx_relay.chat.types import ChatMessage
 from mlx_relay.config import ServerConfig, build_config
 from mlx_relay.default_model import DEFAULT_MODEL_NAME, default_model_path
+from mlx_relay.embeddings import EmbeddingResult
 from mlx_relay.engine.models.checkpoint import resolve_model_path
 from mlx_relay.engine.protocol import ResetPeakMemory
-from mlx_relay.errors import NotReady, UnprocessableRequest
+from mlx_relay.errors import EmbeddingsUnavailable, NotReady, UnprocessableRequest
 from mlx_relay.messages.admission import AdmissionStats, GetStats, SetState, WhenIdle
 from mlx_relay.messages.gpu import (
     AbortAll,
@@ -401,6 +402,14 @@ class Relay:
         async with self._service().reply(_request(messages, params)) as events:
             async for ev in events:
                 yield ev
+
+    async def embed(self, inputs: list[str] | list[list[int]]) -> EmbeddingResult:
+        """The embedding model's unit vectors of `inputs` (texts or token-id lists), as
+        `/v1/embeddings` computes them (`EmbeddingsUnavailable` without `--embedding-model`)."""
+        embeddings = self._service().embeddings
+        if embeddings is None:
+            raise EmbeddingsUnavailable("this relay has no embedding model (embedding_model)")
+        return await embeddings.embed(inputs)
 
 
 def _request(messages: Sequence[ChatMessage | dict[str, Any]], params: dict[str, Any]) -> ChatRequest:

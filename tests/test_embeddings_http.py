@@ -204,3 +204,18 @@ def test_the_embedding_model_is_listed_with_its_card(live: LiveServer) -> None:
     assert one.status_code == 200 and one.json()["id"] == "embed"
     assert local_http.get(live.url + "/v1/models/nope", timeout=30).status_code == 404
     assert {m.id for m in OpenAI(base_url=live.url + "/v1", api_key="none").models.list()} == {"tiny", "embed"}
+
+
+async def test_the_in_process_api_embeds(embed_path: Path) -> None:
+    """`Relay.embed`: the same vectors as the route's, without HTTP; a relay without an embedding
+    model says so."""
+    from mlx_relay.errors import EmbeddingsUnavailable
+    from mlx_relay.relay import Relay
+
+    ids = [[5, 6, 7, 8], [900, 12]]
+    async with Relay.start(fixture_path(), warmup=False, embedding_model=str(embed_path)) as relay:
+        got = await relay.embed(ids)
+    assert got.prompt_tokens == 6 and np.abs(got.vectors - library_vectors(embed_path, ids)).max() <= 1e-5
+    async with Relay.start(fixture_path(), warmup=False) as plain:
+        with pytest.raises(EmbeddingsUnavailable):
+            await plain.embed(ids)
