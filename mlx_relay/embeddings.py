@@ -6,11 +6,10 @@ an embedding model beside its chat model (`--embedding-model`; `engine/embedding
 
 The inputs are tokenized here (the embedding checkpoint's own tokenizer, through transformers: the
 front end never loads MLX), checked (none empty, none past the embedding model's context, at most
-`MAX_INPUTS`), and sent to the GPUExecutor as `EmbedInputs` commands of at most `BATCH_TOKENS`
-tokens each (padding counted). One batch of a model's is in flight at a time (requests take turns,
-first come first served; past `MAX_WAITING` waiting, a 429): the engine runs commands between two
-of its steps, so a decoding stream waits on about one such batch a step, as it waits on a bounded
-prefill chunk.
+`MAX_INPUTS`), and sent to the GPUExecutor as one `Embed` stream (past `MAX_WAITING` requests in
+the engine at once, a 429). The engine runs them a batch a step within the step's prefill share
+(`engine/embeddings/jobs.py`), so decode priority holds them to their share of the time beside
+decoding rows as it holds a long prompt's chunks.
 """
 
 from __future__ import annotations
@@ -22,32 +21,17 @@ import anyio
 import msgspec
 import numpy as np
 
-from mlx_relay.engine.protocol import EmbedInputs
 from mlx_relay.errors import InvalidRequest, Overloaded, PromptTooLong
-from mlx_relay.messages.gpu import EmbeddedVectors, EmbeddingInfo
+from mlx_relay.messages.gpu import Embed, EmbeddedVectors, EmbeddingInfo
 from mlx_relay.runtime import ActorRef
 
 MAX_INPUTS = 2048  # OpenAI's limit on `input`'s items
-BATCH_TOKENS = 8192  # tokens (padding included) of one engine command
-MAX_WAITING = 64  # embedding requests waiting for their turn, past which a 429
+MAX_WAITING = 64  # embedding requests in the engine at once, past which a 429
 
 
 class EmbeddingResult(msgspec.Struct, frozen=True):
     vectors: Any  # numpy float32 [inputs, dims], unit rows
     prompt_tokens: int
-
-
-def batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """The inputs' indices in batches whose padded size (rows x the longest) stays within `budget`
-    (an input alone may exceed it), longest first so that each batch pads little."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    out: list[list[int]] = []
-    for i in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
 
 
 class EmbeddingService:
@@ -56,8 +40,7 @@ class EmbeddingService:
     def __init__(self, gpu: ActorRef, info: EmbeddingInfo) -> None:
         self.gpu = gpu
         self.info = info
-        self._turn = anyio.Lock()  # one batch in flight (anyio's lock is first come, first served)
-        self._waiting = 0
+        self._waiting = 0  # requests in the engine
 
     @cached_property
     def tokenizer(self) -> Any:
@@ -93,14 +76,15 @@ class EmbeddingService:
             if any(not 0 <= t < vocab for t in row):
                 raise InvalidRequest(f"input {i} has token ids outside [0, {vocab})", param="input")
         if self._waiting >= MAX_WAITING:
-            raise Overloaded(f"{self._waiting} embedding requests are waiting; retry later")
-        out = np.zeros((len(ids), self.info.dims), dtype=np.float32)
-        for batch in batches([len(x) for x in ids], BATCH_TOKENS):
-            self._waiting += 1
-            try:
-                async with self._turn:
-                    got: EmbeddedVectors = await self.gpu.ask(EmbedInputs([ids[i] for i in batch]))
-            finally:
-                self._waiting -= 1
-            out[batch] = np.frombuffer(got.vectors, dtype="<f4").reshape(len(batch), got.dims)
+            raise Overloaded(f"{self._waiting} embedding requests are running; retry later")
+        self._waiting += 1
+        try:
+            async with self.gpu.stream(Embed(ids)) as events:
+                got = None
+                async for event in events:  # the stream's one item
+                    got = event
+        finally:
+            self._waiting -= 1
+        assert isinstance(got, EmbeddedVectors)
+        out = np.frombuffer(got.vectors, dtype="<f4").reshape(len(ids), got.dims)
         return EmbeddingResult(vectors=out, prompt_tokens=sum(len(x) for x in ids))

@@ -404,10 +404,8 @@ class Relay:
                 yield ev
 
     async def embed(self, inputs: list[str] | list[list[int]]) -> EmbeddingResult:
-        """The embedding model's unit vectors of `inputs` (texts or token-id lists), as
-        `/v1/embeddings` computes them (`EmbeddingsUnavailable` without `--embedding-model`)."""
-        embeddings = self._service().embeddings
-        if embeddings is None:
+        """The embedding model's unit vectors of `inputs` (texts or token ids), as `/v1/embeddings`'s."""
+        if (embeddings := self._service().embeddings) is None:
             raise EmbeddingsUnavailable("this relay has no embedding model (embedding_model)")
         return await embeddings.embed(inputs)
 

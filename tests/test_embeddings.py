@@ -97,3 +97,47 @@ def test_an_embedding_model_alone_is_refused_saying_how_to_serve_it(gpu: Callabl
     with pytest.raises(ModelsConfigError, match=r"models.embed: an embedding model is served beside a chat model"):
         pool_config([NamedEntry("embed", ModelEntry(path=str(embed_path)), "f:3", "f:4")], {"warmup": False},
                     budget=None)
+
+
+def test_an_embedding_request_runs_in_the_steps_prefill_share(gpu: Callable, embed_path: Path) -> None:
+    """In the engine (`AddEmbedding`), beside a decoding row: its inputs run a batch a step within
+    the step's prefill share (so over several steps here, where a step's budget is 16 tokens), the
+    row emits a token every step meanwhile, and the vectors are the library's alone."""
+    def run() -> dict[str, Any]:
+        import mlx.core as mx
+        import numpy as np
+        from mlx_embeddings.utils import load
+
+        from mlx_relay.engine.models.loader import load_model
+        from mlx_relay.engine.protocol import AddEmbedding
+        from mlx_relay.messages.gpu import EmbeddedVectors, Finished, Generate, SamplingParams, TokenDelta
+        from mlx_relay.testing.engine_driver import Driver
+        from mlx_relay.testing.fixtures import fixture_path
+
+        d = Driver(load_model(fixture_path()), embedding_model=str(embed_path), speculation="none",
+                   max_num_batched_tokens=16)
+        d.add(Generate("chat", list(range(20, 30)), SamplingParams(max_tokens=40)))
+        while len(d.tokens.get(0, [])) < 3:  # the row decodes first (past its first tokens)
+            for sid, ev in d.engine.step().events:
+                if isinstance(ev, TokenDelta):
+                    d.tokens.setdefault(sid, []).extend(ev.token_ids)
+        inputs = [list(range(100 + i, 106 + i)) for i in range(7)]  # 42 tokens: several steps' share
+        d.engine.apply(AddEmbedding(rid=99, inputs=inputs))
+        row_tokens, vectors, steps = [], None, 0
+        while vectors is None:
+            out = d.engine.step()
+            steps += 1
+            row_tokens.append(sum(len(ev.token_ids) for sid, ev in out.events
+                                  if sid == 0 and isinstance(ev, TokenDelta)))
+            for sid, ev in out.events:
+                if sid == 99 and isinstance(ev, EmbeddedVectors):
+                    vectors = np.frombuffer(ev.vectors, dtype="<f4").reshape(len(inputs), ev.dims)
+                assert not isinstance(ev, Finished) or sid == 0
+        model, _ = load(str(embed_path))
+        ref = np.stack([np.array(model(mx.array([ids])).text_embeds[0]) for ids in inputs])
+        d.engine.close()
+        return {"steps": steps, "row_tokens": row_tokens, "diff": float(np.abs(vectors - ref).max())}
+
+    got = gpu(run)
+    assert got["steps"] >= 3 and all(n >= 1 for n in got["row_tokens"]), got
+    assert got["diff"] <= 1e-5

@@ -5,7 +5,8 @@ library's own call on that input alone (float32); token-id inputs, `dimensions` 
 renormalized) and usage; a bad request is a 400 in OpenAI's shape saying why (empty input, too many
 items, an input past the context, ids outside the vocabulary, bad `dimensions`, the chat model named,
 or a server without an embedding model), an unknown model a 404; and an embedding request sent while
-a chat reply streams is answered before that stream ends (the engine runs it between two steps)."""
+a chat reply streams is answered before that stream ends (the engine runs it within its steps'
+prefill share)."""
 
 from __future__ import annotations
 
@@ -178,8 +179,8 @@ def test_the_indexing_example_finds_a_piece_by_its_own_text(live: LiveServer) ->
 
 
 def test_concurrent_requests_each_get_their_own_vectors(live: LiveServer, embed_path: Path) -> None:
-    """Requests at once, each cut into two engine batches (36 inputs of 240 tokens: 8,640 tokens),
-    take turns and each gets the vectors of its own inputs."""
+    """Requests at once (36 inputs of 240 tokens each: several of the engine's batches), queued in
+    the engine first come, first served: each gets the vectors of its own inputs."""
     from concurrent.futures import ThreadPoolExecutor
 
     requests = [[[(7 * r + i) % 900 + 1, *range(1, 240)] for i in range(36)] for r in range(3)]

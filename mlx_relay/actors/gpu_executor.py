@@ -1,6 +1,7 @@
 """GPUExecutor: the actor that owns the device; every MLX operation runs on its engine's one thread.
 
     requester --Generate (stream)--> GPUExecutor --> TokenDelta ..., Finished
+    EmbeddingService --Embed (stream)--> GPUExecutor --> EmbeddedVectors
     GPUExecutor --SnapshotTaken--> PrefixCacheStore --FreeSnapshots--> GPUExecutor
     PrefixCacheStore --SaveSnapshot / LoadSnapshot--> GPUExecutor --SnapshotSaved / SnapshotLoaded--> store
     GPUExecutor --FeaturesEncoded--> VisionExecutor --FreeFeatures--> GPUExecutor
@@ -52,6 +53,7 @@ from mlx_relay.engine.hosting.gpu_thread import GPUThreadDied
 from mlx_relay.engine.hosting.handle import EngineCallbacks, EngineHandle
 from mlx_relay.engine.hosting.placement import open_engine, wants_process
 from mlx_relay.engine.protocol import (
+    AddEmbedding,
     AddRow,
     Asked,
     BootEngine,
@@ -69,6 +71,8 @@ from mlx_relay.errors import GenerationFailed, InvalidRequest, PipelineSetupErro
 from mlx_relay.messages.gpu import (
     AbortAll,
     Describe,
+    Embed,
+    EmbeddedVectors,
     Finished,
     Generate,
     GetEngineStats,
@@ -96,8 +100,8 @@ class GPUPeers:
 class GPUExecutor(Actor):
     # beside its own messages, any asked command of the engine's protocol that only the engine
     # handles (not a host's own): passed on as it is, answered with the engine's answer
-    accepts = (Generate, Describe, Warmup, GetEngineStats, FreeSnapshots, FreeFeatures, AbortAll, SaveSnapshot,
-               LoadSnapshot, Asked)
+    accepts = (Generate, Embed, Describe, Warmup, GetEngineStats, FreeSnapshots, FreeFeatures, AbortAll,
+               SaveSnapshot, LoadSnapshot, Asked)
     mailbox_capacity = 1024
 
     def __init__(self, config: EngineConfig, specprefill: SpecPrefillConfig, peers: GPUPeers,
@@ -175,6 +179,13 @@ class GPUExecutor(Actor):
                                          param="prompt")
                 self._streams[stream.id] = stream
                 engine.tell(AddRow(stream.id, msg))
+                return None
+            case Embed(inputs=inputs):  # checked by the EmbeddingService (its tokens, the context)
+                assert stream is not None
+                if self._aborting is not None:
+                    raise ServerShuttingDown(self._aborting)
+                self._streams[stream.id] = stream
+                engine.tell(AddEmbedding(stream.id, inputs))
                 return None
             case Describe():
                 return info
@@ -273,7 +284,7 @@ class GPUExecutor(Actor):
                 continue
             if isinstance(event, TokenDelta):
                 stream.send(event)
-            elif isinstance(event, Finished):
+            elif isinstance(event, Finished | EmbeddedVectors):  # a stream's last item
                 stream.send(event)
                 stream.close()
                 del self._streams[sid]

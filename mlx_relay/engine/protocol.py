@@ -50,7 +50,8 @@ R = TypeVar("R")
 
 Lockstep = Literal["kept", "now", "local", "refused"]
 
-Event = TokenDelta | Finished | Exception  # one item of a request's stream (an exception ends it)
+# one item of a request's stream (an exception ends it; an embedding request's one item: its vectors)
+Event = TokenDelta | Finished | EmbeddedVectors | Exception
 
 
 @dataclass
@@ -180,15 +181,16 @@ class LoadSnapshotFile(Asked[tuple[int, int]], frozen=True):
     length: int
 
 
-class EmbedInputs(Asked[EmbeddedVectors], frozen=True):
-    """The embedding model's vectors of a batch of inputs (token ids; the GPUExecutor's callers bound
-    a command's tokens, so a decoding stream waits on at most one such batch between two steps).
-    `UnsupportedRequest` when the engine holds no embedding model. Not on a pipeline."""
+class AddEmbedding(Told, frozen=True):
+    """An embedding request (`rid` its stream): queued, its inputs run within the steps' prefill
+    share (`engine/embeddings/jobs.py`), its `EmbeddedVectors` the stream's event once all have run.
+    `CancelRow(rid)` drops it. Not on a pipeline."""
 
     lockstep: ClassVar[Lockstep] = "refused"
+    rid: int
     inputs: list[list[int]]
 
 
 Command = (AddRow | CancelRow | FreeSnapshotHandles | FreeFeatureHashes | BootEngine | RunWarmup | ReadStats
            | ResetPeakMemory | CloseEngine | WriteSnapshot | ReadSnapshot | CopySnapshotOut | LoadSnapshotFile
-           | EmbedInputs)
+           | AddEmbedding)

@@ -186,8 +186,16 @@ class EmbeddingInfo(msgspec.Struct, frozen=True):
     vocab_size: int
 
 
+class Embed(msgspec.Struct, frozen=True):
+    """GPUExecutor (stream): an embedding request's inputs (token ids, checked by the caller); the
+    stream's one item is its `EmbeddedVectors`."""
+
+    inputs: list[list[int]]
+
+
 class EmbeddedVectors(msgspec.Struct, frozen=True):
-    """An `EmbedInputs` command's answer: one unit vector per input, float32 little-endian, row-major."""
+    """An embedding request's vectors (its stream's event): one unit vector an input, float32
+    little-endian, row-major."""
 
     dims: int
     vectors: bytes

@@ -23,7 +23,7 @@ import numpy as np
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.models.checkpoint import context_length, embedding_pooling, read_config
 from mlx_relay.errors import ModelLoadError
-from mlx_relay.messages.gpu import EmbeddedVectors, EmbeddingInfo
+from mlx_relay.messages.gpu import EmbeddingInfo
 
 #: what mlx-embeddings pools for a model type (its `models/<type>.py`), where the engine serves it
 LIBRARY_POOLING = {"qwen3": "lasttoken"}
@@ -75,11 +75,6 @@ class Embedder:
             mask[row, : len(tokens)] = 1
         out = self._model(mx.array(ids), attention_mask=mx.array(mask)).text_embeds
         return np.array(out.astype(mx.float32))
-
-    def vectors(self, inputs: list[list[int]]) -> EmbeddedVectors:
-        """`embed` as the engine protocol's answer (`EmbedInputs`)."""
-        vectors = self.embed(inputs)
-        return EmbeddedVectors(dims=vectors.shape[1], vectors=vectors.astype("<f4").tobytes())
 
     def info(self, config: EngineConfig) -> EmbeddingInfo:
         """What the front end knows of it (`ModelInfo.embedding`)."""

@@ -143,7 +143,7 @@ class LocalEngine:
         info = msgspec.structs.replace(loaded.info, prefix_cache_bytes=budget, context_length=context,
                                        draft=core.draft, speculative_draft=core.speculative_draft,
                                        snapshot_identity=identity,
-                                       embedding=core.embedder.info(config) if core.embedder else None,
+                                       embedding=e.info(config) if (e := core.embeddings.embedder) else None,
                                        memory_tokens=kv.memory_tokens if kv is not None else 0,
                                        memory_limit_bytes=kv.limit if kv is not None else 0)
         self._core = core if stage is None else PipelineLeader(core, stage.group)

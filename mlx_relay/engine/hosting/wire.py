@@ -25,7 +25,7 @@ import msgspec
 from mlx_relay import errors
 from mlx_relay.engine.protocol import Asked, Command, Event, StepOutput, answer_type
 from mlx_relay.errors import GenerationFailed, RelayError
-from mlx_relay.messages.gpu import Finished, TokenDelta
+from mlx_relay.messages.gpu import EmbeddedVectors, Finished, TokenDelta
 from mlx_relay.messages.prefix_cache import SnapshotTaken
 from mlx_relay.messages.specprefill import ScoringOutcome
 from mlx_relay.messages.text_mtp import MTPOutcome
@@ -95,6 +95,11 @@ class Done(msgspec.Struct, frozen=True, tag=True, array_like=True):
     event: Finished
 
 
+class Embedded(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    sid: int
+    event: EmbeddedVectors
+
+
 class Failure(msgspec.Struct, frozen=True, tag=True, array_like=True):
     sid: int
     error: WireError
@@ -103,7 +108,7 @@ class Failure(msgspec.Struct, frozen=True, tag=True, array_like=True):
 class WireStep(msgspec.Struct, frozen=True, omit_defaults=True):
     """`StepOutput` on the wire: the events in their order, the side results as they are."""
 
-    events: list[Delta | Done | Failure] = []
+    events: list[Delta | Done | Embedded | Failure] = []
     snapshots: list[SnapshotTaken] = []
     scored: list[ScoringOutcome] = []
     features: list[FeaturesEncoded] = []
@@ -111,12 +116,14 @@ class WireStep(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 def step_to_wire(out: StepOutput) -> WireStep:
-    events: list[Delta | Done | Failure] = []
+    events: list[Delta | Done | Embedded | Failure] = []
     for sid, event in out.events:
         if isinstance(event, TokenDelta):
             events.append(Delta(sid, event))
         elif isinstance(event, Finished):
             events.append(Done(sid, event))
+        elif isinstance(event, EmbeddedVectors):
+            events.append(Embedded(sid, event))
         else:
             events.append(Failure(sid, error_to_wire(event)))
     return WireStep(events, out.snapshots, out.scored, out.features, out.mtp)

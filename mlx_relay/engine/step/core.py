@@ -29,7 +29,8 @@ from typing import Any
 
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.embeddings.embedder import Embedder
-from mlx_relay.engine.lane import Lane, LaneName, LaneStep, MTPCounts
+from mlx_relay.engine.embeddings.jobs import EmbeddingJobs
+from mlx_relay.engine.lane import Lane, LaneStep, MTPCounts
 from mlx_relay.engine.lane_set import build_lanes, prefill_step_size, speculative_draft
 from mlx_relay.engine.memory.held import HeldMemory
 from mlx_relay.engine.memory.kv_budget import engine_plan, with_held_weights
@@ -40,12 +41,13 @@ from mlx_relay.engine.models.library_kv import uses_library_forward
 from mlx_relay.engine.models.loader import LoadedModel, device_memory_bytes
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.protocol import (
+    AddEmbedding,
     AddRow,
     Asked,
     CancelRow,
     CloseEngine,
     CopySnapshotOut,
-    EmbedInputs,
+    Event,
     FreeFeatureHashes,
     FreeSnapshotHandles,
     LoadSnapshotFile,
@@ -66,7 +68,7 @@ from mlx_relay.engine.step.prefill_shares import PrefillShares
 from mlx_relay.engine.step.rows import Row
 from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
 from mlx_relay.engine.step.warmup import warm_up
-from mlx_relay.errors import EmbeddingsUnavailable, GenerationFailed
+from mlx_relay.errors import GenerationFailed
 from mlx_relay.messages.gpu import (
     DraftInfo,
     Drafts,
@@ -92,6 +94,8 @@ class _Executed:
     failed: list[tuple[Row, Exception]] = field(default_factory=list)
     scored: list[ScoringOutcome] = field(default_factory=list)
     features: list[FeaturesEncoded] = field(default_factory=list)
+    embedded_tokens: int = 0  # an embedding request's batch: its padded tokens
+    embedded: list[tuple[int, Event]] = field(default_factory=list)  # (rid, vectors) of the finished requests
 
 
 @dataclass
@@ -109,7 +113,7 @@ class EngineCore:
         self._model = loaded.model
         # an embedding model beside the chat model (`--embedding-model`), loaded before the rows'
         # memory is planned so that its weights are counted
-        self.embedder = Embedder.load(Path(config.embedding_model)) if config.embedding_model else None
+        self.embeddings = EmbeddingJobs(Embedder.load(Path(config.embedding_model)) if config.embedding_model else None)
         info = loaded.info
         tok = loaded.processor.tokenizer if hasattr(loaded.processor, "tokenizer") else loaded.processor
         self._tokenizer = tok
@@ -164,7 +168,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._rows)
+        return bool(self._rows) or self.embeddings.has_work
 
     # -- commands (between steps) -------------------------------------------------------------
     def apply(self, command: Told | Asked[Any]) -> Any:
@@ -190,10 +194,8 @@ class EngineCore:
                 return self.memory.encode_snapshot(handle, metadata, free_after)
             case LoadSnapshotFile(path=path, length=length):
                 return self.memory.load_snapshot(path, length)
-            case EmbedInputs(inputs=inputs):
-                if self.embedder is None:
-                    raise EmbeddingsUnavailable("this engine holds no embedding model")
-                return self.embedder.vectors(inputs)
+            case AddEmbedding(rid=rid, inputs=inputs):
+                return self.embeddings.add(rid, inputs)
         raise TypeError(f"the engine core does not apply {type(command).__name__}")
 
     def add(self, rid: int, req: Generate) -> None:
@@ -203,6 +205,7 @@ class EngineCore:
         self.scheduler.add(row)
 
     def cancel(self, rid: int) -> None:
+        self.embeddings.cancel(rid)
         row = self._rows.pop(rid, None)
         if row is None:
             return
@@ -237,10 +240,11 @@ class EngineCore:
         plan = self.scheduler.schedule()
         tic = time.perf_counter()
         executed = self._execute(plan)
-        self.shares.observe(time.perf_counter() - tic, sum(s.prefill_tokens for s in executed.steps))
+        self.shares.observe(time.perf_counter() - tic, executed.embedded_tokens
+                            + sum(s.prefill_tokens for s in executed.steps))
         updated = self._update(executed)
-        out = StepOutput(events=self.output.take(), snapshots=updated.snapshots, scored=executed.scored,
-                         features=executed.features, mtp=updated.mtp)
+        out = StepOutput(events=self.output.take() + executed.embedded, snapshots=updated.snapshots,
+                         scored=executed.scored, features=executed.features, mtp=updated.mtp)
         if not self.has_work:
             self.memory.release_idle()
         return out
@@ -263,6 +267,8 @@ class EngineCore:
                 log.exception("request %s could not join the batch", row.req.request_id)
                 executed.failed.append((row, GenerationFailed("could not start the generation")))
         shares = self._prefill_shares()
+        # an embedding request's batch, within the prefill's share
+        executed.embedded_tokens, executed.embedded = self.embeddings.run(shares.pop("embeddings", 0))
         for name, lane in self.lanes.items():
             if not lane.has_work:
                 continue
@@ -277,12 +283,16 @@ class EngineCore:
                 lane.clear()
         return executed
 
-    def _prefill_shares(self) -> dict[LaneName, int]:
-        """Each working lane's prefill tokens this step (`prefill_shares.py`)."""
+    def _prefill_shares(self) -> dict[str, int]:
+        """Each working lane's prefill tokens this step (`prefill_shares.py`), and the embedding
+        requests' ("embeddings": one more prompt prefilling)."""
         lanes = [(name, lane) for name, lane in self.lanes.items() if lane.has_work]
-        split = self.shares.split(sum(lane.decode_tokens for _, lane in lanes), [lane.prefilling for _, lane in lanes],
-                                  lambda: [lane.finishing_costs for _, lane in lanes])
-        return {name: share for (name, _), share in zip(lanes, split, strict=True)}
+        embeds = self.embeddings.has_work
+        names = [name for name, _ in lanes] + (["embeddings"] if embeds else [])
+        split = self.shares.split(sum(lane.decode_tokens for _, lane in lanes),
+                                  [lane.prefilling for _, lane in lanes] + ([1] if embeds else []),
+                                  lambda: [lane.finishing_costs for _, lane in lanes] + ([[]] if embeds else []))
+        return dict(zip(names, split, strict=True))
 
     def _update(self, executed: _Executed) -> _Updated:
         updated = _Updated()
