@@ -77,6 +77,10 @@
 #   rivals   (issue 45.4) ours with no flags beside each of RIVALS ("name=flags;...", default "wide=--mtp-max-batch
 #            16;none=--speculation none") in turn, both capped (MEM_GB 62), one alternating harness run a level of
 #            RIVAL_LEVELS ("16:64 64:64"), short_chat. Results: rivals_NAME_C.{json,txt}, the servers' logs
+#   embed    (issue 47.1) a random Qwen3-Embedding-0.6B-shaped model served beside ours (--embedding-model),
+#            probe_embeddings_beside_streams.py: STREAMS (8) streams' ITL alone and beside EMBED_CLIENTS (2)
+#            clients of EMBED_INPUTS (32) inputs of EMBED_TOKENS (512) tokens, the embeddings' rate alone and
+#            beside (WINDOW 20 s). Results: embed_probe.{json,txt}, build_embed.txt, embed_ours.log
 #   vision   (issue 47.3) ours and mlx_vlm.server side by side (capped at MEM_GB), bench_vision_cache.py: a new
 #            VISION_SIZE (1024) image cold, in a new conversation, then the first conversation's next turn,
 #            REPEATS times alternating. Results: vision_cache.{json,txt}, the servers' logs
@@ -336,6 +340,21 @@ vision)
     > $O/vision_cache.txt 2>&1
   say "vision (rc $?): $(grep -h '^| [a-z]' $O/vision_cache.txt | cut -c1-120 | tr '\n' ';')"
   kill -- -$ours_pid -$peer_pid 2>/dev/null; kill $ours_pid $peer_pid 2>/dev/null; sleep 8 ;;
+embed)
+  # issue 47.1: a random Qwen3-Embedding-0.6B-shaped model beside ours (--embedding-model), the probe:
+  # STREAMS short_chat streams' ITL alone and beside EMBED_CLIENTS clients sending EMBED_INPUTS inputs of
+  # EMBED_TOKENS tokens back to back, and the embeddings' rate alone and beside
+  python3 benchmarks/gpu/build_embedding_model.py /root/embed --tokenizer "$TOK" $([ "$LOCAL" = 1 ] && echo --tiny) \
+    > $O/build_embed.txt 2>&1
+  setsid nohup python3 -m mlx_relay.cli serve "$MODEL" --port 8100 --served-model-name qwen35-moe \
+    --embedding-model /root/embed --embedding-model-name embed > $O/embed_ours.log 2>&1 < /dev/null &
+  ours_pid=$!
+  for _ in $(seq 1 900); do python3 -c "import sys,httpx; sys.exit(httpx.get('http://127.0.0.1:8100/health',timeout=2).status_code!=200)" 2>/dev/null && break; sleep 1; done
+  python3 benchmarks/probe_embeddings_beside_streams.py http://127.0.0.1:8100 --embed-model embed \
+    --streams "${STREAMS:-8}" --clients "${EMBED_CLIENTS:-2}" --inputs "${EMBED_INPUTS:-32}" \
+    --input-tokens "${EMBED_TOKENS:-512}" --window "${WINDOW:-20}" --json $O/embed_probe.json > $O/embed_probe.txt 2>&1
+  say "embed (rc $?): $(tail -n 1 $O/embed_probe.txt)"
+  kill -- -$ours_pid 2>/dev/null; kill $ours_pid 2>/dev/null; sleep 8; rm -rf /root/embed ;;
 snapio)
   python3 benchmarks/bench_snapshot_io.py --tokens 8192 --out $O/snapshot_io.json > $O/snapshot_io.txt 2>&1
   say "snapio done (rc $?)" ;;
