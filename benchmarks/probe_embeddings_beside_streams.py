@@ -83,17 +83,12 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
         embedders = Embedders(client, args.embed_model, args.clients, args.inputs, args.input_tokens, args.vocab)
         await embedders.run(min(3.0, args.window))  # warm every batch shape
         streams = Streams(client, model, args.streams, args.stream_tokens)
-        workers = [asyncio.create_task(streams.worker(i)) for i in range(args.streams)]
-        await asyncio.sleep(args.settle)
-        t0 = time.perf_counter()
-        await asyncio.sleep(args.window)
-        t1 = time.perf_counter()
-        out["streams_alone_itl"] = itl_stats(streams.between(t0, t1))
+        streams.start()
+        out["streams_alone_itl"] = await streams.alone(args.settle, args.window)
         out["embeddings_beside"] = await embedders.run(args.window)
         t2 = time.perf_counter()
         out["streams_beside_itl"] = itl_stats(streams.between(t2 - args.window, t2))
-        streams.stop.set()
-        await asyncio.gather(*workers, return_exceptions=True)
+        await streams.close()
         out["embeddings_alone"] = await embedders.run(args.window)
     for q in ("p50_ms", "p90_ms"):
         a, b = out["streams_alone_itl"][q], out["streams_beside_itl"][q]

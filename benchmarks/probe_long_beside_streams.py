@@ -92,6 +92,20 @@ class Streams:
     def between(self, start: float, end: float) -> list[float]:
         return [g for t, g in self.gaps if start <= t <= end]
 
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self.worker(i)) for i in range(self.count)]
+
+    async def alone(self, settle: float, window: float) -> dict[str, Any]:
+        """The streams' ITL over `window` seconds, after `settle` seconds of them (`start` first)."""
+        await asyncio.sleep(settle)
+        t0 = time.perf_counter()
+        await asyncio.sleep(window)
+        return itl_stats(self.between(t0, time.perf_counter()))
+
+    async def close(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
 
 async def long_request(client: httpx.AsyncClient, model: str, tokens: int, vocab: int, seed: int) -> float:
     rng = random.Random(seed)
@@ -112,19 +126,14 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
         out["long_first_ttft_s"] = round(await long_request(client, model, args.long_tokens, args.vocab, 3), 3)
         out["long_alone_ttft_s"] = round(await long_request(client, model, args.long_tokens, args.vocab, 1), 3)
         streams = Streams(client, model, args.streams, args.stream_tokens)
-        workers = [asyncio.create_task(streams.worker(i)) for i in range(args.streams)]
-        await asyncio.sleep(args.settle)
-        t0 = time.perf_counter()
-        await asyncio.sleep(args.window)
-        t1 = time.perf_counter()
-        out["streams_alone_itl"] = itl_stats(streams.between(t0, t1))
+        streams.start()
+        out["streams_alone_itl"] = await streams.alone(args.settle, args.window)
         ttft = await long_request(client, model, args.long_tokens, args.vocab, 2)
         t2 = time.perf_counter()
         out["long_beside_ttft_s"] = round(ttft, 3)
         out["_beside_gaps"] = streams.between(t2 - ttft, t2)
         out["streams_beside_itl"] = itl_stats(out["_beside_gaps"])
-        streams.stop.set()
-        await asyncio.gather(*workers, return_exceptions=True)
+        await streams.close()
     alone_p90 = out["streams_alone_itl"]["p90_ms"]
     out["beside_itl_share_over_2x_alone_p90"] = share_over(out.pop("_beside_gaps"),
                                                            2 * alone_p90 / 1000 if alone_p90 else None)
