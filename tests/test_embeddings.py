@@ -141,3 +141,18 @@ def test_an_embedding_request_runs_in_the_steps_prefill_share(gpu: Callable, emb
     got = gpu(run)
     assert got["steps"] >= 3 and all(n >= 1 for n in got["row_tokens"]), got
     assert got["diff"] <= 1e-5
+
+
+def test_the_scores_memory_bounds_an_input_and_a_batch(gpu: Callable, embed_path: Path) -> None:
+    """The library's attention holds heads x T x T float32 scores an input (about three copies): the
+    served context is what fits `scores_bytes`, a batch's rows too (so no request runs the device out
+    of memory: a longer input is refused by the route, naming the limit)."""
+    def run() -> tuple[int, int, int, int]:
+        from mlx_relay.engine.embeddings.embedder import Embedder
+
+        roomy = Embedder.load(embed_path)
+        tight = Embedder.load(embed_path, scores_bytes=4 * 12 * 1000 * 1000)  # 4 heads: 1,000 tokens
+        return roomy.context, tight.context, tight.max_rows(1000), tight.max_rows(100)
+
+    roomy, tight, rows_long, rows_short = gpu(run)
+    assert roomy == 4096 and tight == 1000 and rows_long == 1 and rows_short == 100

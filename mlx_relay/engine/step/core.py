@@ -69,13 +69,7 @@ from mlx_relay.engine.step.rows import Row
 from mlx_relay.engine.step.scheduler import Scheduler, StepPlan
 from mlx_relay.engine.step.warmup import warm_up
 from mlx_relay.errors import GenerationFailed
-from mlx_relay.messages.gpu import (
-    DraftInfo,
-    Drafts,
-    EngineStats,
-    Generate,
-    WarmupReport,
-)
+from mlx_relay.messages.gpu import DraftInfo, Drafts, EngineStats, Generate, WarmupReport
 from mlx_relay.messages.prefix_cache import PrefixPlan, SnapshotTaken
 from mlx_relay.messages.specprefill import ScoringOutcome
 from mlx_relay.messages.text_mtp import MTPOutcome
