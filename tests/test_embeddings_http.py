@@ -220,3 +220,16 @@ async def test_the_in_process_api_embeds(embed_path: Path) -> None:
     async with Relay.start(fixture_path(), warmup=False) as plain:
         with pytest.raises(EmbeddingsUnavailable):
             await plain.embed(ids)
+
+
+def test_the_engine_process_carries_embeddings(embed_path: Path) -> None:
+    """With the engine in a process of its own (a GPU's default), the request and its vectors cross
+    the pipe (`engine/hosting/wire.py`: the stream's `Embedded` event): the same vectors."""
+    config = default_config(fixture_path(), served_model_name="tiny", warmup=False, engine_process="on",
+                            embedding_model=str(embed_path), embedding_model_name="embed")
+    ids = [[5, 6, 7, 8], [900, 12]]
+    with LiveServer(config) as server:
+        r = post(server, model="embed", input=ids, encoding_format="float")
+    assert r.status_code == 200, r.text
+    got = np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+    assert np.abs(got - library_vectors(embed_path, ids)).max() <= 1e-5
