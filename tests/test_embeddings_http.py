@@ -179,11 +179,11 @@ def test_the_indexing_example_finds_a_piece_by_its_own_text(live: LiveServer) ->
 
 
 def test_concurrent_requests_each_get_their_own_vectors(live: LiveServer, embed_path: Path) -> None:
-    """Requests at once (36 inputs of 240 tokens each: several of the engine's batches), queued in
-    the engine first come, first served: each gets the vectors of its own inputs."""
+    """Requests at once (8 inputs of 100 tokens each), queued in the engine first come, first
+    served: each gets the vectors of its own inputs."""
     from concurrent.futures import ThreadPoolExecutor
 
-    requests = [[[(7 * r + i) % 900 + 1, *range(1, 240)] for i in range(36)] for r in range(3)]
+    requests = [[[(7 * r + i) % 900 + 1, *range(1, 100)] for i in range(8)] for r in range(3)]
     with ThreadPoolExecutor(3) as pool:
         answers = list(pool.map(lambda ids: post(live, model="embed", input=ids, encoding_format="float"), requests))
     assert all(a.status_code == 200 for a in answers)
