@@ -184,6 +184,8 @@ class GPUExecutor(Actor):
                 assert stream is not None
                 if self._aborting is not None:
                     raise ServerShuttingDown(self._aborting)
+                if not inputs or not all(inputs):
+                    raise InvalidRequest("an embedding request's inputs must not be empty", param="input")
                 self._streams[stream.id] = stream
                 engine.tell(AddEmbedding(stream.id, inputs))
                 return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 class _Job:
     inputs: list[list[int]]
     order: list[int]  # input indices, longest first, not run yet
-    vectors: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
+    vectors: np.ndarray  # [inputs, dims], filled as the batches run
 
 
 class EmbeddingJobs:
