@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -33,7 +32,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_long_beside_streams import Streams, itl_stats, percentile
+from probe_long_beside_streams import Streams, itl_stats, percentile, report
 
 
 class Embedders:
@@ -113,10 +112,7 @@ def main() -> None:
     p.add_argument("--window", type=float, default=20.0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    out = asyncio.run(probe(args))
-    print(json.dumps(out, indent=1))
-    if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=1))
+    out = report(asyncio.run(probe(args)), args.json)
     print(f"streams' ITL p50 {out['itl_p50_ratio']}x, p90 {out['itl_p90_ratio']}x beside embeddings; "
           f"embeddings kept {out['embedding_rate_kept']} of their rate alone")
 

@@ -145,6 +145,14 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def report(out: dict[str, Any], path: Path | None) -> dict[str, Any]:
+    """A probe's results printed as JSON, and written to `path` where one is given."""
+    print(json.dumps(out, indent=1))
+    if path is not None:
+        path.write_text(json.dumps(out, indent=1))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("url")
@@ -157,10 +165,7 @@ def main() -> None:
     p.add_argument("--window", type=float, default=30.0, help="seconds of streams measured alone")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    out = asyncio.run(probe(args))
-    print(json.dumps(out, indent=1))
-    if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=1))
+    out = report(asyncio.run(probe(args)), args.json)
     print(f"ITL p90 {out['itl_p90_ratio']}x, long TTFT {out['long_ttft_ratio']}x (targets: {out['targets_met']})")
 
 

@@ -50,15 +50,20 @@ def eos_token_ids(config: dict[str, Any]) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
-def has_mtp_weights(path: Path) -> bool:
-    """Whether the checkpoint carries an `mtp.*` head (reads only the safetensors headers)."""
+def tensor_shapes(path: Path) -> dict[str, list[int]]:
+    """Every tensor's shape in the checkpoint's safetensors files (their headers only, no data)."""
+    shapes: dict[str, list[int]] = {}
     for file in sorted(path.glob("*.safetensors")):
         with file.open("rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
-        if any(key.startswith("mtp.") for key in header):
-            return True
-    return False
+        shapes |= {name: meta["shape"] for name, meta in header.items() if name != "__metadata__"}
+    return shapes
+
+
+def has_mtp_weights(path: Path) -> bool:
+    """Whether the checkpoint carries an `mtp.*` head (reads only the safetensors headers)."""
+    return any(key.startswith("mtp.") for key in tensor_shapes(path))
 
 
 #: why an embedding checkpoint is not served as a model of its own

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from mlx_relay.engine.models import declared
+from mlx_relay.engine.models.checkpoint import tensor_shapes
 
 #: bytes per element of a checkpoint's `dtype` / `torch_dtype`
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -52,12 +53,7 @@ def dense_copy_bytes(path: Path, config: dict[str, Any]) -> int:
     files' headers (a weight whose `scales` sit beside it: N rows, K = the scales' groups x the
     checkpoint's `quantization` group size, the projection's own where the config names it)."""
     quantization = config.get("quantization") or config.get("quantization_config") or {}
-    shapes: dict[str, list[int]] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            header = msgspec.json.decode(fh.read(size))
-        shapes |= {name: meta["shape"] for name, meta in header.items() if name != "__metadata__"}
+    shapes = tensor_shapes(path)
     total = 0
     for name, shape in shapes.items():
         if not name.endswith(".weight") or ".layers." not in name or any(p in name for p in _NOT_DENSE):
