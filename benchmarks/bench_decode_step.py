@@ -8,6 +8,8 @@ variants over `--repeats` passes of `--steps` tokens each (greedy, pipelined the
             explicit positions, as the raw `generate_step` loop; batch > 1: its batch caches)
   eager     our `DecodeStep` over `DecodeState`, run op by op
   compiled  the same function through `mx.compile` (what the server runs)
+  compiled_lib_experts  (`--library-experts`) the same with the library's experts where a CUDA GPU
+            runs ours over few pairs (`kernels.pair_qmv`)
 
 Reported per variant and batch size: ms per step (median of the passes), host ms per step (the
 time the Python thread spends building and dispatching a step), the first call's seconds (trace
@@ -58,6 +60,7 @@ from mlx_relay.engine.memory.batch_caches import as_batch_caches, batched, exten
 from mlx_relay.engine.models import family_of
 from mlx_relay.engine.models.dense_copies import add_dense_copies
 from mlx_relay.engine.models.loader import load_model
+from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 
 
@@ -117,8 +120,9 @@ def _copy_cache(c: Any) -> Any:
 
 
 class Ours:
-    def __init__(self, lm: Any, rows: list[tuple[list[Any], mx.array]], compiled: bool) -> None:
-        self.step_fn = DecodeStep(lm, compiled=compiled)
+    def __init__(self, lm: Any, rows: list[tuple[list[Any], mx.array]], compiled: bool,
+                 options: PrefillOptions | None = None) -> None:
+        self.step_fn = DecodeStep(lm, compiled=compiled, options=options)
         self.rows = rows
 
     def start(self) -> tuple[DecodeState, mx.array]:
@@ -288,6 +292,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
     parser.add_argument("--dense-16bit", action="store_true", help="16-bit copies of the dense projections")
+    parser.add_argument("--library-experts", action="store_true",
+                        help="also the compiled step with the library's experts (kernels.pair_qmv's other side)")
     parser.add_argument("--count-ops", action="store_true", help="count one step's operations instead of timing")
     parser.add_argument("--by-layer", action="store_true", help="with --count-ops: launches per part of the step")
     parser.add_argument("--mtp-block", type=int, default=0,
@@ -338,6 +344,8 @@ def main() -> None:
             continue
         variants = {"library": Library(lm, rows, args.prompt_tokens), "eager": Ours(lm, rows, False),
                     "compiled": Ours(lm, rows, True)}
+        if args.library_experts:  # the same step with the library's experts (where a CUDA GPU runs pair_qmv)
+            variants["compiled_lib_experts"] = Ours(lm, rows, True, PrefillOptions().with_experts("library"))
         first_call: dict[str, float] = {}
         for name, v in variants.items():  # warm-up pass: traces and kernels
             t0 = time.perf_counter()

@@ -104,6 +104,15 @@ def specs() -> list[KernelSpec]:
             inputs = [("x", dtype, 3), ("w", "uint32", 2), ("scales", dtype, 2), ("biases", dtype, 2)]
             out.append(KernelSpec(f"narrow_dense8_{dtype}_{n}x{k}_k{split}", nq.cuda_source(split, dense=True),
                                   nq.CUDA_HEADER, inputs, [("y", dtype)], [("N", n), ("K", k), ("E", 1), ("T", dtype)]))
+    from mlx_relay.engine.models.qwen3_5.kernels import pair_qmv as pq
+
+    for dtype in ("bfloat16", "float16"):
+        for n, k, per_row in ((512, 2048, 8), (2048, 512, 1)):
+            inputs = [("x", dtype, 2), ("w", "uint32", 3), ("scales", dtype, 3), ("biases", dtype, 3),
+                      ("ids", "uint32", 1)]
+            out.append(KernelSpec(f"pair_qmv8_{dtype}_{n}x{k}", pq.CUDA_SOURCE, "", inputs, [("y", dtype)],
+                                  [("N", n), ("K", k), ("XDIV", per_row), ("WARPS", pq.WARPS), ("CPW", pq.CPW),
+                                   ("T", dtype)]))
     from mlx_relay.engine.models.qwen3_5.kernels import expert_tiles
 
     for rt in (8, 64):

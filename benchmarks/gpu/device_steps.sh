@@ -62,7 +62,7 @@
 #            engine's mixed step, and the mixed step with the chunk's caches explicit too, eager and as one
 #            compiled function (the next lever's ceiling). Results: mixed_explicit.{json,txt}
 #   grouped  (issue 43.3) gpu/grouped_kernels_bench.py: one expert projection (up, down) at GROUPED_ROUTES pairs,
-#            grouped_qmv's kernel, grouped_qmm's, dequantized + gather_mm, MLX's gather_qmm (QMV_SHAPES: grouped_qmv split
+#            grouped_qmv's kernel, grouped_qmm's, dequantized + gather_mm, MLX's gather_qmm sorted and not, pair_qmv's (QMV_SHAPES: grouped_qmv split
 #            other ways, e.g. "8,32,4,2 4,32,8,4"; GROUPED_DENSE "1,8": the few-row kernels as a dense projection
 #            against MLX's quantized_matmul at those rows; GROUPED_HOT 0.5: each route count again with half its pairs on 16
 #            experts). grouped_kernels.*
@@ -93,6 +93,7 @@
 #            delete it. The disk (64 GB) holds one such model: the plain $MODEL is deleted first, so
 #            put agree last. Results: build_agree_RATE.txt (the build's chain check), mtp_agree_RATE.*
 # DENSE ("8bit"; "8bit 16bit": step, mixed and profile run again with --dense-16bit, files tagged _d16).
+# LIBRARY_EXPERTS=1: step also times the compiled step with the library's experts (kernels/pair_qmv.py's other side).
 # Knobs: BATCH (1,4), BLOCK (2), MTP_TOKENS (64), STEPS (32), REPEATS (3), ROUNDS (3, overhead),
 #   DISK_REPEATS (3).
 # LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR: a dry run off the device (with agree: TOK=tokenizer dir,
@@ -206,7 +207,7 @@ probe)
 step)
   for d in ${DENSE:-8bit}; do
     python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,4}" --steps "${STEPS:-32}" $(dense_flag $d) \
-      --repeats "${REPEATS:-3}" --out $O/decode_step$(dense_tag $d).json > $O/decode_step$(dense_tag $d).txt 2>&1
+      ${LIBRARY_EXPERTS:+--library-experts} --repeats "${REPEATS:-3}" --out $O/decode_step$(dense_tag $d).json > $O/decode_step$(dense_tag $d).txt 2>&1
     say "decode step $d (rc $?): $(grep -h '^batch' $O/decode_step$(dense_tag $d).txt | cut -c1-200 | tr '\n' ';')"
   done ;;
 mtp)

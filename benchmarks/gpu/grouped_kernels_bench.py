@@ -6,14 +6,15 @@ per count of (token, expert) pairs (issue 43.3: which path runs a mixed step's o
 
 Paths, each over the same sorted pairs (random experts), the up projection's shape (N 512, K 2,048)
 and the down projection's (N 2,048, K 512): `qmv` (`grouped_qmv`'s CUDA-core kernel), `narrow`
-(`narrow_qmm`'s tensor-core kernel for few rows: `--prefill-experts narrow`), `qmm`
-(`grouped_qmm`'s tensor-core kernel), `dequantize` (every expert dequantized, MLX's sorted
-`gather_mm`) and `library` (MLX's `gather_qmm` over the sorted pairs, what mlx-vlm's `SwitchGLU`
-calls). Each timed alone as the device sees it: the kernels' summed durations (CUPTI through the
-machine's torch) over `--repeats` calls, the median of 3 such runs, a call's microseconds (off a
-GPU profiler, the host's wall time with the calls queued: on MLX's CUDA backend that is ~10-20 us
-an operation of the host's, more than a small projection's kernel takes). The weights' bytes over
-the time give the bandwidth each reaches. Then
+(`narrow_qmm`'s tensor-core kernel for few rows: `--prefill-experts narrow`), `qmm` (`grouped_qmm`'s
+tensor-core kernel), `dequantize` (every expert dequantized, MLX's sorted `gather_mm`), `library`
+(MLX's `gather_qmm` over the sorted pairs, what mlx-vlm's `SwitchGLU` calls from 64 pairs),
+`library_unsorted` (the same unsorted: its call below 64 pairs, the decode step's) and `pair`
+(`pair_qmv`'s one product a pair, the decode step's on a CUDA GPU). Each timed alone as the device
+sees it: the kernels' summed durations (CUPTI through the machine's torch) over `--repeats` calls,
+the median of 3 such runs, a call's microseconds (off a GPU profiler, the host's wall time with the
+calls queued: on MLX's CUDA backend that is ~10-20 us an operation of the host's, more than a small
+projection's kernel takes). The weights' bytes over the time give the bandwidth each reaches. Then
 (`--dense`) a dense projection over few rows (the decode step's at that batch): MLX's
 `quantized_matmul` against the qmv and narrow kernels given the weights as a single expert.
 """
@@ -41,6 +42,7 @@ from bench_prefill import card, commit
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmm import cuda_grouped_qmm, fallback
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_qmv import Shape, cuda_grouped_qmv
 from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import cuda_narrow_linear, cuda_narrow_qmm
+from mlx_relay.engine.models.qwen3_5.kernels.pair_qmv import cuda_pair_qmv
 
 
 def library(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
@@ -49,8 +51,19 @@ def library(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
                          sorted_indices=True)
 
 
+def library_unsorted(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
+    """MLX's `gather_qmm` a pair, unsorted (mlx-vlm's `SwitchGLU` below 64 pairs: the decode step's)."""
+    return mx.gather_qmm(rows, proj["weight"], proj["scales"], proj.get("biases"), rhs_indices=experts,
+                         transpose=True, group_size=proj.group_size, bits=proj.bits, mode=proj.mode)
+
+
+def pair(rows: mx.array, proj: Any, experts: mx.array) -> mx.array:
+    """`pair_qmv`'s kernel: one product a pair (the decode step's and the MTP round's experts)."""
+    return cuda_pair_qmv(rows.reshape(-1, rows.shape[-1]), proj, experts, 1)
+
+
 PATHS = {"qmv": cuda_grouped_qmv, "narrow": cuda_narrow_qmm, "qmm": cuda_grouped_qmm, "dequantize": fallback,
-         "library": library}
+         "library": library, "library_unsorted": library_unsorted, "pair": pair}
 
 
 def time_us(fn: Any, repeats: int) -> float:
@@ -99,7 +112,8 @@ def main() -> None:
         paths[f"qmv{spec}"] = partial(cuda_grouped_qmv, shape=shape)
     E = switch.up_proj["weight"].shape[0]
     results = []
-    print(f"{'routes':>7} {'proj':>5} " + " ".join(f"{p:>11}" for p in paths) + "   (device us a call; GB/s of qmv)")
+    print(f"{'routes':>7} {'proj':>5} " + " ".join(f"{p:>11}" for p in paths)
+          + "   (device us a call; GB/s of qmv, pair)")
     cases = [(int(r), 0.0) for r in args.routes.split(",")]
     cases += [(int(r), args.hot) for r in args.routes.split(",")] if args.hot else []
     for routes, hot in cases:
@@ -122,7 +136,7 @@ def main() -> None:
             results.append({"routes": routes, "hot": hot, "proj": name, "experts_touched": touched, "us": us,
                             "weight_gb": gb})
             print(f"{routes:7d}{'h' if hot else ' '}{name:>5} " + " ".join(f"{us[p]:11.1f}" for p in paths)
-                  + f"   {gb / (us['qmv'] * 1e-6):7.0f}", flush=True)
+                  + f"   {gb / (us['qmv'] * 1e-6):7.0f} {gb / (us['pair'] * 1e-6):7.0f}", flush=True)
     dense = dense_rows(args, {k: v for k, v in paths.items() if k.startswith(("qmv", "narrow"))}) if args.dense else []
     if args.out:
         args.out.write_text(json.dumps({"commit": commit(), "card": card()[0], "results": results, "dense": dense},

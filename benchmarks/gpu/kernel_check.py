@@ -25,6 +25,8 @@ random inputs at Qwen3.5-35B-A3B's shape, bf16 as the model runs. Exits non-zero
   skewed, and for a few rows (those by `grouped_qmv`'s kernel, few rows an expert). (Against
   the truth, not each other: on 2026-11-28 the fallback given
   expanded rows was the wrong one, benchmarks/results/prefill-h200-2026-11-28/.)
+- The experts over few pairs (`pair_qmv.cuda_pair_qmv`, one product a pair; `pair_switch_glu` and the
+  library's `SwitchGLU`) against the float32 truth at the decode step's and the verify block's shapes.
 """
 
 from __future__ import annotations
@@ -305,6 +307,46 @@ def check_grouped_experts(T: int, kernel: bool, narrow: bool = False) -> dict[st
     result["ok"] = bool(result["shape_match"] and max(result["rel"], result["library_rel"]) <= TOLERANCE)
     return result
 
+def check_pair_qmv(P: int, per_row: int, skewed: bool) -> dict[str, Any]:
+    """`pair_qmv`'s kernel (one product a pair: the decode step's and the MTP round's experts) against the
+    float32 truth, the up projection's shape and the down projection's, `per_row` pairs sharing an input
+    row (a token's k experts), experts spread or all pairs on a few."""
+    from mlx_relay.engine.models.qwen3_5.kernels.pair_qmv import cuda_pair_qmv
+
+    H, F, E = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts"]
+    switch = quantized_switch()
+    experts = (mx.random.randint(0, 3, (P,)) if skewed else mx.random.randint(0, E, (P,))).astype(mx.uint32)
+    result: dict[str, Any] = {"P": P, "per_row": per_row, "skewed": skewed}
+    ok = True
+    for name, proj, K, share in (("up", switch.up_proj, H, per_row), ("down", switch.down_proj, F, 1)):
+        rows = mx.random.normal((P // share, K)).astype(mx.bfloat16)
+        ours = cuda_pair_qmv(rows, proj, experts, share)
+        true = projection_truth(mx.repeat(rows, share, axis=0)[:, None, :], proj, experts)[:, 0, :]
+        mx.eval(ours, true)
+        result[f"{name}_rel"] = rel(ours, true)
+        ok = ok and ours.shape == (P, true.shape[-1]) and result[f"{name}_rel"] <= TOLERANCE
+    result["ok"] = bool(ok)
+    return result
+
+
+def check_pair_experts(B: int, T: int) -> dict[str, Any]:
+    """`pair_switch_glu` (the layer loop's experts over few pairs on a CUDA GPU) and the library's 8-bit
+    `SwitchGLU`, each against the float32 truth, at the decode step's and the verify block's shapes."""
+    from mlx_relay.engine.models.qwen3_5.kernels.pair_qmv import pair_switch_glu
+
+    H, E, k = SHAPE["hidden_size"], SHAPE["num_experts"], SHAPE["num_experts_per_tok"]
+    switch = quantized_switch()
+    x = mx.random.normal((B, T, H)).astype(mx.bfloat16)
+    inds = mx.argpartition(mx.random.normal((B, T, E)), kth=-k, axis=-1)[..., -k:].astype(mx.uint32)
+    ours = pair_switch_glu(switch, x, inds)
+    ref, true = switch(x, inds), truth(switch, x, inds)
+    mx.eval(ours, ref, true)
+    result = {"B": B, "T": T, "rel": rel(ours, true), "library_rel": rel(ref, true),
+              "shape_match": ours.shape == ref.shape and ours.dtype == ref.dtype}
+    result["ok"] = bool(result["shape_match"] and max(result["rel"], result["library_rel"]) <= TOLERANCE)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
@@ -315,7 +357,7 @@ def main() -> None:
     la = gated_delta_net()
     checks: dict[str, list[dict[str, Any]]] = {"gated_delta_mixer": [], "route_topk": [], "combine": [],
                                                "delta_rule": [], "conv": [], "grouped_experts": [],
-                                               "grouped_qmm": [], "narrow_qmm": []}
+                                               "grouped_qmm": [], "narrow_qmm": [], "pair_qmv": []}
     def record(name: str, check: Any, *args: Any) -> None:
         try:
             c = check(*args)
@@ -358,6 +400,13 @@ def main() -> None:
                            (16, 8192, 2048, 4), (3, 2048, 512, 1), (24, 8192, 2048, 4), (32, 2048, 4096, 4),
                            (29, 512, 2048, 4)):
         record("narrow_qmm", check_narrow_linear, M, N, K, split)
+    # the experts over few pairs (kernels/pair_qmv.py): decode of 1, 8 and 16 rows, a verify block of 2
+    # and 4, a 16-token slice beside 8 rows; one input row a pair (down) and a token's 8 (up)
+    for P, per_row, skewed in ((8, 8, False), (16, 8, False), (64, 8, False), (64, 8, True), (192, 8, False),
+                               (256, 1, False), (8, 1, True)):
+        record("pair_qmv", check_pair_qmv, P, per_row, skewed)
+    for B, T in ((1, 1), (8, 1), (16, 1), (1, 2), (1, 4), (2, 3)):
+        record("pair_qmv", check_pair_experts, B, T)
     ok = all(c["ok"] for group in checks.values() for c in group)
     print("kernel check: " + ("PASS" if ok else "FAIL"))
     if args.out:

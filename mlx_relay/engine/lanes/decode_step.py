@@ -46,10 +46,14 @@ class DecodeStep:
     """`step(tokens, state) -> logits`, updating `state`; compiled unless `compiled=False`.
     `UnsupportedModel` for a language model of no family `models` serves."""
 
-    def __init__(self, lm: Any, *, compiled: bool = True, stage: Stage | None = None) -> None:
+    def __init__(self, lm: Any, *, compiled: bool = True, stage: Stage | None = None,
+                 options: PrefillOptions | None = None) -> None:
         self.family = family_of(lm)
         self.lm = lm
         self.stage = stage  # a pipeline stage: only its layers, hidden states to and from its neighbours
+        # the forward's kernel choices (None: the defaults; `PrefillOptions.with_experts("library")` keeps
+        # the library's experts where a CUDA GPU would run `kernels.pair_qmv`: a benchmark's other side)
+        self.options = options
         self.layout = self.family.cache_layout(lm)
         self._fn = mx.compile(self._step) if compiled else self._step
 
@@ -78,7 +82,7 @@ class DecodeStep:
               ) -> tuple[mx.array, list[tuple[mx.array, mx.array]], list[mx.array], list[mx.array]]:
         at = _at(idx, left_padding, deltas, kv[0][0].shape[2])
         h, kv, conv, ssm = self.family.forward_block(self.lm, tokens[:, None], at, kv, conv, ssm, keep_states=False,
-                                                     stage=self.stage)
+                                                     stage=self.stage, prefill=self.options)
         return self.family.logits(self.lm, h)[:, -1, :], kv, conv, ssm
 
 

@@ -37,6 +37,7 @@ from mlx_relay.engine.models.qwen3_5.kernels.dense import mlp as dense_mlp
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import grouped_switch_glu, use_grouped
 from mlx_relay.engine.models.qwen3_5.kernels.moe import combine, route_topk
+from mlx_relay.engine.models.qwen3_5.kernels.pair_qmv import pair_switch_glu, use_pairs
 
 if TYPE_CHECKING:
     from mlx_relay.engine.models.pipeline_stage import Stage
@@ -177,10 +178,13 @@ def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None,
              prefill: PrefillOptions | None) -> mx.array:
     """mlx-vlm's `SwitchGLU` over the routed experts: its own call; for a prefill chunk's many routed
     positions on a GPU (a prefill chunk, as its `prefill` options say), grouped GEMMs
-    (`kernels.grouped_experts`); or for few routed
-    positions (its unsorted path) the same matmuls, one row per position, with `rows` given."""
+    (`kernels.grouped_experts`); for few on a CUDA GPU, one matrix-vector product a pair
+    (`kernels.pair_qmv`, unless the chunk's options keep the library's experts); or for few routed
+    positions elsewhere (its unsorted path) the same matmuls, one row per position, with `rows` given."""
     if prefill is not None and prefill.grouped_experts and use_grouped(switch, inds.size, prefill.grouped_min_routes):
         return grouped_switch_glu(switch, x, inds, kernel=prefill.quantized_kernel, narrow=prefill.narrow_kernel)
+    if (prefill is None or prefill.grouped_experts) and use_pairs(switch, x, inds.size):
+        return pair_switch_glu(switch, x, inds)
     if rows is None or any("bias" in m for m in (switch.gate_proj, switch.up_proj, switch.down_proj)):
         return switch(x, inds)
     x = mx.expand_dims(x, (-2, -3))
