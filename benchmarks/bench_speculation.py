@@ -76,6 +76,14 @@ TOOLS = Path(__file__).resolve().parent.parent / "tools"
 METHODS = ("none", "mtp", "context", "auto", "draft")
 
 
+def _percentile(values: list[float], q: int) -> float:
+    """The q-th percentile of `values` (nearest rank; nan for none)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, len(ordered) * q // 100)], 3)
+
+
 def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, method: str, *, block: int,
              max_draft: int, context_policy: str = "auto", recorder: StepRecorder | None = None,
              draft_model: Path | None = None) -> dict[str, Any]:
@@ -100,8 +108,12 @@ def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, metho
         d.add(Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens, speculation=asked)))
     started: set[int] = set()
     tokens, steady, base = 0, None, engine.stats()
+    step_ms: list[float] = []  # each steady step's wall time (where a lane's rounds lose time: its spread)
     while engine.has_work:
+        t0 = time.perf_counter()
         out = engine.step()
+        if steady is not None:
+            step_ms.append((time.perf_counter() - t0) * 1e3)
         for sid, ev in out.events:
             if isinstance(ev, TokenDelta):
                 started.add(sid)
@@ -126,6 +138,8 @@ def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, metho
     fin = list(d.finished.values())
     return {"tok_s": tokens / elapsed if elapsed else float("nan"), "tokens": tokens, "seconds": elapsed,
             "rounds": st.mtp_rounds - base.mtp_rounds, "wide_rounds": st.wide_rounds - base.wide_rounds,
+            "pipelined_rounds": st.pipelined_rounds - base.pipelined_rounds, "steps": len(step_ms),
+            "step_ms_p50": _percentile(step_ms, 50), "step_ms_p90": _percentile(step_ms, 90),
             "mtp_drafted": sum(f.drafts.mtp.drafted for f in fin),
             "mtp_accepted": sum(f.drafts.mtp.accepted for f in fin),
             "context_drafted": sum(f.drafts.context.drafted for f in fin),
@@ -259,7 +273,10 @@ def main() -> None:
         for rep in range(args.repeats):
             for v in variants if rep % 2 == 0 else variants[::-1]:
                 per[v].append(run(v, batch, args.max_tokens))
-                print(f"B={b} {v}: {per[v][-1]['tok_s']:.1f} tok/s", flush=True)
+                last = per[v][-1]
+                print(f"B={b} {v}: {last['tok_s']:.1f} tok/s (steps {last['steps']}, p50 {last['step_ms_p50']} ms, "
+                      f"p90 {last['step_ms_p90']} ms; rounds {last['rounds']}, pipelined {last['pipelined_rounds']})",
+                      flush=True)
         ref = [ids[:args.max_tokens] for ids in per["none"][0]["ids"]]
         identity[f"{b} {family}"] = [v for v, runs in per.items() if any(
             [ids[:args.max_tokens] for ids in r["ids"]] != ref for r in runs)]

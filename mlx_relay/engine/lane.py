@@ -75,6 +75,7 @@ class MTPCounts:
     draft_drafted: int = 0  # a draft model's drafts, verified
     draft_accepted: int = 0
     wide_rounds: int = 0  # rounds run at the host drafts' width (the context's, a draft model's)
+    pipelined_rounds: int = 0  # one-token rounds run pipelined (each launched before the last was read)
 
     def add(self, other: MTPCounts) -> None:
         self.rounds += other.rounds
@@ -86,6 +87,7 @@ class MTPCounts:
         self.draft_drafted += other.draft_drafted
         self.draft_accepted += other.draft_accepted
         self.wide_rounds += other.wide_rounds
+        self.pipelined_rounds += other.pipelined_rounds
 
     def add_host(self, source: str, drafted: int, accepted: int) -> None:
         """Verified host drafts of `source` ("context", or a draft model's "draft")."""

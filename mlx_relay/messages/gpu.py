@@ -145,6 +145,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     draft_drafted: int = 0  # a draft model's drafts, verified
     draft_accepted: int = 0
     wide_rounds: int = 0  # rounds at the host drafts' width (the context's, a draft model's)
+    pipelined_rounds: int = 0  # one-token rounds run pipelined (each launched before the last was read)
     snapshots: int = 0  # prefix-cache snapshots held on the GPU thread
     snapshot_bytes: int = 0
     features: int = 0  # encoded image features held on the GPU thread

@@ -158,6 +158,7 @@ class CompiledCohort:
             tokens.setdefault(row.rid, []).append(targets[i][0])
             row.emitted += 1
         counts.rounds += 1
+        counts.pipelined_rounds += 1
         self._plans.settle(rows, plan, emitted, [0] * n, counts)
         self._last_read = time.perf_counter()
 

@@ -397,6 +397,6 @@ class EngineCore:
                            mtp_fallback_rounds=totals.fallback_rounds,
                            context_drafted=totals.context_drafted, context_accepted=totals.context_accepted,
                            draft_drafted=totals.draft_drafted, draft_accepted=totals.draft_accepted,
-                           wide_rounds=totals.wide_rounds,
+                           wide_rounds=totals.wide_rounds, pipelined_rounds=totals.pipelined_rounds,
                            prefill_chunks=self.prefill_chunks, prefill_rows=self.prefill_rows,
                            mixed_steps=self.mixed_steps, **self.memory.stats())
