@@ -35,6 +35,7 @@ import mlx.core as mx
 
 from mlx_relay.engine.lanes.decode_state import DecodeState
 from mlx_relay.engine.models import Block, Chunk, UnsupportedModel, family_of
+from mlx_relay.engine.models.kv_quant import first
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
@@ -80,7 +81,7 @@ class DecodeStep:
     def _step(self, tokens: mx.array, idx: mx.array, left_padding: mx.array, deltas: mx.array,
               kv: list[tuple[mx.array, mx.array]], conv: list[mx.array], ssm: list[mx.array]
               ) -> tuple[mx.array, list[tuple[mx.array, mx.array]], list[mx.array], list[mx.array]]:
-        at = _at(idx, left_padding, deltas, kv[0][0].shape[2])
+        at = _at(idx, left_padding, deltas, first(kv[0][0]).shape[2])
         h, kv, conv, ssm = self.family.forward_block(self.lm, tokens[:, None], at, kv, conv, ssm, keep_states=False,
                                                      stage=self.stage, prefill=self.options)
         return self.family.logits(self.lm, h)[:, -1, :], kv, conv, ssm

@@ -1,7 +1,8 @@
 """Row operations on a batch's caches (GPU thread only), through the cache classes' public API.
 
 A batch of rows keeps one cache object per layer: mlx-vlm's `BatchKVCache` (attention: keys
-left-padded to the longest row, each row's padding masked) and `ArraysCache` (GatedDeltaNet:
+left-padded to the longest row, each row's padding masked; `BatchQuantizedKVCache` where the KV
+cache is quantized, `models.kv_quant`) and `ArraysCache` (GatedDeltaNet:
 conv and recurrent state, one slice per row). Rows move between batches (a prefill chunk's rows
 joining the decode batch, a row leaving) with the operations below, and every forward over such
 caches asks for one batched call (`batched`); `tests/test_library_adapters.py` pins what they
@@ -13,7 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_vlm.models.cache import ArraysCache, BatchKVCache, BatchQuantizedKVCache, KVCache, QuantizedKVCache
+
+from mlx_relay.engine.models.kv_quant import each
 
 
 def batched(**kwargs: Any) -> dict[str, Any]:
@@ -38,6 +41,12 @@ def as_batch_caches(caches: list[Any]) -> list[Any]:
     for c in caches:
         if isinstance(c, KVCache):
             out.append(BatchKVCache.merge([c]))
+        elif isinstance(c, QuantizedKVCache):  # (no `merge` of its own: one row through its public state)
+            batch = BatchQuantizedKVCache([0], group_size=c.group_size, bits=c.bits)
+            if c.keys is not None:
+                keys, values = c.state
+                batch.state = (keys, values, mx.array([c.offset]), mx.array([0]))
+            out.append(batch)
         else:
             merged = ArraysCache.merge([c])
             merged.left_padding = None
@@ -73,11 +82,12 @@ def take_rows(caches: list[Any], rows: list[int]) -> list[Any]:
     idx = mx.array(rows, dtype=mx.int32)
     out: list[Any] = []
     for c in caches:
-        if isinstance(c, BatchKVCache):
+        if isinstance(c, (BatchKVCache, BatchQuantizedKVCache)):
             keys, values, offset, left_padding = c.state
-            taken = BatchKVCache([0] * len(rows))
-            taken.state = (None if keys is None else keys[idx], None if values is None else values[idx],
-                           offset[idx], left_padding[idx])
+            taken = (BatchKVCache([0] * len(rows)) if isinstance(c, BatchKVCache)
+                     else BatchQuantizedKVCache([0] * len(rows), group_size=c.group_size, bits=c.bits))
+            taken.state = (None if keys is None else each(lambda x: x[idx], keys),
+                           None if values is None else each(lambda x: x[idx], values), offset[idx], left_padding[idx])
             taken.filter(mx.arange(len(rows)))  # drops the padding no kept row needs
         else:
             taken = ArraysCache(len(c.cache))

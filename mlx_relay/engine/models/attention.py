@@ -18,18 +18,19 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_relay.engine.models.kv_quant import Buffer, attend, each, first
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 
 
-def attend_buffers(queries: mx.array, keys: mx.array, values: mx.array, keys_buf: mx.array, values_buf: mx.array,
-                   at: Positions, scale: float) -> tuple[mx.array, mx.array, mx.array]:
+def attend_buffers(queries: mx.array, keys: mx.array, values: mx.array, keys_buf: Buffer, values_buf: Buffer,
+                   at: Positions, scale: float) -> tuple[mx.array, Buffer, Buffer]:
     """Queries, keys and values [B, heads, T, D] (rotated), the keys and values written where `at`
-    says: the attention's output [B, heads, T, D] and the buffers after."""
+    says (quantized where the buffers are: `kv_quant`): the attention's output [B, heads, T, D] and
+    the buffers after."""
     keys_buf = at.write(keys_buf, keys)
     values_buf = at.write(values_buf, values)
-    out = mx.fast.scaled_dot_product_attention(queries, keys_buf, values_buf, scale=scale, mask=at.mask)
-    return out, keys_buf, values_buf
+    return attend(queries, keys_buf, values_buf, scale, at.mask), keys_buf, values_buf
 
 
 def attention_mask(cache: Any, T: int) -> Any:
@@ -47,22 +48,23 @@ def attend_cache(queries: mx.array, keys: mx.array, values: mx.array, cache: Any
     KV cache: the attention's output [B, heads, T, D], its scores in blocks of queries."""
     keys, values = cache.update_and_fetch(keys, values)
     B, heads, _, _ = queries.shape
-    max_rows = options.attention_rows(B, heads, keys.shape[2], queries.dtype.size)
+    max_rows = options.attention_rows(B, heads, first(keys).shape[2], queries.dtype.size)
     return blocked_attention(queries, keys, values, scale, mask, max_rows)
 
 
-def blocked_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any, max_rows: int) -> mx.array:
-    """MLX's attention of q [B, heads, T, D] (the last T positions of the S keys) over k, v
-    [B, kv heads, S, D], in blocks of at most `max_rows` queries, each against the keys up to its
-    own last position. `mask`: None (a single query), "causal", or an array [B, 1, T, S]."""
-    T, S = q.shape[2], k.shape[2]
+def blocked_attention(q: mx.array, k: Buffer, v: Buffer, scale: float, mask: Any, max_rows: int) -> mx.array:
+    """The attention of q [B, heads, T, D] (the last T positions of the S keys) over k, v
+    [B, kv heads, S, D] (either form, `kv_quant.attend`), in blocks of at most `max_rows` queries, each
+    against the keys up to its own last position. `mask`: None (a single query), "causal", or an
+    array [B, 1, T, S]."""
+    T, S = q.shape[2], first(k).shape[2]
     if T <= max_rows:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return attend(q, k, v, scale, mask)
     blocks = []
     for start in range(0, T, max_rows):
         stop = min(T, start + max_rows)
         keys_end = S - T + stop
         block_mask = mask if mask is None or isinstance(mask, str) else mask[..., start:stop, :keys_end]
-        blocks.append(mx.fast.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :keys_end],
-                                                           v[:, :, :keys_end], scale=scale, mask=block_mask))
+        upto = lambda x, end=keys_end: x[:, :, :end]  # noqa: E731
+        blocks.append(attend(q[:, :, start:stop], each(upto, k), each(upto, v), scale, block_mask))
     return mx.concatenate(blocks, axis=2)

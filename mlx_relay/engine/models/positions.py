@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_relay.engine.models.kv_quant import Buffer, is_quantized, layout, quantize
+
 
 @dataclass(frozen=True)
 class Positions:
@@ -35,8 +37,15 @@ class Positions:
         """`columns` [B, T]."""
         return Positions(rotary, mask, None, columns[:, None, :, None], offsets)
 
-    def write(self, buf: mx.array, new: mx.array) -> mx.array:
-        """`buf` [B, heads, cap, D] with `new` [B, heads, T, D] written at these positions."""
+    def write(self, buf: Buffer, new: mx.array) -> Buffer:
+        """`buf` [B, heads, cap, D] with `new` [B, heads, T, D] written at these positions (a quantized
+        buffer: `new` quantized as it is, each part written alike; `kv_quant`)."""
+        if is_quantized(buf):
+            group_size, bits = layout(buf, new.shape[-1])  # type: ignore[arg-type]
+            return tuple(self._write(b, n) for b, n in zip(buf, quantize(new, group_size, bits), strict=True))
+        return self._write(buf, new)  # type: ignore[arg-type]
+
+    def _write(self, buf: mx.array, new: mx.array) -> mx.array:
         new = new.astype(buf.dtype)
         if self.where is None:
             return mx.slice_update(buf, new, self.column, axes=(2,))

@@ -1,0 +1,99 @@
+"""Quantized attention keys and values (issue 47.2; GPU thread only): the form one attention layer's
+keys or values take when the KV cache is quantized, and the few operations every holder of them
+needs, for the explicit buffers (`lanes.decode_state.DecodeState`, `attention.attend_buffers`) and the
+library's quantized caches alike.
+
+A float buffer is an array [B, heads, S, D]; a quantized one is MLX's `mx.quantize` triple over its
+last axis, `(packed [B, heads, S, D * bits / 32] uint32, scales [B, heads, S, D / group], biases
+[B, heads, S, D / group])`, exactly what mlx-vlm's `QuantizedKVCache` / `BatchQuantizedKVCache` keep
+and return. The three share the first three axes, so whatever a holder does along the batch or
+sequence axis (grow, shift, gather rows, slice columns, concatenate) it does to each part alike
+(`each`). The recurrent layers' states never take this form. Attention over a quantized buffer is
+the library's quantized path (mlx-vlm's `quantized_scaled_dot_product_attention`: MLX's
+`quantized_matmul` for the scores and for the values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Union
+
+import mlx.core as mx
+import msgspec
+
+#: one attention layer's keys (or values): an array, or MLX's quantized triple (packed, scales, biases)
+Buffer = Union[mx.array, tuple[mx.array, mx.array, mx.array]]  # noqa: UP007 (a runtime alias)
+
+BITS = (4, 8)
+
+
+class KVQuant(msgspec.Struct, frozen=True):
+    """How attention keys and values are kept: `bits` per value (8 or 4) in groups along the head
+    dimension (`group_for`)."""
+
+    bits: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise ValueError(f"KV bits must be one of {BITS}, not {self.bits}")
+
+    @staticmethod
+    def group_for(head_dim: int) -> int:
+        """The quantization group along a head of `head_dim` values: 64, or 32 for heads that 64
+        does not divide (MLX's quantization takes 32, 64 or 128)."""
+        if head_dim % 64 == 0:
+            return 64
+        if head_dim % 32 == 0:
+            return 32
+        raise ValueError(f"a head of {head_dim} values cannot be quantized in groups of 32 or 64")
+
+
+def is_quantized(buf: Buffer) -> bool:
+    return isinstance(buf, tuple)
+
+
+def each(fn: Callable[[mx.array], mx.array], *bufs: Buffer) -> Buffer:
+    """`fn` over the buffers' parts, part by part (an array: itself), as one buffer of the same form."""
+    if not is_quantized(bufs[0]):
+        return fn(*bufs)
+    return tuple(fn(*parts) for parts in zip(*bufs, strict=True))  # type: ignore[return-value]
+
+
+def first(buf: Buffer) -> mx.array:
+    """The array whose first three axes are the buffer's [B, heads, S] (a quantized one's packed part)."""
+    return buf[0] if is_quantized(buf) else buf  # type: ignore[return-value]
+
+
+def quantize(x: mx.array, group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    packed, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
+    return packed, scales, biases
+
+
+def layout(buf: tuple[mx.array, ...], head_dim: int) -> tuple[int, int]:
+    """(group size, bits) of a quantized buffer of heads of `head_dim` values, from its parts' widths."""
+    packed, scales = buf[0], buf[1]
+    return head_dim // scales.shape[-1], packed.shape[-1] * 32 // head_dim
+
+
+def zeros_like_rows(buf: Buffer, rows: int, columns: int) -> Buffer:
+    """A buffer of the same form and heads with `rows` rows and `columns` columns of zeros."""
+    return each(lambda x: mx.zeros((rows, x.shape[1], columns, x.shape[3]), x.dtype), buf)
+
+
+def nbytes(buf: Buffer) -> int:
+    return sum(x.nbytes for x in buf) if is_quantized(buf) else buf.nbytes  # type: ignore[union-attr]
+
+
+def attend(queries: mx.array, keys: Buffer, values: Buffer, scale: float, mask: Any) -> mx.array:
+    """The attention of `queries` [B, heads, T, D] over keys and values of either form: MLX's fused
+    attention over float ones, the library's quantized path over quantized ones."""
+    if not is_quantized(keys):
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    from mlx_vlm.models.base import quantized_scaled_dot_product_attention
+
+    group_size, bits = layout(keys, queries.shape[-1])  # type: ignore[arg-type]
+    # the library scales its `queries` argument in place (`queries *= scale`): it gets a scaled copy
+    # and a scale of one, so the caller's queries stay as they were
+    out: mx.array = quantized_scaled_dot_product_attention(queries * scale, keys, values, scale=1.0, mask=mask,
+                                                           group_size=group_size, bits=bits)
+    return out

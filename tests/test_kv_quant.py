@@ -1,0 +1,213 @@
+"""Quantized attention keys and values (issue 47.2: `models/kv_quant.py`) on the float32 fixture: our
+prefill into the library's `QuantizedKVCache`s gives the library's own forward over them; our
+compiled decode step over quantized buffers (`DecodeState` built from those caches) gives the library's
+decode through its `QuantizedKVCache` (its quantized attention), logits to float32 rounding and
+greedy tokens, at 8 and 4 bits, for a lone row and a ragged batch that rows join and leave; a row's
+quantized state handed back as the library's `QuantizedKVCache` continues exactly; the attention in
+blocks of queries equals one block over quantized keys."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_decode_step import PROMPTS, _positions
+
+STEPS = 10
+#: our prefill runs the GatedDeltaNet recurrence on this CPU in its own forms (~1e-5 from the library's,
+#: `test_prefill_forward.FORMS_TOL`); a value that close to a quantization step's boundary rounds to the
+#: neighbouring step, so a quantized prefill may differ by a step's share of one value (seen 1.7e-4 at 8 bits
+#: on hidden states ~3.4, 1.3e-5 at 4)
+QUANT_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def lm(gpu: Callable, fp32_model: Path) -> Any:
+    from mlx_relay.engine.models.loader import load_model
+
+    return gpu(lambda: load_model(fp32_model).model.language_model)
+
+
+def _quantized_caches(lm: Any, bits: int) -> list[Any]:
+    """The library's fresh caches with each attention layer's a `QuantizedKVCache`."""
+    from mlx_vlm.models.cache import KVCache, QuantizedKVCache
+
+    from mlx_relay.engine.models.kv_quant import KVQuant
+
+    group = KVQuant.group_for(lm.args.head_dim)
+    return [QuantizedKVCache(group_size=group, bits=bits) if isinstance(c, KVCache) else c for c in lm.make_cache()]
+
+
+def _library_prefill(lm: Any, prompt: list[int], bits: int) -> tuple[list[Any], Any]:
+    import mlx.core as mx
+
+    cache = _quantized_caches(lm, bits)
+    out = lm(mx.array([prompt]), cache=cache, position_ids=_positions(0, len(prompt)))
+    first = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
+    mx.eval(first, [c.state for c in cache])
+    return cache, first
+
+
+class _LibraryRow:
+    def __init__(self, lm: Any, prompt: list[int], bits: int) -> None:
+        self.lm, self.at = lm, len(prompt)
+        self.cache, self.first = _library_prefill(lm, prompt, bits)
+
+    def feed(self, token: int) -> Any:
+        import mlx.core as mx
+
+        out = self.lm(mx.array([[token]]), cache=self.cache, position_ids=_positions(self.at, self.at + 1))
+        self.at += 1
+        return out.logits[0, -1, :]
+
+
+def _state(lm: Any, prompt: list[int], bits: int) -> tuple[Any, Any]:
+    from mlx_relay.engine.lanes.decode_state import DecodeState
+    from mlx_relay.engine.memory.batch_caches import as_batch_caches
+
+    cache, first = _library_prefill(lm, prompt, bits)
+    return DecodeState.from_batch_caches(as_batch_caches(cache), [0]), first
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_our_prefill_into_quantized_caches_is_the_librarys(gpu: Callable, lm: Any, bits: int) -> None:
+    def run() -> tuple[float, bool]:
+        import mlx.core as mx
+
+        from mlx_relay.engine.models import family_of
+        from mlx_relay.engine.models.prefill_options import PrefillOptions
+
+        prompt = PROMPTS[2]
+        ours_caches, ref_caches = _quantized_caches(lm, bits), _quantized_caches(lm, bits)
+        family = family_of(lm)
+        hidden = family.prefill_forward(lm, mx.array([prompt]), None, ours_caches, _positions(0, len(prompt)),
+                                        PrefillOptions())
+        ref = lm(mx.array([prompt]), cache=ref_caches, position_ids=_positions(0, len(prompt)),
+                 return_hidden=True, skip_logits=True).hidden_states[-1]
+        quantized = [c for c in ours_caches if hasattr(c, "bits")]
+        return float(mx.abs(hidden - ref).max()), bool(quantized) and all(c.bits == bits for c in quantized)
+
+    worst, kept_quantized = gpu(run)
+    assert worst < QUANT_TOL and kept_quantized
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_lone_row_decodes_over_quantized_buffers_as_the_library(gpu: Callable, lm: Any, bits: int) -> None:
+    def run() -> tuple[list[int], list[int], float, Any]:
+        import mlx.core as mx
+
+        from mlx_relay.engine.lanes.decode_step import DecodeStep
+
+        step = DecodeStep(lm)
+        state, token = _state(lm, PROMPTS[0], bits)
+        library = _LibraryRow(lm, PROMPTS[0], bits)
+        ours, ref, worst = [], [], 0.0
+        ref_token = library.first
+        for _ in range(STEPS):
+            ours.append(int(token.item()))
+            ref.append(int(ref_token.item()))
+            logits = step(token, state)
+            ref_logits = library.feed(int(ref_token.item()))
+            worst = max(worst, float(mx.abs(logits[0] - ref_logits).max()))
+            token = mx.argmax(logits, axis=-1).astype(mx.int32)
+            ref_token = mx.argmax(ref_logits)[None].astype(mx.int32)
+        return ours, ref, worst, state.quant
+
+    ours, ref, worst, quant = gpu(run)
+    assert quant == (32, bits)  # the fixture's heads of 32 values: groups of 32
+    assert ours == ref and worst < 1e-4
+
+
+def test_a_quantized_ragged_batch_that_rows_join_and_leave_decodes_exactly(gpu: Callable, lm: Any) -> None:
+    """As the float batch's test (`test_decode_step.py`): rows of other lengths join after 3 steps
+    with an idle row, two leave after 7; each row's logits equal its lone library decode's, 8-bit."""
+    import mlx.core as mx
+
+    from mlx_relay.engine.lanes import decode_state
+    from mlx_relay.engine.lanes.decode_step import DecodeStep
+
+    def run() -> float:
+        step = DecodeStep(lm)
+        state, token = _state(lm, PROMPTS[0], 8)
+        rows = [0]
+        library = {r: _LibraryRow(lm, p, 8) for r, p in enumerate(PROMPTS)}
+        worst = 0.0
+        for t in range(STEPS + 4):
+            if t == 3:
+                for r in (1, 2):
+                    other, first = _state(lm, PROMPTS[r], 8)
+                    state.extend(other)
+                    rows.append(r)
+                    token = mx.concatenate([token, first])
+                state.pad_to(decode_state.batch_bucket(3))
+                token = mx.concatenate([token, mx.zeros((1,), dtype=mx.int32)])
+            if t == 7:
+                state.filter([1, 2])
+                rows = [1, 2]
+                token = token[1:3]
+            fed = token.tolist()[:len(rows)]
+            logits = step(token, state)
+            for i, (r, tok) in enumerate(zip(rows, fed, strict=True)):
+                worst = max(worst, float(mx.abs(logits[i] - library[r].feed(tok)).max()))
+            token = mx.argmax(logits, axis=-1).astype(mx.int32)
+        return worst
+
+    assert gpu(run) < 1e-4
+
+
+def test_a_quantized_row_hands_back_its_state_as_the_librarys_cache(gpu: Callable, lm: Any) -> None:
+    def run() -> tuple[list[int], list[int], str]:
+        import mlx.core as mx
+
+        from mlx_relay.engine.lanes.decode_step import DecodeStep
+
+        step = DecodeStep(lm)
+        state, token = _state(lm, PROMPTS[1], 8)
+        state.extend(_state(lm, PROMPTS[0], 8)[0])
+        tokens = mx.concatenate([token, token])
+        handed: list[int] = []
+        for _ in range(5):
+            handed.append(int(tokens[0].item()))
+            tokens = mx.argmax(step(tokens, state), axis=-1).astype(mx.int32)
+        cache = state.row_caches(0)
+        token = tokens[:1]
+        for i in range(4):
+            handed.append(int(token.item()))
+            at = len(PROMPTS[1]) + 5 + i
+            out = lm(token[:, None], cache=cache, position_ids=_positions(at, at + 1))
+            token = mx.argmax(out.logits[:, -1, :], axis=-1).astype(mx.int32)
+        library = _LibraryRow(lm, PROMPTS[1], 8)
+        ref, tok = [], int(library.first.item())
+        for _ in range(9):
+            ref.append(tok)
+            tok = int(mx.argmax(library.feed(tok)).item())
+        kinds = {type(c).__name__ for c in cache}
+        return handed, ref, ",".join(sorted(kinds))
+
+    handed, ref, kinds = gpu(run)
+    assert handed == ref
+    assert kinds == "ArraysCache,QuantizedKVCache"
+
+
+def test_blocked_attention_over_quantized_keys_is_one_block(gpu: Callable) -> None:
+    def run() -> tuple[float, bool]:
+        import mlx.core as mx
+
+        from mlx_relay.engine.models.attention import blocked_attention
+        from mlx_relay.engine.models.kv_quant import quantize
+
+        mx.random.seed(1)
+        q = mx.random.normal((1, 4, 40, 32))
+        k = quantize(mx.random.normal((1, 2, 100, 32)), 32, 8)
+        v = quantize(mx.random.normal((1, 2, 100, 32)), 32, 8)
+        kept = mx.array(q)
+        whole = blocked_attention(q, k, v, 0.2, "causal", 64)
+        blocks = blocked_attention(q, k, v, 0.2, "causal", 16)
+        # (mlx-vlm's quantized attention scales its queries argument in place: ours are left alone)
+        return float(mx.abs(whole - blocks).max()), bool(mx.array_equal(q, kept))
+
+    worst, queries_kept = gpu(run)
+    assert worst < 1e-5 and queries_kept
