@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dense-16bit", action="store_true",
                        help="keep a 16-bit copy of each dense 8-bit projection for steps of 8 rows and more "
                             "(faster on a CUDA GPU; costs the copies' memory)")
+    serve.add_argument("--kv-bits", type=int, choices=(8, 4), default=None,
+                       help="keep the attention layers' keys and values quantized at 8 or 4 bits (default: 16-bit)")
     serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
     serve.add_argument("--default-max-tokens", type=int, default=4096,
                        help="max_tokens when a request gives none (default 4096)")
@@ -390,6 +392,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         decode_stall_factor=args.decode_stall_factor,
         prefill_experts=args.prefill_experts,
         dense_16bit=args.dense_16bit,
+        kv_bits=args.kv_bits,
         embedding_model=args.embedding_model,
         embedding_model_name=args.embedding_model_name,
         warmup=not args.no_warmup,

@@ -90,10 +90,15 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # GPU the library's always
     prefill_experts: Literal["auto", "dequantize", "kernel", "narrow", "library"] = "auto"
     # a 16-bit copy of each dense 8-bit projection beside it, for steps of 8 rows and more
-    # (`engine/models/dense_copies.py`: on an H200 a step's dense projections at 8-2,048 rows take
-    # 1.4-3.3x less device time so than by `kernels/dense.path`, 4.4-6.2x less than by MLX's quantized
-    # matmul); costs the copies' memory (2.9 GB on the 35B-A3B shape)
+    # (`engine/models/dense_copies.py`). On an H200 the copies take 1.4-3.3x less device time than
+    # `kernels/dense.path`, but cuBLAS's calls cost the host more: the decode step of 8 rows took 18.3
+    # against 13.4 ms, mixed steps of 16-256 tokens were slower and a lone 4K chunk 6% faster
+    # (benchmarks/results/gpu-h200-2026-11-29c/); costs the copies' memory (2.9 GB on the 35B-A3B shape)
     dense_16bit: bool = False
+    # attention keys and values kept quantized at this many bits (8 or 4; `engine/models/kv_quant.py`),
+    # in the decode buffers, the prefill's caches and the prefix cache's snapshots; the recurrent
+    # states stay as they are. None: as the model computes them (16-bit)
+    kv_bits: int | None = None
     # an embedding model loaded beside the chat model (`engine/embeddings/`, `/v1/embeddings`): its
     # checkpoint, and the name requests give it (default: its directory's name)
     embedding_model: str | None = None
@@ -202,6 +207,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
         if self.draft_model is not None and self.pipeline.enabled:
             # every rank of a pipeline must verify the same drafts: the draft would run on each
             raise ValueError("a draft model (draft_model) does not run with pipeline")
+        if self.kv_bits is not None and self.kv_bits not in (4, 8):
+            raise ValueError("EngineConfig.kv_bits must be 8 or 4 (or None: keys and values unquantized)")
+        if self.kv_bits is not None and self.pipeline.enabled:
+            raise ValueError("a quantized KV cache (kv_bits) does not run with pipeline yet")
         if self.pipeline.enabled and self.prefix_cache_dir is not None:
             # each rank holds its own layers' state: a file per snapshot would be a file per rank
             raise ValueError("the prefix cache's disk tier (prefix_cache_dir) does not run with pipeline")

@@ -211,3 +211,125 @@ def test_blocked_attention_over_quantized_keys_is_one_block(gpu: Callable) -> No
 
     worst, queries_kept = gpu(run)
     assert worst < 1e-5 and queries_kept
+
+
+def _library_greedy(lm: Any, prompt: list[int], n: int, bits: int) -> list[int]:
+    import mlx.core as mx
+
+    row = _LibraryRow(lm, prompt, bits)
+    out, tok = [], int(row.first.item())
+    for _ in range(n):
+        out.append(tok)
+        tok = int(mx.argmax(row.feed(tok)).item())
+    return out
+
+
+@pytest.mark.parametrize("speculation", ["none", "mtp"])
+def test_the_engine_serves_quantized_kv_and_a_turn_restores_from_its_quantized_snapshot(
+        gpu: Callable, fp32_model: Path, speculation: str) -> None:
+    """`kv_bits=8` through the engine (the plain lane, and the MTP lane with the head's drafts): the
+    greedy reply is the library's own decode through `QuantizedKVCache`s; the turn snapshot holds
+    the quantized keys ("qkv" entries) and the next turn, restored from it, decodes as the library's
+    quantized decode of the whole conversation."""
+    from mlx_relay.engine.models.loader import load_model
+    from mlx_relay.messages.gpu import Generate, SamplingParams
+    from mlx_relay.messages.prefix_cache import PrefixPlan
+    from mlx_relay.testing.engine_driver import Driver
+
+    prompt = PROMPTS[0]
+
+    def run() -> tuple[Any, ...]:
+        loaded = load_model(fp32_model)
+        lm = loaded.model.language_model
+        d = Driver(loaded, kv_bits=8, speculation=speculation, mtp_policy="always", mtp_max_batch=4)
+        a = d.add(Generate("a", prompt, SamplingParams(max_tokens=STEPS), prefix=PrefixPlan(snapshot_turn=True)))
+        d.run()
+        (turn,) = [s for s in d.snapshots[a] if s.kind == "turn"]
+        kinds = {kind for kind, _ in d.engine.snapshots.get(turn.handle).target}
+        turn2 = prompt + turn.generated + [400, 401, 402]
+        b = d.add(Generate("b", turn2, SamplingParams(max_tokens=6), prefix=PrefixPlan(turn.handle, turn.length)))
+        d.run()
+        stats = d.engine.stats()
+        d.engine.close()
+        return (d.tokens[a], _library_greedy(lm, prompt, STEPS, 8), kinds, d.finished[b].cached_tokens, turn.length,
+                d.tokens[b], _library_greedy(lm, turn2, 6, 8), stats.mtp_rounds)
+
+    tokens, ref, kinds, cached, turn_length, tokens2, ref2, rounds = gpu(run)
+    assert tokens == ref
+    assert kinds == {"qkv", "arrays"}
+    assert cached == turn_length and tokens2 == ref2
+    assert (rounds > 0) == (speculation == "mtp")
+
+
+def test_a_quantized_snapshot_goes_to_disk_and_back(gpu: Callable, lm: Any) -> None:
+    """The disk tier's codec keeps a quantized snapshot's triples as they are (a layout of their own,
+    named in the file's identity by their bits), and a file of another layout is refused."""
+    def run() -> tuple[bool, str, str, bool]:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        from mlx_relay.cache.snapshot_files import SnapshotLayoutError
+        from mlx_relay.engine.memory.snapshot_codec import decode, encode, probe_layout
+        from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
+        from mlx_relay.engine.models.kv_format import KVQuant
+
+        cache, _ = _library_prefill(lm, PROMPTS[1], 8)
+        entries, nbytes = snapshot_caches(cache, len(PROMPTS[1]))
+        snap = Snapshot(length=len(PROMPTS[1]), target=entries, nbytes=nbytes)
+        layout = probe_layout(lm, quant=KVQuant(8))
+        back = decode(bytes(encode(snap, {})), snap.length, layout)
+        same = all(kind == k2 and all(a == b if not isinstance(a, mx.array) else bool(mx.array_equal(a, b))
+                                      for (_, a), (_, b) in zip(tree_flatten(value), tree_flatten(v2), strict=True))
+            for (kind, value), (k2, v2) in zip(snap.target, back.target, strict=True))
+        refused = False
+        try:
+            decode(bytes(encode(snap, {})), snap.length, probe_layout(lm))
+        except SnapshotLayoutError:
+            refused = True
+        return same, layout.dtype, probe_layout(lm).dtype, refused
+
+    same, quant_dtype, plain_dtype, refused = gpu(run)
+    assert same and refused
+    assert quant_dtype == "float32-q8" and plain_dtype == "float32"
+
+
+def test_quantized_keys_and_values_are_counted_at_their_bits() -> None:
+    from mlx_relay.engine.models.footprint import CacheShape, with_kv_bits
+
+    # the 35B-A3B shape's 10 attention layers, 2 KV heads of 256 values, bf16: 20,480 bytes a token
+    config = {"text_config": {"dtype": "bfloat16", "num_attention_heads": 16, "num_key_value_heads": 2,
+                              "head_dim": 256}}
+    shape = CacheShape(per_token=10 * 2 * 2 * 256 * 2, per_row=7)
+    assert with_kv_bits(shape, config, None) == shape
+    assert with_kv_bits(shape, config, 8) == CacheShape(per_token=10 * 2 * 2 * 256 * (1 + 4 / 64), per_row=7)
+    assert with_kv_bits(shape, config, 4) == CacheShape(per_token=10 * 2 * 2 * 256 * (0.5 + 4 / 64), per_row=7)
+
+
+def test_kv_bits_are_8_or_4_and_not_yet_in_a_pipeline() -> None:
+    from mlx_relay.config import EngineConfig, PipelineConfig
+
+    assert EngineConfig(model_path="x", kv_bits=4).kv_bits == 4
+    with pytest.raises(ValueError, match="8 or 4"):
+        EngineConfig(model_path="x", kv_bits=3)
+    with pytest.raises(ValueError, match="pipeline"):
+        EngineConfig(model_path="x", kv_bits=8, pipeline=PipelineConfig(enabled=True))
+
+
+def test_a_sampled_row_speculates_over_quantized_caches(gpu: Callable, fp32_model: Path) -> None:
+    """A sampling row's MTP rounds run eagerly, through mlx-vlm's speculative cache transaction over
+    its `QuantizedKVCache`s (4-bit here), beside a greedy row in the compiled rounds: both finish."""
+    from mlx_relay.engine.models.loader import load_model
+    from mlx_relay.messages.gpu import Generate, SamplingParams
+    from mlx_relay.testing.engine_driver import Driver
+
+    def run() -> tuple[int, int, str, int]:
+        d = Driver(load_model(fp32_model), kv_bits=4, speculation="mtp", mtp_policy="always", mtp_max_batch=4)
+        a = d.add(Generate("a", list(range(10, 60)), SamplingParams(max_tokens=20, temperature=0.8, seed=3)))
+        b = d.add(Generate("b", list(range(10, 40)), SamplingParams(max_tokens=20)))
+        d.run()
+        eager = d.engine.stats().mtp_fallback_rounds
+        d.engine.close()
+        return len(d.tokens[a]), len(d.tokens[b]), d.finished[a].reason, eager
+
+    sampled, greedy, reason, eager = gpu(run)
+    assert (sampled, greedy, reason) == (20, 20, "length") and eager > 0

@@ -28,6 +28,7 @@ from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
 from mlx_relay.engine.lanes.plain_lane import PlainLane
 from mlx_relay.engine.models import UnsupportedModel, served_by_mtp_lane
+from mlx_relay.engine.models.kv_quant import KVQuant
 from mlx_relay.engine.models.library_kv import uses_library_forward
 from mlx_relay.engine.models.loader import LoadedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
@@ -62,7 +63,11 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
     """`step`: every lane's prefill chunk at most (`prefill_step_size`)."""
     info = loaded.info
     lm = loaded.model.language_model
+    kv_quant = KVQuant(config.kv_bits) if config.kv_bits is not None else None
     if uses_library_forward(lm):
+        if kv_quant is not None:
+            raise UnsupportedModel(f"a quantized KV cache (--kv-bits) needs a model family of the engine's own "
+                                   f"({info.model_type} is served through its library's forward)")
         # a model of no family of ours runs its library's forward over KV caches: one lane for all rows
         if stage is not None:
             raise UnsupportedModel(f"a pipeline split needs a model family of the engine's own "
@@ -76,7 +81,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
                            fixed_prefill_shapes=config.prefill_shapes == "fixed"
                            or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage,
                            prefill_options=prefill_options,
-                           mixed=config.mixed_steps)}
+                           mixed=config.mixed_steps, kv_quant=kv_quant)}
     # the MTP lane calls mlx-vlm's language-model API beside the family's steps: only for a family
     # whose checkpoints mlx-vlm loads (a dense Qwen3, mlx-lm's, decodes in the plain lane alone)
     speculates = served_by_mtp_lane(info.model_type)
@@ -98,7 +103,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
         lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size, prefill_step_size=step,
                                eos_token_ids=info.eos_token_ids, exact_verify=exact, compiled=config.compile_mtp,
                                stage=stage, max_context=context, always_context=config.context_policy == "always",
-                               prefill_options=prefill_options, draft=draft)
+                               prefill_options=prefill_options, draft=draft, kv_quant=kv_quant)
     return lanes
 
 

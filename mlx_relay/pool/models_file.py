@@ -46,13 +46,14 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     warmup: bool | None = None  # the kernel warm-up at each load (a swap's largest part on a GPU)
     embedding_model: str | None = None  # an embedding checkpoint beside it (/v1/embeddings)
     embedding_model_name: str | None = None
+    kv_bits: int | None = None  # attention keys and values quantized (8 or 4)
 
     def overrides(self) -> dict[str, Any]:
         """The settings this entry gives, as `config.build_config` takes them."""
         taken = {name: getattr(self, name) for name in ("max_num_seqs", "max_model_len", "mtp", "speculation",
                                                         "max_draft_tokens", "specprefill_draft_model",
                                                         "prefix_cache", "tool_parser", "warmup",
-                                                        "embedding_model", "embedding_model_name")}
+                                                        "embedding_model", "embedding_model_name", "kv_bits")}
         if self.prefix_cache_gb is not None:
             taken["prefix_cache_bytes"] = int(self.prefix_cache_gb * (1 << 30))
         return {k: v for k, v in taken.items() if v is not None}

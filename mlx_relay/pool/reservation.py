@@ -46,7 +46,7 @@ def reservation_for(config: ServerConfig, path: Path, draft_path: Path | None = 
     """A model's reservation from its checkpoint at `path` (resolved) and its settings."""
     checkpoint = read_config(path)
     engine = config.engine
-    shape = footprint(path, checkpoint)
+    shape = footprint(path, checkpoint, engine.kv_bits)
     tokens = context_length(checkpoint)
     if engine.max_model_len is not None:
         tokens = min(tokens, engine.max_model_len)

@@ -31,6 +31,7 @@ from mlx_relay.engine.lanes.mtp_state import MTPState
 from mlx_relay.engine.lanes.mtp_step import HostDrafts, MTPStep, RoundOut
 from mlx_relay.engine.lanes.round_drafts import RoundDrafts, RoundPlan
 from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
+from mlx_relay.engine.models.kv_quant import KVQuant, fresh_caches
 
 
 @dataclass
@@ -248,14 +249,14 @@ class CompiledCohort:
                 out.append((HostDrafts(wide, [[0]] * size, [False] * size), None))
         return out
 
-    def warm(self, lm: Any, head: MTPHead, max_rows: int) -> int:
+    def warm(self, lm: Any, head: MTPHead, max_rows: int, kv_quant: KVQuant | None = None) -> int:
         """Trace the compiled round at every batch size the cohort can run at (idle rows from a
         one-token prefill), so no request meets a first-shape compile; returns how many sizes."""
         sizes = sorted({batch_bucket(n) for n in range(1, max_rows + 1)})
         for size in sizes:
             state: MTPState | None = None
             for _ in range(size):
-                cache, dcache = lm.make_cache(), head.make_cache()
+                cache, dcache = fresh_caches(lm, lm.make_cache(), kv_quant), head.make_cache()
                 out = lm(mx.array([[0]]), cache=cache, return_hidden=True, skip_logits=True)
                 hidden = out.hidden_states[-1]
                 seed = head.forward(mx.array([[0]]), hidden, dcache, mx.array([[0]])) if head.drafts else hidden

@@ -44,6 +44,7 @@ from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models import UnsupportedModel
+from mlx_relay.engine.models.kv_quant import KVQuant
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.speculation.draft_model import DraftModel
@@ -55,7 +56,8 @@ class MTPLane:
     def __init__(self, lm: Any, head: MTPHead, *, block_size: int, prefill_step_size: int,
                  eos_token_ids: Sequence[int], exact_verify: bool = True, compiled: bool = True,
                  stage: Stage | None = None, max_context: int = 0, always_context: bool = False,
-                 prefill_options: PrefillOptions | None = None, draft: DraftModel | None = None) -> None:
+                 prefill_options: PrefillOptions | None = None, draft: DraftModel | None = None,
+                 kv_quant: KVQuant | None = None) -> None:
         if block_size < 2:
             raise ValueError("MTP block size must be at least 2")
         if stage is not None and exact_verify:
@@ -73,8 +75,9 @@ class MTPLane:
         # the batched verify's forward: the model, or this pipeline stage of it (which answers every
         # rank the whole model's hidden states); the prefill's: the family's prefill, or the stage's
         run: Any = lm if stage is None else StageForward(lm, stage)
+        self.kv_quant = kv_quant  # the target's attention keys and values quantized (`models.kv_quant`)
         self._prefill = MTPPrefill(lm, ModelForward(lm, prefill_options) if stage is None else run, head,
-                                   prefill_step_size)
+                                   prefill_step_size, kv_quant)
         verify = ExactVerifier(lm) if exact_verify else BatchedVerifier(run)
         self._eager = EagerCohort(lm, head, verify, block_size=block_size, eos=self.eos, fallback=compiled,
                                   max_context=max_context, always_context=always_context, weigh_head=stage is None)
@@ -200,7 +203,7 @@ class MTPLane:
 
     def cache_layout(self) -> CacheLayout:
         """The target's layout and, where the head drafts, the head's (a snapshot carries both)."""
-        return probe_layout(self.lm, self.head if self.head.drafts else None)
+        return probe_layout(self.lm, self.head if self.head.drafts else None, self.kv_quant)
 
     def warm(self, vocab_size: int, max_rows: int) -> str:
         """Trace the compiled round's shapes, and forget what the warm-up's rows (synthetic tokens)
@@ -213,4 +216,4 @@ class MTPLane:
     def warm_rounds(self, max_rows: int) -> int:
         """Trace the compiled round at every batch size its cohort can run at (idle rows from a
         one-token prefill), so no request meets a first-shape compile; returns how many sizes."""
-        return 0 if self._compiled is None else self._compiled.warm(self.lm, self.head, max_rows)
+        return 0 if self._compiled is None else self._compiled.warm(self.lm, self.head, max_rows, self.kv_quant)

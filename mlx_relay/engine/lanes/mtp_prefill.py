@@ -22,6 +22,7 @@ from mlx_relay.engine.lanes.mtp_rows import MTPRow
 from mlx_relay.engine.lanes.mtp_sampling import first_token, propose
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.memory.snapshots import Snapshot, restore_caches, snapshot_caches
+from mlx_relay.engine.models.kv_quant import KVQuant, fresh_caches
 from mlx_relay.engine.scheduling.token_budget import PREFILL_GRANULE, shortest_first
 
 #: A row whose prompt is done: (row, its first token [1], the head's first draft [1, 1], that
@@ -30,7 +31,9 @@ OnDone = Callable[[MTPRow, mx.array, mx.array, "mx.array | None", mx.array], Non
 
 
 class MTPPrefill:
-    def __init__(self, lm: Any, run: Any, head: MTPHead, prefill_step_size: int) -> None:
+    def __init__(self, lm: Any, run: Any, head: MTPHead, prefill_step_size: int,
+                 kv_quant: KVQuant | None = None) -> None:
+        self.kv_quant = kv_quant
         self.lm = lm
         self._run = run  # the prefill's forward: the model, or this pipeline stage of it
         self.head = head
@@ -50,7 +53,7 @@ class MTPPrefill:
         return self.head.forward(nxt, h_in, row.dcache, dpos)
 
     def add(self, row: MTPRow, restore: Snapshot | None, snapshot_at: Sequence[int]) -> None:
-        pre = RowPrefill(prompt=row.prompt, cache=self.lm.make_cache())
+        pre = RowPrefill(prompt=row.prompt, cache=fresh_caches(self.lm, self.lm.make_cache(), self.kv_quant))
         row.dcache = self.head.make_cache()
         if restore is not None:
             pre.cache, pre.done = restore_caches(restore.target), restore.length

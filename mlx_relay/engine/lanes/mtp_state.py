@@ -27,17 +27,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_vlm.models.cache import ArraysCache, KVCache
+from mlx_vlm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from mlx_relay.engine.lanes.decode_state import GROW, batch_bucket, library_caches
+from mlx_relay.engine.models.kv_quant import Buffer, each, first
 
 
 def _cap_for(columns: int) -> int:
     return max(GROW, -(-columns // GROW) * GROW)
 
 
-def _to_cap(buf: mx.array, cap: int) -> mx.array:
-    """`buf` [B, H, n, D] cut or zero-padded on the right to `cap` columns."""
+def _to_cap(buf: Buffer, cap: int) -> Buffer:
+    """`buf` [B, H, n, D] cut or zero-padded on the right to `cap` columns (a quantized one, each part)."""
+    return each(lambda x: _array_to_cap(x, cap), buf)
+
+
+def _array_to_cap(buf: mx.array, cap: int) -> mx.array:
     B, H, n, D = buf.shape
     if n >= cap:
         return buf[:, :, :cap, :]
@@ -62,6 +67,7 @@ class MTPState:
     head_lengths: list[int]  # per real row: head pairs cached
     dpos: list[int]  # per real row: the head position of its next pair
     layout: tuple[bool, ...]  # per target layer: True for a GatedDeltaNet layer
+    quant: tuple[int, int] | None = None  # the target's keys and values' (group size, bits) where quantized
 
     @property
     def rows(self) -> int:
@@ -73,7 +79,7 @@ class MTPState:
 
     @property
     def cap(self) -> int:
-        return self.kv[0][0].shape[2]
+        return first(self.kv[0][0]).shape[2]
 
     @property
     def head_cap(self) -> int:
@@ -97,13 +103,15 @@ class MTPState:
     def from_row(cls, caches: list[Any], head_caches: list[Any], layout: tuple[bool, ...], bonus: mx.array,
                  draft: mx.array, seed: mx.array, dpos: int) -> MTPState:
         """One prefilled row from its batch-1 library caches (target in layer order, head)."""
-        kv, conv, ssm, length = [], [], [], 0
+        kv, conv, ssm, length, quant = [], [], [], 0, None
         for c in caches:
-            if isinstance(c, KVCache):
+            if isinstance(c, (KVCache, QuantizedKVCache)):
                 keys, values = c.state
-                length = keys.shape[2]
+                length = first(keys).shape[2]
                 cap = _cap_for(length + 1)
                 kv.append((_to_cap(keys, cap), _to_cap(values, cap)))
+                if isinstance(c, QuantizedKVCache):
+                    quant = (c.group_size, c.bits)
             elif isinstance(c, ArraysCache):
                 conv_state, ssm_state = c.state
                 conv.append(conv_state)
@@ -119,7 +127,7 @@ class MTPState:
             cap = _cap_for(head_length + 1)
             head_kv.append((_to_cap(keys, cap), _to_cap(values, cap)))
         return cls(kv, conv, ssm, head_kv, bonus.reshape(1).astype(mx.int32), draft.reshape(1).astype(mx.int32),
-                   seed, [length], [head_length], [dpos], layout)
+                   seed, [length], [head_length], [dpos], layout, quant)
 
     @classmethod
     def prefilled(cls, lm: Any, head: Any, prompt: list[int]) -> tuple[MTPState, mx.array]:
@@ -139,7 +147,7 @@ class MTPState:
 
     def _map_rows(self, fn: Any) -> None:
         """Apply `fn` to every per-row array (batch axis first)."""
-        self.kv = [(fn(k), fn(v)) for k, v in self.kv]
+        self.kv = [(each(fn, k), each(fn, v)) for k, v in self.kv]
         self.conv = [fn(x) for x in self.conv]
         self.ssm = [fn(x) for x in self.ssm]
         self.head_kv = [(fn(k), fn(v)) for k, v in self.head_kv]
@@ -167,11 +175,11 @@ class MTPState:
         n, m = self.rows, other.rows
         cap, head_cap = max(self.cap, other.cap), max(self.head_cap, other.head_cap)
 
-        def join(a: mx.array, b: mx.array, width: int | None = None) -> mx.array:
-            a, b = a[:n], b[:m]
+        def join(a: Buffer, b: Buffer, width: int | None = None) -> Buffer:
+            a, b = each(lambda x: x[:n], a), each(lambda x: x[:m], b)
             if width is not None:
                 a, b = _to_cap(a, width), _to_cap(b, width)
-            return mx.concatenate([a, b])
+            return each(lambda x, y: mx.concatenate([x, y]), a, b)
 
         self.kv = [(join(k1, k2, cap), join(v1, v2, cap)) for (k1, v1), (k2, v2) in zip(self.kv, other.kv, strict=True)]
         self.head_kv = [(join(k1, k2, head_cap), join(v1, v2, head_cap))
@@ -199,4 +207,5 @@ class MTPState:
         """Row `i`'s target state as batch-1 library caches (copies), in layer order: its keys up to
         `length` (default: all it has) and the GatedDeltaNet states `conv`, `ssm` (default: its own)."""
         return library_caches(self.layout, self.kv, self.conv if conv is None else conv,
-                              self.ssm if ssm is None else ssm, i, 0, self.lengths[i] if length is None else length)
+                              self.ssm if ssm is None else ssm, i, 0, self.lengths[i] if length is None else length,
+                              self.quant)

@@ -41,6 +41,7 @@ import mlx.core as mx
 
 from mlx_relay.engine.lanes.mtp_state import MTPState
 from mlx_relay.engine.models import family_of
+from mlx_relay.engine.models.kv_quant import first
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.positions import Positions
 
@@ -178,7 +179,7 @@ class MTPStep:
               columns: mx.array, positions: mx.array) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
         """The head over pairs (hidden [B, T, H], tokens [B, T]) written at `columns` [B, T]."""
         return self.family.mtp_head(self.lm, self.drafter, tokens, hidden, head_kv,
-                                    _at(columns, positions, head_kv[0][0].shape[2], offsets=positions[:, 0]))
+                                    _at(columns, positions, first(head_kv[0][0]).shape[2], offsets=positions[:, 0]))
 
     def _target(self, block: mx.array, lengths: mx.array, kv: list[tuple[mx.array, mx.array]],
                 conv: list[mx.array], ssm: list[mx.array]) -> tuple[mx.array, list[Any], list[Any], list[Any]]:
@@ -187,7 +188,7 @@ class MTPStep:
         conv window and the state after it (nothing to pick: a plain step's arithmetic)."""
         B, T = block.shape
         columns = lengths[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
-        at = _at(columns, mx.broadcast_to(columns[None], (3, B, T)), kv[0][0].shape[2], offsets=lengths)
+        at = _at(columns, mx.broadcast_to(columns[None], (3, B, T)), first(kv[0][0]).shape[2], offsets=lengths)
         return self.family.forward_block(self.lm, block, at, kv, conv, ssm, keep_states=T > 1, stage=self.stage)
 
     def _verify(self, block: mx.array, lengths: mx.array, room: mx.array, kv: list[tuple[mx.array, mx.array]],

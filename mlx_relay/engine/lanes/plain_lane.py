@@ -46,6 +46,7 @@ from mlx_relay.engine.memory.batch_caches import as_batch_caches
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot, restore_for, snapshot_caches
 from mlx_relay.engine.models import Chunk
+from mlx_relay.engine.models.kv_quant import KVQuant, fresh_caches
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 
@@ -64,8 +65,10 @@ class PlainLane:
 
     def __init__(self, lm: Any, *, prefill_batch_size: int, prefill_step_size: int, eos_token_ids: list[int],
                  compiled: bool = True, fixed_prefill_shapes: bool = False, stage: Stage | None = None,
-                 prefill_options: PrefillOptions | None = None, mixed: bool = True) -> None:
+                 prefill_options: PrefillOptions | None = None, mixed: bool = True,
+                 kv_quant: KVQuant | None = None) -> None:
         self.lm = lm
+        self.kv_quant = kv_quant  # the attention layers' keys and values quantized (`models.kv_quant`)
         # the decode step rides in the prefill chunk's forward (not on a pipeline stage, whose
         # prefill is the library's forward)
         self.mixed = mixed and stage is None
@@ -98,7 +101,7 @@ class PlainLane:
         return self.prefill.finishing_costs()
 
     def add(self, spec: RowSpec) -> None:
-        pre = RowPrefill(prompt=spec.prompt, cache=self._step.family.make_caches(self.lm), embeds=spec.embeds,
+        pre = RowPrefill(prompt=spec.prompt, cache=self._fresh_caches(), embeds=spec.embeds,
                          positions=spec.positions, rope_delta=spec.rope_delta)
         if spec.restore is not None:
             pre.cache, pre.done = restore_for(spec.restore, len(spec.prompt))
@@ -128,7 +131,10 @@ class PlainLane:
         return None
 
     def cache_layout(self) -> CacheLayout:
-        return probe_layout(self.lm)
+        return probe_layout(self.lm, quant=self.kv_quant)
+
+    def _fresh_caches(self) -> list[Any]:
+        return fresh_caches(self.lm, self._step.family.make_caches(self.lm), self.kv_quant)
 
     def warm(self, vocab_size: int, max_rows: int) -> str:
         shapes = self.warm_prefill(vocab_size, lambda rows, n, seconds: log.info(
@@ -154,7 +160,7 @@ class PlainLane:
             tic = time.perf_counter()
             for j in range(rows):
                 prompt = [(7 * j + i) % max(1, vocab_size - 1) + 1 for i in range(n)]
-                caches = self._step.family.make_caches(self.lm)
+                caches = self._fresh_caches()
                 self.prefill.add(PrefillRow(-(j + 1), RowPrefill(prompt=prompt, cache=caches)))
             while len(self.prefill):
                 self.prefill.step()
@@ -165,7 +171,7 @@ class PlainLane:
     def warm_decode(self, max_rows: int) -> int:
         """Trace the decode step at every batch size it can run at (idle rows only), so no
         request meets a first-shape compile; returns how many sizes."""
-        cache = self._step.family.make_caches(self.lm)
+        cache = self._fresh_caches()
         self._step.family.prefill_forward(self.lm, mx.array([[0]]), None, cache, mx.zeros((3, 1, 1), dtype=mx.int32),
                                     self.prefill.forward.options)
         mx.eval([c.state for c in cache])

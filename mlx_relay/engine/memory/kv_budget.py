@@ -36,7 +36,7 @@ import msgspec
 from mlx_relay.config import EngineConfig
 from mlx_relay.engine.lanes.decode_state import batch_bucket
 from mlx_relay.engine.models.checkpoint import read_config
-from mlx_relay.engine.models.footprint import cache_shape
+from mlx_relay.engine.models.footprint import cache_shape, with_kv_bits
 from mlx_relay.engine.models.loader import device_memory_bytes, prefix_cache_budget
 from mlx_relay.engine.models.prefill_options import PrefillExperts, PrefillOptions, prefill_experts
 
@@ -91,13 +91,13 @@ ATTENTION_BYTES = (256 << 20, 8 << 30)
 
 
 def plan(model_config: dict[str, Any], *, limit: int, weights: int, prefix_cache: int, chunk_tokens: int,
-         experts: PrefillExperts, mtp_head: bool) -> tuple[KVBudget, PrefillOptions]:
+         experts: PrefillExperts, mtp_head: bool, kv_bits: int | None = None) -> tuple[KVBudget, PrefillOptions]:
     """The budget and the prefill's options for a model (its checkpoint's config) on a device
     that may hold `limit` bytes, `weights` of them the model's, its experts run as `experts` says
     (`PrefillOptions.with_experts`; "dequantize" holds a projection's experts in float while a
-    layer runs)."""
+    layer runs; `kv_bits`: its attention keys and values kept quantized, the MTP head's not)."""
     text = model_config.get("text_config", model_config)
-    shape = cache_shape(model_config)
+    shape = with_kv_bits(cache_shape(model_config), model_config, kv_bits)
     itemsize = 4 if str(text.get("dtype") or text.get("torch_dtype") or "") == "float32" else 2
     heads, kv_heads = int(text.get("num_attention_heads", 1)), int(text.get("num_key_value_heads", 1))
     head_dim = int(text.get("head_dim") or int(text.get("hidden_size", 0)) // max(heads, 1))
@@ -130,7 +130,8 @@ def engine_plan(loaded: Any, config: EngineConfig, *, prefix_cache: bool, chunk_
     limit = config.memory_limit_bytes or int(device_memory_bytes()[0] * DEVICE_SHARE)
     return plan(read_config(Path(info.model_path)), limit=limit, weights=mx.get_active_memory(),
                 prefix_cache=prefix_cache_budget(config) if prefix_cache else 0, chunk_tokens=chunk_tokens,
-                experts=prefill_experts(config.prefill_experts, info.backend), mtp_head=config.mtp and info.has_mtp)
+                experts=prefill_experts(config.prefill_experts, info.backend), mtp_head=config.mtp and info.has_mtp,
+                kv_bits=config.kv_bits)
 
 
 def with_held_weights(budget: KVBudget) -> KVBudget:

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import mlx.core as mx
-from mlx_vlm.models.cache import ArraysCache, KVCache
+from mlx.utils import tree_flatten
+from mlx_vlm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from mlx_relay.cache.snapshot_files import SnapshotCorrupt, SnapshotLayoutError
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models import family_of
+from mlx_relay.engine.models.kv_quant import KVQuant, fresh_caches
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 
 __all__ = ["CacheLayout", "LayerLayout", "decode", "dtype_name", "encode", "kv_layout", "probe_layout"]
@@ -39,12 +41,15 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 @dataclass(frozen=True)
 class LayerLayout:
-    """One cache layer: "kv" (shapes of keys and values with the sequence axis as -1) or "arrays"
-    (each state slot's exact shape, None for an empty slot); the dtype of each."""
+    """One cache layer: "kv" (shapes of keys and values with the sequence axis as -1), "qkv" (the
+    same of each part of quantized keys and values: packed, scales, biases, then the values'; `quant`
+    their group size and bits) or "arrays" (each state slot's exact shape, None for an empty slot);
+    the dtype of each."""
 
-    kind: Literal["kv", "arrays"]
+    kind: Literal["kv", "qkv", "arrays"]
     shapes: tuple[tuple[int, ...] | None, ...]
     dtypes: tuple[str | None, ...]
+    quant: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,11 @@ class CacheLayout:
 
     @property
     def dtype(self) -> str:
-        """The attention caches' dtype (the snapshot dtype the disk tier's identity names)."""
+        """The attention caches' dtype (the snapshot dtype the disk tier's identity names; quantized
+        keys and values: `q` and their bits, after their scales' dtype)."""
+        for layer in self.target:
+            if layer.kind == "qkv" and layer.quant is not None:
+                return f"{layer.dtypes[1]}-q{layer.quant[1]}"
         return next((layer.dtypes[0] for layer in self.target if layer.kind == "kv" and layer.dtypes[0]),
                     next((d for layer in self.target for d in layer.dtypes if d), "unknown"))
 
@@ -66,9 +75,17 @@ def kv_layout(k: mx.array, v: mx.array) -> LayerLayout:
                        (dtype_name(k.dtype), dtype_name(v.dtype)))
 
 
+def _seq(a: mx.array) -> tuple[int, ...]:
+    return (*a.shape[:2], -1, a.shape[3])
+
+
 def _layer_layout(cache: Any) -> LayerLayout:
     if isinstance(cache, KVCache):
         return kv_layout(*cache.state)
+    if isinstance(cache, QuantizedKVCache):
+        parts = [*cache.state[0], *cache.state[1]]
+        return LayerLayout("qkv", tuple(_seq(a) for a in parts), tuple(dtype_name(a.dtype) for a in parts),
+                           (cache.group_size, cache.bits))
     if isinstance(cache, ArraysCache):
         state = list(cache.state)
         return LayerLayout("arrays", tuple(None if a is None else tuple(a.shape) for a in state),
@@ -76,11 +93,11 @@ def _layer_layout(cache: Any) -> LayerLayout:
     raise TypeError(f"cannot lay out a {type(cache).__name__}")
 
 
-def probe_layout(lm: Any, head: Any | None = None) -> CacheLayout:
+def probe_layout(lm: Any, head: Any | None = None, quant: KVQuant | None = None) -> CacheLayout:
     """The cache layout of `lm` (and of the MTP `head`): one token through fresh caches (the family's
-    own, through its prefill)."""
+    own, quantized as `quant` says, through its prefill)."""
     family = family_of(lm)
-    caches = family.make_caches(lm)
+    caches = fresh_caches(lm, family.make_caches(lm), quant)
     positions = mx.zeros((3, 1, 1), dtype=mx.int32)
     hidden = family.prefill_forward(lm, mx.array([[0]]), None, caches, positions, PrefillOptions())
     head_layout = None
@@ -98,6 +115,10 @@ def _put(arrays: dict[str, mx.array], prefix: str, entries: list[tuple[str, Any]
     for i, (kind, value) in enumerate(entries):
         if kind == "kv":
             arrays[f"{prefix}.{i}.k"], arrays[f"{prefix}.{i}.v"] = value
+        elif kind == "qkv":
+            for n, buf in zip("kv", value[:2], strict=True):
+                for j, a in enumerate(buf):
+                    arrays[f"{prefix}.{i}.{n}{j}"] = a
         else:
             for j, a in enumerate(value):
                 if a is not None:
@@ -136,6 +157,12 @@ def _entries(arrays: dict[str, mx.array], prefix: str, layout: tuple[LayerLayout
                        for n, shape, dtype in zip("kv", layer.shapes, layer.dtypes, strict=True)
                        if shape is not None)
             out.append(("kv", kv))
+        elif layer.kind == "qkv" and layer.quant is not None:
+            names = [f"{n}{j}" for n in "kv" for j in range(3)]
+            parts = [_take(arrays, f"{prefix}.{i}.{name}", tuple(length if d == -1 else d for d in shape), dtype)
+                     for name, shape, dtype in zip(names, layer.shapes, layer.dtypes, strict=True)
+                     if shape is not None]
+            out.append(("qkv", (tuple(parts[:3]), tuple(parts[3:]), *layer.quant)))
         else:
             out.append(("arrays", [None if shape is None else _take(arrays, f"{prefix}.{i}.{j}", shape, dtype)
                                    for j, (shape, dtype) in enumerate(zip(layer.shapes, layer.dtypes,
@@ -163,6 +190,7 @@ def decode(source: str | bytes, length: int, layout: CacheLayout) -> Snapshot:
             del arrays[name]
     if arrays:
         raise SnapshotLayoutError(f"tensors the model's caches do not have: {sorted(arrays)[:4]}")
-    nbytes = sum(a.nbytes for _, value in (*target, *(head or ())) for a in value if a is not None)
+    nbytes = sum(a.nbytes for _, value in (*target, *(head or ())) for _, a in tree_flatten(value)
+                 if isinstance(a, mx.array))
     nbytes += hidden.nbytes if hidden is not None else 0
     return Snapshot(length=length, target=target, head=head, head_hidden=hidden, nbytes=nbytes)

@@ -5,7 +5,8 @@ arrays live here, behind integer handles, and are created, restored and freed on
 executor's thread.
 
 A snapshot of a batch-1 prompt cache at length S:
-- attention layers (`KVCache`): the keys and values *sliced* to S (`keys[..., :S, :]`), a view
+- attention layers (`KVCache`; `QuantizedKVCache` where the KV cache is quantized, its triples kept
+  as they are, entry kind "qkv"): the keys and values *sliced* to S (`keys[..., :S, :]`), a view
   that shares the live buffer. MLX arrays are values: the live request appending to its cache
   writes into a fresh buffer when the old one is shared (copy on write), and a request restored
   from the snapshot grows past S by concatenation (copy on append), so neither ever sees the
@@ -25,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_vlm.models.cache import ArraysCache, KVCache
+from mlx_vlm.models.cache import ArraysCache, KVCache, QuantizedKVCache
+
+from mlx_relay.engine.models.kv_quant import Buffer, each, nbytes
 
 __all__ = ["Snapshot", "SnapshotPool", "restore_caches", "restore_for", "snapshot_caches"]
 
@@ -33,19 +36,25 @@ __all__ = ["Snapshot", "SnapshotPool", "restore_caches", "restore_for", "snapsho
 @dataclass(frozen=True)
 class Snapshot:
     length: int
-    target: list[tuple[str, Any]]  # per layer: ("kv", (keys, values)) or ("arrays", [state...])
+    # per layer: ("kv", (keys, values)), ("qkv", (keys, values, group size, bits)) with MLX's quantized
+    # triples, or ("arrays", [state...])
+    target: list[tuple[str, Any]]
     head: list[tuple[str, Any]] | None = None  # MTP head caches with length - 1 entries
     head_hidden: mx.array | None = None  # [1, 1, H]: h_{length-1}
     nbytes: int = 0
 
 
-def _kv_view(cache: KVCache, length: int) -> tuple[tuple[mx.array, mx.array], int]:
+def _kv_view(cache: KVCache | QuantizedKVCache, length: int) -> tuple[tuple[Buffer, Buffer], int]:
     if cache.keys is None or length == 0:
         raise ValueError("cannot snapshot an empty KV cache")
     if cache.offset < length:
         raise ValueError(f"KV cache holds {cache.offset} tokens, fewer than the snapshot's {length}")
-    kept = cache.keys.nbytes + cache.values.nbytes
-    return (cache.keys[..., :length, :], cache.values[..., :length, :]), kept
+    kept = nbytes(cache.keys) + nbytes(cache.values)
+    return (_cut(cache.keys, length), _cut(cache.values, length)), kept
+
+
+def _cut(buf: Buffer, length: int) -> Buffer:
+    return each(lambda x: x[..., :length, :], buf)
 
 
 def snapshot_caches(caches: list[Any], length: int) -> tuple[list[tuple[str, Any]], int]:
@@ -57,6 +66,9 @@ def snapshot_caches(caches: list[Any], length: int) -> tuple[list[tuple[str, Any
         if isinstance(c, KVCache):
             kv, n = _kv_view(c, length)
             out.append(("kv", kv))
+        elif isinstance(c, QuantizedKVCache):
+            kv, n = _kv_view(c, length)
+            out.append(("qkv", (*kv, c.group_size, c.bits)))
         elif isinstance(c, ArraysCache):
             state = [None if a is None else mx.array(a) for a in c.state]  # a copy, not the live array
             n = sum(a.nbytes for a in state if a is not None)
@@ -74,6 +86,11 @@ def restore_caches(entries: list[tuple[str, Any]]) -> list[Any]:
         if kind == "kv":
             c = KVCache()
             c.state = value  # public setter: offset = keys.shape[2]
+        elif kind == "qkv":
+            keys, values, group_size, bits = value
+            c = QuantizedKVCache(group_size=group_size, bits=bits)
+            c.state = (keys, values)  # (its setter leaves the offset: set through the public meta state)
+            c.meta_state = (str(keys[0].shape[2]), str(group_size), str(bits))
         else:
             c = ArraysCache(len(value))
             c.state = list(value)
@@ -90,10 +107,11 @@ def restore_for(snap: Snapshot, prompt_length: int) -> tuple[list[Any], int]:
     if snap.length < prompt_length:
         return restore_caches(snap.target), snap.length
     keep = prompt_length - 1
-    if keep < 1 or any(kind != "kv" for kind, _ in snap.target):
+    if keep < 1 or any(kind not in ("kv", "qkv") for kind, _ in snap.target):
         raise ValueError(f"a snapshot of {snap.length} tokens cannot restore a prompt of {prompt_length}: "
                          "at least one prompt token must run, and a recurrent state cannot be cut")
-    return restore_caches([("kv", (k[..., :keep, :], v[..., :keep, :])) for _, (k, v) in snap.target]), keep
+    return restore_caches([(kind, (_cut(value[0], keep), _cut(value[1], keep), *value[2:]))
+                           for kind, value in snap.target]), keep
 
 
 class SnapshotPool:

@@ -6,11 +6,13 @@ Per token: every attention layer keeps a key and a value per key-value head. Per
 model family of the engine's own says its recurrent layers keep whatever the row's length (its
 package's `cache_shape`, `models.Declared`: Qwen3.5's GatedDeltaNet its convolution window and
 SSM state, in float32). A model of no family counts every layer as attention (mlx-lm's text
-models and mlx-vlm's VLMs that the KV lane serves).
+models and mlx-vlm's VLMs that the KV lane serves). Keys and values kept quantized (`--kv-bits`)
+count at their bits and their groups' scales and biases (`with_kv_bits`).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import msgspec
 
 from mlx_relay.engine.models import declared
 from mlx_relay.engine.models.checkpoint import tensor_shapes
+from mlx_relay.engine.models.kv_format import KVQuant
 
 #: bytes per element of a checkpoint's `dtype` / `torch_dtype`
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -89,5 +92,20 @@ def attention_bytes(config: dict[str, Any], layers: int) -> int:
     return layers * 2 * kv_heads * head_dim * width
 
 
-def footprint(path: Path, config: dict[str, Any]) -> Footprint:
-    return Footprint(weights_bytes=weights_bytes(path), cache=cache_shape(config))
+def with_kv_bits(shape: CacheShape, config: dict[str, Any], kv_bits: int | None) -> CacheShape:
+    """`shape` with its per-token bytes (every family's: the attention layers' keys and values) as
+    kept quantized at `kv_bits` (`models.kv_quant`: the values at that many bits, and a 16-bit scale
+    and bias a group along the head); None: as it is."""
+    if kv_bits is None:
+        return shape
+    text = config.get("text_config", config)
+    dtype = str(text.get("dtype") or text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
+    width = _DTYPE_BYTES.get(dtype, 2)
+    heads = int(text.get("num_attention_heads", 1))
+    head_dim = int(text.get("head_dim") or int(text.get("hidden_size", 0)) // max(heads, 1))
+    per_value = KVQuant(kv_bits).bytes_per_value(head_dim, width)
+    return CacheShape(per_token=math.ceil(shape.per_token * per_value / width), per_row=shape.per_row)
+
+
+def footprint(path: Path, config: dict[str, Any], kv_bits: int | None = None) -> Footprint:
+    return Footprint(weights_bytes=weights_bytes(path), cache=with_kv_bits(cache_shape(config), config, kv_bits))

@@ -19,34 +19,11 @@ from collections.abc import Callable
 from typing import Any, Union
 
 import mlx.core as mx
-import msgspec
+
+from mlx_relay.engine.models.kv_format import KVQuant
 
 #: one attention layer's keys (or values): an array, or MLX's quantized triple (packed, scales, biases)
 Buffer = Union[mx.array, tuple[mx.array, mx.array, mx.array]]  # noqa: UP007 (a runtime alias)
-
-BITS = (4, 8)
-
-
-class KVQuant(msgspec.Struct, frozen=True):
-    """How attention keys and values are kept: `bits` per value (8 or 4) in groups along the head
-    dimension (`group_for`)."""
-
-    bits: int
-
-    def __post_init__(self) -> None:
-        if self.bits not in BITS:
-            raise ValueError(f"KV bits must be one of {BITS}, not {self.bits}")
-
-    @staticmethod
-    def group_for(head_dim: int) -> int:
-        """The quantization group along a head of `head_dim` values: 64, or 32 for heads that 64
-        does not divide (MLX's quantization takes 32, 64 or 128)."""
-        if head_dim % 64 == 0:
-            return 64
-        if head_dim % 32 == 0:
-            return 32
-        raise ValueError(f"a head of {head_dim} values cannot be quantized in groups of 32 or 64")
-
 
 def is_quantized(buf: Buffer) -> bool:
     return isinstance(buf, tuple)
@@ -97,3 +74,20 @@ def attend(queries: mx.array, keys: Buffer, values: Buffer, scale: float, mask: 
     out: mx.array = quantized_scaled_dot_product_attention(queries * scale, keys, values, scale=1.0, mask=mask,
                                                            group_size=group_size, bits=bits)
     return out
+
+
+def head_dim(lm: Any) -> int:
+    """The values a head of `lm`'s attention holds (its config's, or hidden size over heads)."""
+    args = lm.args
+    return int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+
+
+def fresh_caches(lm: Any, caches: list[Any], quant: KVQuant | None) -> list[Any]:
+    """A row's fresh library caches (as its family makes them) with, where `quant` says, each
+    attention layer's `KVCache` a `QuantizedKVCache` of its bits (the recurrent layers' as they are)."""
+    if quant is None:
+        return caches
+    from mlx_vlm.models.cache import KVCache, QuantizedKVCache
+
+    group = KVQuant.group_for(head_dim(lm))
+    return [QuantizedKVCache(group_size=group, bits=quant.bits) if type(c) is KVCache else c for c in caches]
