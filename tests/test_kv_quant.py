@@ -333,3 +333,17 @@ def test_a_sampled_row_speculates_over_quantized_caches(gpu: Callable, fp32_mode
 
     sampled, greedy, reason, eager = gpu(run)
     assert (sampled, greedy, reason) == (20, 20, "length") and eager > 0
+
+
+def test_the_kv_bits_flag_and_the_models_file_key_reach_the_engine_config(tmp_path: Path) -> None:
+    from mlx_relay.cli import build_parser, config_from_args
+    from mlx_relay.pool.models_file import read_models_file
+
+    assert config_from_args(build_parser().parse_args(["serve", "m", "--kv-bits", "4"])).engine.kv_bits == 4
+    assert config_from_args(build_parser().parse_args(["serve", "m"])).engine.kv_bits is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--kv-bits", "6"])
+    file = tmp_path / "models.toml"
+    file.write_text('[models.a]\npath = "/x"\nkv_bits = 8\n')
+    (entry,) = read_models_file(file)
+    assert entry.entry.overrides()["kv_bits"] == 8

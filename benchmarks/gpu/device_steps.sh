@@ -81,6 +81,9 @@
 #            probe_embeddings_beside_streams.py: STREAMS (8) streams' ITL alone and beside EMBED_CLIENTS (2)
 #            clients of EMBED_INPUTS (32) inputs of EMBED_TOKENS (512) tokens, the embeddings' rate alone and
 #            beside (WINDOW 20 s). Results: embed_probe.{json,txt}, build_embed.txt, embed_ours.log
+#   kvq      (issue 47.2) gpu/kv_quant_probe.py: KVQ_ROWS (1,16) rows at KVQ_CONTEXT (131072) tokens each, KV
+#            unquantized / 8 / 4-bit (KVQ_BITS): the buffers' bytes, peak memory, the compiled decode step; then
+#            bench_prefill.py at KVQ_PREFILL (32768) with --kv-bits 8 (ours). kv_quant_probe.*, prefill_kv8.*
 #   vision   (issue 47.3) ours and mlx_vlm.server side by side (capped at MEM_GB), bench_vision_cache.py: a new
 #            VISION_SIZE (1024) image cold, in a new conversation, then the first conversation's next turn,
 #            REPEATS times alternating. Results: vision_cache.{json,txt}, the servers' logs
@@ -227,6 +230,14 @@ prefill)
     --targets "${PREFILL_TARGETS:-ours,raw}" \
     --ours-flags="$PREFILL_FLAGS $(qmm_flags | tee -a $O/qmm.txt)" --out $O/prefill.json > $O/prefill.txt 2>&1
   say "prefill (rc $?): $(grep -h '^order\|^| [0-9]\|^- ' $O/prefill.txt | tr '\n' ' ')" ;;
+kvq)
+  # issue 47.2: the quantized KV cache's memory and decode step at long context, then a 32K prefill with it
+  python3 benchmarks/gpu/kv_quant_probe.py "$MODEL" --context "${KVQ_CONTEXT:-131072}" --rows "${KVQ_ROWS:-1,16}" \
+    --bits "${KVQ_BITS:-none,8,4}" --out $O/kv_quant_probe.json > $O/kv_quant_probe.txt 2>&1
+  say "kvq probe (rc $?): $(tail -n 6 $O/kv_quant_probe.txt | tr '\n' ';')"
+  python3 benchmarks/bench_prefill.py "$MODEL" --sizes "${KVQ_PREFILL:-32768}" --cached none --repeats "${REPEATS:-2}" \
+    --targets ours --ours-flags="--kv-bits 8 $(qmm_flags)" --out $O/prefill_kv8.json > $O/prefill_kv8.txt 2>&1
+  say "kvq prefill (rc $?): $(grep -h '^| [0-9]' $O/prefill_kv8.txt | tr '\n' ' ')" ;;
 parts)
   for chunk in ${PARTS_CHUNK:-2048}; do
     python3 benchmarks/prefill_parts.py "$MODEL" --chunk "$chunk" --context "${PARTS_CONTEXT:-0,28672}" \
