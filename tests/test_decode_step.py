@@ -96,43 +96,55 @@ def test_a_lone_row_decodes_exactly_as_the_library(gpu: Callable, lm: Any, compi
     assert ours == ref
 
 
-def test_a_ragged_batch_that_rows_join_and_leave_decodes_exactly(gpu: Callable, lm: Any) -> None:
+def ragged_decode(lm: Any, make_state: Callable[[list[int]], tuple[Any, Any]],
+                  make_row: Callable[[list[int]], Any], steps: int) -> tuple[dict[int, list[int]], float, int]:
     """Row 0 decodes alone, rows 1 and 2 (other lengths: the batch is left-padded) join after 3
-    steps with an idle row padding the batch to its bucket, row 0 and the idle row leave after 7;
-    each row's logits at every step equal its lone library decode's (so a wrong position, mask or
-    state would show), and so do its greedy tokens."""
+    steps with an idle row padding the batch to its bucket, row 0 and the idle row leave after 7.
+    Each row's tokens, the largest difference of a row's logits from its library row's (`make_row`,
+    fed the same tokens) at any step, and the buffers' final size. `make_state(prompt)`: a row's
+    decode state and first token."""
     import mlx.core as mx
 
     from mlx_relay.engine.lanes import decode_state
     from mlx_relay.engine.lanes.decode_step import DecodeStep
 
+    step = DecodeStep(lm)
+    state, token = make_state(PROMPTS[0])
+    rows, out = [0], {0: [], 1: [], 2: []}
+    library = {r: make_row(p) for r, p in enumerate(PROMPTS)}
+    worst = 0.0
+    for t in range(steps):
+        if t == 3:
+            for r in (1, 2):
+                other, first = make_state(PROMPTS[r])
+                state.extend(other)
+                rows.append(r)
+                token = mx.concatenate([token, first])
+            state.pad_to(decode_state.batch_bucket(3))  # an idle fourth row
+            token = mx.concatenate([token, mx.zeros((1,), dtype=mx.int32)])
+        if t == 7:
+            state.filter([1, 2])
+            rows = [1, 2]
+            token = token[1:3]
+        fed = token.tolist()[:len(rows)]
+        logits = step(token, state)
+        for i, (r, tok) in enumerate(zip(rows, fed, strict=True)):
+            out[r].append(tok)
+            worst = max(worst, float(mx.abs(logits[i] - library[r].feed(tok)).max()))
+        token = mx.argmax(logits, axis=-1).astype(mx.int32)
+    return out, worst, state.cap
+
+
+def test_a_ragged_batch_that_rows_join_and_leave_decodes_exactly(gpu: Callable, lm: Any) -> None:
+    """Rows join and leave a ragged batch (`ragged_decode`): each row's logits at every step equal
+    its lone library decode's (so a wrong position, mask or state would show), and so do its greedy
+    tokens."""
+    from mlx_relay.engine.lanes import decode_state
+
     def run() -> tuple[dict[int, list[int]], list[list[int]], float, int]:
-        step = DecodeStep(lm)
-        state, token = _state(lm, PROMPTS[0])
-        rows, out = [0], {0: [], 1: [], 2: []}
-        library = {r: _LibraryRow(lm, p) for r, p in enumerate(PROMPTS)}
-        worst = 0.0
-        for t in range(STEPS + 8):
-            if t == 3:
-                for r in (1, 2):
-                    other, first = _state(lm, PROMPTS[r])
-                    state.extend(other)
-                    rows.append(r)
-                    token = mx.concatenate([token, first])
-                state.pad_to(decode_state.batch_bucket(3))  # an idle fourth row
-                token = mx.concatenate([token, mx.zeros((1,), dtype=mx.int32)])
-            if t == 7:
-                state.filter([1, 2])
-                rows = [1, 2]
-                token = token[1:3]
-            fed = token.tolist()[:len(rows)]
-            logits = step(token, state)
-            for i, (r, tok) in enumerate(zip(rows, fed, strict=True)):
-                out[r].append(tok)
-                worst = max(worst, float(mx.abs(logits[i] - library[r].feed(tok)).max()))
-            token = mx.argmax(logits, axis=-1).astype(mx.int32)
+        out, worst, cap = ragged_decode(lm, lambda p: _state(lm, p), lambda p: _LibraryRow(lm, p), STEPS + 8)
         refs = [_library_greedy(lm, p, len(out[i])) for i, p in enumerate(PROMPTS)]
-        return out, refs, worst, state.cap
+        return out, refs, worst, cap
 
     out, refs, worst, cap = gpu(run)
     assert worst < 1e-4

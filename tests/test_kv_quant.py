@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_decode_step import PROMPTS, _positions
+from tests.test_decode_step import PROMPTS, _positions, ragged_decode
 
 STEPS = 10
 #: our prefill runs the GatedDeltaNet recurrence on this CPU in its own forms (~1e-5 from the library's,
@@ -122,40 +122,11 @@ def test_a_lone_row_decodes_over_quantized_buffers_as_the_library(gpu: Callable,
 
 
 def test_a_quantized_ragged_batch_that_rows_join_and_leave_decodes_exactly(gpu: Callable, lm: Any) -> None:
-    """As the float batch's test (`test_decode_step.py`): rows of other lengths join after 3 steps
-    with an idle row, two leave after 7; each row's logits equal its lone library decode's, 8-bit."""
-    import mlx.core as mx
-
-    from mlx_relay.engine.lanes import decode_state
-    from mlx_relay.engine.lanes.decode_step import DecodeStep
-
-    def run() -> float:
-        step = DecodeStep(lm)
-        state, token = _state(lm, PROMPTS[0], 8)
-        rows = [0]
-        library = {r: _LibraryRow(lm, p, 8) for r, p in enumerate(PROMPTS)}
-        worst = 0.0
-        for t in range(STEPS + 4):
-            if t == 3:
-                for r in (1, 2):
-                    other, first = _state(lm, PROMPTS[r], 8)
-                    state.extend(other)
-                    rows.append(r)
-                    token = mx.concatenate([token, first])
-                state.pad_to(decode_state.batch_bucket(3))
-                token = mx.concatenate([token, mx.zeros((1,), dtype=mx.int32)])
-            if t == 7:
-                state.filter([1, 2])
-                rows = [1, 2]
-                token = token[1:3]
-            fed = token.tolist()[:len(rows)]
-            logits = step(token, state)
-            for i, (r, tok) in enumerate(zip(rows, fed, strict=True)):
-                worst = max(worst, float(mx.abs(logits[i] - library[r].feed(tok)).max()))
-            token = mx.argmax(logits, axis=-1).astype(mx.int32)
-        return worst
-
-    assert gpu(run) < 1e-4
+    """As the float batch's test (`test_decode_step.ragged_decode`): rows of other lengths join after 3
+    steps with an idle row, two leave after 7; each row's logits equal its lone library decode's, 8-bit."""
+    _, worst, _ = gpu(lambda: ragged_decode(lm, lambda p: _state(lm, p, 8), lambda p: _LibraryRow(lm, p, 8),
+                                            STEPS + 4))
+    assert worst < 1e-4
 
 
 def test_a_quantized_row_hands_back_its_state_as_the_librarys_cache(gpu: Callable, lm: Any) -> None:
