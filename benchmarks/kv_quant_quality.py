@@ -6,9 +6,10 @@ For each model (default: the two trained small models, `models/relay-tiny-coder`
 (prefix cache and MTP off, one row), greedy raw completions:
 
 1. agreement: `--prompts` prompts of `--prompt-tokens` tokens of held-out CPython source (the needle
-   benchmark's haystack: files the models never trained on), `--tokens` tokens each; per quantized
-   setting, against the unquantized run of the same prompt: the tokens generated before the first
-   difference (`prefix`, and its share of the reply) and the share of positions equal (`same`);
+   benchmark's haystack: files the models never trained on), up to `--tokens` tokens each; per
+   quantized setting, against the unquantized run of the same prompt: the tokens generated before the
+   first difference (`prefix`, and its share of the unquantized reply, which may end sooner at an end
+   of sequence) and the share of the reply's positions equal (`same`);
 2. needle: at each of `--lengths` (within the model's context), `--trials` prompts with the needle
    line of `needle_specprefill.py` planted at depth 0.5: whether the continuation is the needle's
    identifier (`exact`), and whether the quantized run's first token and whole continuation equal the
@@ -83,7 +84,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--lengths", default="2048,8192,32768",
+    ap.add_argument("--lengths", default="2048,8192,32000",
                     help="needle prompt lengths (those within a model's context)")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -111,12 +112,17 @@ def main() -> None:
         for b in bits:
             if b == 0:
                 continue
-            pre = [prefix(x, y) for x, y in zip(runs[b]["agreement"], base["agreement"], strict=True)]
-            same = [sum(p == q for p, q in zip(x, y, strict=False)) / max(len(y), 1)
-                    for x, y in zip(runs[b]["agreement"], base["agreement"], strict=True)]
+            if not prompts:
+                continue
+            pairs = list(zip(runs[b]["agreement"], base["agreement"], strict=True))
+            pre = [prefix(x, y) for x, y in pairs]
+            # shares of the unquantized reply (which may end before `--tokens` at an end of sequence)
+            same = [sum(p == q for p, q in zip(x, y, strict=False)) / max(len(y), 1) for x, y in pairs]
+            kept = [p / max(len(y), 1) for p, (_, y) in zip(pre, pairs, strict=True)]
             agreement_rows.append({"model": name, "kv_bits": b, "prompts": len(prompts), "tokens": args.tokens,
+                                   "reply_median": statistics.median(len(y) for _, y in pairs),
                                    "prefix_median": statistics.median(pre), "prefix_min": min(pre),
-                                   "prefix_share": round(statistics.mean(p / args.tokens for p in pre), 3),
+                                   "prefix_share": round(statistics.mean(kept), 3),
                                    "same_share": round(statistics.mean(same), 3)})
         for i, n in enumerate(lengths):
             rows = range(i * args.trials, (i + 1) * args.trials)
