@@ -46,9 +46,9 @@ async def one(relay: Relay, max_tokens: int, mtp: bool) -> dict[str, Any]:
     reply = await relay.chat(MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=max_tokens, temperature=0,
                              mtp=mtp)
     wall = time.perf_counter() - t0
-    n = reply.completion_tokens
-    return {"tokens": n, "wall_s": wall, "tok_s": n / wall, "drafted": reply.mtp_drafted,
-            "accepted": reply.mtp_accepted, "tool_calls": [c.name for c in reply.tool_calls],
+    n = reply.usage.completion_tokens
+    return {"tokens": n, "wall_s": wall, "tok_s": n / wall, "drafted": reply.usage.mtp_drafted,
+            "accepted": reply.usage.mtp_accepted, "tool_calls": [c.name for c in reply.tool_calls],
             "finish": reply.finish_reason, "token_ids": reply.token_ids}
 
 

@@ -127,7 +127,7 @@ async def one_request(relay: Any, request: dict[str, Any], mode: str, specprefil
                            max_tokens=1, temperature=0.0, mtp=mtp, **mode_kwargs(mode, specprefill))
     ttft = time.perf_counter() - t0
     report = getattr(res, "specprefill", None)
-    row: dict[str, Any] = {"ttft_s": ttft, "prompt_tokens": res.prompt_tokens, "first_token": res.token_ids[:1]}
+    row: dict[str, Any] = {"ttft_s": ttft, "prompt_tokens": res.usage.prompt_tokens, "first_token": res.token_ids[:1]}
     if report is not None:
         row.update(ran=report.ran, scored_tokens=report.scored_tokens, kept_tokens=report.kept_tokens,
                    keep_fraction=report.keep_fraction, fallback=report.fallback)

@@ -195,8 +195,8 @@ async def run_prompt(relay: Any, p: Prompt, mode: str, max_tokens: int, specpref
         kw = {"specprefill": True, "specprefill_keep": float(mode.removeprefix("keep=")),
               "specprefill_anchor_ngram": anchor_ngram}
     res = await relay.chat([], prompt=p.ids, max_tokens=max_tokens, temperature=0.0, mtp=False, **kw)
-    row: dict[str, Any] = {"key": p.key, "mode": mode, "text": res.text, "ids": list(res.token_ids),
-                           **score(res.text, p.answer), "prompt_tokens": res.prompt_tokens}
+    row: dict[str, Any] = {"key": p.key, "mode": mode, "text": res.raw_text, "ids": list(res.token_ids),
+                           **score(res.raw_text, p.answer), "prompt_tokens": res.usage.prompt_tokens}
     report = getattr(res, "specprefill", None)
     if report is not None:
         row.update(ran=report.ran, scored_tokens=report.scored_tokens, kept_tokens=report.kept_tokens,

@@ -213,14 +213,15 @@ async def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 counts["anchors_rescued"] += res.specprefill.anchors_rescued
             reasons = finishes.setdefault(measure, {})
             reasons[res.finish_reason] = reasons.get(res.finish_reason, 0) + 1
-            mtp[0] += res.mtp_drafted
-            mtp[1] += res.mtp_accepted
-            tally("think_closed").add(think_closed(res.text, True))
+            mtp[0] += res.usage.mtp_drafted
+            mtp[1] += res.usage.mtp_accepted
+            tally("think_closed").add(think_closed(res.raw_text, True))
             if sum(1 for x in samples if x["measure"] == measure) < args.keep_samples:
-                samples.append({"measure": measure, "prompt_tokens": res.prompt_tokens, "text": res.text[:400],
-                                "finish_reason": res.finish_reason, "completion_tokens": res.completion_tokens,
+                samples.append({"measure": measure, "prompt_tokens": res.usage.prompt_tokens,
+                                "text": res.raw_text[:400], "finish_reason": res.finish_reason,
+                                "completion_tokens": res.usage.completion_tokens,
                                 "seconds": round(time.perf_counter() - t0, 3)})
-            return res.text, res.finish_reason
+            return res.raw_text, res.finish_reason
 
         for length in args.lengths if "needle" in args.only else ():
             for i in range(args.n):
