@@ -318,3 +318,59 @@ def test_the_kv_bits_flag_and_the_models_file_key_reach_the_engine_config(tmp_pa
     file.write_text('[models.a]\npath = "/x"\nkv_bits = 8\n')
     (entry,) = read_models_file(file)
     assert entry.entry.overrides()["kv_bits"] == 8
+
+
+def test_quantized_caches_move_between_batches_and_cut_for_a_prompt_as_long_as_the_snapshot(
+        gpu: Callable, lm: Any) -> None:
+    """`batch_caches.take_rows` keeps a quantized batch's rows as they were (padding dropped), and an
+    all-attention snapshot restored for a prompt as long as itself (`snapshots.restore_for`) holds its
+    quantized keys up to the last prompt token, as a `QuantizedKVCache` of that offset."""
+    def run() -> tuple[bool, int, bool]:
+        import mlx.core as mx
+        from mlx_vlm.models.cache import BatchQuantizedKVCache, QuantizedKVCache
+
+        from mlx_relay.engine.memory.batch_caches import as_batch_caches, extend_caches, take_rows
+        from mlx_relay.engine.memory.snapshots import Snapshot, restore_for, snapshot_caches
+
+        rows = [as_batch_caches(_library_prefill(lm, p, 8)[0]) for p in PROMPTS]
+        batch = rows[0]
+        for other in rows[1:]:
+            extend_caches(batch, other)
+        taken = take_rows(batch, [1])
+        same = True
+        for t, lone in zip(taken, rows[1], strict=True):
+            if isinstance(t, BatchQuantizedKVCache):
+                keys, _, _, left = t.state
+                lone_keys = lone.state[0]
+                start = int(left[0].item())
+                same = same and all(bool(mx.array_equal(a[:, :, start:, :], b)) for a, b in zip(keys, lone_keys,
+                                                                                             strict=True))
+        cache, _ = _library_prefill(lm, PROMPTS[1], 8)
+        entries, nbytes = snapshot_caches(cache, len(PROMPTS[1]))
+        # an all-attention model's snapshot (a recurrent state cannot be cut): the attention layers' alone
+        attention = [e for e in entries if e[0] == "qkv"]
+        restored, held = restore_for(Snapshot(length=len(PROMPTS[1]), target=attention, nbytes=nbytes),
+                                     len(PROMPTS[1]))
+        quantized = [c for c in restored if isinstance(c, QuantizedKVCache)]
+        return same, held, bool(quantized) and all(c.offset == held == len(PROMPTS[1]) - 1 for c in quantized)
+
+    same, held, cut = gpu(run)
+    assert same and cut and held == len(PROMPTS[1]) - 1
+
+
+def test_a_model_whose_heads_cannot_be_quantized_is_refused_at_start(gpu: Callable) -> None:
+    """MLX quantizes in groups of 32 or more: the tiny Qwen3 fixture's heads of 16 values cannot be, and
+    an engine asked to quantize its KV cache refuses to start, saying so."""
+    from mlx_relay.engine.models import UnsupportedModel
+    from mlx_relay.engine.models.loader import load_model
+    from mlx_relay.testing.engine_driver import Driver
+    from mlx_relay.testing.family_fixtures import family_fixture_path
+
+    def run() -> str:
+        try:
+            Driver(load_model(family_fixture_path("qwen3")), kv_bits=8)
+        except UnsupportedModel as exc:
+            return str(exc)
+        return ""
+
+    assert "cannot be quantized in groups of 32 or 64" in gpu(run)

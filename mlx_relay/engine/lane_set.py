@@ -28,7 +28,8 @@ from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
 from mlx_relay.engine.lanes.plain_lane import PlainLane
 from mlx_relay.engine.models import UnsupportedModel, served_by_mtp_lane
-from mlx_relay.engine.models.kv_quant import KVQuant
+from mlx_relay.engine.models.kv_format import KVQuant
+from mlx_relay.engine.models.kv_quant import head_dim
 from mlx_relay.engine.models.library_kv import uses_library_forward
 from mlx_relay.engine.models.loader import LoadedModel
 from mlx_relay.engine.models.pipeline_stage import Stage
@@ -64,10 +65,15 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
     info = loaded.info
     lm = loaded.model.language_model
     kv_quant = KVQuant(config.kv_bits) if config.kv_bits is not None else None
-    if uses_library_forward(lm):
-        if kv_quant is not None:
+    if kv_quant is not None:
+        if uses_library_forward(lm):
             raise UnsupportedModel(f"a quantized KV cache (--kv-bits) needs a model family of the engine's own "
                                    f"({info.model_type} is served through its library's forward)")
+        try:
+            KVQuant.group_for(head_dim(lm))
+        except ValueError as exc:
+            raise UnsupportedModel(f"a quantized KV cache (--kv-bits) for {info.model_type}: {exc}") from None
+    if uses_library_forward(lm):
         # a model of no family of ours runs its library's forward over KV caches: one lane for all rows
         if stage is not None:
             raise UnsupportedModel(f"a pipeline split needs a model family of the engine's own "

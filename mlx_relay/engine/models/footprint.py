@@ -103,7 +103,10 @@ def with_kv_bits(shape: CacheShape, config: dict[str, Any], kv_bits: int | None)
     width = _DTYPE_BYTES.get(dtype, 2)
     heads = int(text.get("num_attention_heads", 1))
     head_dim = int(text.get("head_dim") or int(text.get("hidden_size", 0)) // max(heads, 1))
-    per_value = KVQuant(kv_bits).bytes_per_value(head_dim, width)
+    try:
+        per_value = KVQuant(kv_bits).bytes_per_value(head_dim, width)
+    except ValueError:  # heads MLX cannot quantize: the engine refuses the model (`lane_set`), counted as is
+        return shape
     return CacheShape(per_token=math.ceil(shape.per_token * per_value / width), per_row=shape.per_row)
 
 
