@@ -39,7 +39,7 @@ NO_MLX = ["mlx_relay", "mlx_relay.cli", "mlx_relay.relay", "mlx_relay.http.serve
             for p in sorted((PACKAGE / "http").rglob("*.py")) if p.stem != "__init__"),
           *(f"mlx_relay.metrics.{p.stem}" for p in sorted((PACKAGE / "metrics").glob("*.py")) if p.stem != "__init__"),
           # several models: the pool, its reservations (engine/models/footprint.py) and views
-          "mlx_relay.engine.models.footprint",
+          "mlx_relay.engine.models.footprint", "mlx_relay.engine.models.kv_format",
           *(f"mlx_relay.pool.{p.stem}" for p in sorted((PACKAGE / "pool").glob("*.py")) if p.stem != "__init__")]
 
 
