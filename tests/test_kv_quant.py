@@ -35,7 +35,7 @@ def _quantized_caches(lm: Any, bits: int) -> list[Any]:
     """The library's fresh caches with each attention layer's a `QuantizedKVCache`."""
     from mlx_vlm.models.cache import KVCache, QuantizedKVCache
 
-    from mlx_relay.engine.models.kv_quant import KVQuant
+    from mlx_relay.engine.models.kv_format import KVQuant
 
     group = KVQuant.group_for(lm.args.head_dim)
     return [QuantizedKVCache(group_size=group, bits=bits) if isinstance(c, KVCache) else c for c in lm.make_cache()]

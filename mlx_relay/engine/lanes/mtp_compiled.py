@@ -31,7 +31,8 @@ from mlx_relay.engine.lanes.mtp_state import MTPState
 from mlx_relay.engine.lanes.mtp_step import HostDrafts, MTPStep, RoundOut
 from mlx_relay.engine.lanes.round_drafts import RoundDrafts, RoundPlan
 from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
-from mlx_relay.engine.models.kv_quant import KVQuant, fresh_caches
+from mlx_relay.engine.models.kv_format import KVQuant
+from mlx_relay.engine.models.kv_quant import fresh_caches
 
 
 @dataclass

@@ -44,7 +44,7 @@ from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models import UnsupportedModel
-from mlx_relay.engine.models.kv_quant import KVQuant
+from mlx_relay.engine.models.kv_format import KVQuant
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.speculation.draft_model import DraftModel

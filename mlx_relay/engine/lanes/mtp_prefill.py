@@ -22,7 +22,8 @@ from mlx_relay.engine.lanes.mtp_rows import MTPRow
 from mlx_relay.engine.lanes.mtp_sampling import first_token, propose
 from mlx_relay.engine.lanes.row_prefill import RowPrefill
 from mlx_relay.engine.memory.snapshots import Snapshot, restore_caches, snapshot_caches
-from mlx_relay.engine.models.kv_quant import KVQuant, fresh_caches
+from mlx_relay.engine.models.kv_format import KVQuant
+from mlx_relay.engine.models.kv_quant import fresh_caches
 from mlx_relay.engine.scheduling.token_budget import PREFILL_GRANULE, shortest_first
 
 #: A row whose prompt is done: (row, its first token [1], the head's first draft [1, 1], that

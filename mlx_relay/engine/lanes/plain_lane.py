@@ -46,7 +46,8 @@ from mlx_relay.engine.memory.batch_caches import as_batch_caches
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot, restore_for, snapshot_caches
 from mlx_relay.engine.models import Chunk
-from mlx_relay.engine.models.kv_quant import KVQuant, fresh_caches
+from mlx_relay.engine.models.kv_format import KVQuant
+from mlx_relay.engine.models.kv_quant import fresh_caches
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 

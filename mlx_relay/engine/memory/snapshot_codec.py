@@ -29,7 +29,8 @@ from mlx_vlm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_relay.cache.snapshot_files import SnapshotCorrupt, SnapshotLayoutError
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models import family_of
-from mlx_relay.engine.models.kv_quant import KVQuant, fresh_caches
+from mlx_relay.engine.models.kv_format import KVQuant
+from mlx_relay.engine.models.kv_quant import fresh_caches
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 
 __all__ = ["CacheLayout", "LayerLayout", "decode", "dtype_name", "encode", "kv_layout", "probe_layout"]

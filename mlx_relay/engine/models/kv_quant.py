@@ -52,11 +52,6 @@ def layout(buf: tuple[mx.array, ...], head_dim: int) -> tuple[int, int]:
     return head_dim // scales.shape[-1], packed.shape[-1] * 32 // head_dim
 
 
-def zeros_like_rows(buf: Buffer, rows: int, columns: int) -> Buffer:
-    """A buffer of the same form and heads with `rows` rows and `columns` columns of zeros."""
-    return each(lambda x: mx.zeros((rows, x.shape[1], columns, x.shape[3]), x.dtype), buf)
-
-
 def nbytes(buf: Buffer) -> int:
     return sum(x.nbytes for x in buf) if is_quantized(buf) else buf.nbytes  # type: ignore[union-attr]
 
