@@ -203,7 +203,10 @@ def test_a_ragged_batch_chunk_runs_batched_and_equals_each_row_alone(gpu: Callab
 
     row_diffs, head_diffs, in_place, taken, lone_in_place = gpu(run)
     assert max(row_diffs) < 1e-4, row_diffs
-    assert max(head_diffs) == 0.0
+    # the same hidden states through the head by the forward and by `speculative_logits_from_hidden`: equal
+    # to the CPU BLAS's rounding (a matmul over one position against the forward's over the chunk: 1.2e-6
+    # seen once in a loaded fresh-clone suite, 0 usually)
+    assert max(head_diffs) < 1e-5
     assert in_place and lone_in_place
     assert taken < 1e-4
 
