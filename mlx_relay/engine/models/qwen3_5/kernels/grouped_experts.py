@@ -14,8 +14,9 @@ the pairs are sorted by expert once and each projection runs over them grouped: 
 kernel, which reads the quantized weights in place (`kernels/grouped_qmm.py`); other quantized
 experts dequantized once (`mx.dequantize`: every expert, as a chunk of 2,048 tokens routes to
 nearly all of them; 0.5 GB of bfloat16 per projection of the 35B-A3B shape, freed after its
-matmul) and multiplied with the float gather. Elsewhere (and for few pairs: decode, the MTP verify)
-it is the library's own call (`SwitchGLU.__call__`), which `fallback` names.
+matmul) and multiplied with the float gather. Fewer pairs (decode, the MTP verify, small slices) run
+on a CUDA GPU as one matrix-vector product a pair (`kernels/pair_qmv.py`); elsewhere it is the
+library's own call (`SwitchGLU.__call__`), which `fallback` names.
 
 The arithmetic is the library's: the same sort, the same activation, every weight dequantized as
 the quantized matmul dequantizes it (float32 tests pin the grouped path against the library's on
