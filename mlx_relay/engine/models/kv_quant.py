@@ -19,6 +19,8 @@ from collections.abc import Callable
 from typing import Any, Union
 
 import mlx.core as mx
+from mlx_vlm.models.base import quantized_scaled_dot_product_attention
+from mlx_vlm.models.cache import KVCache, QuantizedKVCache
 
 from mlx_relay.engine.models.kv_format import KVQuant
 
@@ -61,7 +63,6 @@ def attend(queries: mx.array, keys: Buffer, values: Buffer, scale: float, mask: 
     attention over float ones, the library's quantized path over quantized ones."""
     if not is_quantized(keys):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-    from mlx_vlm.models.base import quantized_scaled_dot_product_attention
 
     group_size, bits = layout(keys, queries.shape[-1])  # type: ignore[arg-type]
     # the library scales its `queries` argument in place (`queries *= scale`): it gets a scaled copy
@@ -82,7 +83,6 @@ def fresh_caches(lm: Any, caches: list[Any], quant: KVQuant | None) -> list[Any]
     attention layer's `KVCache` a `QuantizedKVCache` of its bits (the recurrent layers' as they are)."""
     if quant is None:
         return caches
-    from mlx_vlm.models.cache import KVCache, QuantizedKVCache
 
     group = KVQuant.group_for(head_dim(lm))
     return [QuantizedKVCache(group_size=group, bits=quant.bits) if type(c) is KVCache else c for c in caches]
