@@ -248,7 +248,7 @@ def layer_ops(lm: Any, batch: int) -> dict[str, Any]:
     mx.eval(rows)
 
     def mlp(h: mx.array, *rows_in: mx.array) -> list[mx.array]:
-        return [qwen._residual(lin, h, mx.zeros_like(h), qwen.ExpertRows(*rows_in) if rows_in else None)]
+        return [qwen.layer_residual(lin, h, mx.zeros_like(h), qwen.ExpertRows(*rows_in) if rows_in else None)]
 
     def head(tok: mx.array, h: mx.array) -> list[mx.array]:
         return [lm.model.embed_tokens(tok), mx.argmax(qwen.logits(lm, lm.model.norm(h))[:, -1, :], axis=-1)]

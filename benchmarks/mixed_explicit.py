@@ -50,6 +50,7 @@ from mlx_relay.engine.models.chunk_forward import Split
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.models.qwen3_5.chunk_mixer import depthwise_conv
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer, normalize_qk
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta_prefill import delta_rule
 from mlx_relay.engine.models.qwen3_5.layers import (
@@ -62,7 +63,6 @@ from mlx_relay.engine.models.qwen3_5.layers import (
     rope_periods,
     run_layers,
 )
-from mlx_relay.engine.models.qwen3_5.prefill import depthwise_conv
 
 MODES = ("decode", "mixed", "explicit", "compiled", "compiled_rec")
 State = tuple[list[tuple[mx.array, mx.array]], list[mx.array], list[mx.array]]
@@ -96,7 +96,7 @@ def chunk_positions(done: mx.array, n: int, capacity: int) -> Positions:
 def chunk_mixer(la: Any, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, conv: mx.array, ssm: mx.array
                 ) -> tuple[mx.array, mx.array, mx.array]:
     """A chunk's GatedDeltaNet between its projections as the engine's prefill runs it
-    (`prefill.gated_delta_core`: the depthwise conv, the chunked delta rule), its conv window and
+    (`chunk_mixer.gated_delta_core`: the depthwise conv, the chunked delta rule), its conv window and
     recurrent state explicit: the output [B, T, Hv * Dv] and both states after."""
     B, T, _ = qkv.shape
     width = la.conv_kernel_size - 1

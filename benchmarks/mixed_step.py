@@ -13,7 +13,9 @@ slice, `--steps` steps each way, alternating the modes step by step, every step 
 synchronized (the prompt's caches grow by the slice each step, so the context is reported):
 - `decode`: the decode step alone;
 - `two`: the decode step, then the chunk's forward (the lane with `--no-mixed-steps`);
-- `mixed`: one forward for both (the default);
+- `mixed`: one forward for both (the default; a small slice's layers compiled per part where the
+  options say, `models/compiled_parts.py`: on a CUDA GPU up to 512 tokens);
+- `eager`: the same forward with nothing compiled (the A/B of the compiled parts);
 - `chunk` (for `gpu/kernel_profile.py`, not in the table): the chunk's forward alone.
 Reports, per slice and mode, the step's median and p90 (ms), its ratio to the decode step alone
 (what a decoding stream's ITL becomes) and the prompt's rate beside the rows (tokens a second of
@@ -44,17 +46,18 @@ from mlx_relay.engine.models.dense_copies import add_dense_copies
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 
-MODES = ("decode", "two", "mixed")
+MODES = ("decode", "two", "mixed", "eager")
 
 
 class Bench:
     def __init__(self, lm: Any, rows: int, context: int, seed: int, experts: str = "kernel",
-                 min_routes: int | None = None) -> None:
+                 min_routes: int | None = None, compiled_max: int | None = None) -> None:
         self.lm, self.rows = lm, batch_bucket(rows)
         self.step = DecodeStep(lm)
         options = PrefillOptions().with_experts(experts)  # type: ignore[arg-type]
         if min_routes is not None:
             options = msgspec.structs.replace(options, grouped_min_routes=min_routes)
+        options = msgspec.structs.replace(options, compiled_max_tokens=compiled_max)
         self.forward = ModelForward(lm, options)
         state = DecodeState.from_batch_caches(as_batch_caches(context_caches(lm, 64, 64, seed)), [0])
         state.pad_to(self.rows)
@@ -74,8 +77,9 @@ class Bench:
         """One step of `mode` with an `n`-token slice: its milliseconds, evaluated and synchronized."""
         mx.synchronize()
         t0 = time.perf_counter()
-        if mode == "mixed":
-            hidden, logits = self.step.beside(self.chunk(n), self.tokens, self.state, self.forward.options)
+        if mode in ("mixed", "eager"):
+            parts = self.forward.parts if mode == "mixed" else None
+            hidden, logits = self.step.beside(self.chunk(n), self.tokens, self.state, self.forward.options, parts)
             out = [hidden[:, -1:], logits]
         elif mode == "chunk":  # the chunk's forward alone (no rows decoding)
             chunk = self.chunk(n)
@@ -144,22 +148,24 @@ def main() -> None:
     ap.add_argument("--min-routes", type=int, default=None,
                     help="(token, expert) pairs from which the experts run grouped (PrefillOptions.grouped_min_routes)")
     ap.add_argument("--dense-16bit", action="store_true", help="16-bit copies of the dense projections (--dense-16bit)")
+    ap.add_argument("--compiled-max", type=int, default=None,
+                    help="the largest slice whose layers run compiled per part (default: 512 on CUDA, else 0)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     lm = load_model(Path(args.model)).model.language_model
     if args.dense_16bit:
         print(f"16-bit dense copies: {add_dense_copies(family_of(lm).layers(lm)) / 1e9:.2f} GB")
-    bench = Bench(lm, args.rows, args.context, args.seed, args.experts, args.min_routes)
+    bench = Bench(lm, args.rows, args.context, args.seed, args.experts, args.min_routes, args.compiled_max)
     slices = [int(s) for s in args.slices.split(",")]
     result = measure(bench, slices, args.steps)
     alone = lone_chunk_rate(bench, args.alone_chunk, 3) if args.alone_chunk else None
     print(f"{bench.rows} decoding rows, prompt context {args.context}+; ms a step (median), ITL ratio to decode alone")
-    print(f"{'slice':>6} {'decode':>8} {'two':>8} {'mixed':>8} {'two x':>6} {'mixed x':>7} {'two tok/s':>9} "
-          f"{'mixed tok/s':>11}" + (" mixed TTFT x" if alone else ""))
+    print(f"{'slice':>6} {'decode':>8} {'two':>8} {'mixed':>8} {'eager':>8} {'two x':>6} {'mixed x':>7} "
+          f"{'two tok/s':>9} {'mixed tok/s':>11}" + (" mixed TTFT x" if alone else ""))
     for n, r in result.items():
         line = (f"{n:>6} {r['decode']['median_ms']:8.1f} {r['two']['median_ms']:8.1f} {r['mixed']['median_ms']:8.1f} "
-                f"{r['two']['itl_ratio']:6.2f} {r['mixed']['itl_ratio']:7.2f} {r['two']['prompt_tok_s']:9.0f} "
-                f"{r['mixed']['prompt_tok_s']:11.0f}")
+                f"{r['eager']['median_ms']:8.1f} {r['two']['itl_ratio']:6.2f} {r['mixed']['itl_ratio']:7.2f} "
+                f"{r['two']['prompt_tok_s']:9.0f} {r['mixed']['prompt_tok_s']:11.0f}")
         print(line + (f" {alone / r['mixed']['prompt_tok_s']:12.2f}" if alone else ""))
     print("first step of each shape (ms): " + "; ".join(
         f"{n}: " + " ".join(f"{m} {r['first_ms'][m]:.0f}" for m in MODES) for n, r in result.items()))

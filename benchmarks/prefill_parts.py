@@ -41,6 +41,7 @@ from mlx_relay.engine.lanes.stage_forward import ModelForward
 from mlx_relay.engine.memory.batch_caches import batched
 from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.models.qwen3_5 import chunk_mixer
 from mlx_relay.engine.models.qwen3_5 import layers as qlayers
 from mlx_relay.engine.models.qwen3_5 import prefill as qprefill
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import expert_weights, grouped_switch_glu
@@ -148,10 +149,10 @@ def measure(lm: Any, context: int, chunk: int, repeats: int, seed: int) -> dict[
     parts = result["parts_ms"]
 
     def gdn_ours(options: PrefillOptions) -> Callable[[], Any]:
-        return lambda: qprefill.gated_delta_net(gdn.linear_attn, x, restore(lm, saved)[gdn_i], None, options)
+        return lambda: chunk_mixer.gated_delta_net(gdn.linear_attn, x, restore(lm, saved)[gdn_i], None, options)
 
     def moe_ours(options: PrefillOptions) -> Callable[[], Any]:
-        return lambda: qlayers._residual(gdn, x, mx.zeros_like(x), None, options)
+        return lambda: qlayers.layer_residual(gdn, x, mx.zeros_like(x), None, options)
 
     parts["gdn_library"] = run(lambda: gdn.linear_attn(x, None, restore(lm, saved)[gdn_i]))
     parts["gdn_ours"] = run(gdn_ours(ours_all))

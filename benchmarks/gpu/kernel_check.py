@@ -17,7 +17,7 @@ random inputs at Qwen3.5-35B-A3B's shape, bf16 as the model runs. Exits non-zero
   library's chunked scan, and vs the library's sequential reference `gated_delta_ops`): chunks of
   1, 100 and 2,048 positions, batch 1 and 3, with and without a padding mask (the padded
   positions' state must not move).
-- The prefill's shifted conv (`prefill.depthwise_conv`) vs the library's `Conv1d`, and the grouped
+- The prefill's shifted conv (`chunk_mixer.depthwise_conv`) vs the library's `Conv1d`, and the grouped
   experts (`grouped_experts.grouped_switch_glu`, dequantized and through our grouped 8-bit kernel)
   and the library's 8-bit `SwitchGLU`, each against a float32 truth (`experts_truth.py`), at 256
   and 2,048 tokens of the 35B-A3B shape; the grouped kernel (`grouped_qmm`) alone and its fallback
@@ -164,7 +164,7 @@ def check_delta_rule(la: Any, B: int, T: int, masked: bool) -> dict[str, Any]:
 
 
 def check_conv(la: Any, T: int) -> dict[str, Any]:
-    from mlx_relay.engine.models.qwen3_5.prefill import depthwise_conv
+    from mlx_relay.engine.models.qwen3_5.chunk_mixer import depthwise_conv
 
     C = 2 * la.key_dim + la.value_dim
     conv_in = mx.random.normal((1, la.conv_kernel_size - 1 + T, C)).astype(mx.bfloat16)

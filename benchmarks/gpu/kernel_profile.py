@@ -8,7 +8,8 @@ One process (`benchmarks/mixed_step.py`'s `Bench`): per case, a step's shape war
 `--steps` steps recorded by CUPTI through `torch.profiler` (the machine's torch; CUPTI's activity
 records cover every kernel of the process's CUDA context, MLX's included). Cases: `decode` (the
 compiled decode step of `--rows` rows, and of one row: `decode b1`), `chunk N` (an N-token prefill
-chunk alone), `mixed N` (the rows riding in the chunk's forward: the plain lane's step), and at
+chunk alone), `mixed N` (the rows riding in the chunk's forward: the plain lane's step; `eager mixed N`
+the same with no part compiled), and at
 batch 1 an MTP round of `--mtp-block` and the head-free round of width 1 (issue 45.3: against
 `decode b1`).
 
@@ -132,6 +133,7 @@ def main() -> None:
     for n in (int(s) for s in args.slices.split(",")):
         cases.append(dict(record(bench, "chunk", n, args.steps, args.top), label=f"chunk {n}"))
         cases.append(dict(record(bench, "mixed", n, args.steps, args.top), label=f"mixed {n} b{bench.rows}"))
+        cases.append(dict(record(bench, "eager", n, args.steps, args.top), label=f"eager mixed {n} b{bench.rows}"))
     if args.mtp_block:
         model = Path(args.model)
         cases.append(dict(record(RoundBench(model, lm, args.mtp_block), "round", 1, args.steps, args.top),

@@ -23,7 +23,8 @@ and every rank takes the last stage's output (`Stage.share`), so every rank comp
 logits; the sends and receives are traced into the compiled function like any other op.
 
 `beside` runs the same step inside a prefill chunk's forward (`models.ModelFamily.mixed_forward`,
-eager: the chunk's shapes change from step to step), the plain lane's step while a prompt
+eager: the chunk's shapes change from step to step; a small chunk's recurrent mixers and MLPs
+compiled per layer, `models/compiled_parts.py`), the plain lane's step while a prompt
 prefills: the rows' positions ride with the chunk's through every layer, one forward for both.
 """
 
@@ -35,6 +36,7 @@ import mlx.core as mx
 
 from mlx_relay.engine.lanes.decode_state import DecodeState
 from mlx_relay.engine.models import Block, Chunk, UnsupportedModel, family_of
+from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.kv_quant import first
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.positions import Positions
@@ -66,15 +68,17 @@ class DecodeStep:
         state.idx += 1
         return logits
 
-    def beside(self, chunk: Chunk, tokens: mx.array, state: DecodeState, options: PrefillOptions
-               ) -> tuple[mx.array, mx.array]:
-        """The step riding in a prefill chunk's forward (`models.ModelFamily.mixed_forward`, eager):
-        the chunk's final hidden states and the rows' logits [B, V], updating `state` as a call does."""
+    def beside(self, chunk: Chunk, tokens: mx.array, state: DecodeState, options: PrefillOptions,
+               parts: CompiledParts | None = None) -> tuple[mx.array, mx.array]:
+        """The step riding in a prefill chunk's forward (`models.ModelFamily.mixed_forward`, eager, or
+        for a small chunk compiled per part from `parts`): the chunk's final hidden states and the
+        rows' logits [B, V], updating `state` as a call does."""
         state.ensure_room()
         idx = mx.array(state.idx, dtype=mx.int32)
         block = Block(tokens[:, None], _at(idx, state.left_padding, state.deltas, state.cap), state.kv, state.conv,
                       state.ssm)
-        hidden, h, state.kv, state.conv, state.ssm = self.family.mixed_forward(self.lm, chunk, block, options)
+        hidden, h, state.kv, state.conv, state.ssm = self.family.mixed_forward(self.lm, chunk, block, options,
+                                                                                     parts=parts)
         state.idx += 1
         return hidden, self.family.logits(self.lm, h)[:, -1, :]
 

@@ -194,7 +194,8 @@ class PlainLane:
             logits: list[mx.array] = []
 
             def beside(chunk: Chunk) -> mx.array:
-                hidden, rows = self._step.beside(chunk, tokens, state, self.prefill.forward.options)
+                forward = self.prefill.forward
+                hidden, rows = self._step.beside(chunk, tokens, state, forward.options, forward.parts)
                 logits.append(rows)
                 return hidden
 

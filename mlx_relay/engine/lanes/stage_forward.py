@@ -6,7 +6,8 @@ rows it finishes into first tokens after `forward.share(...)`; the MTP lane's ro
 forward like the language model (`__call__`):
 - `ModelForward`: the model's family's prefill over the chunk (`models.ModelFamily.prefill_forward`:
   the family's layer loop over the library's caches, within `PrefillOptions`), its final (normed)
-  hidden states;
+  hidden states; it keeps the compiled parts of small chunks' layers (`models/compiled_parts.py`),
+  which the plain lane's mixed steps share (`decode_step.DecodeStep.beside`);
 - `StageForward` (`pipeline_stage.Stage`): the same call over this stage's layers only. A stage
   after the first takes the previous stage's hidden states as the call's `inputs_embeds` (a public
   argument: the model then skips its embedding), a stage before the last sends the hidden state
@@ -28,6 +29,7 @@ import mlx.core as mx
 
 from mlx_relay.engine.memory.batch_caches import batched
 from mlx_relay.engine.models import family_of
+from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 
@@ -44,12 +46,14 @@ class ModelForward:
         self.lm = lm
         self.family = family_of(lm)
         self.options = options or PrefillOptions()
+        # a small chunk's layers compiled per part, kept across chunks (`models/compiled_parts.py`)
+        self.parts = CompiledParts()
 
     def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
                 after: Callable[[mx.array], None] | None = None) -> mx.array:
         """[B, n, D]: the final hidden states of the chunk (on this rank: see `share`); `after`: the
         family's per-layer hook (`models.ModelFamily.prefill_forward`)."""
-        return self.family.prefill_forward(self.lm, ids, embeds, caches, positions, self.options, after)
+        return self.family.prefill_forward(self.lm, ids, embeds, caches, positions, self.options, after, self.parts)
 
     def __call__(self, ids: mx.array, inputs_embeds: mx.array | None = None, cache: Any = None,
                  position_ids: Any = None, **_: Any) -> StageOutput:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     import mlx.core as mx
 
+    from mlx_relay.engine.models.compiled_parts import CompiledParts
     from mlx_relay.engine.models.footprint import CacheShape
     from mlx_relay.engine.models.pipeline_stage import Stage
     from mlx_relay.engine.models.positions import Positions
@@ -149,21 +150,25 @@ class ModelFamily(Protocol):
 
     def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
                         positions: mx.array, options: PrefillOptions,
-                        after: Callable[[mx.array], None] | None = None) -> mx.array:
+                        after: Callable[[mx.array], None] | None = None,
+                        parts: CompiledParts | None = None) -> mx.array:
         """The final-normed hidden states [B, T, H] of a prefill chunk (token ids [B, T], or the
         prompt embeddings of vision rows) at `positions`, over the library's own caches (kept as
         the library's forward keeps them), run as `options` say (its levers, its memory bound).
         `after` sees the residual stream after each layer, in place of the family's own pacing
-        (a caller that queues the layers itself, e.g. beside decode steps on another stream)."""
+        (a caller that queues the layers itself, e.g. beside decode steps on another stream).
+        `parts`: the caller's store of compiled parts, where a family compiles a small chunk's
+        layers per part (`compiled_parts`; a family may run every chunk eagerly)."""
         ...
 
     def mixed_forward(self, lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
-                      after: Callable[[mx.array], None] | None = None
+                      after: Callable[[mx.array], None] | None = None, parts: CompiledParts | None = None
                       ) -> tuple[mx.array, mx.array, KV, list[mx.array], list[mx.array]]:
         """A prefill chunk and decoding rows in one forward: the chunk's final-normed hidden states
         [B, T, H] (its caches kept as `prefill_forward` keeps them), the rows' [B', T', H] and their
         caches after (as `forward_block` without `keep_states`). Each position's arithmetic is that
-        of the forward it would otherwise run in; the layers' weights are read once for both."""
+        of the forward it would otherwise run in; the layers' weights are read once for both.
+        `parts` as `prefill_forward`'s."""
         ...
 
     def logits(self, lm: Any, hidden: mx.array) -> mx.array:

@@ -36,6 +36,13 @@ ROW_GRANULE = 64  # blocks of whole 64-query tiles
 #: around the kernel cost the small slices more than it saves (benchmarks/results/gpu-h200-2026-11-28c/,
 #: -28d/)
 NARROW_MIN_ROUTES = 256
+#: a chunk's layers run compiled per part (`models/compiled_parts.py`) only at a multiple of this many
+#: tokens: the scheduler's shares are multiples of 64 from 64 tokens (`scheduling/token_budget.granular`),
+#: its floor 16, so few shapes are traced; another length (a prompt's last chunk) runs eagerly
+COMPILED_GRANULE = 16
+#: the largest chunk whose layers run compiled on a CUDA GPU by default: beyond it the device's work
+#: hides the host's graph building (a 2,048-token chunk of the 35B-A3B shape ~190 ms of kernels)
+COMPILED_MAX_TOKENS = 512
 
 
 class PrefillOptions(msgspec.Struct, frozen=True):
@@ -61,6 +68,15 @@ class PrefillOptions(msgspec.Struct, frozen=True):
     # its transient memory two layers'); off, the chunk's graph is built whole and evaluated by the
     # caller (`benchmarks/prefill_parts.py` so times the host's graph building apart)
     paced: bool = True
+    # the largest chunk of one unpadded row whose layers run compiled per part (recurrent mixer,
+    # experts: `models/compiled_parts.py`); None: `COMPILED_MAX_TOKENS` on a CUDA GPU, 0 (never) elsewhere
+    compiled_max_tokens: int | None = None
+
+    def compiles(self, tokens: int, cuda: bool) -> bool:
+        """Whether a chunk of `tokens` positions (one row, no padding) runs its layers compiled per part."""
+        bound = self.compiled_max_tokens if self.compiled_max_tokens is not None else (
+            COMPILED_MAX_TOKENS if cuda else 0)
+        return 0 < tokens <= bound and tokens % COMPILED_GRANULE == 0
 
     def with_experts(self, experts: PrefillExperts) -> PrefillOptions:
         """These options with the experts run as `experts` says."""

@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_vlm.models.cache import KVCache
 
 from mlx_relay.engine.models import KV, Block, Chunk, ModelFamily, UnsupportedModel
+from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
@@ -55,11 +56,12 @@ class Qwen3Family:
 
     def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
                         positions: mx.array, options: PrefillOptions,
-                        after: Callable[[mx.array], None] | None = None) -> mx.array:
-        return prefill.prefill_forward(lm, ids, embeds, caches, positions, options, after)
+                        after: Callable[[mx.array], None] | None = None,
+                        parts: CompiledParts | None = None) -> mx.array:
+        return prefill.prefill_forward(lm, ids, embeds, caches, positions, options, after)  # its chunks run eagerly
 
     def mixed_forward(self, lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
-                      after: Callable[[mx.array], None] | None = None
+                      after: Callable[[mx.array], None] | None = None, parts: CompiledParts | None = None
                       ) -> tuple[mx.array, mx.array, KV, list[mx.array], list[mx.array]]:
         return mixed.mixed_forward(lm, chunk, block, options, after)
 

@@ -193,7 +193,7 @@ def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None,
     return _switch_linear(switch.down_proj, switch.activation(up, gate), inds, rows.routed).squeeze(-2)
 
 
-def _residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None = None,
+def layer_residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None = None,
               prefill: PrefillOptions | None = None) -> mx.array:
     """The residual stream after a layer whose mixer returned `r`: the mixer's output, then the MLP's."""
     h = h + r
@@ -212,24 +212,28 @@ def attention_layer(layer: Any, h: mx.array, keys_buf: mx.array, values_buf: mx.
                     ) -> tuple[mx.array, mx.array, mx.array]:
     """One full-attention decoder layer outside the loop (the MTP head's): the residual stream after it."""
     r, keys_buf, values_buf = attention(layer.self_attn, layer.input_layernorm(h), keys_buf, values_buf, at, periods)
-    return _residual(layer, h, r, rows), keys_buf, values_buf
+    return layer_residual(layer, h, r, rows), keys_buf, values_buf
 
 
 #: A layer's mixer as the loop calls it: (the library's mixer module, the layer's normed input) -> its output.
 Mixer = Callable[[Any, mx.array], mx.array]
+#: A layer's residual stream after its mixer returned r, as the loop calls it: (layer, h, r) -> h
+#: (`layer_residual`'s arithmetic; a small chunk's, compiled per layer: `compiled_chunk.compiled_residual`)
+Residual = Callable[[Any, mx.array, mx.array], mx.array]
 
 
 def run_layers(layers: list[Any], h: mx.array, linear: Mixer, attend: Mixer, rows: ExpertRows | None = None,
-               *, prefill: PrefillOptions | None = None, after: Callable[[mx.array], None] | None = None
-               ) -> mx.array:
+               *, prefill: PrefillOptions | None = None, after: Callable[[mx.array], None] | None = None,
+               residual: Residual | None = None) -> mx.array:
     """The one layer loop: the residual stream after `layers`, each a GatedDeltaNet layer (its
     mixer `linear`) or an attention layer (`attend`), then its MLP (for a prefill chunk, its
     `prefill` options: the experts grouped where that pays). The mixers keep the caches (called
-    in layer order); `after` sees the residual stream after each layer (an eager caller's hook)."""
+    in layer order); `after` sees the residual stream after each layer (an eager caller's hook);
+    `residual`, where given, runs each layer's MLP in place of `layer_residual`."""
     for layer in layers:
         x = layer.input_layernorm(h)
         r = linear(layer.linear_attn, x) if layer.is_linear else attend(layer.self_attn, x)
-        h = _residual(layer, h, r, rows, prefill)
+        h = residual(layer, h, r) if residual is not None else layer_residual(layer, h, r, rows, prefill)
         if after is not None:
             after(h)
     return h

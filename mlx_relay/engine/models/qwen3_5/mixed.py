@@ -10,7 +10,7 @@ through every part that treats positions alike (the norms, the mixers' input and
 projections, the router, the experts, the shared expert), so each layer's weights are read once
 for both, and a small chunk's fixed cost (its launches, its weights) is shared with the decode
 step's. Each mixer then splits its projections by kind and runs each part as its own forward
-would: the chunk's recurrence and attention over the library's caches (`prefill.gated_delta_core`,
+would: the chunk's recurrence and attention over the library's caches (`chunk_mixer.gated_delta_core`,
 `prefill.attend_cached`), the rows' over explicit caches (`kernels.gated_delta`,
 `layers.attend_explicit`), and the outputs join again before the output projection. Every
 position's arithmetic is that of the forward it would otherwise run in (`tests/test_mixed_forward.py`
@@ -28,7 +28,10 @@ import mlx.core as mx
 from mlx_relay.engine.models import KV, Block, Chunk
 from mlx_relay.engine.models.attention import attention_mask
 from mlx_relay.engine.models.chunk_forward import Split, pacing
+from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.models.qwen3_5.chunk_mixer import gated_delta_core, recurrent_mask
+from mlx_relay.engine.models.qwen3_5.compiled_chunk import compiled_linear, compiled_residual, compiled_route
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer
 from mlx_relay.engine.models.qwen3_5.layers import (
     attend_explicit,
@@ -39,13 +42,14 @@ from mlx_relay.engine.models.qwen3_5.layers import (
     rope_periods,
     run_layers,
 )
-from mlx_relay.engine.models.qwen3_5.prefill import attend_cached, gated_delta_core, position_embeddings, recurrent_mask
+from mlx_relay.engine.models.qwen3_5.prefill import attend_cached, padded, position_embeddings
 
 
 def mixed_forward(lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
-                  after: Callable[[mx.array], None] | None = None
+                  after: Callable[[mx.array], None] | None = None, parts: CompiledParts | None = None
                   ) -> tuple[mx.array, mx.array, KV, list[mx.array], list[mx.array]]:
-    """`models.ModelFamily.mixed_forward`: see the module docstring."""
+    """`models.ModelFamily.mixed_forward`: see the module docstring (`parts`: where a small chunk's
+    layers run compiled per part, `compiled_chunk`)."""
     model = lm.model
     h_chunk = chunk.embeds if chunk.embeds is not None else model.embed_tokens(chunk.ids)
     h_rows = model.embed_tokens(block.tokens)
@@ -60,8 +64,15 @@ def mixed_forward(lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
     new_kv: KV = []
     new_conv: list[mx.array] = []
     new_ssm: list[mx.array] = []
+    compiled = compiled_route(parts, options, caches, T, padded(attn_mask, ssm_mask))
 
     def linear(la: Any, x: mx.array) -> mx.array:
+        if compiled is not None:
+            r, (conv_state, ssm_state) = compiled_linear(compiled, la, x, next(cache_of), options, split,
+                                                         next(gdn_in))
+            new_conv.append(conv_state)
+            new_ssm.append(ssm_state)
+            return r
         ours, theirs = zip(*(split.split(p) for p in gdn_projections(la, x)), strict=True)
         out_chunk = gated_delta_core(la, *ours, next(cache_of), ssm_mask, options)
         conv_state, ssm_state = next(gdn_in)
@@ -82,6 +93,7 @@ def mixed_forward(lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
         return sa.o_proj(split.join(out_chunk, gated(out, gate_rows)))
 
     h = run_layers(model.layers, split.join(h_chunk, h_rows), linear, attend, prefill=options,
-                   after=pacing(options, after))
+                   after=pacing(options, after),
+                   residual=None if compiled is None else compiled_residual(compiled, options))
     hidden_chunk, hidden_rows = split.split(model.norm(h))
     return hidden_chunk, hidden_rows, new_kv, new_conv, new_ssm
