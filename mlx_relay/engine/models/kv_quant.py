@@ -10,7 +10,12 @@ and return. The three share the first three axes, so whatever a holder does alon
 sequence axis (grow, shift, gather rows, slice columns, concatenate) it does to each part alike
 (`each`). The recurrent layers' states never take this form. Attention over a quantized buffer is
 the library's quantized path (mlx-vlm's `quantized_scaled_dot_product_attention`: MLX's
-`quantized_matmul` for the scores and for the values).
+`quantized_matmul` for the scores and for the values), except on a CUDA GPU: there MLX 0.32.4's
+`quantized_matmul` has no kernel for most context lengths (an H200 at `7a1a1bb`: "[quantized_matmul] No
+implementation for problem shape: 16x16x256x16", M x N x K x B with N the keys, for a 16-token prompt's
+first chunk, a 1-token one, 63 keys: `benchmarks/results/gpu-h200-2026-11-29d/`), so the keys and values
+are dequantized there for MLX's attention: the cache stays quantized in memory, and each attention reads
+it and writes a float copy of one layer's.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import mlx.core as mx
 from mlx_vlm.models.base import quantized_scaled_dot_product_attention
 from mlx_vlm.models.cache import KVCache, QuantizedKVCache
 
+from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.models.kv_format import KVQuant
 
 #: one attention layer's keys (or values): an array, or MLX's quantized triple (packed, scales, biases)
@@ -58,13 +64,19 @@ def nbytes(buf: Buffer) -> int:
     return sum(x.nbytes for x in buf) if is_quantized(buf) else buf.nbytes  # type: ignore[union-attr]
 
 
-def attend(queries: mx.array, keys: Buffer, values: Buffer, scale: float, mask: Any) -> mx.array:
+def attend(queries: mx.array, keys: Buffer, values: Buffer, scale: float, mask: Any, *,
+           dequantize: bool | None = None) -> mx.array:
     """The attention of `queries` [B, heads, T, D] over keys and values of either form: MLX's fused
-    attention over float ones, the library's quantized path over quantized ones."""
+    attention over float ones, the library's quantized path over quantized ones, or (`dequantize`;
+    None: on a CUDA GPU, see the module docstring) MLX's over their dequantized copies."""
     if not is_quantized(keys):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     group_size, bits = layout(keys, queries.shape[-1])  # type: ignore[arg-type]
+    if cuda_kernels_available() if dequantize is None else dequantize:
+        keys, values = (mx.dequantize(*buf, group_size=group_size, bits=bits).astype(queries.dtype)
+                        for buf in (keys, values))  # type: ignore[misc]
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     # the library scales its `queries` argument in place (`queries *= scale`): it gets a scaled copy
     # and a scale of one, so the caller's queries stay as they were
     out: mx.array = quantized_scaled_dot_product_attention(queries * scale, keys, values, scale=1.0, mask=mask,
