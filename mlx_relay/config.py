@@ -209,8 +209,6 @@ class EngineConfig(msgspec.Struct, frozen=True):
             raise ValueError("a draft model (draft_model) does not run with pipeline")
         if self.kv_bits is not None and self.kv_bits not in (4, 8):
             raise ValueError("EngineConfig.kv_bits must be 8 or 4 (or None: keys and values unquantized)")
-        if self.kv_bits is not None and self.pipeline.enabled:
-            raise ValueError("a quantized KV cache (kv_bits) does not run with pipeline yet")
         if self.pipeline.enabled and self.prefix_cache_dir is not None:
             # each rank holds its own layers' state: a file per snapshot would be a file per rank
             raise ValueError("the prefix cache's disk tier (prefix_cache_dir) does not run with pipeline")

@@ -300,14 +300,22 @@ def test_quantized_keys_and_values_are_counted_at_their_bits() -> None:
     assert with_kv_bits(shape, config, 4) == CacheShape(per_token=10 * 2 * 2 * 256 * (0.5 + 4 / 64), per_row=7)
 
 
-def test_kv_bits_are_8_or_4_and_not_yet_in_a_pipeline() -> None:
+def test_kv_bits_are_8_or_4() -> None:
     from mlx_relay.config import EngineConfig, PipelineConfig
 
     assert EngineConfig(model_path="x", kv_bits=4).kv_bits == 4
+    assert EngineConfig(model_path="x", kv_bits=8, pipeline=PipelineConfig(enabled=True)).kv_bits == 8
     with pytest.raises(ValueError, match="8 or 4"):
         EngineConfig(model_path="x", kv_bits=3)
-    with pytest.raises(ValueError, match="pipeline"):
-        EngineConfig(model_path="x", kv_bits=8, pipeline=PipelineConfig(enabled=True))
+
+
+def test_a_quantized_kv_cache_is_refused_where_no_quantized_attention_of_ours_runs() -> None:
+    from mlx_relay.engine.lane_set import quantized_kv_refusal
+
+    assert quantized_kv_refusal("qwen3_5_moe", "cuda", library_forward=False, staged=False) is None
+    assert quantized_kv_refusal("qwen3_5_moe", "cpu", library_forward=False, staged=True) is None
+    assert "pipeline on a CUDA GPU" in (quantized_kv_refusal("qwen3_5_moe", "cuda", False, True) or "")
+    assert "library's forward" in (quantized_kv_refusal("gemma3", "cpu", True, False) or "")
 
 
 def test_a_sampled_row_speculates_over_quantized_caches(gpu: Callable, fp32_model: Path) -> None:

@@ -231,6 +231,27 @@ def test_bf16_rows_joining_a_prefill_keep_the_stages_in_step(tmp_path: Path) -> 
             assert all(n > 0 for n in pool.map(lambda m, at=url: _completion_tokens(at, m, 12), pairs))
 
 
+def test_two_ranks_with_a_quantized_kv_cache_reply_as_the_unsharded_one(eight_layers: Path, tmp_path: Path) -> None:
+    """`--kv-bits 8` over two ranks (issue 47.2): each stage keeps its attention layers' keys and values
+    quantized (the prefill through the library's forward over its `QuantizedKVCache`, the decode
+    steps over quantized buffers) and replies as the unsharded server with `--kv-bits 8`, greedy,
+    two requests at once in one batch, and the next turn restores from the quantized prefix cache."""
+    config = default_config(eight_layers, served_model_name=NAME, warmup=False, max_num_seqs=4, mtp=False,
+                            kv_bits=8, prefix_min_snapshot_tokens=16)
+    pairs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}]
+             for p in ("Name three modules for files.", "What does itertools.chain do?")]
+    with LiveServer(config) as reference, ThreadPoolExecutor(2) as pool:
+        expected = [_chat(reference.url, m, 24)[0] for m in pairs]
+        turn = [*pairs[0], {"role": "assistant", "content": expected[0]}, {"role": "user", "content": "And json?"}]
+        ref_text, ref_cached = _chat(reference.url, turn)
+        for url, _ in _launch(eight_layers, tmp_path, ["--no-warmup", "--no-mtp", "--max-num-seqs", "4",
+                                                        "--kv-bits", "8", "--prefix-min-snapshot-tokens", "16"]):
+            sharded = list(pool.map(lambda m, at=url: _chat(at, m, 24), pairs))
+            assert [text for text, _ in sharded] == expected
+            text, cached = _chat(url, turn)
+            assert text == ref_text and cached > 0 and ref_cached > 0
+
+
 # every rank: a toy pipeline of three stages (rank 2 first), each stage h -> h * (rank + 2) + rank,
 # by the transfer named in argv: eager, compiled, and compiled again on that output; every rank
 # prints what the last stage gave

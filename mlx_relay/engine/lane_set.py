@@ -58,6 +58,21 @@ def prefill_step_size(lm: object, config: EngineConfig, backend: str) -> int:
     return limit
 
 
+def quantized_kv_refusal(model_type: str, backend: str, library_forward: bool, staged: bool) -> str | None:
+    """Why a quantized KV cache (`--kv-bits`) cannot serve this model here, or None. A model served
+    through its library's forward has none of our quantized attention; nor has a pipeline stage on a
+    CUDA GPU: a stage prefills through the library's forward, whose quantized attention is MLX's
+    `quantized_matmul`, which MLX 0.32.4's CUDA backend does not run at most context lengths
+    (`models/kv_quant.py`; our own forwards dequantize there instead)."""
+    if library_forward:
+        return (f"a quantized KV cache (--kv-bits) needs a model family of the engine's own ({model_type} is "
+                f"served through its library's forward)")
+    if staged and backend == "cuda":
+        return ("a quantized KV cache (--kv-bits) does not run in a pipeline on a CUDA GPU: a stage prefills "
+                "through the library's quantized attention, which MLX's CUDA backend does not run at most lengths")
+    return None
+
+
 def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
                 stage: Stage | None, step: int, prefill_options: PrefillOptions | None = None
                 ) -> dict[LaneName, Lane]:
@@ -66,9 +81,9 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
     lm = loaded.model.language_model
     kv_quant = KVQuant(config.kv_bits) if config.kv_bits is not None else None
     if kv_quant is not None:
-        if uses_library_forward(lm):
-            raise UnsupportedModel(f"a quantized KV cache (--kv-bits) needs a model family of the engine's own "
-                                   f"({info.model_type} is served through its library's forward)")
+        refusal = quantized_kv_refusal(info.model_type, info.backend, uses_library_forward(lm), stage is not None)
+        if refusal is not None:
+            raise UnsupportedModel(refusal)
         try:
             KVQuant.group_for(head_dim(lm))
         except ValueError as exc:
