@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dense-16bit", action="store_true",
                        help="keep a 16-bit copy of each dense 8-bit projection for steps of 8 rows and more "
                             "(faster on a CUDA GPU; costs the copies' memory)")
+    serve.add_argument("--compiled-chunk-tokens", type=int, default=None,
+                       help="the largest prefill chunk whose recurrent mixers and MLPs run compiled per layer "
+                            "(default: 512 on a CUDA GPU, 0 = never elsewhere)")
     serve.add_argument("--kv-bits", type=int, choices=(8, 4), default=None,
                        help="keep the attention layers' keys and values quantized at 8 or 4 bits (default: 16-bit)")
     serve.add_argument("--prefill-batch-size", type=int, default=8, help="prompts prefilled together (default 8)")
@@ -392,6 +395,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         decode_stall_factor=args.decode_stall_factor,
         prefill_experts=args.prefill_experts,
         dense_16bit=args.dense_16bit,
+        compiled_chunk_tokens=args.compiled_chunk_tokens,
         kv_bits=args.kv_bits,
         embedding_model=args.embedding_model,
         embedding_model_name=args.embedding_model_name,

@@ -95,6 +95,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     # against 13.4 ms, mixed steps of 16-256 tokens were slower and a lone 4K chunk 6% faster
     # (benchmarks/results/gpu-h200-2026-11-29c/); costs the copies' memory (2.9 GB on the 35B-A3B shape)
     dense_16bit: bool = False
+    # the largest prefill chunk (one row or rows of one length, no padding, a multiple of 16 tokens)
+    # whose recurrent mixers and MLPs run compiled per layer (`engine/models/compiled_parts.py`; the
+    # mixed step of 8 rows beside a 16-token slice 44 ms against 82 eager on an H200:
+    # benchmarks/results/gpu-h200-2026-11-29d/). None: 512 on a CUDA GPU, 0 (never) elsewhere
+    compiled_chunk_tokens: int | None = None
     # attention keys and values kept quantized at this many bits (8 or 4; `engine/models/kv_quant.py`),
     # in the decode buffers, the prefill's caches and the prefix cache's snapshots; the recurrent
     # states stay as they are. None: as the model computes them (16-bit)

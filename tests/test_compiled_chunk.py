@@ -8,6 +8,7 @@ history, off by default off a CUDA GPU), and a chunk of a shape met before compi
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -144,10 +145,51 @@ def test_the_compiled_route_is_taken_only_where_it_may_be(gpu: Callable, dense: 
 
 
 def test_the_default_bound_compiles_small_chunks_on_a_cuda_gpu_only() -> None:
+    from mlx_relay.cli import build_parser, config_from_args
+    from mlx_relay.engine.memory.kv_budget import plan
     from mlx_relay.engine.models.prefill_options import COMPILED_MAX_TOKENS, PrefillOptions
+
+    args = build_parser().parse_args(["serve", "m", "--compiled-chunk-tokens", "64"])
+    assert config_from_args(args).engine.compiled_chunk_tokens == 64
+    assert config_from_args(build_parser().parse_args(["serve", "m"])).engine.compiled_chunk_tokens is None
+    _, options = plan({"hidden_size": 64}, limit=1 << 30, weights=0, prefix_cache=0, chunk_tokens=16,
+                      experts="library", mtp_head=False, compiled_chunk_tokens=64)
+    assert options.compiled_max_tokens == 64  # the engine's prefill options carry it
 
     options = PrefillOptions()
     assert options.compiles(16, cuda=True) and options.compiles(COMPILED_MAX_TOKENS, cuda=True)
     assert not options.compiles(COMPILED_MAX_TOKENS + 16, cuda=True)
     assert not options.compiles(16, cuda=False)
     assert not PrefillOptions(compiled_max_tokens=0).compiles(16, cuda=True)
+
+
+def test_after_warm_up_a_long_prompt_beside_decoding_rows_traces_nothing(gpu: Callable, fp32_model: Path) -> None:
+    """The plain lane with compiled chunk parts (`--compiled-chunk-tokens 64`, fixed chunk lengths
+    16, 32, 48): its warm-up traces the mixed step's parts at every batch size beside every length;
+    then two short rows decode while a 300-token prompt prefills beside them in mixed steps, and no
+    part is traced again (`CompiledParts.traces`); every output is plain greedy decoding."""
+    from mlx_relay.engine.models.loader import load_model
+    from mlx_relay.messages.gpu import Generate, SamplingParams
+    from mlx_relay.testing.engine_driver import Driver
+    from mlx_relay.testing.reference import greedy_reference
+
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], list(range(100, 400))]
+
+    def run() -> tuple[list[list[int]], int, int, int]:
+        d = Driver(load_model(fp32_model), max_num_batched_tokens=48, prefill_step_size=48, prefill_batch_size=1,
+                   max_num_seqs=4, mtp=False, prefill_shapes="fixed", compiled_chunk_tokens=64)
+        parts = d.engine.lanes["plain"].prefill.forward.parts
+        d.engine.warmup()
+        warmed = parts.traces
+        rows = [d.add(Generate(f"r{i}", p, SamplingParams(max_tokens=12))) for i, p in enumerate(prompts[:2])]
+        d.step()
+        rows.append(d.add(Generate("long", prompts[2], SamplingParams(max_tokens=4))))
+        d.run()
+        mixed = d.engine.stats().mixed_steps
+        d.engine.close()
+        return [d.tokens[r] for r in rows], warmed, parts.traces - warmed, mixed
+
+    outs, warmed, traced_after, mixed = gpu(run)
+    ref = greedy_reference(fp32_model, prompts, 12)
+    assert outs == [ref[0], ref[1], ref[2][:4]]
+    assert warmed > 0 and traced_after == 0 and mixed >= 5, (warmed, traced_after, mixed)

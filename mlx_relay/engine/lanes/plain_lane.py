@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
+from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.lane import LaneStep, RowSpec, RowTokens, sequence_end
 from mlx_relay.engine.lanes.decode_batch import DecodeBatch
 from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
@@ -140,7 +141,9 @@ class PlainLane:
     def warm(self, vocab_size: int, max_rows: int) -> str:
         shapes = self.warm_prefill(vocab_size, lambda rows, n, seconds: log.info(
             "warm-up: prefill of %d row(s) x %d tokens took %.2fs", rows, n, seconds))
-        return f"prefill run at {shapes} chunk shapes, decode step traced at {self.warm_decode(max_rows)} batch sizes"
+        said = f"prefill run at {shapes} chunk shapes, decode step traced at {self.warm_decode(max_rows)} batch sizes"
+        mixed = self.warm_mixed(max_rows)
+        return said + (f", mixed steps' compiled parts traced at {mixed} shapes" if mixed else "")
 
     def extract(self, rid: int) -> Snapshot | None:
         """The state of a decoding row: its prompt and every token it has emitted."""
@@ -172,16 +175,42 @@ class PlainLane:
     def warm_decode(self, max_rows: int) -> int:
         """Trace the decode step at every batch size it can run at (idle rows only), so no
         request meets a first-shape compile; returns how many sizes."""
-        cache = self._fresh_caches()
-        self._step.family.prefill_forward(self.lm, mx.array([[0]]), None, cache, mx.zeros((3, 1, 1), dtype=mx.int32),
-                                    self.prefill.forward.options)
-        mx.eval([c.state for c in cache])
+        cache = self._idle_row()
         sizes = sorted({batch_bucket(n) for n in range(1, max_rows + 1)})
         for size in sizes:
             state = DecodeState.from_batch_caches(as_batch_caches(cache), [0])
             state.pad_to(size)
             mx.eval(self._step(mx.zeros((size,), dtype=mx.int32), state))
         return len(sizes)
+
+    def _idle_row(self) -> list[Any]:
+        """A row's caches after a one-token prompt: what the warm-ups pad their batches with."""
+        cache = self._fresh_caches()
+        self._step.family.prefill_forward(self.lm, mx.array([[0]]), None, cache, mx.zeros((3, 1, 1), dtype=mx.int32),
+                                          self.prefill.forward.options)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    def warm_mixed(self, max_rows: int) -> int:
+        """Trace the compiled parts of a mixed step (`models/compiled_parts.py`) at every batch size the
+        decode step runs at beside a one-row chunk of every fixed length whose layers run compiled
+        (idle rows, a chunk from empty caches: the parts' shapes do not depend on the context), so
+        no decoding row waits on a first-shape trace beside a long prompt; returns how many shapes."""
+        forward = self.prefill.forward
+        lengths = [n for n in self.prefill.lengths or () if forward.options.compiles(n, cuda_kernels_available())]
+        if not self.mixed or not lengths:
+            return 0
+        cache = self._idle_row()
+        sizes = sorted({batch_bucket(n) for n in range(1, max_rows + 1)})
+        for size in sizes:
+            for n in lengths:
+                state = DecodeState.from_batch_caches(as_batch_caches(cache), [0])
+                state.pad_to(size)
+                positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32)[None, None], (3, 1, n))
+                chunk = Chunk(mx.zeros((1, n), dtype=mx.int32), None, as_batch_caches(self._fresh_caches()), positions)
+                mx.eval(self._step.beside(chunk, mx.zeros((size,), dtype=mx.int32), state, forward.options,
+                                          forward.parts))
+        return len(sizes) * len(lengths)
 
     def step(self, prefill_budget: int | None = None) -> LaneStep:
         """One decode step of the decoding rows and one prefill chunk of the joining rows, of at

@@ -91,11 +91,13 @@ ATTENTION_BYTES = (256 << 20, 8 << 30)
 
 
 def plan(model_config: dict[str, Any], *, limit: int, weights: int, prefix_cache: int, chunk_tokens: int,
-         experts: PrefillExperts, mtp_head: bool, kv_bits: int | None = None) -> tuple[KVBudget, PrefillOptions]:
+         experts: PrefillExperts, mtp_head: bool, kv_bits: int | None = None,
+         compiled_chunk_tokens: int | None = None) -> tuple[KVBudget, PrefillOptions]:
     """The budget and the prefill's options for a model (its checkpoint's config) on a device
     that may hold `limit` bytes, `weights` of them the model's, its experts run as `experts` says
     (`PrefillOptions.with_experts`; "dequantize" holds a projection's experts in float while a
-    layer runs; `kv_bits`: its attention keys and values kept quantized, the MTP head's not)."""
+    layer runs; `kv_bits`: its attention keys and values kept quantized, the MTP head's not;
+    `compiled_chunk_tokens`: `PrefillOptions.compiled_max_tokens`)."""
     text = model_config.get("text_config", model_config)
     shape = with_kv_bits(cache_shape(model_config), model_config, kv_bits)
     itemsize = 4 if str(text.get("dtype") or text.get("torch_dtype") or "") == "float32" else 2
@@ -109,7 +111,8 @@ def plan(model_config: dict[str, Any], *, limit: int, weights: int, prefix_cache
     routed = int(text.get("num_experts", 0) or 0) if dequantized else 0
     expert_bytes = routed * int(text.get("moe_intermediate_size", 0) or 0) * hidden * 2
     low, high = ATTENTION_BYTES
-    options = PrefillOptions(attention_bytes=min(high, max(low, (limit - weights - prefix_cache) // ATTENTION_SHARE)))
+    options = PrefillOptions(attention_bytes=min(high, max(low, (limit - weights - prefix_cache) // ATTENTION_SHARE)),
+                             compiled_max_tokens=compiled_chunk_tokens)
     options = options.with_experts(experts)
     working = working_set_bytes(chunk_tokens=chunk_tokens, hidden=hidden, attention_bytes=options.attention_bytes,
                                 expert_bytes=expert_bytes, itemsize=itemsize)
@@ -131,7 +134,7 @@ def engine_plan(loaded: Any, config: EngineConfig, *, prefix_cache: bool, chunk_
     return plan(read_config(Path(info.model_path)), limit=limit, weights=mx.get_active_memory(),
                 prefix_cache=prefix_cache_budget(config) if prefix_cache else 0, chunk_tokens=chunk_tokens,
                 experts=prefill_experts(config.prefill_experts, info.backend), mtp_head=config.mtp and info.has_mtp,
-                kv_bits=config.kv_bits)
+                kv_bits=config.kv_bits, compiled_chunk_tokens=config.compiled_chunk_tokens)
 
 
 def with_held_weights(budget: KVBudget) -> KVBudget:

@@ -23,15 +23,24 @@ import mlx.core as mx
 
 
 class CompiledParts:
-    """Compiled functions by key: `part(key, make)` compiles `make()` the first time `key` is asked for."""
+    """Compiled functions by key: `part(key, make)` compiles `make()` the first time `key` is asked
+    for. `traces` counts the traces of them all (MLX calls a compiled function's Python body only
+    to trace it: once per new input shape), so a test or a warm-up can tell that a step traced nothing."""
 
     def __init__(self) -> None:
         self._parts: dict[Hashable, Callable[..., Any]] = {}
+        self.traces = 0
 
     def part(self, key: Hashable, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
         fn = self._parts.get(key)
         if fn is None:
-            fn = self._parts[key] = mx.compile(make())
+            body = make()
+
+            def traced(*args: Any) -> Any:
+                self.traces += 1
+                return body(*args)
+
+            fn = self._parts[key] = mx.compile(traced)
         return fn
 
     def __len__(self) -> int:
