@@ -175,21 +175,51 @@ def test_after_warm_up_a_long_prompt_beside_decoding_rows_traces_nothing(gpu: Ca
 
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42], list(range(100, 400))]
 
-    def run() -> tuple[list[list[int]], int, int, int]:
+    def run() -> tuple[list[list[int]], int, int, int, int]:
         d = Driver(load_model(fp32_model), max_num_batched_tokens=48, prefill_step_size=48, prefill_batch_size=1,
                    max_num_seqs=4, mtp=False, prefill_shapes="fixed", compiled_chunk_tokens=64)
         parts = d.engine.lanes["plain"].prefill.forward.parts
         d.engine.warmup()
-        warmed = parts.traces
+        warmed, called = parts.traces, parts.calls
         rows = [d.add(Generate(f"r{i}", p, SamplingParams(max_tokens=12))) for i, p in enumerate(prompts[:2])]
         d.step()
         rows.append(d.add(Generate("long", prompts[2], SamplingParams(max_tokens=4))))
         d.run()
         mixed = d.engine.stats().mixed_steps
         d.engine.close()
-        return [d.tokens[r] for r in rows], warmed, parts.traces - warmed, mixed
+        return [d.tokens[r] for r in rows], warmed, parts.traces - warmed, mixed, parts.calls - called
 
-    outs, warmed, traced_after, mixed = gpu(run)
+    outs, warmed, traced_after, mixed, ran = gpu(run)
     ref = greedy_reference(fp32_model, prompts, 12)
     assert outs == [ref[0], ref[1], ref[2][:4]]
-    assert warmed > 0 and traced_after == 0 and mixed >= 5, (warmed, traced_after, mixed)
+    assert warmed > 0 and ran > 0 and traced_after == 0 and mixed >= 5, (warmed, ran, traced_after, mixed)
+
+
+def test_the_mtp_lane_s_prefill_chunks_are_traced_at_warm_up(gpu: Callable, fp32_model: Path) -> None:
+    """The MTP lane prefills a row a chunk at a time, in shares of the step's budget cut to multiples
+    of 64 tokens: its warm-up traces those lengths' compiled parts (in the store the lanes share),
+    so a 200-token prompt (chunks of 64, 64, 64 and a last 8, eager) traces nothing new."""
+    from mlx_relay.engine.models.loader import load_model
+    from mlx_relay.messages.gpu import Generate, SamplingParams
+    from mlx_relay.testing.engine_driver import Driver
+    from mlx_relay.testing.reference import greedy_reference
+
+    prompt = list(range(100, 300))
+
+    def run() -> tuple[list[int], bool, int, int, int]:
+        d = Driver(load_model(fp32_model), max_num_batched_tokens=64, prefill_step_size=64, max_num_seqs=2,
+                   compiled_chunk_tokens=64)
+        lanes = d.engine.lanes
+        parts = lanes["mtp"].prefill_forward.parts
+        shared = parts is lanes["plain"].prefill.forward.parts
+        d.engine.warmup()
+        warmed, called = parts.traces, parts.calls
+        rid = d.add(Generate("long", prompt, SamplingParams(max_tokens=8)))
+        d.run()
+        rounds = d.engine.stats().mtp_rounds  # the row ran in the MTP lane
+        d.engine.close()
+        return d.tokens[rid], shared and rounds > 0, warmed, parts.traces - warmed, parts.calls - called
+
+    tokens, mtp_lane, warmed, traced_after, ran = gpu(run)
+    assert tokens == greedy_reference(fp32_model, [prompt], 8)[0]
+    assert mtp_lane and warmed > 0 and ran > 0 and traced_after == 0, (mtp_lane, warmed, ran, traced_after)

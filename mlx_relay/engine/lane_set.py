@@ -28,6 +28,7 @@ from mlx_relay.engine.lanes.mtp_head import MTPHead
 from mlx_relay.engine.lanes.mtp_lane import MTPLane
 from mlx_relay.engine.lanes.plain_lane import PlainLane
 from mlx_relay.engine.models import UnsupportedModel, served_by_mtp_lane
+from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.kv_format import KVQuant
 from mlx_relay.engine.models.kv_quant import head_dim
 from mlx_relay.engine.models.library_kv import uses_library_forward
@@ -95,6 +96,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
                                    f"({info.model_type} is served through its library's forward)")
         return {"kv": KVLane(lm, prefill_step_size=min(step, token_budget),
                                 eos_token_ids=info.eos_token_ids)}
+    parts = CompiledParts()  # one store of compiled chunk parts: one lane's warm-up traces serve the other's
     lanes: dict[LaneName, Lane] = {
         "plain": PlainLane(lm, prefill_batch_size=config.prefill_batch_size,
                            prefill_step_size=step, eos_token_ids=info.eos_token_ids,
@@ -102,7 +104,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
                            fixed_prefill_shapes=config.prefill_shapes == "fixed"
                            or (config.prefill_shapes == "auto" and info.backend != "cpu"), stage=stage,
                            prefill_options=prefill_options,
-                           mixed=config.mixed_steps, kv_quant=kv_quant)}
+                           mixed=config.mixed_steps, kv_quant=kv_quant, parts=parts)}
     # the MTP lane calls mlx-vlm's language-model API beside the family's steps: only for a family
     # whose checkpoints mlx-vlm loads (a dense Qwen3, mlx-lm's, decodes in the plain lane alone)
     speculates = served_by_mtp_lane(info.model_type)
@@ -124,7 +126,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
         lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size, prefill_step_size=step,
                                eos_token_ids=info.eos_token_ids, exact_verify=exact, compiled=config.compile_mtp,
                                stage=stage, max_context=context, always_context=config.context_policy == "always",
-                               prefill_options=prefill_options, draft=draft, kv_quant=kv_quant)
+                               prefill_options=prefill_options, draft=draft, kv_quant=kv_quant, parts=parts)
     return lanes
 
 

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
+from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.lane import LaneStep, RowSpec, RowTokens, sequence_end
 from mlx_relay.engine.lanes.mtp_cohort import EagerCohort
 from mlx_relay.engine.lanes.mtp_compiled import CompiledCohort
@@ -44,9 +45,12 @@ from mlx_relay.engine.lanes.stage_forward import ModelForward, StageForward
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot
 from mlx_relay.engine.models import UnsupportedModel
+from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.kv_format import KVQuant
+from mlx_relay.engine.models.kv_quant import fresh_caches
 from mlx_relay.engine.models.pipeline_stage import Stage
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.scheduling.token_budget import PREFILL_GRANULE
 from mlx_relay.engine.speculation.draft_model import DraftModel
 
 
@@ -57,7 +61,7 @@ class MTPLane:
                  eos_token_ids: Sequence[int], exact_verify: bool = True, compiled: bool = True,
                  stage: Stage | None = None, max_context: int = 0, always_context: bool = False,
                  prefill_options: PrefillOptions | None = None, draft: DraftModel | None = None,
-                 kv_quant: KVQuant | None = None) -> None:
+                 kv_quant: KVQuant | None = None, parts: CompiledParts | None = None) -> None:
         if block_size < 2:
             raise ValueError("MTP block size must be at least 2")
         if stage is not None and exact_verify:
@@ -76,8 +80,9 @@ class MTPLane:
         # rank the whole model's hidden states); the prefill's: the family's prefill, or the stage's
         run: Any = lm if stage is None else StageForward(lm, stage)
         self.kv_quant = kv_quant  # the target's attention keys and values quantized (`models.kv_quant`)
-        self._prefill = MTPPrefill(lm, ModelForward(lm, prefill_options) if stage is None else run, head,
-                                   prefill_step_size, kv_quant)
+        # the prefill's own forward (small chunks compiled per part, `models/compiled_parts.py`)
+        self.prefill_forward = ModelForward(lm, prefill_options, parts) if stage is None else None
+        self._prefill = MTPPrefill(lm, self.prefill_forward or run, head, prefill_step_size, kv_quant)
         verify = ExactVerifier(lm) if exact_verify else BatchedVerifier(run)
         self._eager = EagerCohort(lm, head, verify, block_size=block_size, eos=self.eos, fallback=compiled,
                                   max_context=max_context, always_context=always_context, weigh_head=stage is None)
@@ -206,12 +211,32 @@ class MTPLane:
         return probe_layout(self.lm, self.head if self.head.drafts else None, self.kv_quant)
 
     def warm(self, vocab_size: int, max_rows: int) -> str:
-        """Trace the compiled round's shapes, and forget what the warm-up's rows (synthetic tokens)
-        taught the cohorts' round plans of the head's acceptance (`RoundDrafts.forget`)."""
+        """Trace the compiled round's shapes and the prefill chunks' compiled parts, and forget what
+        the warm-up's rows (synthetic tokens) taught the cohorts' round plans of the head's
+        acceptance (`RoundDrafts.forget`)."""
         sizes = self.warm_rounds(max_rows)
         for cohort in self._cohorts():
             cohort.forget()
-        return f"compiled MTP round traced at {sizes} batch sizes"
+        chunks = self.warm_prefill_parts()
+        return f"compiled MTP round traced at {sizes} batch sizes" + (
+            f", prefill chunks' compiled parts at {chunks} lengths" if chunks else "")
+
+    def warm_prefill_parts(self) -> int:
+        """Trace the compiled parts of the prefill chunks this lane's rows take (one row; a share of
+        the step's budget, a multiple of `PREFILL_GRANULE` tokens, up to the step size) at every
+        length whose layers run compiled, so no row's chunk waits on a first-shape trace; returns
+        how many lengths."""
+        forward = self.prefill_forward
+        if forward is None:
+            return 0
+        cuda = cuda_kernels_available()
+        lengths = [n for n in range(PREFILL_GRANULE, self._prefill.prefill_step_size + 1, PREFILL_GRANULE)
+                   if forward.options.compiles(n, cuda)]
+        for n in lengths:
+            caches = fresh_caches(self.lm, self.lm.make_cache(), self.kv_quant)
+            positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32)[None, None], (3, 1, n))
+            mx.eval(forward.prefill(mx.zeros((1, n), dtype=mx.int32), None, caches, positions))
+        return len(lengths)
 
     def warm_rounds(self, max_rows: int) -> int:
         """Trace the compiled round at every batch size its cohort can run at (idle rows from a

@@ -47,6 +47,7 @@ from mlx_relay.engine.memory.batch_caches import as_batch_caches
 from mlx_relay.engine.memory.snapshot_codec import CacheLayout, probe_layout
 from mlx_relay.engine.memory.snapshots import Snapshot, restore_for, snapshot_caches
 from mlx_relay.engine.models import Chunk
+from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.kv_format import KVQuant
 from mlx_relay.engine.models.kv_quant import fresh_caches
 from mlx_relay.engine.models.pipeline_stage import Stage
@@ -68,6 +69,7 @@ class PlainLane:
     def __init__(self, lm: Any, *, prefill_batch_size: int, prefill_step_size: int, eos_token_ids: list[int],
                  compiled: bool = True, fixed_prefill_shapes: bool = False, stage: Stage | None = None,
                  prefill_options: PrefillOptions | None = None, mixed: bool = True,
+                 parts: CompiledParts | None = None,
                  kv_quant: KVQuant | None = None) -> None:
         self.lm = lm
         self.kv_quant = kv_quant  # the attention layers' keys and values quantized (`models.kv_quant`)
@@ -77,7 +79,7 @@ class PlainLane:
         self.eos = frozenset(eos_token_ids)
         self.prefill = PrefillBatch(lm, max_rows=prefill_batch_size, token_budget=prefill_step_size,
                                     fixed_shapes=fixed_prefill_shapes,
-                                    forward=ModelForward(lm, prefill_options) if stage is None
+                                    forward=ModelForward(lm, prefill_options, parts) if stage is None
                                     else StageForward(lm, stage))
         self.rows: dict[int, PlainRow] = {}  # every row of the lane, prefilling or decoding
         self._step = DecodeStep(lm, compiled=compiled, stage=stage)

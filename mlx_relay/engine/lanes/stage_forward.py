@@ -42,12 +42,13 @@ class StageOutput(NamedTuple):
 
 
 class ModelForward:
-    def __init__(self, lm: Any, options: PrefillOptions | None = None) -> None:
+    def __init__(self, lm: Any, options: PrefillOptions | None = None, parts: CompiledParts | None = None) -> None:
         self.lm = lm
         self.family = family_of(lm)
         self.options = options or PrefillOptions()
-        # a small chunk's layers compiled per part, kept across chunks (`models/compiled_parts.py`)
-        self.parts = CompiledParts()
+        # a small chunk's layers compiled per part, kept across chunks (`models/compiled_parts.py`):
+        # the engine's lanes share one store, so one lane's warm-up traces serve the other's chunks
+        self.parts = parts if parts is not None else CompiledParts()
 
     def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
                 after: Callable[[mx.array], None] | None = None) -> mx.array:

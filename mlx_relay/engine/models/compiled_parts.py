@@ -25,13 +25,16 @@ import mlx.core as mx
 class CompiledParts:
     """Compiled functions by key: `part(key, make)` compiles `make()` the first time `key` is asked
     for. `traces` counts the traces of them all (MLX calls a compiled function's Python body only
-    to trace it: once per new input shape), so a test or a warm-up can tell that a step traced nothing."""
+    to trace it: once per new input shape) and `calls` the parts asked for, so a test can tell that
+    a step ran compiled parts and traced none of them anew."""
 
     def __init__(self) -> None:
         self._parts: dict[Hashable, Callable[..., Any]] = {}
         self.traces = 0
+        self.calls = 0
 
     def part(self, key: Hashable, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+        self.calls += 1
         fn = self._parts.get(key)
         if fn is None:
             body = make()
