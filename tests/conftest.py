@@ -18,6 +18,27 @@ from mlx_relay.relay import Relay, default_config
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer
 
+#: (model dir, prompts, max tokens) -> the library's greedy tokens for each prompt
+References = Callable[[Path, list[list[int]], int], list[list[int]]]
+
+
+@pytest.fixture(scope="session")
+def references() -> References:
+    """`testing.reference.greedy_reference`, each answer kept for the worker's session: the
+    parametrized exactness tests ask for the same reference decoding case after case (the same model,
+    prompts and length; ~29 s of a suite's run, counted at `a982d3d`), and it never changes."""
+    from mlx_relay.testing.reference import greedy_reference
+
+    kept: dict[tuple[str, tuple[tuple[int, ...], ...], int], list[list[int]]] = {}
+
+    def greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        key = (str(path), tuple(tuple(p) for p in prompts), max_tokens)
+        if key not in kept:
+            kept[key] = greedy_reference(path, prompts, max_tokens)
+        return [list(tokens) for tokens in kept[key]]
+
+    return greedy
+
 
 @pytest.fixture(scope="session")
 def tiny_coder() -> Path:

@@ -28,6 +28,7 @@ from mlx_relay.engine.speculation.earnings import (
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.reference import greedy_reference
+from tests.conftest import References
 from tests.test_mtp import _exact_two_token_distribution, assert_two_tokens_fit, run_engine
 
 BASE = list(range(5, 25))
@@ -203,8 +204,8 @@ def _copy_prompt(path: Any, tokens: int) -> list[int]:
     ("bigram", True, "batched", "context", False), ("bigram", False, "batched", "context", False),
     ("bigram", True, "batched", "auto", False), ("fp32", True, "batched", "auto", False),
 ])
-def test_context_drafts_keep_greedy_output(gpu: Callable, variant: str, compiled: bool, verify: str,
-                                           method: str, head: bool) -> None:
+def test_context_drafts_keep_greedy_output(gpu: Callable, references: References, variant: str, compiled: bool,
+                                           verify: str, method: str, head: bool) -> None:
     path = fixture_path(FixtureSpec(variant=variant, seed=0))
     max_tokens = [40, 12, 33, 25]
 
@@ -220,7 +221,7 @@ def test_context_drafts_keep_greedy_output(gpu: Callable, variant: str, compiled
         got = run_engine(loaded, plan, mtp_max_batch=4, compile_mtp=compiled, mtp_verify=verify,
                          speculation=method, max_draft_tokens=4, mtp_policy="always", mtp=head,
                          context_policy=policy)
-        return got, greedy_reference(path, prompts, max(max_tokens))
+        return got, references(path, prompts, max(max_tokens))
 
     (tokens, finished, stats), ref = gpu(run)
     for sid, want in enumerate(ref):

@@ -18,12 +18,14 @@ from mlx_relay.errors import ModelLoadError
 from mlx_relay.messages.gpu import Generate, SamplingParams
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.reference import greedy_reference
+from tests.conftest import References
 from tests.test_mtp import _exact_two_token_distribution, assert_two_tokens_fit, run_engine
 
 BASE = list(range(5, 25))
 
 
-def _run(gpu: Callable, target: Path, draft: Path, *, compiled: bool, policy: str = "always") -> tuple[Any, ...]:
+def _run(gpu: Callable, references: References, target: Path, draft: Path, *, compiled: bool,
+         policy: str = "always") -> tuple[Any, ...]:
     max_tokens = [40, 12, 33, 25]
     prompts = [BASE, [*BASE[3:], 40, 41, 42], list(range(30, 70)), BASE * 2]
 
@@ -34,7 +36,7 @@ def _run(gpu: Callable, target: Path, draft: Path, *, compiled: bool, policy: st
         got = run_engine(loaded, plan, mtp_max_batch=4, compile_mtp=compiled, mtp_verify="batched",
                          draft_model=str(draft), draft_tokens=3, speculation="auto", mtp_policy="always",
                          context_policy=policy)
-        return got, greedy_reference(target, prompts, max(max_tokens))
+        return got, references(target, prompts, max(max_tokens))
 
     (tokens, finished, stats), ref = gpu(run)
     for sid, want in enumerate(ref):
@@ -43,12 +45,12 @@ def _run(gpu: Callable, target: Path, draft: Path, *, compiled: bool, policy: st
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_the_model_drafting_for_itself_is_always_right(gpu: Callable, compiled: bool) -> None:
+def test_the_model_drafting_for_itself_is_always_right(gpu: Callable, references: References, compiled: bool) -> None:
     """Draft = target: every draft the round verifies is the target's own greedy token, so nearly
     all are accepted (float32; the draft runs the library's forward, the verify the engine's), and
     rounds emit several tokens: the draft's caches followed every row's committed tokens."""
     path = fixture_path(FixtureSpec(variant="fp32", seed=0))
-    _tokens, finished, stats = _run(gpu, path, path, compiled=compiled)
+    _tokens, finished, stats = _run(gpu, references, path, path, compiled=compiled)
     drafted = sum(f.drafts.draft.drafted for f in finished.values())
     accepted = sum(f.drafts.draft.accepted for f in finished.values())
     assert drafted > 0 and accepted >= 0.9 * drafted, (drafted, accepted)
@@ -58,12 +60,12 @@ def test_the_model_drafting_for_itself_is_always_right(gpu: Callable, compiled: 
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_another_model_s_drafts_keep_greedy_output(gpu: Callable, compiled: bool) -> None:
+def test_another_model_s_drafts_keep_greedy_output(gpu: Callable, references: References, compiled: bool) -> None:
     """A draft of other weights (same vocabulary): its drafts mostly miss; the output is still
     plain decoding's, verified draft by draft."""
     target = fixture_path(FixtureSpec(variant="fp32", seed=0))
     draft = fixture_path(FixtureSpec(variant="fp32", seed=1))
-    _tokens, finished, _stats = _run(gpu, target, draft, compiled=compiled)
+    _tokens, finished, _stats = _run(gpu, references, target, draft, compiled=compiled)
     drafted = sum(f.drafts.draft.drafted for f in finished.values())
     accepted = sum(f.drafts.draft.accepted for f in finished.values())
     assert drafted > 0 and accepted < drafted

@@ -22,6 +22,7 @@ from mlx_relay.messages.gpu import Finished, Generate, SamplingParams
 from mlx_relay.testing.engine_driver import Driver
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.reference import greedy_reference
+from tests.conftest import References
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,8 @@ MAX_TOKENS = [24, 9, 30, 17, 1]  # rows leave at different times; one ends on it
     ("fp32", 2, "batched"), ("bigram", 2, "batched"), ("bigram", 3, "batched"), ("fp32", 4, "batched"),
     ("fp32", 2, "exact"), ("bigram", 3, "exact"),
 ])
-def test_mtp_greedy_equals_plain_decoding(gpu: Callable, variant: str, block: int, verify: str) -> None:
+def test_mtp_greedy_equals_plain_decoding(gpu: Callable, references: References, variant: str, block: int,
+                                          verify: str) -> None:
     """Both verifiers: mlx-vlm's batch-invariant one and one batched forward over the block."""
     path = fixture_path(FixtureSpec(variant=variant, seed=0))
 
@@ -63,7 +65,7 @@ def test_mtp_greedy_equals_plain_decoding(gpu: Callable, variant: str, block: in
         plan = [(at, Generate(f"r{i}", p, SamplingParams(max_tokens=m)))
                 for i, (at, p, m) in enumerate(zip((0, 0, 3, 3, 5), PROMPTS, MAX_TOKENS, strict=True))]
         got = run_engine(loaded, plan, mtp_block_size=block, mtp_verify=verify)
-        return got, greedy_reference(path, PROMPTS, max(MAX_TOKENS))
+        return got, references(path, PROMPTS, max(MAX_TOKENS))
 
     (tokens, finished, stats), ref = gpu(run)
     for sid, want in enumerate(ref):
