@@ -105,14 +105,17 @@ async def relay(fp32_model: Path) -> AsyncIterator[Relay]:
     await task
 
 
-#: The slowest test files first (their tests' seconds, `pytest --durations=0` at 04f3970: 61, 47, 21,
-#: 20, 19, 18, 18, 17, 17, 16, 15, 15, 14, 14): `make test`'s `--dist loadfile` hands the two workers
-#: whole files in collection order, so the long ones start first and the last files each worker
+#: The slowest test files first (their tests' seconds, `pytest --durations=0` at `7a1a1bb` on a 2-core machine: 86,
+#: 58 (and ~9 since), 26, 25, 32, 22, 22, 28, 21, 19, 19, 18, 17, 17, 21, 16, 16, 15, 14, 13, 12, 12; the exactness
+#: files' shares less the reference decoding they now share, `references`): `make test`'s `--dist loadfile` hands
+#: the two workers whole files in collection order, so the long ones start first and the last files each worker
 #: runs are short ones (longest first: the two workers end closer together).
-SLOWEST_FIRST = ("test_model_pool.py", "test_pipeline.py", "test_cluster.py", "test_chat_features.py",
-                 "test_tool_loop_cache.py", "test_robustness.py", "test_agent_requests.py", "test_context_drafts.py",
-                 "test_reliability_fuzz.py", "test_shutdown.py", "test_mtp.py", "test_train_small_mtp.py",
-                 "test_relay_tiny_agent.py", "test_bench_e2e.py")
+SLOWEST_FIRST = ("test_model_pool.py", "test_pipeline.py", "test_reliability_fuzz.py", "test_chat_features.py",
+                 "test_draft_model.py", "test_tool_loop_cache.py", "test_fixtures.py", "test_context_drafts.py",
+                 "test_robustness.py", "test_cluster.py", "test_layering.py", "test_agent_requests.py",
+                 "test_mtp_grammar.py", "test_relay_tiny_agent.py", "test_mtp.py", "test_shutdown.py",
+                 "test_qwen_vocab.py", "test_train_small_mtp.py", "test_drain.py", "test_bench_e2e.py",
+                 "test_memory_budget.py", "test_prefix_cache.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
