@@ -27,8 +27,9 @@ def warm_up(core: EngineCore) -> WarmupReport:
     and 2, then the plain lane's prefill at every (rows, chunk length) shape it runs at (fixed
     shapes; none with exact shapes) and its decode step at every batch size it runs at (up to
     max_num_seqs) and the compiled MTP round at every batch size its cohort runs at (up to
-    mtp_max_batch); then measure what an MTP round costs in plain steps. Runs to completion on
-    the calling (GPU) thread before traffic."""
+    mtp_max_batch), and where small chunks run compiled parts (a CUDA GPU) the mixed step's and the
+    MTP lane's chunks' traces (each lane's seconds logged); then measure what an MTP round costs in
+    plain steps. Runs to completion on the calling (GPU) thread before traffic."""
     tic = time.perf_counter()
     prompt = list(range(1, min(64, core.vocab_size - 1)))
     greedy = SamplingParams(max_tokens=8)
@@ -46,8 +47,9 @@ def warm_up(core: EngineCore) -> WarmupReport:
     cost = mtp_round_cost(core, prompt) if "mtp" in core.lanes else None
     for name, lane in core.lanes.items():
         rows = core.config.max_num_seqs if name != "mtp" else min(core.config.mtp_max_batch, core.config.max_num_seqs)
+        lane_tic = time.perf_counter()
         if said := lane.warm(core.vocab_size, rows):
-            log.info("%s lane: %s", name, said)
+            log.info("%s lane: %s (%.1fs)", name, said, time.perf_counter() - lane_tic)
     mx.clear_cache()  # the warm-up's buffers, dozens of shapes of them
     return WarmupReport(time.perf_counter() - tic, cost)
 
