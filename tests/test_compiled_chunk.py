@@ -223,3 +223,22 @@ def test_the_mtp_lane_s_prefill_chunks_are_traced_at_warm_up(gpu: Callable, fp32
     tokens, mtp_lane, warmed, traced_after, ran = gpu(run)
     assert tokens == greedy_reference(fp32_model, [prompt], 8)[0]
     assert mtp_lane and warmed > 0 and ran > 0 and traced_after == 0, (mtp_lane, warmed, ran, traced_after)
+
+
+def test_a_family_that_compiles_no_part_skips_the_mixed_warm_up(gpu: Callable) -> None:
+    """The dense Qwen3 family runs its chunks eagerly (it takes no compiled parts): the plain lane's
+    mixed warm-up stops after its first step, tracing nothing, and says so (0 shapes)."""
+    from mlx_relay.engine.models.loader import load_model
+    from mlx_relay.testing.engine_driver import Driver
+    from mlx_relay.testing.family_fixtures import family_fixture_path
+
+    def run() -> tuple[int, int]:
+        d = Driver(load_model(family_fixture_path("qwen3")), max_num_batched_tokens=48, prefill_step_size=48,
+                   max_num_seqs=4, prefill_shapes="fixed", compiled_chunk_tokens=64)
+        lane = d.engine.lanes["plain"]
+        shapes = lane.warm_mixed(4)
+        traces = lane.prefill.forward.parts.traces
+        d.engine.close()
+        return shapes, traces
+
+    assert gpu(run) == (0, 0)

@@ -204,14 +204,15 @@ class PlainLane:
             return 0
         cache = self._idle_row()
         sizes = sorted({batch_bucket(n) for n in range(1, max_rows + 1)})
-        for size in sizes:
-            for n in lengths:
-                state = DecodeState.from_batch_caches(as_batch_caches(cache), [0])
-                state.pad_to(size)
-                positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32)[None, None], (3, 1, n))
-                chunk = Chunk(mx.zeros((1, n), dtype=mx.int32), None, as_batch_caches(self._fresh_caches()), positions)
-                mx.eval(self._step.beside(chunk, mx.zeros((size,), dtype=mx.int32), state, forward.options,
-                                          forward.parts))
+        for i, (size, n) in enumerate((size, n) for size in sizes for n in lengths):
+            traced = forward.parts.traces
+            state = DecodeState.from_batch_caches(as_batch_caches(cache), [0])
+            state.pad_to(size)
+            positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32)[None, None], (3, 1, n))
+            chunk = Chunk(mx.zeros((1, n), dtype=mx.int32), None, as_batch_caches(self._fresh_caches()), positions)
+            mx.eval(self._step.beside(chunk, mx.zeros((size,), dtype=mx.int32), state, forward.options, forward.parts))
+            if i == 0 and forward.parts.traces == traced:  # the family compiles no part (its chunks run eagerly)
+                return 0
         return len(sizes) * len(lengths)
 
     def step(self, prefill_budget: int | None = None) -> LaneStep:
