@@ -47,7 +47,8 @@
 #            Results: prefill_overlap_N.{json,txt}
 #   mixed    (issue 43.3) mixed_step.py: MIXED_ROWS (8) decoding rows' step alone, then beside a slice of a
 #            prompt MIXED_CONTEXT (16384) tokens in, for each of MIXED_SLICES (16,64,128,256,512,1024): two
-#            forwards (the decode step, the chunk's) against one (the plain lane's mixed step); a lone
+#            forwards (the decode step, the chunk's) against one (the plain lane's mixed step, and the same
+#            forward with no part compiled: `eager`); a lone
 #            4,096-token chunk's rate for the TTFT ratio, for each of MIXED_EXPERTS (default EXPERTS, else
 #            kernel: the chunk's experts, each optionally :MIN_PAIRS, the pairs from which they run grouped,
 #            e.g. "kernel narrow:256"; narrow only where this run's kernel check passed it).
