@@ -97,32 +97,40 @@ def test_a_lone_row_decodes_exactly_as_the_library(gpu: Callable, lm: Any, compi
 
 
 def ragged_decode(lm: Any, make_state: Callable[[list[int]], tuple[Any, Any]],
-                  make_row: Callable[[list[int]], Any], steps: int) -> tuple[dict[int, list[int]], float, int]:
-    """Row 0 decodes alone, rows 1 and 2 (other lengths: the batch is left-padded) join after 3
-    steps with an idle row padding the batch to its bucket, row 0 and the idle row leave after 7.
-    Each row's tokens, the largest difference of a row's logits from its library row's (`make_row`,
-    fed the same tokens) at any step, and the buffers' final size. `make_state(prompt)`: a row's
-    decode state and first token."""
+                  make_row: Callable[[list[int]], Any], steps: int, *, prompts: list[list[int]] = PROMPTS,
+                  joins: dict[int, tuple[int, ...]] | None = None, leave_at: int = 7
+                  ) -> tuple[dict[int, list[int]], float, int]:
+    """Row 0 decodes alone; the rows of `joins` (step -> rows; by default rows 1 and 2 after 3
+    steps) join (other lengths: the batch is left-padded), the batch padded with idle rows to its
+    bucket; row 0 and the idle rows leave after `leave_at`. Each row's tokens, the largest
+    difference of a row's logits from its library row's (`make_row`, fed the same tokens) at any
+    step, and the buffers' final size. `make_state(prompt)`: a row's decode state and first token."""
     import mlx.core as mx
 
     from mlx_relay.engine.lanes import decode_state
     from mlx_relay.engine.lanes.decode_step import DecodeStep
 
+    joins = {3: (1, 2)} if joins is None else joins
     step = DecodeStep(lm)
-    state, token = make_state(PROMPTS[0])
-    rows, out = [0], {0: [], 1: [], 2: []}
-    library = {r: make_row(p) for r, p in enumerate(PROMPTS)}
+    state, token = make_state(prompts[0])
+    rows, out = [0], {r: [] for r in range(len(prompts))}
+    library = {r: make_row(p) for r, p in enumerate(prompts)}
     worst = 0.0
     for t in range(steps):
-        if t == 3:
-            for r in (1, 2):
-                other, first = make_state(PROMPTS[r])
+        if t in joins:
+            n = len(rows)
+            if state.batch_size > n:  # the idle rows go before others join
+                state.filter(list(range(n)))
+            token = token[:n]
+            for r in joins[t]:
+                other, first = make_state(prompts[r])
                 state.extend(other)
                 rows.append(r)
                 token = mx.concatenate([token, first])
-            state.pad_to(decode_state.batch_bucket(3))  # an idle fourth row
-            token = mx.concatenate([token, mx.zeros((1,), dtype=mx.int32)])
-        if t == 7:
+            size = decode_state.batch_bucket(len(rows))
+            state.pad_to(size)
+            token = mx.concatenate([token, mx.zeros((size - len(rows),), dtype=mx.int32)])
+        if t == leave_at:
             state.filter([1, 2])
             rows = [1, 2]
             token = token[1:3]

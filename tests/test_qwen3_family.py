@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from mlx_relay.testing.family_fixtures import family_fixture_path
+from tests.test_decode_step import ragged_decode
 from tests.test_mixed_forward import chunk_of
 
 TOL = 2e-5
@@ -227,39 +228,9 @@ def test_three_rows_joining_at_different_steps_decode_as_mlx_lm(gpu: Callable, l
     tokens."""
 
     def run() -> tuple[dict[int, list[int]], list[list[int]], float]:
-        import mlx.core as mx
-
-        from mlx_relay.engine.lanes import decode_state
-        from mlx_relay.engine.lanes.decode_step import DecodeStep
-
-        step = DecodeStep(lm)
-        state, token = _state(lm, PROMPTS[0])
-        rows, out = [0], {0: [], 1: [], 2: []}
-        library = {r: _LibraryRow(lm, p) for r, p in enumerate(PROMPTS)}
-        worst = 0.0
-        for t in range(STEPS + 6):
-            if t in (3, 6):
-                r = 1 if t == 3 else 2
-                n = len(rows)
-                if state.batch_size > n:
-                    state.filter(list(range(n)))
-                other, first = _state(lm, PROMPTS[r])
-                state.extend(other)
-                rows.append(r)
-                token = mx.concatenate([token[:n], first])
-                size = decode_state.batch_bucket(len(rows))
-                state.pad_to(size)
-                token = mx.concatenate([token, mx.zeros((size - len(rows),), dtype=mx.int32)])
-            if t == 18:
-                state.filter([1, 2])
-                rows = [1, 2]
-                token = token[1:3]
-            fed = token.tolist()[:len(rows)]
-            logits = step(token, state)
-            for i, (r, tok) in enumerate(zip(rows, fed, strict=True)):
-                out[r].append(tok)
-                worst = max(worst, float(mx.abs(logits[i] - library[r].feed(tok)).max()))
-            token = mx.argmax(logits, axis=-1).astype(mx.int32)
+        # the float batch's loop (`test_decode_step.ragged_decode`), rows joining one at a time
+        out, worst, _ = ragged_decode(lm, lambda p: _state(lm, p), lambda p: _LibraryRow(lm, p), STEPS + 6,
+                                      prompts=PROMPTS, joins={3: (1,), 6: (2,)}, leave_at=18)
         refs = [_library_greedy(lm, p, len(out[i])) for i, p in enumerate(PROMPTS)]
         return out, refs, worst
 
