@@ -45,6 +45,7 @@ from needle_specprefill import PromptMaker, held_out_texts, score
 
 from mlx_relay.bench.machine import source_commit
 from mlx_relay.bench.tables import rows_markdown
+from mlx_relay.engine.speculation.earnings import agreed
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {"relay-tiny-coder": REPO / "models" / "relay-tiny-coder",
@@ -66,15 +67,6 @@ async def run_model(path: Path, bits: int, prompts: list[list[int]], needles: li
             res = await relay.chat([], prompt=p.ids, max_tokens=8, temperature=0.0, mtp=False)
             out["needle"].append({"ids": list(res.token_ids), **score(res.raw_text, p.answer)})
     return out
-
-
-def prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main() -> None:
@@ -115,7 +107,7 @@ def main() -> None:
             if not prompts:
                 continue
             pairs = list(zip(runs[b]["agreement"], base["agreement"], strict=True))
-            pre = [prefix(x, y) for x, y in pairs]
+            pre = [agreed(x, y) for x, y in pairs]
             # shares of the unquantized reply (which may end before `--tokens` at an end of sequence)
             same = [sum(p == q for p, q in zip(x, y, strict=False)) / max(len(y), 1) for x, y in pairs]
             kept = [p / max(len(y), 1) for p, (_, y) in zip(pre, pairs, strict=True)]
