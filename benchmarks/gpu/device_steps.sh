@@ -80,8 +80,9 @@
 #            RIVAL_LEVELS ("16:64 64:64"), short_chat. Results: rivals_NAME_C.{json,txt}, the servers' logs
 #   embed    (issue 47.1) a random Qwen3-Embedding-0.6B-shaped model served beside ours (--embedding-model),
 #            probe_embeddings_beside_streams.py: STREAMS (8) streams' ITL alone and beside EMBED_CLIENTS (2)
-#            clients of EMBED_INPUTS (32) inputs of EMBED_TOKENS (512) tokens, the embeddings' rate alone and
-#            beside (WINDOW 20 s). Results: embed_probe.{json,txt}, build_embed.txt, embed_ours.log
+#            clients of EMBED_INPUTS (32) inputs of EMBED_TOKENS (512) tokens (ids below EMBED_VOCAB, 150000;
+#            a dry run's tiny tokenizer: 1000), the embeddings' rate alone and beside (WINDOW 20 s).
+#            Results: embed_probe.{json,txt}, build_embed.txt, embed_ours.log
 #   kvq      (issue 47.2) gpu/kv_quant_probe.py: KVQ_ROWS (1,16) rows at KVQ_CONTEXT (131072) tokens each, KV
 #            unquantized / 8 / 4-bit (KVQ_BITS): the buffers' bytes, peak memory, the compiled decode step; then
 #            bench_prefill.py at KVQ_PREFILL (32768) with --kv-bits 8 (ours). kv_quant_probe.*, prefill_kv8.*
@@ -365,7 +366,8 @@ embed)
   for _ in $(seq 1 900); do python3 -c "import sys,httpx; sys.exit(httpx.get('http://127.0.0.1:8100/health',timeout=2).status_code!=200)" 2>/dev/null && break; sleep 1; done
   python3 benchmarks/probe_embeddings_beside_streams.py http://127.0.0.1:8100 --embed-model embed \
     --streams "${STREAMS:-8}" --clients "${EMBED_CLIENTS:-2}" --inputs "${EMBED_INPUTS:-32}" \
-    --input-tokens "${EMBED_TOKENS:-512}" --window "${WINDOW:-20}" --json $O/embed_probe.json > $O/embed_probe.txt 2>&1
+    --input-tokens "${EMBED_TOKENS:-512}" --vocab "${EMBED_VOCAB:-150000}" --window "${WINDOW:-20}" \
+    --json $O/embed_probe.json > $O/embed_probe.txt 2>&1
   say "embed (rc $?): $(tail -n 1 $O/embed_probe.txt)"
   kill -- -$ours_pid 2>/dev/null; kill $ours_pid 2>/dev/null; sleep 8; rm -rf /root/embed ;;
 snapio)
