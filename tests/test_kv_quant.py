@@ -318,6 +318,35 @@ def test_a_quantized_kv_cache_is_refused_where_no_quantized_attention_of_ours_ru
     assert "library's forward" in (quantized_kv_refusal("gemma3", "cpu", True, False) or "")
 
 
+def test_a_quantized_kv_cache_on_a_cuda_gpu_decodes_in_the_plain_lane(gpu: Callable, fp32_model: Path) -> None:
+    """On a CUDA GPU the MTP lane (its sampled rows' eager rounds, its warm-up) would run the library's
+    quantized attention, which MLX's CUDA backend lacks at most lengths: with `--kv-bits` the lanes
+    built for a CUDA backend are the plain lane alone; unquantized, or off a CUDA GPU, the MTP lane too."""
+    import dataclasses
+
+    import msgspec
+
+    from mlx_relay.config import EngineConfig
+    from mlx_relay.engine.lane_set import build_lanes, speculation_refusal
+    from mlx_relay.engine.models.loader import load_model
+
+    assert speculation_refusal("cpu") is None and speculation_refusal("metal") is None
+    assert "plain lane" in (speculation_refusal("cuda") or "")
+
+    def lanes(backend: str, kv_bits: int | None) -> list[str]:
+        def build() -> list[str]:
+            loaded = load_model(fp32_model)
+            loaded = dataclasses.replace(loaded, info=msgspec.structs.replace(loaded.info, backend=backend))
+            config = EngineConfig(model_path=str(fp32_model), kv_bits=kv_bits)
+            return sorted(build_lanes(loaded, config, token_budget=512, stage=None, step=512))
+        out: list[str] = gpu(build)
+        return out
+
+    assert lanes("cuda", 8) == ["plain"]
+    assert lanes("cuda", None) == ["mtp", "plain"]
+    assert lanes("cpu", 8) == ["mtp", "plain"]
+
+
 def test_a_sampled_row_speculates_over_quantized_caches(gpu: Callable, fp32_model: Path) -> None:
     """A sampling row's MTP rounds run eagerly, through mlx-vlm's speculative cache transaction over
     its `QuantizedKVCache`s (4-bit here), beside a greedy row in the compiled rounds: both finish."""

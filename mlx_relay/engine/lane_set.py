@@ -9,7 +9,8 @@ the checkpoint has an MTP head and the config asks for it, or when context draft
 without a head gets the lane too, verifying context drafts only (its verifier: mlx-vlm's exact one
 where asked, or on Metal with `mtp_verify="auto"`; the batched forward otherwise, and always on a
 pipeline stage). The MTP lane only for a family whose checkpoints mlx-vlm loads
-(`models.served_by_mtp_lane`: the lane calls mlx-vlm's model API), never for a dense Qwen3's.
+(`models.served_by_mtp_lane`: the lane calls mlx-vlm's model API), never for a dense Qwen3's, and
+not with a quantized KV cache on a CUDA GPU (`speculation_refusal`).
 
 Every lane's prefill chunk stays within what the backend can run in one forward
 (`kernels.backend.max_chunk_tokens`: on CUDA, a mixture of experts' routed rows per launch).
@@ -74,6 +75,20 @@ def quantized_kv_refusal(model_type: str, backend: str, library_forward: bool, s
     return None
 
 
+def speculation_refusal(backend: str) -> str | None:
+    """Why the MTP lane is left out with a quantized KV cache (`--kv-bits`) on `backend`, or None. Its
+    sampled and grammar rows' rounds, its exact verifier and its warm-up run mlx-vlm's forward over the
+    library's `QuantizedKVCache`s, whose attention is MLX's `quantized_matmul`; MLX 0.32.4's CUDA backend
+    does not run it at most context lengths (an H200 at `bd632f4`: "No implementation for problem shape:
+    1x1x256x16" in the lane's warm-up, `benchmarks/results/gpu-h200-2026-11-29e/`). The plain lane's own
+    forwards dequantize there instead (`models/kv_quant.py`), so rows decode, unspeculated, in it."""
+    if backend == "cuda":
+        return ("a quantized KV cache (--kv-bits) on a CUDA GPU: speculation off, rows decode in the plain lane "
+                "(the MTP lane runs the library's quantized attention, which MLX's CUDA backend does not run "
+                "at most lengths)")
+    return None
+
+
 def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
                 stage: Stage | None, step: int, prefill_options: PrefillOptions | None = None
                 ) -> dict[LaneName, Lane]:
@@ -108,10 +123,13 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
     # the MTP lane calls mlx-vlm's language-model API beside the family's steps: only for a family
     # whose checkpoints mlx-vlm loads (a dense Qwen3, mlx-lm's, decodes in the plain lane alone)
     speculates = served_by_mtp_lane(info.model_type)
+    refusal = speculation_refusal(info.backend) if kv_quant is not None else None
+    if refusal is not None and speculates and (config.mtp or config.max_draft_tokens or config.draft_model):
+        log.warning("%s", refusal)
     has_head = config.mtp and info.has_mtp and speculates
     # context drafts need every rank of a pipeline to make the same choices: not in a pipeline
     context = config.max_draft_tokens if stage is None and speculates else 0
-    if (has_head or context > 0 or config.draft_model is not None) and config.mtp_max_batch > 0:
+    if (has_head or context > 0 or config.draft_model is not None) and config.mtp_max_batch > 0 and refusal is None:
         # a pipeline stage verifies with the batched forward: mlx-vlm's exact verifier runs the
         # whole model in one call
         exact = stage is None and (config.mtp_verify == "exact"
