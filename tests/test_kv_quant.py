@@ -208,6 +208,68 @@ def test_the_dequantized_attention_of_a_cuda_gpu_is_the_quantized_one(gpu: Calla
     assert gpu(run) < 1e-4
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_long_context_attends_block_by_block_as_over_the_whole_dequantized_copy(gpu: Callable, bits: int) -> None:
+    """Past `DEQUANTIZED_BLOCK_BYTES` a dequantized attention runs block by block (the softmax merged
+    across blocks): float32, the same output as MLX's attention over the whole dequantized keys and
+    values, for one query, a causal block of queries, a boolean and an additive mask, grouped heads,
+    and a last block shorter than the others."""
+    def run() -> float:
+        import mlx.core as mx
+
+        from mlx_relay.engine.models.kv_quant import blockwise_attention, quantize
+
+        mx.random.seed(5)
+        worst = 0.0
+        S, D = 700, 32
+        k = quantize(mx.random.normal((2, 2, S, D)), 32, bits)
+        v = quantize(mx.random.normal((2, 2, S, D)), 32, bits)
+        kf, vf = (mx.dequantize(*b, group_size=32, bits=bits) for b in (k, v))
+        keep = mx.random.uniform(shape=(2, 1, 3, S)) > 0.3
+        for T, mask in ((1, None), (5, "causal"), (3, keep), (3, mx.where(keep, 0.0, -1e9))):
+            q = mx.random.normal((2, 4, T, D))
+            whole = mx.fast.scaled_dot_product_attention(q, kf, vf, scale=0.2, mask=mask)
+            for block in (256, 512):
+                ours = blockwise_attention(q, k, v, 0.2, mask, 32, bits, block)
+                worst = max(worst, float(mx.abs(whole - ours).max()))
+        return worst
+
+    assert gpu(run) < 1e-4
+
+
+def test_a_dequantized_attention_holds_one_blocks_float_copy(gpu: Callable) -> None:
+    """The block is what fits `DEQUANTIZED_BLOCK_BYTES` (whole multiples of 256 keys), and attending
+    block by block adds less memory than the whole context's float keys and values take."""
+    from mlx_relay.engine.models.kv_quant import DEQUANTIZED_BLOCK_BYTES, dequantized_block
+
+    assert dequantized_block(1, 2, 256, 2) == DEQUANTIZED_BLOCK_BYTES // (2 * 2 * 256 * 2)
+    assert dequantized_block(16, 2, 256, 2) == 16384  # the 35B-A3B shape's 16 rows: 8 blocks at 128K
+    assert dequantized_block(4096, 64, 256, 4) == 256
+
+    def run() -> tuple[int, int]:
+        import mlx.core as mx
+
+        from mlx_relay.engine.models.kv_quant import attend, blockwise_attention, quantize
+
+        S, D = 32768, 64
+        k, v = (quantize(mx.random.normal((4, 2, S, D)), 32, 8) for _ in range(2))
+        q = mx.random.normal((4, 4, 1, D))
+        mx.eval(k, v, q)
+
+        def added(fn: Callable[[], mx.array]) -> int:
+            mx.reset_peak_memory()
+            before = mx.get_active_memory()
+            mx.eval(fn())
+            return mx.get_peak_memory() - before
+
+        whole = added(lambda: attend(q, k, v, 0.1, None, dequantize=True))  # 32K keys: one block
+        blocks = added(lambda: blockwise_attention(q, k, v, 0.1, None, 32, 8, 2048))
+        return blocks, whole
+
+    blocks, whole = gpu(run)
+    assert blocks < whole / 4  # 16 blocks: each one's copy freed before the next is made
+
+
 def _library_greedy(lm: Any, prompt: list[int], n: int, bits: int) -> list[int]:
     import mlx.core as mx
 

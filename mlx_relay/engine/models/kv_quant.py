@@ -30,6 +30,10 @@ from mlx_vlm.models.cache import KVCache, QuantizedKVCache
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.models.kv_format import KVQuant
 
+#: the float copy of the keys and values that a dequantized attention holds at once, at most (longer
+#: contexts attend block by block: `blockwise_attention`)
+DEQUANTIZED_BLOCK_BYTES = 512 << 20
+
 #: one attention layer's keys (or values): an array, or MLX's quantized triple (packed, scales, biases)
 Buffer = Union[mx.array, tuple[mx.array, mx.array, mx.array]]  # noqa: UP007 (a runtime alias)
 
@@ -74,14 +78,66 @@ def attend(queries: mx.array, keys: Buffer, values: Buffer, scale: float, mask: 
 
     group_size, bits = layout(keys, queries.shape[-1])  # type: ignore[arg-type]
     if cuda_kernels_available() if dequantize is None else dequantize:
-        keys, values = (mx.dequantize(*buf, group_size=group_size, bits=bits).astype(queries.dtype)
-                        for buf in (keys, values))  # type: ignore[misc]
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        B, kv_heads, S, _ = first(keys).shape
+        block = dequantized_block(B, kv_heads, queries.shape[-1], queries.dtype.size)
+        if block >= S:
+            keys, values = (mx.dequantize(*buf, group_size=group_size, bits=bits).astype(queries.dtype)
+                            for buf in (keys, values))  # type: ignore[misc]
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return blockwise_attention(queries, keys, values, scale, mask, group_size, bits, block)  # type: ignore[arg-type]
     # the library scales its `queries` argument in place (`queries *= scale`): it gets a scaled copy
     # and a scale of one, so the caller's queries stay as they were
     out: mx.array = quantized_scaled_dot_product_attention(queries * scale, keys, values, scale=1.0, mask=mask,
                                                            group_size=group_size, bits=bits)
     return out
+
+
+def dequantized_block(rows: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """The most keys whose dequantized keys and values (every row's and head's, `itemsize` bytes a
+    value) fit `DEQUANTIZED_BLOCK_BYTES`: a multiple of 256, at least 256."""
+    per_key = 2 * rows * kv_heads * head_dim * itemsize
+    return max(256, DEQUANTIZED_BLOCK_BYTES // per_key // 256 * 256)
+
+
+def blockwise_attention(queries: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.array, ...], scale: float,
+                        mask: Any, group_size: int, bits: int, block: int) -> mx.array:
+    """The attention of `queries` [B, heads, T, D] (the last T of the S positions) over quantized keys
+    and values [B, kv heads, S, D], dequantized `block` keys at a time with the softmax merged across
+    the blocks (running maximum and sum, in float32), so the float copy held at once is one block's,
+    not the whole context's. `mask`: None, "causal", or an array [B, 1 or heads, T, S] (boolean:
+    attend where true; else added to the scores)."""
+    B, heads, T, D = queries.shape
+    kv_heads, S = keys[0].shape[1], keys[0].shape[2]
+    rep = heads // kv_heads
+    q = (queries * scale).reshape(B, kv_heads, rep, T, D)  # query heads grouped by their key head
+    floor = mx.array(-1e30, dtype=mx.float32)
+    high = total = out = None
+    for start in range(0, S, block):
+        stop = min(S, start + block)
+        k, v = (mx.dequantize(*(x[:, :, start:stop] for x in buf), group_size=group_size, bits=bits)
+                .astype(queries.dtype)[:, :, None] for buf in (keys, values))
+        scores = (q @ k.swapaxes(-1, -2)).astype(mx.float32)  # [B, kv heads, rep, T, block]
+        if isinstance(mask, str):  # causal: query t sees the keys up to S - T + t
+            keep = mx.arange(start, stop)[None] <= (S - T + mx.arange(T))[:, None]
+            scores = mx.where(keep, scores, floor)
+        elif mask is not None:
+            m = mask[..., start:stop]
+            grouped = (1, 1) if m.shape[1] == 1 else (kv_heads, rep)
+            m = m.reshape(m.shape[0], *grouped, m.shape[2], stop - start)
+            scores = mx.where(m, scores, floor) if m.dtype == mx.bool_ else scores + m.astype(mx.float32)
+        top = scores.max(axis=-1, keepdims=True)
+        high_new = top if high is None else mx.maximum(high, top)
+        p = mx.exp(scores - high_new)
+        part = p.astype(queries.dtype) @ v
+        if high is None:
+            total, out = p.sum(axis=-1, keepdims=True), part.astype(mx.float32)
+        else:
+            decay = mx.exp(high - high_new)
+            total = total * decay + p.sum(axis=-1, keepdims=True)
+            out = out * decay + part.astype(mx.float32)
+        high = high_new
+    assert out is not None and total is not None
+    return (out / total).astype(queries.dtype).reshape(B, heads, T, D)
 
 
 def head_dim(lm: Any) -> int:
