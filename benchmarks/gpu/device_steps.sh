@@ -77,7 +77,8 @@
 #            Results: short_behind_long.tgz, sbl.txt
 #   rivals   (issue 45.4) ours with no flags beside each of RIVALS ("name=flags;...", default "wide=--mtp-max-batch
 #            16;none=--speculation none") in turn, both capped (MEM_GB 62), one alternating harness run a level of
-#            RIVAL_LEVELS ("16:64 64:64"), short_chat. Results: rivals_NAME_C.{json,txt}, the servers' logs
+#            RIVAL_LEVELS ("16:64 64:64"), short_chat; RIVAL_OURS_FLAGS: ours' own (e.g. --speculation none
+#            beside "kv8=--speculation none --kv-bits 8"). Results: rivals_NAME_C.{json,txt}, the servers' logs
 #   embed    (issue 47.1) a random Qwen3-Embedding-0.6B-shaped model served beside ours (--embedding-model),
 #            probe_embeddings_beside_streams.py: STREAMS (8) streams' ITL alone and beside EMBED_CLIENTS (2)
 #            clients of EMBED_INPUTS (32) inputs of EMBED_TOKENS (512) tokens (ids below EMBED_VOCAB, 150000;
@@ -138,6 +139,7 @@ ok = ok and all(x["ok"] for x in c["grouped_experts"] if x.get("kernel"))
 sys.exit(0 if ok else 1)
 PY
 }
+alive() { for p in "$@"; do kill -0 "$p" 2>/dev/null || return 1; done; }  # every server still running
 dense_flag() { [ "$1" = 16bit ] && echo --dense-16bit; true; }  # DENSE's variants: 8bit (the default), 16bit
 dense_tag() { [ "$1" = 16bit ] && echo _d16; true; }
 narrow_ok() {  # this run's kernel check passed narrow_qmm's tensor-core kernel
@@ -315,7 +317,9 @@ rivals)
   caps=(--served-model-name qwen35-moe --max-num-seqs 64 --max-queue 512 --memory-limit-gb "${MEM_GB:-62}"
         --cache-limit-gb 4 --prefix-cache-gb 6)
   up() { python3 -c "import sys,httpx; sys.exit(httpx.get(sys.argv[1],timeout=2).status_code!=200)" "$1" 2>/dev/null; }
-  setsid nohup python3 -m mlx_relay.cli serve "$MODEL" --port 8100 "${caps[@]}" > $O/rivals_ours.log 2>&1 < /dev/null &
+  read -ra oflags <<< "${RIVAL_OURS_FLAGS:-}"
+  setsid nohup python3 -m mlx_relay.cli serve "$MODEL" --port 8100 "${caps[@]}" "${oflags[@]}" \
+    > $O/rivals_ours.log 2>&1 < /dev/null &
   ours_pid=$!
   IFS=';' read -ra rivals <<< "${RIVALS:-wide=--mtp-max-batch 16;none=--speculation none}"
   for rival in "${rivals[@]}"; do
@@ -323,7 +327,8 @@ rivals)
     setsid nohup python3 -m mlx_relay.cli serve "$MODEL" --port 8101 "${caps[@]}" "${rflags[@]}" \
       > $O/rivals_$name.log 2>&1 < /dev/null &
     rival_pid=$!
-    for _ in $(seq 1 600); do up http://127.0.0.1:8100/health && up http://127.0.0.1:8101/health && break; sleep 1; done
+    for _ in $(seq 1 600); do up http://127.0.0.1:8100/health && up http://127.0.0.1:8101/health && break
+      alive $ours_pid $rival_pid || break; sleep 1; done  # a server that died at boot: its log says why
     pair=(--target ours=http://127.0.0.1:8100 --target "$name=http://127.0.0.1:8101" --scenario short_chat --no-plots)
     w=${WARM:-16:16}
     timeout -k 5 200 python3 -m mlx_relay.cli bench "${pair[@]}" --concurrency "${w%%:*}" --requests "${w##*:}" \
@@ -348,7 +353,8 @@ vision)
     -- --model "$MODEL" --host 127.0.0.1 --port 8101 > $O/vision_peer.log 2>&1 < /dev/null &
   peer_pid=$!
   up() { python3 -c "import sys,httpx; sys.exit(httpx.get(sys.argv[1],timeout=2).status_code!=200)" "$1" 2>/dev/null; }
-  for _ in $(seq 1 600); do up http://127.0.0.1:8100/health && up http://127.0.0.1:8101/v1/models && break; sleep 1; done
+  for _ in $(seq 1 600); do up http://127.0.0.1:8100/health && up http://127.0.0.1:8101/v1/models && break
+    alive $ours_pid $peer_pid || break; sleep 1; done
   python3 benchmarks/bench_vision_cache.py --target ours=http://127.0.0.1:8100 --target mlx_vlm=http://127.0.0.1:8101 \
     --size "${VISION_SIZE:-1024}" --repeats "${REPEATS:-3}" --commit "$COMMIT" --out $O/vision_cache.json \
     > $O/vision_cache.txt 2>&1
@@ -363,7 +369,8 @@ embed)
   setsid nohup python3 -m mlx_relay.cli serve "$MODEL" --port 8100 --served-model-name qwen35-moe \
     --embedding-model /root/embed --embedding-model-name embed > $O/embed_ours.log 2>&1 < /dev/null &
   ours_pid=$!
-  for _ in $(seq 1 900); do python3 -c "import sys,httpx; sys.exit(httpx.get('http://127.0.0.1:8100/health',timeout=2).status_code!=200)" 2>/dev/null && break; sleep 1; done
+  for _ in $(seq 1 900); do python3 -c "import sys,httpx; sys.exit(httpx.get('http://127.0.0.1:8100/health',timeout=2).status_code!=200)" 2>/dev/null && break
+    alive $ours_pid || break; sleep 1; done
   python3 benchmarks/probe_embeddings_beside_streams.py http://127.0.0.1:8100 --embed-model embed \
     --streams "${STREAMS:-8}" --clients "${EMBED_CLIENTS:-2}" --inputs "${EMBED_INPUTS:-32}" \
     --input-tokens "${EMBED_TOKENS:-512}" --vocab "${EMBED_VOCAB:-150000}" --window "${WINDOW:-20}" \
