@@ -15,7 +15,9 @@ the library's quantized path (mlx-vlm's `quantized_scaled_dot_product_attention`
 implementation for problem shape: 16x16x256x16", M x N x K x B with N the keys, for a 16-token prompt's
 first chunk, a 1-token one, 63 keys: `benchmarks/results/gpu-h200-2026-11-29d/`), so the keys and values
 are dequantized there for MLX's attention: the cache stays quantized in memory, and each attention reads
-it and writes a float copy of one layer's.
+it and writes a float copy of one layer's, or, past `DEQUANTIZED_BLOCK_BYTES`, of one block of its keys
+at a time (`blockwise_attention`: 16 rows at 128K tokens held ~18 GB of float copies on an H200 at
+`bd632f4`, `benchmarks/results/gpu-h200-2026-11-29e/`).
 """
 
 from __future__ import annotations
