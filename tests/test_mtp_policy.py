@@ -107,3 +107,17 @@ async def test_auto_tool_requests_keep_mtp_with_and_without_the_tool_grammar(fp3
     async with Relay.start(fp32_model, max_num_seqs=2, mtp_policy="always", warmup=False) as relay:
         held = await relay.chat(ask, tools=tools, max_tokens=8, temperature=0)
     assert held.mtp_drafted > 0
+
+
+def test_the_calibrated_round_cost_is_the_median_steps_a_first_shape_trace_does_not_weigh() -> None:
+    """The warm-up's calibration (`warmup.round_cost`): an MTP round against a plain step from their
+    steps' medians, so one step that met a first-shape trace (an H200's mean read 5-8 plain steps)
+    leaves the ratio as the other steps say; MTP steps are scaled to the rounds they finished."""
+    from mlx_relay.engine.step.warmup import round_cost
+
+    plain = [0.010] * 31
+    rounds = [0.013] * 15
+    assert abs((round_cost(rounds, 15, plain) or 0) - 1.3) < 1e-9
+    assert round_cost([1.5, *rounds[1:]], 15, plain) == round_cost(rounds, 15, plain)  # a 1.5 s trace
+    assert abs((round_cost(rounds, 10, plain) or 0) - 1.95) < 1e-9  # 15 steps finished 10 rounds
+    assert round_cost(rounds[:3], 3, plain) is None

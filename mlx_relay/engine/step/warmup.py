@@ -9,6 +9,7 @@ MTP round costs in plain decode steps (`mtp_round_cost`, which the TextMTPExecut
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import TYPE_CHECKING
 
@@ -55,24 +56,32 @@ def warm_up(core: EngineCore) -> WarmupReport:
 
 
 def mtp_round_cost(core: EngineCore, prompt: list[int], tokens: int = 32) -> float | None:
-    """Seconds per MTP round over seconds per plain decode step, a lone greedy row each way,
-    timed from its first token on (kernels already compiled). None if a row ended too soon
-    to tell."""
-    per_unit = []
+    """Seconds per MTP round over seconds per plain decode step, a lone greedy row each way, from its
+    first token on (`round_cost` of the steps' durations). None if a row ended too soon to tell."""
+    runs = []
     block = core.scheduler.mtp_block
     for speculate in (Speculate(block) if block is not None else None, None):
         core.add(-99, Generate("calibrate", prompt, SamplingParams(max_tokens=tokens), speculate=speculate))
-        started, units, rounds0, tic = False, 0, 0, 0.0
+        started, durations, rounds0 = False, [], 0
         while core.has_work:
+            tic = time.perf_counter()
             out = core.step()
             if started:
-                units += 1
+                durations.append(time.perf_counter() - tic)
             elif any(isinstance(ev, TokenDelta) for _, ev in out.events):
-                started, rounds0, tic = True, core.mtp_totals.rounds, time.perf_counter()
-        elapsed = time.perf_counter() - tic
-        if speculate is not None:
-            units = core.mtp_totals.rounds - rounds0
-        if units < 4:
-            return None
-        per_unit.append(elapsed / units)
-    return per_unit[0] / per_unit[1]
+                started, rounds0 = True, core.mtp_totals.rounds
+        rounds = core.mtp_totals.rounds - rounds0 if speculate is not None else len(durations)
+        runs.append((durations, rounds))
+    return round_cost(*runs[0], runs[1][0])
+
+
+def round_cost(round_steps: list[float], rounds: int, plain_steps: list[float]) -> float | None:
+    """An MTP round in plain decode steps from the steps' durations: the median step of each (a step
+    that met a first-shape trace, hundreds of milliseconds on a GPU, is one outlier, not the mean's
+    weight; the warm-up's waves trace the context drafts' round, not the head's alone: on an H200
+    the mean read 5-8 plain steps where a round costs 1.2-1.6), the MTP steps scaled to rounds (a
+    step may finish no round, or a pipelined one). None with fewer than 4 of either."""
+    if rounds < 4 or len(round_steps) < 4 or len(plain_steps) < 4:
+        return None
+    per_round = statistics.median(round_steps) * len(round_steps) / rounds
+    return per_round / statistics.median(plain_steps)
