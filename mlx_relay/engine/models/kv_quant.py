@@ -111,14 +111,15 @@ def blockwise_attention(queries: mx.array, keys: tuple[mx.array, ...], values: t
     B, heads, T, D = queries.shape
     kv_heads, S = keys[0].shape[1], keys[0].shape[2]
     rep = heads // kv_heads
-    q = (queries * scale).reshape(B, kv_heads, rep, T, D)  # query heads grouped by their key head
+    # query heads grouped by their key head, as rows of one product a key head (no broadcast copies)
+    q = (queries * scale).reshape(B, kv_heads, rep * T, D)
     floor = mx.array(-1e30, dtype=mx.float32)
     high = total = out = None
     for start in range(0, S, block):
         stop = min(S, start + block)
         k, v = (mx.dequantize(*(x[:, :, start:stop] for x in buf), group_size=group_size, bits=bits)
-                .astype(queries.dtype)[:, :, None] for buf in (keys, values))
-        scores = (q @ k.swapaxes(-1, -2)).astype(mx.float32)  # [B, kv heads, rep, T, block]
+                .astype(queries.dtype) for buf in (keys, values))
+        scores = (q @ k.swapaxes(-1, -2)).astype(mx.float32).reshape(B, kv_heads, rep, T, stop - start)
         if isinstance(mask, str):  # causal: query t sees the keys up to S - T + t
             keep = mx.arange(start, stop)[None] <= (S - T + mx.arange(T))[:, None]
             scores = mx.where(keep, scores, floor)
@@ -127,16 +128,17 @@ def blockwise_attention(queries: mx.array, keys: tuple[mx.array, ...], values: t
             grouped = (1, 1) if m.shape[1] == 1 else (kv_heads, rep)
             m = m.reshape(m.shape[0], *grouped, m.shape[2], stop - start)
             scores = mx.where(m, scores, floor) if m.dtype == mx.bool_ else scores + m.astype(mx.float32)
+        scores = scores.reshape(B, kv_heads, rep * T, stop - start)
         top = scores.max(axis=-1, keepdims=True)
         high_new = top if high is None else mx.maximum(high, top)
         p = mx.exp(scores - high_new)
-        part = p.astype(queries.dtype) @ v
+        part = (p.astype(queries.dtype) @ v).astype(mx.float32)
         if high is None:
-            total, out = p.sum(axis=-1, keepdims=True), part.astype(mx.float32)
+            total, out = p.sum(axis=-1, keepdims=True), part
         else:
             decay = mx.exp(high - high_new)
             total = total * decay + p.sum(axis=-1, keepdims=True)
-            out = out * decay + part.astype(mx.float32)
+            out = out * decay + part
         high = high_new
     assert out is not None and total is not None
     return (out / total).astype(queries.dtype).reshape(B, heads, T, D)
