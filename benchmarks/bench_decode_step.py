@@ -8,6 +8,8 @@ variants over `--repeats` passes of `--steps` tokens each (greedy, pipelined the
             explicit positions, as the raw `generate_step` loop; batch > 1: its batch caches)
   eager     our `DecodeStep` over `DecodeState`, run op by op
   compiled  the same function through `mx.compile` (what the server runs)
+  compiled_unmerged  (`--unmerged`) the same over a second copy of the model whose projections of
+            one input stay separate matmuls (`models/merged_projections.py`)
   compiled_lib_experts  (`--library-experts`) the same with the library's experts where a CUDA GPU
             runs ours over few pairs (`kernels.pair_qmv`)
 
@@ -294,6 +296,9 @@ def main() -> None:
     parser.add_argument("--dense-16bit", action="store_true", help="16-bit copies of the dense projections")
     parser.add_argument("--library-experts", action="store_true",
                         help="also the compiled step with the library's experts (kernels.pair_qmv's other side)")
+    parser.add_argument("--unmerged", action="store_true",
+                        help="also the compiled step over a second copy of the model whose projections of one "
+                             "input are not merged (models/merged_projections.py's other side)")
     parser.add_argument("--count-ops", action="store_true", help="count one step's operations instead of timing")
     parser.add_argument("--by-layer", action="store_true", help="with --count-ops: launches per part of the step")
     parser.add_argument("--mtp-block", type=int, default=0,
@@ -308,6 +313,8 @@ def main() -> None:
         lm = loaded.model.language_model
         print(f"16-bit dense copies: {add_dense_copies(family_of(lm).layers(lm)) / 1e9:.2f} GB")
     lm = loaded.model.language_model
+    # a second copy of the weights, unmerged (`models/merged_projections.py`'s other side)
+    unmerged = load_model(model, merge=False).model.language_model if args.unmerged else None
     vocab = loaded.info.vocab_size
     rng = random.Random(0)
     results: dict[str, Any] = {"environment": msgspec_to_builtins(environment()), "model": str(model),
@@ -346,6 +353,8 @@ def main() -> None:
                     "compiled": Ours(lm, rows, True)}
         if args.library_experts:  # the same step with the library's experts (where a CUDA GPU runs pair_qmv)
             variants["compiled_lib_experts"] = Ours(lm, rows, True, PrefillOptions().with_experts("library"))
+        if unmerged is not None:  # the same weights, each projection its own matmul
+            variants["compiled_unmerged"] = Ours(unmerged, rows, True)
         first_call: dict[str, float] = {}
         for name, v in variants.items():  # warm-up pass: traces and kernels
             t0 = time.perf_counter()

@@ -100,6 +100,7 @@
 #            put agree last. Results: build_agree_RATE.txt (the build's chain check), mtp_agree_RATE.*
 # DENSE ("8bit"; "8bit 16bit": step, mixed and profile run again with --dense-16bit, files tagged _d16).
 # LIBRARY_EXPERTS=1: step also times the compiled step with the library's experts (kernels/pair_qmv.py's other side).
+# UNMERGED=1: step also times it over a second copy of the model, projections unmerged (models/merged_projections.py).
 # Knobs: BATCH (1,4), BLOCK (2), MTP_TOKENS (64), STEPS (32), REPEATS (3), ROUNDS (3, overhead),
 #   DISK_REPEATS (3).
 # LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR: a dry run off the device (with agree: TOK=tokenizer dir,
@@ -214,7 +215,7 @@ probe)
 step)
   for d in ${DENSE:-8bit}; do
     python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,4}" --steps "${STEPS:-32}" $(dense_flag $d) \
-      ${LIBRARY_EXPERTS:+--library-experts} --repeats "${REPEATS:-3}" --out $O/decode_step$(dense_tag $d).json > $O/decode_step$(dense_tag $d).txt 2>&1
+      ${LIBRARY_EXPERTS:+--library-experts} ${UNMERGED:+--unmerged} --repeats "${REPEATS:-3}" --out $O/decode_step$(dense_tag $d).json > $O/decode_step$(dense_tag $d).txt 2>&1
     say "decode step $d (rc $?): $(grep -h '^batch' $O/decode_step$(dense_tag $d).txt | cut -c1-200 | tr '\n' ';')"
   done ;;
 mtp)

@@ -116,6 +116,9 @@ class ModelFamily(Protocol):
 
     name: str
     model_types: frozenset[str]
+    #: per decoder layer, the paths of projections of one input that load merged into one weight
+    #: (`merged_projections.py`), and which the family's layer loop runs as one product
+    merged_groups: tuple[tuple[str, ...], ...]
 
     def layers(self, lm: Any) -> list[Any]:
         """The language model's decoder layers; `UnsupportedModel` when `lm` is not of the family's shape."""

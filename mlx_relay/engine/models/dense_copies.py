@@ -27,6 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from mlx_relay.engine.models.merged_projections import ProjectionPart
+
 FEW_ROWS = 8  # rows of x from which a copy's 16-bit weights run (below: the 8-bit call)
 
 
@@ -52,9 +54,10 @@ class DenseCopy(nn.Module):
 
 def copies_of(layer: nn.Module) -> dict[str, Any]:
     """The swaps for one decoder layer: each affine `nn.QuantizedLinear` in it (not the experts'
-    switch, a class of its own) as a `DenseCopy`, by its path in the layer."""
+    switch, a class of its own; a merged projection's part too, which then runs alone) as a
+    `DenseCopy`, by its path in the layer."""
     return {name: DenseCopy(m) for name, m in layer.named_modules()
-            if type(m) is nn.QuantizedLinear and m.mode == "affine"}
+            if type(m) in (nn.QuantizedLinear, ProjectionPart) and m.mode == "affine"}
 
 
 def add_dense_copies(layers: list[Any]) -> int:

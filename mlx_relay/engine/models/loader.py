@@ -27,6 +27,7 @@ from mlx_relay.engine.models.checkpoint import (
 )
 from mlx_relay.engine.models.dense_copies import add_dense_copies
 from mlx_relay.engine.models.library_kv import load_text_model, loads_with_mlx_lm, uses_library_forward
+from mlx_relay.engine.models.merged_projections import merge_projections
 from mlx_relay.errors import ModelLoadError
 from mlx_relay.media.served import unserved_vision
 from mlx_relay.messages.gpu import ModelInfo
@@ -102,9 +103,11 @@ def apply_memory_limits(config: EngineConfig) -> None:
         mx.set_cache_limit(min(CUDA_CACHE_LIMIT_BYTES, device_memory_bytes()[0] // 10))
 
 
-def load_model(path: Path, *, lazy: bool = False) -> LoadedModel:
+def load_model(path: Path, *, lazy: bool = False, merge: bool = True) -> LoadedModel:
     """Load on the calling thread (which must be the GPU thread); `lazy`: the weights are read when
-    first evaluated (a pipeline stage evaluates only its own layers')."""
+    first evaluated (a pipeline stage evaluates only its own layers': `add_copies` merges them);
+    `merge`: the projections of one input merged as the family names (`merged_projections.py`; off:
+    the checkpoint's modules as the library loads them, for a benchmark's other side)."""
     tic = time.perf_counter()
     if embedding_pooling(path) is not None:
         raise ModelLoadError(f"{path}: {EMBEDDING_ALONE}")
@@ -126,15 +129,31 @@ def load_model(path: Path, *, lazy: bool = False) -> LoadedModel:
         has_mtp=int(text_cfg.get("mtp_num_hidden_layers", 0) or 0) > 0 and has_mtp_weights(path),
         load_seconds=time.perf_counter() - tic,
     )
-    return LoadedModel(model, processor, info)
+    loaded = LoadedModel(model, processor, info)
+    if merge and not lazy:
+        merge_family_projections(loaded)
+    return loaded
+
+
+def merge_family_projections(loaded: LoadedModel) -> int:
+    """Merge the projections of one input that the model's family names (`merged_projections.py`),
+    in the layers `loaded` holds; how many groups were merged (none for a model served through its
+    library's forward, or already merged)."""
+    lm = loaded.model.language_model
+    if uses_library_forward(lm):
+        return 0
+    family = family_of(lm)
+    return merge_projections(family.layers(lm), family.merged_groups)
 
 
 def add_copies(loaded: LoadedModel, config: EngineConfig) -> int:
     """The weights' load-time copies `config` asks for, in the layers `loaded` holds (a pipeline
     stage's own, once sharded), before the rows' memory is planned: a 16-bit copy of each dense 8-bit
     projection (`dense_copies.py`, `EngineConfig.dense_16bit`), for a model of the engine's own
-    families. The bytes added."""
+    families, then the family's merged projections where a lazy load left them out. The bytes added."""
     lm = loaded.model.language_model
-    if not config.dense_16bit or uses_library_forward(lm):
+    if uses_library_forward(lm):
         return 0
-    return add_dense_copies(family_of(lm).layers(lm))
+    added = add_dense_copies(family_of(lm).layers(lm)) if config.dense_16bit else 0
+    merge_family_projections(loaded)  # a pipeline stage's layers, loaded lazily (copies are not merged)
+    return added

@@ -36,6 +36,7 @@ class Qwen3Family:
 
     name = "qwen3"
     model_types = MODEL_TYPES
+    merged_groups: tuple[tuple[str, ...], ...] = ()  # its layers call the library's projections one by one
 
     def layers(self, lm: Any) -> list[Any]:
         return layers.decoder_layers(lm)

@@ -21,6 +21,11 @@ class Qwen3_5Family:
 
     name = "qwen3_5"
     model_types = MODEL_TYPES
+    merged_groups = (("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                      "linear_attn.in_proj_a"),
+                     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     ("mlp.gate_proj", "mlp.up_proj"),
+                     ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"))
 
     def layers(self, lm: Any) -> list[Any]:
         return layers.decoder_layers(lm)

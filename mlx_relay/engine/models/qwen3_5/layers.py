@@ -32,7 +32,7 @@ from mlx_relay.engine.models import KV, UnsupportedModel
 from mlx_relay.engine.models.attention import attend_buffers
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
-from mlx_relay.engine.models.qwen3_5.kernels.dense import dense
+from mlx_relay.engine.models.qwen3_5.kernels.dense import dense, dense_many
 from mlx_relay.engine.models.qwen3_5.kernels.dense import mlp as dense_mlp
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer
 from mlx_relay.engine.models.qwen3_5.kernels.grouped_experts import grouped_switch_glu, use_grouped
@@ -54,7 +54,8 @@ def decoder_layers(lm: Any) -> list[Any]:
 
 def gdn_projections(la: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """A GatedDeltaNet mixer's input projections of `x`: (qkv, z, b, a), as the library's."""
-    return dense(la.in_proj_qkv, x), dense(la.in_proj_z, x), dense(la.in_proj_b, x), dense(la.in_proj_a, x)
+    qkv, z, b, a = dense_many((la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a), x)
+    return qkv, z, b, a
 
 
 def gated_delta_net(la: Any, x: mx.array, conv_state: mx.array, ssm: mx.array, *, keep_states: bool
@@ -93,7 +94,8 @@ def _rotate(sa: Any, queries: mx.array, keys: mx.array, at: Positions, periods: 
 
 def qkv_projections(sa: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """The gated attention's input projections of `x` [B, T, H]: (queries with their gate, keys, values)."""
-    return dense(sa.q_proj, x), dense(sa.k_proj, x), dense(sa.v_proj, x)
+    q, k, v = dense_many((sa.q_proj, sa.k_proj, sa.v_proj), x)
+    return q, k, v
 
 
 def qkv_heads(sa: Any, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:

@@ -1,7 +1,8 @@
 """The family's dense 8-bit projections, each by its rows and shape (GPU thread only): the layer loop
 (`layers.py`: the decode step, the MTP verify and head, and every other forward through it) calls
-each `nn.QuantizedLinear` through `dense(m, x)`, and each of the library's MLPs (the dense layers'
-and the mixture of experts' shared expert) through `mlp(module, x)`.
+each `nn.QuantizedLinear` through `dense(m, x)` (projections of one input through `dense_many`: one
+product where they load merged), and each of the library's MLPs (the dense layers' and the mixture
+of experts' shared expert) through `mlp(module, x)`.
 
 Where the default device is a CUDA GPU, `path` picks each call's arithmetic by its rows and shape,
 from one H200's device time a call (CUPTI; `benchmarks/gpu/dense_rows_bench.py`, every projection
@@ -32,6 +33,7 @@ choices; `benchmarks/gpu/kernel_check.py` pins our kernel against a float32 trut
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -40,6 +42,7 @@ from mlx_vlm.models.activations import swiglu
 from mlx_vlm.models.qwen3_5.language import Qwen3_5MLP
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
+from mlx_relay.engine.models.merged_projections import merged_parts
 from mlx_relay.engine.models.qwen3_5.kernels.narrow_qmm import cuda_narrow_linear
 
 FEW_ROWS = 8  # rows of x from which a CUDA GPU runs other than the library's call
@@ -94,9 +97,20 @@ def dense(m: Any, x: mx.array) -> mx.array:
     return m(x)
 
 
+def dense_many(modules: Sequence[Any], x: mx.array) -> tuple[mx.array, ...]:
+    """Each of `modules` over `x`: one `dense` product where they are, in order, the parts of one
+    merged weight (`models/merged_projections.py`), then split; else one call each."""
+    merged = merged_parts(modules)
+    if merged is None:
+        return tuple(dense(m, x) for m in modules)
+    return merged.split(dense(merged.linear, x))
+
+
 def mlp(module: Any, x: mx.array) -> mx.array:
     """The library's gated MLP (mlx-vlm's `Qwen3_5MLP`, also the MoE's shared expert:
-    `down(swiglu(gate(x), up(x)))`) with each projection through `dense`; any other module, its own call."""
+    `down(swiglu(gate(x), up(x)))`) with its projections through `dense_many` and `dense`; any other
+    module, its own call."""
     if type(module) is not Qwen3_5MLP:
         return module(x)
-    return dense(module.down_proj, swiglu(dense(module.gate_proj, x), dense(module.up_proj, x)))
+    gate, up = dense_many((module.gate_proj, module.up_proj), x)
+    return dense(module.down_proj, swiglu(gate, up))
