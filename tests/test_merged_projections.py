@@ -1,9 +1,10 @@
 """Projections of one input merged into one weight (`engine/models/merged_projections.py`): on a
 float32 qwen3_5_moe language model quantized to 8 bits, merging each layer's GatedDeltaNet input
-projections, attention q/k/v and shared expert gate/up keeps the model's bytes (the parts are views
-of the merged arrays), leaves the library's own forward exactly where it was, and makes our decode
-step run fewer quantized matmuls with the same logits and greedy tokens; a model loaded
-unquantized has nothing to merge, and a pipeline stage's lazily loaded layers merge at boot."""
+projections, attention q/k/v, shared expert gate/up and router with the shared expert's gate keeps
+the model's bytes (the parts are views of the merged arrays; the merged ones padded to whole
+tiles), leaves the library's own forward exactly where it was, and makes our decode step run fewer
+quantized matmuls with the same logits and greedy tokens; a model loaded unquantized has nothing to
+merge, and a pipeline stage's lazily loaded layers merge at boot."""
 
 from __future__ import annotations
 
@@ -82,14 +83,15 @@ def test_merging_keeps_the_bytes_and_the_library_forward_and_our_step_runs_fewer
         }
 
     got = gpu(run)
-    # every layer: its mixer's group (four GatedDeltaNet inputs or q/k/v) and its shared expert's gate/up
-    assert got["groups"] == 2 * got["layers"] and got["again"] == 0
+    # every layer: its mixer's group (four GatedDeltaNet inputs or q/k/v), its shared expert's gate/up,
+    # its router with the shared expert's gate
+    assert got["groups"] == 3 * got["layers"] and got["again"] == 0
     assert got["part"] == "ProjectionPart" and got["is_part"]
-    assert got["bytes"][0] == got["bytes"][1] and got["active_grew"] <= 0
+    assert got["bytes"][0] == got["bytes"][1] and got["active_grew"] <= got["bytes"][0] // 50  # the padding
     assert got["prompt_diff"] == 0.0 and got["greedy"][0] == got["greedy"][1]
     assert got["step_diff"] <= 1e-6
-    # per GatedDeltaNet layer 4 -> 1, per attention layer 3 -> 1, per shared expert 2 -> 1
-    assert got["ops"][0] - got["ops"][1] > got["layers"]
+    # per GatedDeltaNet layer 4 -> 1, per attention layer 3 -> 1, per mixture of experts 4 -> 2
+    assert got["ops"][0] - got["ops"][1] > 2 * got["layers"]
 
 
 def test_a_model_loads_merged_and_a_lazy_stage_merges_at_boot(gpu: Callable, fp32_model: Any) -> None:
@@ -112,3 +114,12 @@ def test_a_model_loads_merged_and_a_lazy_stage_merges_at_boot(gpu: Callable, fp3
 
     unquantized, parts, again = gpu(run)
     assert unquantized == 0 and parts > 0 and again == 0
+
+
+def test_a_cuda_gpu_runs_the_merged_product_for_one_row_only() -> None:
+    """The parts of a product over more rows are strided views, which our CUDA kernels would have MLX
+    copy first (a launch a part, more than the merge saves): there the parts run one by one."""
+    from mlx_relay.engine.models.qwen3_5.kernels.dense import runs_merged
+
+    assert runs_merged(1, cuda=True) and not runs_merged(2, cuda=True) and not runs_merged(8, cuda=True)
+    assert runs_merged(1, cuda=False) and runs_merged(8, cuda=False)

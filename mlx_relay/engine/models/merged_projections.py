@@ -8,14 +8,18 @@ A decode step on a GPU is bound by the host's ~10 us a kernel launch (the 35B-A3
 1,002 launches, the GPU busy 5.6 of 17.0 ms under the profiler, `benchmarks/results/gpu-h200-2026-11-29d/`),
 and 391 of those launches are MLX's matrix-vector products of the dense projections, several a layer
 over the same input: a GatedDeltaNet's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, an
-attention layer's `q_proj`, `k_proj`, `v_proj`, a gated MLP's `gate_proj` and `up_proj`. Where those are
+attention layer's `q_proj`, `k_proj`, `v_proj`, a gated MLP's `gate_proj` and `up_proj`, a mixture of
+experts' router and its shared expert's gate. Where those are
 8-bit (or 4-bit) affine `nn.QuantizedLinear`s of one layout, their weights, scales and biases are
-concatenated once into one `nn.QuantizedLinear` (kept outside the module tree), and each projection
+concatenated once into one `nn.QuantizedLinear` (kept outside the module tree; its output padded to
+`PAD_COLUMNS` with zero rows), and each projection
 becomes a `ProjectionPart`: an `nn.QuantizedLinear` whose arrays are its rows of the merged ones
-(views of the same memory: the model's bytes do not change), whose own call is the library's as
+(views of the same memory: the model's bytes do not change but for the padding, at most 15 rows a
+group), whose own call is the library's as
 before. The family's layer loop asks `merged_parts` and runs the merged product once, then splits
-it: the same numbers, since each output column is its own dot product (`tests/test_merged_projections.py`
-pins the logits and the decode step's tokens of a merged 8-bit model to the unmerged one's).
+it (on a CUDA GPU for one row only: `qwen3_5/kernels/dense.dense_many` says why): the same
+numbers, since each output column is its own dot product (`tests/test_merged_projections.py` pins
+the logits and the decode step's tokens of a merged 8-bit model to the unmerged one's).
 
 Nothing of the library is patched: the layers' modules are swapped through `Module.update_modules`,
 as `mlx.nn.quantize` swaps them.
@@ -30,21 +34,28 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+#: the merged output columns are padded (zero rows, never read) to a multiple of this: our narrow
+#: CUDA kernel tiles 16 columns (`qwen3_5/kernels/dense.fits`), so a router's 256 columns and its
+#: shared expert's gate's 1 run as 272 where 257 would leave it for MLX's wider tile
+PAD_COLUMNS = 16
+
 
 class MergedWeights:
     """The merged projection and each part's output columns (a plain holder: outside the module
-    tree, so the model's parameters count each weight once, as the parts' views)."""
+    tree, so the model's parameters count each weight once, as the parts' views; the padding rows,
+    if any, are the merged weight's alone)."""
 
     def __init__(self, linear: nn.QuantizedLinear, sizes: tuple[int, ...]) -> None:
         self.linear = linear
         self.sizes = sizes
 
     def split(self, y: mx.array) -> tuple[mx.array, ...]:
+        """The parts' outputs of the merged product `y` (the padding's left out)."""
         cuts, at = [], 0
-        for size in self.sizes[:-1]:
+        for size in self.sizes:
             at += size
             cuts.append(at)
-        return tuple(mx.split(y, cuts, axis=-1))
+        return tuple(mx.split(y, cuts, axis=-1))[:len(self.sizes)]
 
 
 def _quantized(weight: mx.array, scales: mx.array, biases: mx.array | None, like: nn.QuantizedLinear
@@ -93,8 +104,12 @@ def mergeable(modules: Sequence[Any]) -> bool:
 def merge(modules: Sequence[nn.QuantizedLinear]) -> list[ProjectionPart]:
     """The parts that replace `modules` (`mergeable` ones), the merged arrays evaluated here."""
     first = modules[0]
-    arrays = {name: mx.concatenate([getattr(m, name) for m in modules]) for name in ("weight", "scales", "biases")
-              if name in first}
+    rows = sum(m.weight.shape[0] for m in modules)
+    pad = -rows % PAD_COLUMNS
+    arrays = {name: mx.concatenate([getattr(m, name) for m in modules]
+                                   + ([mx.zeros((pad, getattr(first, name).shape[1]), getattr(first, name).dtype)]
+                                      if pad else []))
+              for name in ("weight", "scales", "biases") if name in first}
     mx.eval(arrays)
     merged = MergedWeights(_quantized(arrays["weight"], arrays["scales"], arrays.get("biases"), first),
                            tuple(m.weight.shape[0] for m in modules))

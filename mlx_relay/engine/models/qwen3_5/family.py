@@ -25,7 +25,8 @@ class Qwen3_5Family:
                       "linear_attn.in_proj_a"),
                      ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                      ("mlp.gate_proj", "mlp.up_proj"),
-                     ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"))
+                     ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+                     ("mlp.gate", "mlp.shared_expert_gate"))
 
     def layers(self, lm: Any) -> list[Any]:
         return layers.decoder_layers(lm)

@@ -204,8 +204,9 @@ def layer_residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None
     if not hasattr(mlp, "switch_mlp"):  # a dense MLP
         return h + dense_mlp(mlp, x)
     # mlx-vlm's Qwen3_5MoeSparseMoeBlock, its router and combine through `kernels.moe`
-    inds, scores = route_topk(dense(mlp.gate, x), mlp.top_k, mlp.norm_topk_prob)
-    return combine(h, _experts(mlp.switch_mlp, x, inds, rows, prefill), scores, dense(mlp.shared_expert_gate, x),
+    router, shared_gate = dense_many((mlp.gate, mlp.shared_expert_gate), x)
+    inds, scores = route_topk(router, mlp.top_k, mlp.norm_topk_prob)
+    return combine(h, _experts(mlp.switch_mlp, x, inds, rows, prefill), scores, shared_gate,
                    dense_mlp(mlp.shared_expert, x))
 
 

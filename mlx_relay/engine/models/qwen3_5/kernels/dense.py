@@ -99,11 +99,21 @@ def dense(m: Any, x: mx.array) -> mx.array:
 
 def dense_many(modules: Sequence[Any], x: mx.array) -> tuple[mx.array, ...]:
     """Each of `modules` over `x`: one `dense` product where they are, in order, the parts of one
-    merged weight (`models/merged_projections.py`), then split; else one call each."""
+    merged weight (`models/merged_projections.py`), then split; else one call each. On a CUDA GPU
+    only for one row: the split of a product over more rows is not row-contiguous (each part's
+    rows are strided by the whole width), and our kernels that take the parts (the GatedDeltaNet
+    mixer, the router, the combine) have MLX copy such inputs first, a launch a part, more than
+    the merge saves; a one-row product's parts are contiguous (the one-row decode step, where the
+    host's launches bound the step)."""
     merged = merged_parts(modules)
-    if merged is None:
+    if merged is None or not runs_merged(x.size // x.shape[-1], cuda_kernels_available()):
         return tuple(dense(m, x) for m in modules)
     return merged.split(dense(merged.linear, x))
+
+
+def runs_merged(rows: int, cuda: bool) -> bool:
+    """Whether `dense_many` runs a merged product over `rows` rows (see there)."""
+    return rows == 1 or not cuda
 
 
 def mlp(module: Any, x: mx.array) -> mx.array:
