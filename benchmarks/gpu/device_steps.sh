@@ -87,7 +87,8 @@
 #   kvq      (issue 47.2) gpu/kv_quant_probe.py: KVQ_ROWS (1,16) rows at KVQ_CONTEXT (131072) tokens each, KV
 #            unquantized / 8 / 4-bit (KVQ_BITS): the buffers' bytes, peak memory, the compiled decode step; then
 #            bench_prefill.py at KVQ_PREFILL (32768) with --kv-bits 8 (ours). kv_quant_probe.*, prefill_kv8.*
-#   vision   (issue 47.3) ours and mlx_vlm.server side by side (capped at MEM_GB), bench_vision_cache.py: a new
+#   vision   (issue 47.3) ours and mlx_vlm.server side by side (capped at MEM_GB), bench_vision_cache.py
+#            (VISION_MEDIA both: an image, then an 8-frame MP4 where OpenCV is there to write it): a new
 #            VISION_SIZE (1024) image cold, in a new conversation, then the first conversation's next turn,
 #            REPEATS times alternating. Results: vision_cache.{json,txt}, the servers' logs
 #   With QMM_FLAGS (e.g. "--prefill-experts kernel"): the prefill and sbl jobs add them to our server's
@@ -357,7 +358,8 @@ vision)
   for _ in $(seq 1 600); do up http://127.0.0.1:8100/health && up http://127.0.0.1:8101/v1/models && break
     alive $ours_pid $peer_pid || break; sleep 1; done
   python3 benchmarks/bench_vision_cache.py --target ours=http://127.0.0.1:8100 --target mlx_vlm=http://127.0.0.1:8101 \
-    --size "${VISION_SIZE:-1024}" --repeats "${REPEATS:-3}" --commit "$COMMIT" --out $O/vision_cache.json \
+    --size "${VISION_SIZE:-1024}" --media "${VISION_MEDIA:-both}" --repeats "${REPEATS:-3}" --commit "$COMMIT" \
+    --out $O/vision_cache.json \
     > $O/vision_cache.txt 2>&1
   say "vision (rc $?): $(grep -h '^| [a-z]' $O/vision_cache.txt | cut -c1-120 | tr '\n' ';')"
   kill -- -$ours_pid -$peer_pid 2>/dev/null; kill $ours_pid $peer_pid 2>/dev/null; sleep 8 ;;
