@@ -1,25 +1,26 @@
-"""Projections of one input merged into one weight (GPU thread only; at load, `loader.add_copies`
-calls `merge_projections` for a family's layers, `ModelFamily.merged_groups` naming what merges).
+"""Projections of one input merged into one weight (GPU thread only; at load: `loader.load_model`,
+or `loader.add_copies` for a pipeline stage's lazily loaded layers, calls `merge_projections` with
+the family's `ModelFamily.merged_groups`).
 
     merged = merge_projections(layers, groups)   # e.g. a GatedDeltaNet's four input projections
     parts = merged_parts(modules)                # the one `nn.QuantizedLinear` they are rows of, or None
 
-A decode step on a GPU is bound by the host's ~10 us a kernel launch (the 35B-A3B shape's one-row step:
-1,002 launches, the GPU busy 5.6 of 17.0 ms under the profiler, `benchmarks/results/gpu-h200-2026-11-29d/`),
-and 391 of those launches are MLX's matrix-vector products of the dense projections, several a layer
-over the same input: a GatedDeltaNet's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, an
-attention layer's `q_proj`, `k_proj`, `v_proj`, a gated MLP's `gate_proj` and `up_proj`, a mixture of
-experts' router and its shared expert's gate. Where those are
-8-bit (or 4-bit) affine `nn.QuantizedLinear`s of one layout, their weights, scales and biases are
-concatenated once into one `nn.QuantizedLinear` (kept outside the module tree; its output padded to
-`PAD_COLUMNS` with zero rows), and each projection
-becomes a `ProjectionPart`: an `nn.QuantizedLinear` whose arrays are its rows of the merged ones
-(views of the same memory: the model's bytes do not change but for the padding, at most 15 rows a
-group), whose own call is the library's as
-before. The family's layer loop asks `merged_parts` and runs the merged product once, then splits
-it (on a CUDA GPU for one row only: `qwen3_5/kernels/dense.dense_many` says why): the same
-numbers, since each output column is its own dot product (`tests/test_merged_projections.py` pins
-the logits and the decode step's tokens of a merged 8-bit model to the unmerged one's).
+A decode step on a GPU is bound by the host's ~10 us a kernel launch (the 35B-A3B shape's one-row
+step: 1,002 launches, the GPU busy 5.6 of 17.0 ms under the profiler,
+`benchmarks/results/gpu-h200-2026-11-29d/`), and 391 of those launches are MLX's matrix-vector
+products of the dense projections, several a layer over the same input: a GatedDeltaNet's
+`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, an attention layer's `q_proj`, `k_proj`,
+`v_proj`, a gated MLP's `gate_proj` and `up_proj`, a mixture of experts' router and its shared
+expert's gate. Where those are 8-bit (or 4-bit) affine `nn.QuantizedLinear`s of one layout, their
+weights, scales and biases are concatenated once into one `nn.QuantizedLinear` (kept outside the
+module tree; its output padded with zero rows to whole `PAD_COLUMNS`), and each projection becomes
+a `ProjectionPart`: an `nn.QuantizedLinear` whose arrays are its rows of the merged ones (views of
+the same memory: the model's bytes do not change but for the padding, at most 15 rows a group),
+whose own call is the library's as before. The family's layer loop asks `merged_parts` and runs the
+merged product once, then splits it (on a CUDA GPU for one row only: `qwen3_5/kernels/dense.dense_many`
+says why): the same numbers, since each output column is its own dot product
+(`tests/test_merged_projections.py` pins the logits and the decode step's tokens of a merged 8-bit
+model to the unmerged one's).
 
 Nothing of the library is patched: the layers' modules are swapped through `Module.update_modules`,
 as `mlx.nn.quantize` swaps them.
@@ -77,7 +78,7 @@ class ProjectionPart(nn.QuantizedLinear):
     index: int
 
     @staticmethod
-    def of(merged: MergedWeights, index: int, start: int, like: nn.QuantizedLinear) -> ProjectionPart:
+    def of(merged: MergedWeights, index: int, start: int) -> ProjectionPart:
         whole = merged.linear
         stop = start + merged.sizes[index]
         part = ProjectionPart(whole.scales.shape[-1] * whole.group_size, stop - start, bias=False,
@@ -115,7 +116,7 @@ def merge(modules: Sequence[nn.QuantizedLinear]) -> list[ProjectionPart]:
                            tuple(m.weight.shape[0] for m in modules))
     parts, start = [], 0
     for i, m in enumerate(modules):
-        parts.append(ProjectionPart.of(merged, i, start, m))
+        parts.append(ProjectionPart.of(merged, i, start))
         start += m.weight.shape[0]
     mx.eval([p.parameters() for p in parts])
     return parts
