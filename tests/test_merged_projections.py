@@ -3,8 +3,9 @@ float32 qwen3_5_moe language model quantized to 8 bits, merging each layer's Gat
 projections, attention q/k/v, shared expert gate/up and router with the shared expert's gate keeps
 the model's bytes (the parts are views of the merged arrays; the merged ones padded to whole
 tiles), leaves the library's own forward exactly where it was, and makes our decode step run fewer
-quantized matmuls with the same logits and greedy tokens; a model loaded unquantized has nothing to
-merge, and a pipeline stage's lazily loaded layers merge at boot."""
+quantized matmuls with the same logits and greedy tokens; through the engine (both lanes, a restored
+turn) the merged model replies as the unmerged one; a model loaded unquantized has nothing to merge,
+and a pipeline stage's lazily loaded layers merge at boot."""
 
 from __future__ import annotations
 
@@ -123,3 +124,37 @@ def test_a_cuda_gpu_runs_the_merged_product_for_one_row_only() -> None:
 
     assert runs_merged(1, cuda=True) and not runs_merged(2, cuda=True) and not runs_merged(8, cuda=True)
     assert runs_merged(1, cuda=False) and runs_merged(8, cuda=False)
+
+
+def test_the_engine_decodes_a_merged_8bit_model_as_the_unmerged_one(gpu: Callable, fp32_model: Any) -> None:
+    """Through the engine (prefill, the compiled decode step, the MTP lane's rounds, a turn restored
+    from its snapshot), greedy: the fixture quantized to 8 bits replies the same merged and unmerged."""
+    def run() -> dict[bool, tuple[list[int], list[int]]]:
+        import mlx.nn as nn
+
+        from mlx_relay.engine.models.loader import load_model, merge_family_projections
+        from mlx_relay.messages.gpu import Generate, SamplingParams
+        from mlx_relay.messages.prefix_cache import PrefixPlan
+        from mlx_relay.testing.engine_driver import Driver
+
+        out = {}
+        for merged in (False, True):
+            loaded = load_model(fp32_model)
+            nn.quantize(loaded.model.language_model, group_size=64, bits=8)
+            assert (merge_family_projections(loaded) > 0) if merged else True
+            replies = []
+            for speculation in ("none", "mtp"):
+                d = Driver(loaded, speculation=speculation, mtp_policy="always", mtp_max_batch=4)
+                a = d.add(Generate("a", PROMPT, SamplingParams(max_tokens=12), prefix=PrefixPlan(snapshot_turn=True)))
+                d.run()
+                (turn,) = [s for s in d.snapshots[a] if s.kind == "turn"]
+                nxt = PROMPT + turn.generated + [400, 401, 402]
+                b = d.add(Generate("b", nxt, SamplingParams(max_tokens=6), prefix=PrefixPlan(turn.handle, turn.length)))
+                d.run()
+                replies.append(d.tokens[a] + d.tokens[b])
+            out[merged] = (replies[0], replies[1])
+        return out
+
+    got = gpu(run)
+    assert got[True] == got[False]  # each lane's reply (8-bit weights: the two lanes' may differ at a near-tie)
+    assert all(len(reply) == 18 for reply in got[True])
