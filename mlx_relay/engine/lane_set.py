@@ -123,13 +123,13 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
     # the MTP lane calls mlx-vlm's language-model API beside the family's steps: only for a family
     # whose checkpoints mlx-vlm loads (a dense Qwen3, mlx-lm's, decodes in the plain lane alone)
     speculates = served_by_mtp_lane(info.model_type)
-    refusal = speculation_refusal(info.backend) if kv_quant is not None else None
-    if refusal is not None and speculates and (config.mtp or config.max_draft_tokens or config.draft_model):
-        log.warning("%s", refusal)
+    why_not = speculation_refusal(info.backend) if kv_quant is not None else None
+    if why_not is not None and speculates and (config.mtp or config.max_draft_tokens or config.draft_model):
+        log.warning("%s", why_not)
     has_head = config.mtp and info.has_mtp and speculates
     # context drafts need every rank of a pipeline to make the same choices: not in a pipeline
     context = config.max_draft_tokens if stage is None and speculates else 0
-    if (has_head or context > 0 or config.draft_model is not None) and config.mtp_max_batch > 0 and refusal is None:
+    if (has_head or context > 0 or config.draft_model is not None) and config.mtp_max_batch > 0 and why_not is None:
         # a pipeline stage verifies with the batched forward: mlx-vlm's exact verifier runs the
         # whole model in one call
         exact = stage is None and (config.mtp_verify == "exact"

@@ -29,11 +29,13 @@ as `mlx.nn.quantize` swaps them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+
+QL = TypeVar("QL", bound=nn.QuantizedLinear)
 
 #: the merged output columns are padded (zero rows, never read) to a multiple of this: our narrow
 #: CUDA kernel tiles 16 columns (`qwen3_5/kernels/dense.fits`), so a router's 256 columns and its
@@ -59,14 +61,12 @@ class MergedWeights:
         return tuple(mx.split(y, cuts, axis=-1))[:len(self.sizes)]
 
 
-def _quantized(weight: mx.array, scales: mx.array, biases: mx.array | None, like: nn.QuantizedLinear
-               ) -> nn.QuantizedLinear:
-    """An `nn.QuantizedLinear` of `like`'s layout holding these arrays (its own initial weights are
-    lazy and never evaluated)."""
-    out_dims, in_dims = weight.shape[0], like.scales.shape[-1] * like.group_size
-    q = nn.QuantizedLinear(in_dims, out_dims, bias=False, group_size=like.group_size, bits=like.bits,
-                           mode=like.mode)
-    q.update({"weight": weight, "scales": scales, **({} if biases is None else {"biases": biases})})
+def _holding(cls: type[QL], arrays: dict[str, mx.array], like: nn.QuantizedLinear) -> QL:
+    """A `cls` (an `nn.QuantizedLinear`) of `like`'s layout holding `arrays` (weight, scales and, if
+    any, biases; its own initial weights are lazy and never evaluated)."""
+    q = cls(like.scales.shape[-1] * like.group_size, arrays["weight"].shape[0], bias=False,
+            group_size=like.group_size, bits=like.bits, mode=like.mode)
+    q.update(arrays)
     return q
 
 
@@ -81,10 +81,8 @@ class ProjectionPart(nn.QuantizedLinear):
     def of(merged: MergedWeights, index: int, start: int) -> ProjectionPart:
         whole = merged.linear
         stop = start + merged.sizes[index]
-        part = ProjectionPart(whole.scales.shape[-1] * whole.group_size, stop - start, bias=False,
-                              group_size=whole.group_size, bits=whole.bits, mode=whole.mode)
-        part.update({name: getattr(whole, name)[start:stop] for name in ("weight", "scales", "biases")
-                     if name in whole})
+        part = _holding(ProjectionPart, {name: getattr(whole, name)[start:stop]
+                                         for name in ("weight", "scales", "biases") if name in whole}, whole)
         part.merged, part.index = merged, index
         part.freeze()
         return part
@@ -112,8 +110,7 @@ def merge(modules: Sequence[nn.QuantizedLinear]) -> list[ProjectionPart]:
                                       if pad else []))
               for name in ("weight", "scales", "biases") if name in first}
     mx.eval(arrays)
-    merged = MergedWeights(_quantized(arrays["weight"], arrays["scales"], arrays.get("biases"), first),
-                           tuple(m.weight.shape[0] for m in modules))
+    merged = MergedWeights(_holding(nn.QuantizedLinear, arrays, first), tuple(m.weight.shape[0] for m in modules))
     parts, start = [], 0
     for i, m in enumerate(modules):
         parts.append(ProjectionPart.of(merged, i, start))
