@@ -117,12 +117,14 @@ def test_a_model_loads_merged_and_a_lazy_stage_merges_at_boot(gpu: Callable, fp3
     assert unquantized == 0 and parts > 0 and again == 0
 
 
-def test_a_cuda_gpu_runs_the_merged_product_for_one_row_only() -> None:
-    """The parts of a product over more rows are strided views, which our CUDA kernels would have MLX
-    copy first (a launch a part, more than the merge saves): there the parts run one by one."""
+def test_a_cuda_gpu_runs_a_wider_merged_product_only_where_its_parts_are_read_in_place() -> None:
+    """The parts of a product over more rows are strided views: on a CUDA GPU they run merged where
+    the caller reads them in place (the GatedDeltaNet mixer, router and combine kernels, MLX's
+    elementwise `swiglu`), one by one where MLX's fused norms would copy each (attention's q/k/v)."""
     from mlx_relay.engine.models.qwen3_5.kernels.dense import runs_merged
 
     assert runs_merged(1, cuda=True) and not runs_merged(2, cuda=True) and not runs_merged(8, cuda=True)
+    assert runs_merged(8, cuda=True, views=True)  # parts read in place: our kernels, MLX elementwise
     assert runs_merged(1, cuda=False) and runs_merged(8, cuda=False)
 
 

@@ -123,8 +123,23 @@ def specs() -> list[KernelSpec]:
     for dtype in ("bfloat16", "float32"):
         inputs = [("h", dtype, 3), ("expert_out", dtype, 4), ("scores", dtype, 3), ("shared_gate", dtype, 3),
                   ("shared_out", dtype, 3)]
-        out.append(KernelSpec(f"moe_combine_{dtype}", moe.COMBINE_SOURCE, "", inputs, [("out", dtype)],
+        out.append(KernelSpec(f"moe_combine_{dtype}", moe.COMBINE_SOURCE, moe.LEAD_AT, inputs, [("out", dtype)],
                               [("D", 2048), ("KTOP", 8), ("OutT", dtype)]))
+        out.append(KernelSpec(f"moe_route_{dtype}", moe.ROUTE_SOURCE, moe.ROUTE_HEADER, [("logits", dtype, 3)],
+                              [("inds", "uint32"), ("scores", dtype)],
+                              [("E", 256), ("KTOP", 8), ("NORM", True), ("OutT", dtype)]))
+    from mlx_relay.engine.models.qwen3_5.kernels import gated_delta as gd
+
+    for dtype in ("bfloat16", "float32"):
+        for T, keep in ((1, False), (3, True)):
+            inputs = [("qkv", dtype, 3), ("z", dtype, 3), ("b", dtype, 3), ("a", dtype, 3), ("conv", dtype, 3),
+                      ("conv_w", dtype, 3), ("A_log", "float32", 1), ("dt_bias", dtype, 1), ("ssm", "float32", 4),
+                      ("norm_w", dtype, 1)]
+            source = gd.CUDA_SOURCE.replace("__WARPS__", str(gd.WARPS)).replace("__NORM_EPS__", repr(1e-6))
+            out.append(KernelSpec(f"gated_delta_mixer_{dtype}_T{T}", source, gd.CUDA_HEADER, inputs,
+                                  [("y", dtype), ("conv_out", dtype), ("ssm_out", "float32")],
+                                  [("T", T), ("K", 4), ("Hk", 16), ("Hv", 32), ("Dk", 128), ("Dv", 128),
+                                   ("KEEP", keep), ("InT", dtype), ("ConvT", dtype), ("StT", "float32")]))
     return out
 
 

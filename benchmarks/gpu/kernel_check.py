@@ -13,6 +13,8 @@ random inputs at Qwen3.5-35B-A3B's shape, bf16 as the model runs. Exits non-zero
   order; equal probabilities may name other experts), each weight the renormalized probability of
   the expert it names.
 - MoE combine (`moe.cuda_combine` vs `fallback_combine`).
+- The same three given their projections as strided views of one merged product
+  (`merged_projections.py`; the kernels read them in place), the fallbacks row-contiguous copies.
 - GatedDeltaNet prefill recurrence (`gated_delta_prefill.cuda_delta_rule` vs its `fallback`, the
   library's chunked scan, and vs the library's sequential reference `gated_delta_ops`): chunks of
   1, 100 and 2,048 positions, batch 1 and 3, with and without a padding mask (the padded
@@ -77,22 +79,36 @@ def gated_delta_net() -> Any:
     return la
 
 
-def check_mixer(la: Any, B: int, T: int, keep: bool) -> dict[str, Any]:
+def merged_views(lead: tuple[int, ...], widths: tuple[int, ...], scale: float = 1.0) -> tuple[mx.array, ...]:
+    """Random bf16 parts [*lead, width] as views of one product, the way `merged_projections` splits
+    a merged projection (each part's rows strided by the whole width, 16 padding columns at the end)."""
+    whole = (mx.random.normal((*lead, sum(widths) + 16)) * scale).astype(mx.bfloat16)
+    mx.eval(whole)
+    cuts = [sum(widths[:i + 1]) for i in range(len(widths))]
+    return tuple(mx.split(whole, cuts, axis=-1))[:len(widths)]
+
+
+def check_mixer(la: Any, B: int, T: int, keep: bool, strided: bool = False) -> dict[str, Any]:
+    """`strided`: the four projections as views of one merged product (read in place by the kernel),
+    the fallback given row-contiguous copies."""
     C = 2 * la.key_dim + la.value_dim
     K = la.conv1d.weight.shape[1]
     bf = mx.bfloat16
-    qkv = mx.random.normal((B, T, C)).astype(bf)
-    z = mx.random.normal((B, T, la.value_dim)).astype(bf)
-    b = mx.random.normal((B, T, la.num_v_heads)).astype(bf)
-    a = mx.random.normal((B, T, la.num_v_heads)).astype(bf)
+    if strided:
+        qkv, z, b, a = merged_views((B, T), (C, la.value_dim, la.num_v_heads, la.num_v_heads))
+    else:
+        qkv = mx.random.normal((B, T, C)).astype(bf)
+        z = mx.random.normal((B, T, la.value_dim)).astype(bf)
+        b = mx.random.normal((B, T, la.num_v_heads)).astype(bf)
+        a = mx.random.normal((B, T, la.num_v_heads)).astype(bf)
     conv = mx.random.normal((B, K - 1, C)).astype(bf)
     ssm = mx.random.normal((B, la.num_v_heads, la.head_v_dim, la.head_k_dim)) * 0.05
     mx.eval(qkv, z, b, a, conv, ssm)
     ours = cuda_mixer(la, qkv, z, b, a, conv, ssm, keep_states=keep)
-    ref = fallback_mixer(la, qkv, z, b, a, conv, ssm, keep_states=keep)
+    ref = fallback_mixer(la, *(mx.contiguous(t) for t in (qkv, z, b, a)), conv, ssm, keep_states=keep)
     mx.eval(ours, ref)
     shapes_ok = all(o.shape == r.shape and o.dtype == r.dtype for o, r in zip(ours, ref, strict=True))
-    result = {"B": B, "T": T, "keep_states": keep, "shapes_match": shapes_ok,
+    result = {"B": B, "T": T, "keep_states": keep, "strided": strided, "shapes_match": shapes_ok,
               "y_rel": rel(ours[0], ref[0]) if shapes_ok else None,
               "conv_exact": bool(mx.array_equal(ours[1], ref[1])) if shapes_ok else False,
               "ssm_rel": rel(ours[2], ref[2]) if shapes_ok else None}
@@ -101,15 +117,16 @@ def check_mixer(la: Any, B: int, T: int, keep: bool) -> dict[str, Any]:
     return result
 
 
-def check_route(B: int, E: int = 256, k: int = 8) -> dict[str, Any]:
-    logits = (mx.random.normal((B, 1, E)) * 2).astype(mx.bfloat16)
+def check_route(B: int, E: int = 256, k: int = 8, T: int = 1, strided: bool = False) -> dict[str, Any]:
+    """`strided`: the logits a view of a merged product (the router's and the shared expert's gate)."""
+    logits = merged_views((B, T), (E, 1), 2.0)[0] if strided else (mx.random.normal((B, T, E)) * 2).astype(mx.bfloat16)
     inds, scores = cuda_route_topk(logits, k, True)
     ref_inds, ref_scores = fallback_route_topk(logits, k, True)
     probs = mx.softmax(logits, axis=-1, precise=True)
     named = mx.take_along_axis(probs, inds.astype(mx.int32), axis=-1)
     named = named / named.sum(axis=-1, keepdims=True)
     mx.eval(inds, scores, ref_inds, ref_scores, named)
-    result = {"B": B, "E": E, "k": k,
+    result = {"B": B, "T": T, "E": E, "k": k, "strided": strided,
               "sorted_scores_rel": rel(mx.sort(scores, axis=-1), mx.sort(ref_scores, axis=-1)),
               "scores_are_named_experts_rel": rel(scores, named),
               "distinct_experts": bool(all(len(set(r)) == k for r in inds.reshape(-1, k).tolist())),
@@ -120,15 +137,18 @@ def check_route(B: int, E: int = 256, k: int = 8) -> dict[str, Any]:
     return result
 
 
-def check_combine(B: int, D: int = 2048, k: int = 8) -> dict[str, Any]:
+def check_combine(B: int, D: int = 2048, k: int = 8, T: int = 1, strided: bool = False) -> dict[str, Any]:
+    """`strided`: the shared expert's gate a view of a merged product (beside the router's 256 columns)."""
     bf = mx.bfloat16
-    h = mx.random.normal((B, 1, D)).astype(bf)
-    y = mx.random.normal((B, 1, k, D)).astype(bf)
-    scores = mx.softmax(mx.random.normal((B, 1, k)), axis=-1).astype(bf)
-    gate = mx.random.normal((B, 1, 1)).astype(bf)
-    shared = mx.random.normal((B, 1, D)).astype(bf)
-    ours, ref = cuda_combine(h, y, scores, gate, shared), fallback_combine(h, y, scores, gate, shared)
-    result = {"B": B, "rel": rel(ours, ref), "shape_match": ours.shape == ref.shape and ours.dtype == ref.dtype}
+    h = mx.random.normal((B, T, D)).astype(bf)
+    y = mx.random.normal((B, T, k, D)).astype(bf)
+    scores = mx.softmax(mx.random.normal((B, T, k)), axis=-1).astype(bf)
+    gate = merged_views((B, T), (256, 1))[1] if strided else mx.random.normal((B, T, 1)).astype(bf)
+    shared = mx.random.normal((B, T, D)).astype(bf)
+    ours = cuda_combine(h, y, scores, gate, shared)
+    ref = fallback_combine(h, y, scores, mx.contiguous(gate), shared)
+    result = {"B": B, "T": T, "strided": strided, "rel": rel(ours, ref),
+              "shape_match": ours.shape == ref.shape and ours.dtype == ref.dtype}
     result["ok"] = bool(result["shape_match"] and result["rel"] <= TOLERANCE)
     return result
 
@@ -373,6 +393,13 @@ def main() -> None:
             record("gated_delta_mixer", check_mixer, la, B, T, keep)
         record("route_topk", check_route, B)
         record("combine", check_combine, B)
+    # the parts of merged projections read in place (`dense.dense_many(..., views=True)`): the mixed
+    # step's decoding rows (B rows of one position, split from a slice's product) and a verify block
+    for B, T, keep in ((1, 1, False), (8, 1, False), (2, 3, True)):
+        record("gated_delta_mixer", check_mixer, la, B, T, keep, True)
+    for B, T in ((1, 1), (8, 1), (1, 24), (3, 7)):
+        record("route_topk", check_route, B, 256, 8, T, True)
+        record("combine", check_combine, B, 2048, 8, T, True)
     for B, T, masked in ((1, 1, False), (1, 100, False), (1, 2048, False), (3, 100, True), (3, 2048, True)):
         record("delta_rule", check_delta_rule, la, B, T, masked)
     record("conv", check_conv, la, 2048)

@@ -17,8 +17,9 @@ module tree; its output padded with zero rows to whole `PAD_COLUMNS`), and each 
 a `ProjectionPart`: an `nn.QuantizedLinear` whose arrays are its rows of the merged ones (views of
 the same memory: the model's bytes do not change but for the padding, at most 15 rows a group),
 whose own call is the library's as before. The family's layer loop asks `merged_parts` and runs the
-merged product once, then splits it (on a CUDA GPU for one row only: `qwen3_5/kernels/dense.dense_many`
-says why): the same numbers, since each output column is its own dot product
+merged product once, then splits it (on a CUDA GPU over more than one row only where the parts are
+read in place, not attention's q/k/v: `qwen3_5/kernels/dense.dense_many` says why): the same
+numbers, since each output column is its own dot product
 (`tests/test_merged_projections.py` pins the logits and the decode step's tokens of a merged 8-bit
 model to the unmerged one's).
 

@@ -54,7 +54,7 @@ def decoder_layers(lm: Any) -> list[Any]:
 
 def gdn_projections(la: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """A GatedDeltaNet mixer's input projections of `x`: (qkv, z, b, a), as the library's."""
-    qkv, z, b, a = dense_many((la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a), x)
+    qkv, z, b, a = dense_many((la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a), x, views=True)
     return qkv, z, b, a
 
 
@@ -204,7 +204,7 @@ def layer_residual(layer: Any, h: mx.array, r: mx.array, rows: ExpertRows | None
     if not hasattr(mlp, "switch_mlp"):  # a dense MLP
         return h + dense_mlp(mlp, x)
     # mlx-vlm's Qwen3_5MoeSparseMoeBlock, its router and combine through `kernels.moe`
-    router, shared_gate = dense_many((mlp.gate, mlp.shared_expert_gate), x)
+    router, shared_gate = dense_many((mlp.gate, mlp.shared_expert_gate), x, views=True)
     inds, scores = route_topk(router, mlp.top_k, mlp.norm_topk_prob)
     return combine(h, _experts(mlp.switch_mlp, x, inds, rows, prefill), scores, shared_gate,
                    dense_mlp(mlp.shared_expert, x))

@@ -97,23 +97,23 @@ def dense(m: Any, x: mx.array) -> mx.array:
     return m(x)
 
 
-def dense_many(modules: Sequence[Any], x: mx.array) -> tuple[mx.array, ...]:
+def dense_many(modules: Sequence[Any], x: mx.array, *, views: bool = False) -> tuple[mx.array, ...]:
     """Each of `modules` over `x`: one `dense` product where they are, in order, the parts of one
-    merged weight (`models/merged_projections.py`), then split; else one call each. On a CUDA GPU
-    only for one row: the split of a product over more rows is not row-contiguous (each part's
-    rows are strided by the whole width), and our kernels that take the parts (the GatedDeltaNet
-    mixer, the router, the combine) have MLX copy such inputs first, a launch a part, more than
-    the merge saves; a one-row product's parts are contiguous (the one-row decode step, where the
-    host's launches bound the step)."""
+    merged weight (`models/merged_projections.py`), then split; else one call each. The split of a
+    product over more than one row is not row-contiguous (each part's rows strided by the whole
+    width): on a CUDA GPU it runs merged only where the caller reads the parts in place (`views`:
+    our GatedDeltaNet mixer, router and combine read their inputs through their strides, MLX's
+    elementwise operations too), or for one row, whose parts are contiguous. An attention layer's
+    parts go through MLX's fused norms, which would copy each strided part first."""
     merged = merged_parts(modules)
-    if merged is None or not runs_merged(x.size // x.shape[-1], cuda_kernels_available()):
+    if merged is None or not runs_merged(x.size // x.shape[-1], cuda_kernels_available(), views):
         return tuple(dense(m, x) for m in modules)
     return merged.split(dense(merged.linear, x))
 
 
-def runs_merged(rows: int, cuda: bool) -> bool:
+def runs_merged(rows: int, cuda: bool, views: bool = False) -> bool:
     """Whether `dense_many` runs a merged product over `rows` rows (see there)."""
-    return rows == 1 or not cuda
+    return rows == 1 or not cuda or views
 
 
 def mlp(module: Any, x: mx.array) -> mx.array:
@@ -122,5 +122,5 @@ def mlp(module: Any, x: mx.array) -> mx.array:
     module, its own call."""
     if type(module) is not Qwen3_5MLP:
         return module(x)
-    gate, up = dense_many((module.gate_proj, module.up_proj), x)
+    gate, up = dense_many((module.gate_proj, module.up_proj), x, views=True)  # read by `swiglu`'s elementwise
     return dense(module.down_proj, swiglu(gate, up))

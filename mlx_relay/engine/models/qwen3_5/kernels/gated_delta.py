@@ -5,14 +5,16 @@ block of T positions (GPU thread only; called from the Qwen3.5 family's layer lo
     y, conv', ssm' = gated_delta_mixer(la, qkv, z, b, a, conv, ssm, keep_states=...)
 
 `la` is mlx-vlm's `Qwen3_5GatedDeltaNet` (its weights: the depthwise conv, `A_log`, `dt_bias`, the
-gated RMSNorm); `qkv`, `z`, `b`, `a` its four input projections of the block [B, T, ...]; `conv`
+gated RMSNorm); `qkv`, `z`, `b`, `a` its four input projections of the block [B, T, ...] (the
+kernel reads every input through its strides: views of one merged product, `merged_projections.py`,
+are read in place, where MLX would copy each first); `conv`
 the conv window [B, K-1, C] and `ssm` the recurrent state [B, Hv, Dv, Dk] before the block. It
 returns the gated, normalized output [B, T, Hv*Dv] (what `out_proj` takes) and, per
 `models.ModelFamily.forward_block`, the conv window and state after the block, or
 (`keep_states`) the whole conv input [B, K-1+T, C] and the state after each position
 [B, T, Hv, Dv, Dk].
 
-On a CUDA GPU this is one kernel launch (`_CUDA_SOURCE`: one thread block per row and value head;
+On a CUDA GPU this is one kernel launch (`CUDA_SOURCE`: one thread block per row and value head;
 the head's state rows live in registers across the T positions) where the library runs about
 two dozen small operations. Elsewhere it is `_fallback`, the library's own arithmetic: its
 float32-accumulated conv, L2 normalization as an RMS norm, `gated_delta_update` and
@@ -29,9 +31,9 @@ from mlx_vlm.models.qwen3_5.gated_delta import gated_delta_update, gated_delta_u
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 
-_WARPS = 8  # the kernel's thread block: 8 warps, each owning Dv/8 rows of the head's state
+WARPS = 8  # the kernel's thread block: 8 warps, each owning Dv/8 rows of the head's state
 
-_CUDA_HEADER = """
+CUDA_HEADER = """
 __device__ inline float relay_warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
   return v;
@@ -40,7 +42,7 @@ __device__ inline float relay_warp_sum(float v) {
 
 # Template constants: T, K (conv taps), Hk, Hv, Dk, Dv, KEEP; InT/ConvT/StT the output dtypes.
 # NORM_EPS is substituted (a float cannot be a template argument).
-_CUDA_SOURCE = """
+CUDA_SOURCE = """
   constexpr int WARPS = __WARPS__;
   constexpr int RPW = Dv / WARPS;
   constexpr int NPL = Dk / 32;
@@ -60,28 +62,33 @@ _CUDA_SOURCE = """
   __shared__ float red[2 * WARPS];
 
   auto rq_ = [](float x) { return static_cast<float>(static_cast<InT>(x)); };
+  // every input is read through its strides (the four projections may be views of one merged product)
+  auto at3 = [](const auto& st, int i, int t, int c) {
+    return (size_t)i * st[0] + (size_t)t * st[1] + (size_t)c * st[2];
+  };
   auto channel = [&](int i) {
     return i < Dk ? hk * Dk + i : (i < 2 * Dk ? KEY + hk * Dk + (i - Dk) : 2 * KEY + hv * Dv + (i - 2 * Dk));
   };
   auto conv_in = [&](int r, int c) {
-    return r < K - 1 ? static_cast<float>(conv[((size_t)bi * (K - 1) + r) * C + c])
-                     : static_cast<float>(qkv[((size_t)bi * T + (r - (K - 1))) * C + c]);
+    return r < K - 1 ? static_cast<float>(conv[at3(conv_strides, bi, r, c)])
+                     : static_cast<float>(qkv[at3(qkv_strides, bi, r - (K - 1), c)]);
   };
 
   float st[RPW][NPL];
   const size_t head = (size_t)bi * Hv + hv;
   for (int r = 0; r < RPW; ++r) {
     const int row = warp + r * WARPS;
-    for (int i = 0; i < NPL; ++i) st[r][i] = static_cast<float>(ssm[(head * Dv + row) * Dk + lane * NPL + i]);
+    const size_t at = at3(ssm_strides, bi, hv, row);
+    for (int i = 0; i < NPL; ++i) st[r][i] = static_cast<float>(ssm[at + (size_t)(lane * NPL + i) * ssm_strides[3]]);
   }
-  const float A = expf(static_cast<float>(A_log[hv]));
+  const float A = expf(static_cast<float>(A_log[(size_t)hv * A_log_strides[0]]));
   const float inv = rsqrtf(static_cast<float>(Dk));
 
   for (int t = 0; t < T; ++t) {
     for (int i = tid; i < 2 * Dk + Dv; i += blockDim.x) {
       const int c = channel(i);
       float acc = 0.f;
-      for (int j = 0; j < K; ++j) acc += conv_in(t + j, c) * static_cast<float>(conv_w[c * K + j]);
+      for (int j = 0; j < K; ++j) acc += conv_in(t + j, c) * static_cast<float>(conv_w[at3(conv_w_strides, c, j, 0)]);
       const float x = rq_(acc);
       const float s = rq_(x * rq_(1.f / (1.f + expf(-x))));
       if (i < Dk) sq[i] = s; else if (i < 2 * Dk) sk[i - Dk] = s; else sv[i - 2 * Dk] = s;
@@ -103,11 +110,11 @@ _CUDA_SOURCE = """
       qv[i] = rq_(rq_(sq[d] * nq) * (inv * inv));
       kv[i] = rq_(rq_(sk[d] * nk) * inv);
     }
-    const size_t hrow = ((size_t)bi * T + t) * Hv + hv;
-    const float x = rq_(static_cast<float>(a[hrow]) + static_cast<float>(dt_bias[hv]));
+    const float dt = static_cast<float>(dt_bias[(size_t)hv * dt_bias_strides[0]]);
+    const float x = rq_(static_cast<float>(a[at3(a_strides, bi, t, hv)]) + dt);
     const float softplus = x > 20.f ? x : log1pf(expf(x));
     const float g = expf(-A * softplus);
-    const float beta = rq_(1.f / (1.f + expf(-static_cast<float>(b[hrow]))));
+    const float beta = rq_(1.f / (1.f + expf(-static_cast<float>(b[at3(b_strides, bi, t, hv)]))));
     for (int r = 0; r < RPW; ++r) {
       const int row = warp + r * WARPS;
       float mem = 0.f;
@@ -133,9 +140,9 @@ _CUDA_SOURCE = """
     for (int w = 0; w < WARPS; ++w) sum_y += red[w];
     const float ny = rsqrtf(sum_y / Dv + __NORM_EPS__f);
     for (int i = tid; i < Dv; i += blockDim.x) {
-      const float xn = rq_(rq_(sy[i] * ny) * static_cast<float>(norm_w[i]));
+      const float xn = rq_(rq_(sy[i] * ny) * static_cast<float>(norm_w[(size_t)i * norm_w_strides[0]]));
       const size_t at = ((size_t)bi * T + t) * Hv * Dv + hv * Dv + i;
-      const float zz = static_cast<float>(z[at]);
+      const float zz = static_cast<float>(z[at3(z_strides, bi, t, hv * Dv + i)]);
       y[at] = static_cast<InT>(zz / (1.f + expf(-zz)) * xn);
     }
     __syncthreads();
@@ -160,7 +167,7 @@ def _kernel_fits(la: Any) -> bool:
     """The shapes the kernel was written for: whole warps over the key width, whole rows per warp,
     a head's state in at most 64 registers per thread."""
     dk, dv = la.head_k_dim, la.head_v_dim
-    return (dk % 32 == 0 and dv % _WARPS == 0 and dk * dv <= 128 * 128 and la.num_v_heads % la.num_k_heads == 0
+    return (dk % 32 == 0 and dv % WARPS == 0 and dk * dv <= 128 * 128 and la.num_v_heads % la.num_k_heads == 0
             and la.conv1d.weight.ndim == 3 and la.conv1d.weight.shape[-1] == 1)
 
 
@@ -180,21 +187,22 @@ def cuda_mixer(la: Any, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, co
     K = la.conv1d.weight.shape[1]
     eps = float(la.norm.eps)
     kernel = mx.fast.cuda_kernel(
-        name=f"relay_gated_delta_mixer_e{eps:.3e}".replace(".", "p").replace("-", "m").replace("+", ""),
+        name=f"relay_gated_delta_mixer_s_e{eps:.3e}".replace(".", "p").replace("-", "m").replace("+", ""),
         input_names=["qkv", "z", "b", "a", "conv", "conv_w", "A_log", "dt_bias", "ssm", "norm_w"],
         output_names=["y", "conv_out", "ssm_out"],
-        source=_CUDA_SOURCE.replace("__WARPS__", str(_WARPS)).replace("__NORM_EPS__", repr(eps)),
-        header=_CUDA_HEADER,
+        source=CUDA_SOURCE.replace("__WARPS__", str(WARPS)).replace("__NORM_EPS__", repr(eps)),
+        header=CUDA_HEADER,
+        ensure_row_contiguous=False,
     )
     W = K - 1 + T if keep_states else K - 1
     state_shape = (B, T, Hv, Dv, Dk) if keep_states else (B, Hv, Dv, Dk)
     y, conv_out, ssm_out = kernel(
-        inputs=[qkv, z.reshape(B, T, Hv * Dv), b, a, conv, la.conv1d.weight, la.A_log, la.dt_bias, ssm,
-                la.norm.weight],
+        inputs=[qkv, z.reshape(B, T, Hv * Dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv), conv, la.conv1d.weight,
+                la.A_log, la.dt_bias, ssm, la.norm.weight],
         template=[("T", T), ("K", K), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("KEEP", keep_states),
                   ("InT", qkv.dtype), ("ConvT", conv.dtype), ("StT", ssm.dtype)],
-        grid=(32 * _WARPS * B * Hv, 1, 1),
-        threadgroup=(32 * _WARPS, 1, 1),
+        grid=(32 * WARPS * B * Hv, 1, 1),
+        threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(B, T, Hv * Dv), (B, W, C), state_shape],
         output_dtypes=[qkv.dtype, conv.dtype, ssm.dtype],
     )
