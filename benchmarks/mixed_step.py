@@ -16,7 +16,9 @@ synchronized (the prompt's caches grow by the slice each step, so the context is
 - `mixed`: one forward for both (the default; a small slice's layers compiled per part where the
   options say, `models/compiled_parts.py`: on a CUDA GPU up to 512 tokens);
 - `eager`: the same forward with nothing compiled (the A/B of the compiled parts);
-- `chunk` (for `gpu/kernel_profile.py`, not in the table): the chunk's forward alone.
+- `chunk` (for `gpu/kernel_profile.py`, not in the table): the chunk's forward alone;
+- `unmerged` (`--unmerged`): `mixed` over a second copy of the model whose projections of one input
+  stay separate matmuls (`models/merged_projections.py`'s other side), alternated with the others.
 Reports, per slice and mode, the step's median and p90 (ms), its ratio to the decode step alone
 (what a decoding stream's ITL becomes) and the prompt's rate beside the rows (tokens a second of
 steps); with `--alone-chunk N` also a lone N-token chunk's rate (the prompt's rate alone: the TTFT
@@ -113,20 +115,21 @@ def lone_chunk_rate(bench: Bench, n: int, repeats: int) -> float:
     return n / statistics.median(times)
 
 
-def measure(bench: Bench, slices: list[int], steps: int) -> dict[str, Any]:
+def measure(runs: dict[str, tuple[Bench, str]], slices: list[int], steps: int) -> dict[str, Any]:
+    """`runs`: each reported mode, the bench and the mode it runs."""
     # warm: every shape once (compiles, plans), its time kept: a shape's first step is what a
     # server meets that never ran it
-    first = {(mode, n): bench.run(mode, n) for mode in MODES for n in slices}
+    first = {(mode, n): b.run(m, n) for mode, (b, m) in runs.items() for n in slices}
     out: dict[str, Any] = {}
     for n in slices:
-        context = bench.done
-        samples: dict[str, list[float]] = {m: [] for m in MODES}
+        context = runs["decode"][0].done
+        samples: dict[str, list[float]] = {m: [] for m in runs}
         for _ in range(steps):
-            for mode in MODES:
-                samples[mode].append(bench.run(mode, n))
+            for mode, (b, m) in runs.items():
+                samples[mode].append(b.run(m, n))
         decode = statistics.median(samples["decode"])
         out[str(n)] = {"context": context, "samples_ms": samples,
-                       "first_ms": {mode: first[mode, n] for mode in MODES}, **{
+                       "first_ms": {mode: first[mode, n] for mode in runs}, **{
             mode: {"median_ms": statistics.median(v), "p90_ms": sorted(v)[int(0.9 * (len(v) - 1))],
                    "itl_ratio": statistics.median(v) / decode,
                    "prompt_tok_s": n / (statistics.median(v) / 1000) if mode != "decode" else 0.0}
@@ -150,14 +153,21 @@ def main() -> None:
     ap.add_argument("--dense-16bit", action="store_true", help="16-bit copies of the dense projections (--dense-16bit)")
     ap.add_argument("--compiled-max", type=int, default=None,
                     help="the largest slice whose layers run compiled per part (default: 512 on CUDA, else 0)")
+    ap.add_argument("--unmerged", action="store_true",
+                    help="also the mixed step over a second, unmerged copy of the model (models/merged_projections.py)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     lm = load_model(Path(args.model)).model.language_model
     if args.dense_16bit:
         print(f"16-bit dense copies: {add_dense_copies(family_of(lm).layers(lm)) / 1e9:.2f} GB")
     bench = Bench(lm, args.rows, args.context, args.seed, args.experts, args.min_routes, args.compiled_max)
+    runs = {m: (bench, m) for m in MODES}
+    if args.unmerged:
+        other = load_model(Path(args.model), merge=False).model.language_model
+        runs["unmerged"] = (Bench(other, args.rows, args.context, args.seed, args.experts, args.min_routes,
+                                  args.compiled_max), "mixed")
     slices = [int(s) for s in args.slices.split(",")]
-    result = measure(bench, slices, args.steps)
+    result = measure(runs, slices, args.steps)
     alone = lone_chunk_rate(bench, args.alone_chunk, 3) if args.alone_chunk else None
     print(f"{bench.rows} decoding rows, prompt context {args.context}+; ms a step (median), ITL ratio to decode alone")
     print(f"{'slice':>6} {'decode':>8} {'two':>8} {'mixed':>8} {'eager':>8} {'two x':>6} {'mixed x':>7} "
@@ -166,9 +176,10 @@ def main() -> None:
         line = (f"{n:>6} {r['decode']['median_ms']:8.1f} {r['two']['median_ms']:8.1f} {r['mixed']['median_ms']:8.1f} "
                 f"{r['eager']['median_ms']:8.1f} {r['two']['itl_ratio']:6.2f} {r['mixed']['itl_ratio']:7.2f} "
                 f"{r['two']['prompt_tok_s']:9.0f} {r['mixed']['prompt_tok_s']:11.0f}")
-        print(line + (f" {alone / r['mixed']['prompt_tok_s']:12.2f}" if alone else ""))
+        print(line + (f" {alone / r['mixed']['prompt_tok_s']:12.2f}" if alone else "")
+              + (f"  unmerged {r['unmerged']['median_ms']:.1f}" if args.unmerged else ""))
     print("first step of each shape (ms): " + "; ".join(
-        f"{n}: " + " ".join(f"{m} {r['first_ms'][m]:.0f}" for m in MODES) for n, r in result.items()))
+        f"{n}: " + " ".join(f"{m} {r['first_ms'][m]:.0f}" for m in runs) for n, r in result.items()))
     if alone:
         print(f"lone {args.alone_chunk}-token chunk: {alone:.0f} tok/s")
     if args.out:

@@ -294,7 +294,7 @@ mixed)
       t=$tag$(dense_tag $d)
       python3 benchmarks/mixed_step.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
         --slices "${MIXED_SLICES:-16,64,128,256,512,1024}" --steps "${STEPS:-8}" --alone-chunk 4096 $(dense_flag $d) \
-        --experts "$e" ${m:+--min-routes $m} --out $O/mixed_step_$t.json > $O/mixed_step_$t.txt 2>&1
+        --experts "$e" ${m:+--min-routes $m} ${UNMERGED:+--unmerged} --out $O/mixed_step_$t.json > $O/mixed_step_$t.txt 2>&1
       say "mixed $t (rc $?): $(tail -n 8 $O/mixed_step_$t.txt | tr -s ' ' | tr '\n' ';')"
     done
   done ;;
