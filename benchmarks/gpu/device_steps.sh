@@ -50,8 +50,9 @@
 #            forwards (the decode step, the chunk's) against one (the plain lane's mixed step, and the same
 #            forward with no part compiled: `eager`); a lone
 #            4,096-token chunk's rate for the TTFT ratio, for each of MIXED_EXPERTS (default EXPERTS, else
-#            kernel: the chunk's experts, each optionally :MIN_PAIRS, the pairs from which they run grouped,
-#            e.g. "kernel narrow:256"; narrow only where this run's kernel check passed it).
+#            narrow, what a server on CUDA runs: the chunk's experts, each optionally :MIN_PAIRS, the pairs from
+#            which they run grouped, e.g. "kernel narrow:256"; narrow only where this run's kernel check passed
+#            it, else kernel). UNMERGED=1: also the mixed step over an unmerged copy of the model.
 #            Results: mixed_step_EXPERTS[_MIN_PAIRS].{json,txt}
 #   specops  (issue 45.3) the launches of a plain step, an MTP round and the head-free round at widths 1 and
 #            MAX_DRAFT + 1 on $MODEL (as spec's first step, without building a model). spec_ops.*
@@ -86,7 +87,8 @@
 #            Results: embed_probe.{json,txt}, build_embed.txt, embed_ours.log
 #   kvq      (issue 47.2) gpu/kv_quant_probe.py: KVQ_ROWS (1,16) rows at KVQ_CONTEXT (131072) tokens each, KV
 #            unquantized / 8 / 4-bit (KVQ_BITS): the buffers' bytes, peak memory, the compiled decode step; then
-#            bench_prefill.py at KVQ_PREFILL (32768) with --kv-bits 8 (ours). kv_quant_probe.*, prefill_kv8.*
+#            bench_prefill.py at KVQ_PREFILL (32768) with --kv-bits KVQ_PREFILL_BITS (8; ours). kv_quant_probe.*,
+#            prefill_kvBITS.*
 #   vision   (issue 47.3) ours and mlx_vlm.server side by side (capped at MEM_GB), bench_vision_cache.py
 #            (VISION_MEDIA both: an image, then an 8-frame MP4 where OpenCV is there to write it): a new
 #            VISION_SIZE (1024) image cold, in a new conversation, then the first conversation's next turn,
@@ -242,8 +244,9 @@ kvq)
     --bits "${KVQ_BITS:-none,8,4}" --out $O/kv_quant_probe.json > $O/kv_quant_probe.txt 2>&1
   say "kvq probe (rc $?): $(tail -n 6 $O/kv_quant_probe.txt | tr '\n' ';')"
   python3 benchmarks/bench_prefill.py "$MODEL" --sizes "${KVQ_PREFILL:-32768}" --cached none --repeats "${REPEATS:-2}" \
-    --targets ours --ours-flags="--kv-bits 8 $(qmm_flags)" --out $O/prefill_kv8.json > $O/prefill_kv8.txt 2>&1
-  say "kvq prefill (rc $?): $(grep -h '^| [0-9]' $O/prefill_kv8.txt | tr '\n' ' ')" ;;
+    --targets ours --ours-flags="--kv-bits ${KVQ_PREFILL_BITS:-8} $(qmm_flags)" --out $O/prefill_kv${KVQ_PREFILL_BITS:-8}.json \
+    > $O/prefill_kv${KVQ_PREFILL_BITS:-8}.txt 2>&1
+  say "kvq prefill (rc $?): $(grep -h '^| [0-9]' $O/prefill_kv${KVQ_PREFILL_BITS:-8}.txt | tr '\n' ' ')" ;;
 parts)
   for chunk in ${PARTS_CHUNK:-2048}; do
     python3 benchmarks/prefill_parts.py "$MODEL" --chunk "$chunk" --context "${PARTS_CONTEXT:-0,28672}" \
@@ -274,7 +277,7 @@ grouped)
     --qmv-shapes "${QMV_SHAPES:-}" ${GROUPED_DENSE:+--dense $GROUPED_DENSE} ${GROUPED_HOT:+--hot $GROUPED_HOT} --out $O/grouped_kernels.json > $O/grouped_kernels.txt 2>&1
   say "grouped (rc $?): $(tail -n 12 $O/grouped_kernels.txt | tr -s ' ' | tr '\n' ';')" ;;
 profile)
-  pe=${EXPERTS:-kernel}; [ "$pe" = narrow ] && ! narrow_ok && pe=kernel
+  pe=${EXPERTS:-narrow}; [ "$pe" = narrow ] && ! narrow_ok && pe=kernel  # narrow: what a server on CUDA runs
   for d in ${DENSE:-8bit}; do
     t=$(dense_tag $d)
     python3 benchmarks/gpu/kernel_profile.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
@@ -287,9 +290,9 @@ explicit)
     --slices "${EXPLICIT_SLICES:-16,64,256,512}" --steps "${STEPS:-8}" --out $O/mixed_explicit.json > $O/mixed_explicit.txt 2>&1
   say "explicit (rc $?): $(tail -n 7 $O/mixed_explicit.txt | tr -s ' ' | tr '\n' ';')" ;;
 mixed)
-  for spec in ${MIXED_EXPERTS:-${EXPERTS:-kernel}}; do
+  for spec in ${MIXED_EXPERTS:-${EXPERTS:-narrow}}; do
     e=${spec%%:*}; m=${spec#"$e"}; m=${m#:}; tag=$e${m:+_$m}
-    if [ "$e" = narrow ] && ! narrow_ok; then say "mixed $tag skipped: narrow_qmm did not pass"; continue; fi
+    if [ "$e" = narrow ] && ! narrow_ok; then say "mixed: narrow_qmm not passed in this run's check, kernel"; e=kernel; tag=$e${m:+_$m}; fi
     for d in ${DENSE:-8bit}; do
       t=$tag$(dense_tag $d)
       python3 benchmarks/mixed_step.py "$MODEL" --rows "${MIXED_ROWS:-8}" --context "${MIXED_CONTEXT:-16384}" \
