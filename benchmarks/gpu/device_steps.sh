@@ -59,6 +59,10 @@
 #   specmiss (issue 45.2) bench_speculation.py on $MODEL (random: the head's and the context's drafts miss) at
 #            batch 1, copy rate 0, SPEC_METHODS (none,context,auto,mtp), then --profile: kernels and host
 #            time a token per method (gpu/step_recorder.py). Results: spec_miss.{json,md,txt}
+#   hostprof (issue 45.2) where a lone row's round spends its host time, natively: bench_speculation.py as
+#            specmiss, one method of HOSTPROF_METHODS (none context) a run, under py-spy (the kit's wheel,
+#            PYSPY) with native frames (MLX's C++ under each Python call). Results: hostprof_METHOD.{txt,log}
+#            (collapsed stacks: `python3 benchmarks/gpu/host_split.py` splits them)
 #   explicit (issue 43.3) mixed_explicit.py: MIXED_ROWS (8) rows' step beside a slice of a prompt MIXED_CONTEXT
 #            (16384) tokens in, for each of EXPLICIT_SLICES (16,64,256,512): the compiled decode step alone, the
 #            engine's mixed step, and the mixed step with the chunk's caches explicit too, eager and as one
@@ -307,6 +311,15 @@ specops)
   python3 benchmarks/bench_decode_step.py "$MODEL" --batch 1 --prompt-tokens 64 --count-ops --mtp-block "${BLOCK:-2}" \
     --spec-widths "1,$(( ${MAX_DRAFT:-8} + 1 ))" --out $O/spec_ops.json > $O/spec_ops.txt 2>&1
   say "spec ops (rc $?): $(grep -h 'batch 1\|round' $O/spec_ops.txt | tr '\n' ' ')" ;;
+hostprof)
+  for m in ${HOSTPROF_METHODS:-none context}; do
+    "${PYSPY:-/tmp/site/bin/py-spy}" record --native --rate "${HOSTPROF_RATE:-500}" --format raw -o $O/hostprof_$m.txt -- \
+      python3 benchmarks/bench_speculation.py "$MODEL" --scenario copy --copy-rate 0 --batch 1 --methods "$m" --no-raw \
+      --max-tokens "${SPEC_TOKENS:-400}" --repeats 1 > $O/hostprof_$m.log 2>&1
+    say "hostprof $m (rc $?): $(grep -h '^B=1' $O/hostprof_$m.log | tail -n 1)"
+  done
+  python3 benchmarks/gpu/host_split.py $O/hostprof_*.txt > $O/host_split.txt 2>&1
+  say "host split: $(head -c 600 $O/host_split.txt | tr '\n' ';')" ;;
 specmiss)
   # issue 45.2 on the plain random model (its head's drafts and the context's miss): speculation by source
   # at batch 1 on a prompt no copy helps, then one pass a method with its kernels and host time recorded
