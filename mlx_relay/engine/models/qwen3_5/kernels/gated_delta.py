@@ -16,7 +16,7 @@ returns the gated, normalized output [B, T, Hv*Dv] (what `out_proj` takes) and, 
 
 On a CUDA GPU this is one kernel launch (`CUDA_SOURCE`: one thread block per row and value head;
 the head's state rows live in registers across the T positions) where the library runs about
-two dozen small operations. Elsewhere it is `_fallback`, the library's own arithmetic: its
+two dozen small operations. Elsewhere it is `fallback_mixer`, the library's own arithmetic: its
 float32-accumulated conv, L2 normalization as an RMS norm, `gated_delta_update` and
 `Qwen3_5RMSNormGated`.
 """

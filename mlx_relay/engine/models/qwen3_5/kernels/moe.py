@@ -9,9 +9,9 @@ experts, renormalized to sum to one when the model says so. `combine` is the res
 plus the residual add: `h + sum_k scores_k * expert_out_k + sigmoid(shared_gate) * shared_out`.
 On a CUDA GPU each is one kernel launch where the library runs five and three (every input read
 through its strides: the logits and the shared gate may be views of one merged product, read in
-place); elsewhere the library's own operations. The kernel's top-k lists experts by falling probability (ties to the
-lower index), where `argpartition` leaves them in no set order: the sum over experts may then round
-differently in bf16, never pick other experts.
+place); elsewhere the library's own operations. The kernel's top-k lists experts by falling
+probability (ties to the lower index), where `argpartition` leaves them in no set order: the sum
+over experts may then round differently in bf16, never pick other experts.
 """
 
 from __future__ import annotations
