@@ -14,6 +14,10 @@
 #   count    bench_decode_step.py --count-ops --by-layer (issue 32.1): launches per step and per layer part
 #   probe    memory_release_probe.py: does freed MLX memory go back to the device (CUDA backend)
 #   step     bench_decode_step.py: mlx-vlm's own decode step vs ours (eager, compiled), per token
+#   graphs   (issues 43.3, 45) the host's cost a launch under MLX's CUDA graph settings (its public environment:
+#            each of GRAPH_ENVS, ";"-separated, default "MLX_MAX_OPS_PER_BUFFER=100" (an H100's / H200's default),
+#            "MLX_MAX_OPS_PER_BUFFER=1000", "MLX_USE_CUDA_GRAPHS=0"): the compiled decode step at BATCH (1,8) and
+#            the mixed step at GRAPH_SLICES (16,64), a process per setting. Results: graphs_N.{txt,json}
 #   mtp      bench_mtp.py: an MTP round (compiled and eager) against a plain step; raw mlx-vlm with and
 #            without its drafter
 #   overhead bench_decode.py (issue 17.2): batch-1 decode through the raw mlx-vlm loop, our in-process
@@ -219,6 +223,18 @@ count)
     --out $O/step_ops.json > $O/step_ops.txt 2>&1; say "count done (rc $?): $(grep -h '^batch' $O/step_ops.txt | head -2)" ;;
 probe)
   python3 benchmarks/gpu/memory_release_probe.py --gb 40 > $O/memory_release.txt 2>&1; say "memory probe done" ;;
+graphs)
+  IFS=';' read -ra settings <<< "${GRAPH_ENVS:-MLX_MAX_OPS_PER_BUFFER=100;MLX_MAX_OPS_PER_BUFFER=1000;MLX_USE_CUDA_GRAPHS=0}"
+  for r in 1 ${REPEATS:+$(seq 2 "$REPEATS")}; do  # the settings alternate, REPEATS waves
+    for i in "${!settings[@]}"; do
+      read -ra envs <<< "${settings[$i]}"
+      env "${envs[@]}" python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,8}" --steps "${STEPS:-32}" \
+        --repeats 1 --out $O/graphs_${i}_step_$r.json > $O/graphs_${i}_step_$r.txt 2>&1
+      env "${envs[@]}" python3 benchmarks/mixed_step.py "$MODEL" --rows 8 --context 16384 --slices "${GRAPH_SLICES:-16,64}" \
+        --steps 8 --out $O/graphs_${i}_mixed_$r.json > $O/graphs_${i}_mixed_$r.txt 2>&1
+      say "graphs ${settings[$i]} wave $r: $(grep -h '^batch' $O/graphs_${i}_step_$r.txt | grep -o 'compiled [0-9.]* ms' | tr '\n' ' ')| mixed $(grep -hE '^ +[0-9]+ ' $O/graphs_${i}_mixed_$r.txt | awk '{print $1": "$4" ms"}' | tr '\n' ' ')"
+    done
+  done ;;
 step)
   for d in ${DENSE:-8bit}; do
     python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,4}" --steps "${STEPS:-32}" $(dense_flag $d) \
