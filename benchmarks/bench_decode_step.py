@@ -11,7 +11,8 @@ variants over `--repeats` passes of `--steps` tokens each (greedy, pipelined the
   compiled_unmerged  (`--unmerged`) the same over a second copy of the model whose projections of
             one input stay separate matmuls (`models/merged_projections.py`)
   compiled_lib_experts  (`--library-experts`) the same with the library's experts where a CUDA GPU
-            runs ours over few pairs (`kernels.pair_qmv`)
+            runs ours (over few pairs `kernels.pair_qmv`, past them the grouped experts the plain lane
+            gives its step: the engine's `--prefill-experts`)
 
 Reported per variant and batch size: ms per step (median of the passes), host ms per step (the
 time the Python thread spends building and dispatching a step), the first call's seconds (trace
@@ -56,13 +57,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import mlx.core as mx
 
 from mlx_relay.bench.machine import environment
+from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
 from mlx_relay.engine.lanes.decode_step import DecodeStep
 from mlx_relay.engine.memory.batch_caches import as_batch_caches, batched, extend_caches
 from mlx_relay.engine.models import family_of
 from mlx_relay.engine.models.dense_copies import add_dense_copies
 from mlx_relay.engine.models.loader import load_model
-from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.models.prefill_options import PrefillOptions, prefill_experts
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 
 
@@ -349,12 +351,14 @@ def main() -> None:
                 for n, c in parts["parts"].items():
                     print(f"    {n}: {c['launching']}: " + ", ".join(f"{k} {v}" for k, v in c["by_primitive"].items()))
             continue
-        variants = {"library": Library(lm, rows, args.prompt_tokens), "eager": Ours(lm, rows, False),
-                    "compiled": Ours(lm, rows, True)}
-        if args.library_experts:  # the same step with the library's experts (where a CUDA GPU runs pair_qmv)
+        # our steps with the experts' options the plain lane gives its step (`PlainLane`: the engine's)
+        served = PrefillOptions().with_experts(prefill_experts("auto", "cuda" if cuda_kernels_available() else "cpu"))
+        variants = {"library": Library(lm, rows, args.prompt_tokens), "eager": Ours(lm, rows, False, served),
+                    "compiled": Ours(lm, rows, True, served)}
+        if args.library_experts:  # the same step with the library's experts (where a CUDA GPU runs ours)
             variants["compiled_lib_experts"] = Ours(lm, rows, True, PrefillOptions().with_experts("library"))
         if unmerged is not None:  # the same weights, each projection its own matmul
-            variants["compiled_unmerged"] = Ours(unmerged, rows, True)
+            variants["compiled_unmerged"] = Ours(unmerged, rows, True, served)
         first_call: dict[str, float] = {}
         for name, v in variants.items():  # warm-up pass: traces and kernels
             t0 = time.perf_counter()

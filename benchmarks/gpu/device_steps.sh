@@ -16,7 +16,7 @@
 #   step     bench_decode_step.py: mlx-vlm's own decode step vs ours (eager, compiled), per token
 #   graphs   (issues 43.3, 45) the host's cost a launch under MLX's CUDA graph settings (its public environment:
 #            each of GRAPH_ENVS, ";"-separated, default "MLX_MAX_OPS_PER_BUFFER=100" (an H100's / H200's default),
-#            "MLX_MAX_OPS_PER_BUFFER=1000", "MLX_USE_CUDA_GRAPHS=0"): the compiled decode step at BATCH (1,8) and
+#            "MLX_MAX_OPS_PER_BUFFER=1000", "MLX_USE_CUDA_GRAPHS=0"): the compiled decode step at GRAPH_BATCH (1,8) and
 #            the mixed step at GRAPH_SLICES (16,64), a process per setting. Results: graphs_N.{txt,json}
 #   mtp      bench_mtp.py: an MTP round (compiled and eager) against a plain step; raw mlx-vlm with and
 #            without its drafter
@@ -228,7 +228,7 @@ graphs)
   for r in 1 ${REPEATS:+$(seq 2 "$REPEATS")}; do  # the settings alternate, REPEATS waves
     for i in "${!settings[@]}"; do
       read -ra envs <<< "${settings[$i]}"
-      env "${envs[@]}" python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${BATCH:-1,8}" --steps "${STEPS:-32}" \
+      env "${envs[@]}" python3 benchmarks/bench_decode_step.py "$MODEL" --batch "${GRAPH_BATCH:-1,8}" --steps "${STEPS:-32}" \
         --repeats 1 --out $O/graphs_${i}_step_$r.json > $O/graphs_${i}_step_$r.txt 2>&1
       env "${envs[@]}" python3 benchmarks/mixed_step.py "$MODEL" --rows 8 --context 16384 --slices "${GRAPH_SLICES:-16,64}" \
         --steps 8 --out $O/graphs_${i}_mixed_$r.json > $O/graphs_${i}_mixed_$r.txt 2>&1

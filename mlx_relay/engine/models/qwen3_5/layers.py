@@ -178,10 +178,10 @@ def _switch_linear(m: Any, x: mx.array, inds: mx.array, rows: mx.array) -> mx.ar
 
 def _experts(switch: Any, x: mx.array, inds: mx.array, rows: ExpertRows | None,
              prefill: PrefillOptions | None) -> mx.array:
-    """mlx-vlm's `SwitchGLU` over the routed experts: its own call; for a prefill chunk's many routed
-    positions on a GPU (a prefill chunk, as its `prefill` options say), grouped GEMMs
-    (`kernels.grouped_experts`); for few on a CUDA GPU, one matrix-vector product a pair
-    (`kernels.pair_qmv`, unless the chunk's options keep the library's experts); or for few routed
+    """mlx-vlm's `SwitchGLU` over the routed experts: its own call; for many routed positions on a
+    GPU (a prefill chunk, or a decode step given the engine's options, as its `prefill` options say),
+    grouped GEMMs (`kernels.grouped_experts`); for few on a CUDA GPU, one matrix-vector product a
+    pair (`kernels.pair_qmv`, unless the options keep the library's experts); or for few routed
     positions elsewhere (its unsorted path) the same matmuls, one row per position, with `rows` given."""
     if prefill is not None and prefill.grouped_experts and use_grouped(switch, inds.size, prefill.grouped_min_routes):
         return grouped_switch_glu(switch, x, inds, kernel=prefill.quantized_kernel, narrow=prefill.narrow_kernel)
