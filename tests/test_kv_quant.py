@@ -246,6 +246,11 @@ def test_a_dequantized_attention_holds_one_blocks_float_copy(gpu: Callable) -> N
     assert dequantized_block(1, 2, 256, 2) == DEQUANTIZED_BLOCK_BYTES // (2 * 2 * 256 * 2)
     assert dequantized_block(16, 2, 256, 2) == 16384  # the 35B-A3B shape's 16 rows: 8 blocks at 128K
     assert dequantized_block(4096, 64, 256, 4) == 256
+    # where the products read the quantized keys in place (a CUDA GPU), a block holds only the scores'
+    # float32 copies: the 35B-A3B shape's 16 rows of 16 query heads at 128K tokens in one block
+    from mlx_relay.engine.models.kv_quant import scores_block
+    assert scores_block(16, 16, 1) >= 131072 and scores_block(16, 16, 1) % 256 == 0
+    assert scores_block(64, 64, 64) == 256
 
     def run() -> dict[tuple[str, int], int]:
         import mlx.core as mx

@@ -128,6 +128,15 @@ def specs() -> list[KernelSpec]:
         out.append(KernelSpec(f"moe_route_{dtype}", moe.ROUTE_SOURCE, moe.ROUTE_HEADER, [("logits", dtype, 3)],
                               [("inds", "uint32"), ("scores", dtype)],
                               [("E", 256), ("KTOP", 8), ("NORM", True), ("OutT", dtype)]))
+    from mlx_relay.engine.kernels import quantized_attention as qa
+
+    for bits in (8, 4):
+        for name, source, first, extra in (("scores", qa.SCORES_SOURCE, "q", ("WARPS_", qa.WARPS)),
+                                           ("weighted", qa.WEIGHTED_SOURCE, "p", ("CHUNK_", qa.CHUNK))):
+            inputs = [(first, "bfloat16" if first == "q" else "float32", 4), ("w", "uint32", 4),
+                      ("scales", "bfloat16", 4), ("biases", "bfloat16", 4)]
+            out.append(KernelSpec(f"quantized_{name}_{bits}", source, qa.HEADER, inputs, [("out", "float32")],
+                                  [("D", 256), ("R", 8), ("BITS", bits), ("GS", 64), extra, ("QT", "bfloat16")]))
     from mlx_relay.engine.models.qwen3_5.kernels import gated_delta as gd
 
     for dtype in ("bfloat16", "float32"):

@@ -13,6 +13,8 @@ random inputs at Qwen3.5-35B-A3B's shape, bf16 as the model runs. Exits non-zero
   order; equal probabilities may name other experts), each weight the renormalized probability of
   the expert it names.
 - MoE combine (`moe.cuda_combine` vs `fallback_combine`).
+- The attention's two products over quantized keys and values (`kernels/quantized_attention.py`) against
+  their fallbacks, a block sliced from a longer buffer, 8 and 4 bits.
 - The same three given their projections as strided views of one merged product
   (`merged_projections.py`; the kernels read them in place), the fallbacks row-contiguous copies.
 - GatedDeltaNet prefill recurrence (`gated_delta_prefill.cuda_delta_rule` vs its `fallback`, the
@@ -114,6 +116,27 @@ def check_mixer(la: Any, B: int, T: int, keep: bool, strided: bool = False) -> d
               "ssm_rel": rel(ours[2], ref[2]) if shapes_ok else None}
     result["ok"] = bool(shapes_ok and result["conv_exact"] and result["y_rel"] <= TOLERANCE
                         and result["ssm_rel"] <= TOLERANCE)
+    return result
+
+
+def check_quantized_attention(B: int, R: int, bits: int, L: int = 1000, D: int = 256, H: int = 2) -> dict[str, Any]:
+    """The two products over quantized keys and values (`kernels/quantized_attention.py`) against their
+    fallbacks (a float copy and MLX's matmuls), on a block sliced from a longer buffer (read in place)."""
+    from mlx_relay.engine.kernels import quantized_attention as qa
+
+    bf = mx.bfloat16
+    buf = [mx.quantize(mx.random.normal((B, H, L, D)).astype(bf), group_size=64, bits=bits) for _ in range(2)]
+    keys, values = (tuple(x[:, :, 100:L - 100] for x in b) for b in buf)
+    q = (mx.random.normal((B, H, R, D)) * 0.05).astype(bf)
+    p = mx.softmax(mx.random.normal((B, H, R, L - 200)) * 3, axis=-1)
+    ours_s, ref_s = qa.quantized_scores(q, keys, bits, 64), qa.fallback_scores(q, keys, bits, 64)
+    ours_w, ref_w = qa.quantized_weighted(p, values, bits, 64, bf), qa.fallback_weighted(p, values, bits, 64, bf)
+    mx.eval(ours_s, ref_s, ours_w, ref_w)
+    result = {"B": B, "R": R, "bits": bits, "keys": L - 200, "fits": qa.fits(R, D, bits, 64),
+              "scores_rel": rel(ours_s, ref_s), "weighted_rel": rel(ours_w, ref_w),
+              "shapes_match": ours_s.shape == ref_s.shape and ours_w.shape == ref_w.shape}
+    result["ok"] = bool(result["fits"] and result["shapes_match"] and result["scores_rel"] <= TOLERANCE
+                        and result["weighted_rel"] <= TOLERANCE)
     return result
 
 
@@ -377,7 +400,8 @@ def main() -> None:
     la = gated_delta_net()
     checks: dict[str, list[dict[str, Any]]] = {"gated_delta_mixer": [], "route_topk": [], "combine": [],
                                                "delta_rule": [], "conv": [], "grouped_experts": [],
-                                               "grouped_qmm": [], "narrow_qmm": [], "pair_qmv": []}
+                                               "grouped_qmm": [], "narrow_qmm": [], "pair_qmv": [],
+                                               "quantized_attention": []}
     def record(name: str, check: Any, *args: Any) -> None:
         try:
             c = check(*args)
@@ -397,6 +421,10 @@ def main() -> None:
     # step's decoding rows (B rows of one position, split from a slice's product) and a verify block
     for B, T, keep in ((1, 1, False), (8, 1, False), (2, 3, True)):
         record("gated_delta_mixer", check_mixer, la, B, T, keep, True)
+    # the attention's products over a quantized KV cache, read in place (--kv-bits on CUDA, long contexts):
+    # one position and a 2-position verify of a 16-head / 2-key-head model (8 and 16 rows a key head)
+    for B, R, bits in ((1, 8, 8), (3, 16, 8), (2, 8, 4)):
+        record("quantized_attention", check_quantized_attention, B, R, bits)
     for B, T in ((1, 1), (8, 1), (1, 24), (3, 7)):
         record("route_topk", check_route, B, 256, 8, T, True)
         record("combine", check_combine, B, 2048, 8, T, True)

@@ -15,9 +15,11 @@ the library's quantized path (mlx-vlm's `quantized_scaled_dot_product_attention`
 implementation for problem shape: 16x16x256x16", M x N x K x B with N the keys, for a 16-token prompt's
 first chunk, a 1-token one, 63 keys: `benchmarks/results/gpu-h200-2026-11-29d/`), so the keys and values
 are dequantized there for MLX's attention: the cache stays quantized in memory, and each attention reads
-it and writes a float copy of one layer's, or, past `DEQUANTIZED_BLOCK_BYTES`, of one block of its keys
-at a time (`blockwise_attention`: 16 rows at 128K tokens held ~18 GB of float copies on an H200 at
-`bd632f4`, `benchmarks/results/gpu-h200-2026-11-29e/`).
+it and writes a float copy of one layer's, or, past `DEQUANTIZED_BLOCK_BYTES`, runs block by block
+(`blockwise_attention`), each block's two products reading the quantized keys and values in place
+(`kernels/quantized_attention.py`; where they dequantized each block to a float copy, 16 rows at 128K
+tokens held 12.5-13.7 GB of such copies queued ahead of an H200 at `4d39e80`, ~18 GB of whole copies at
+`bd632f4`: `benchmarks/results/gpu-h200-2026-11-29e/`, `-29f/`).
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ import mlx.core as mx
 from mlx_vlm.models.base import quantized_scaled_dot_product_attention
 from mlx_vlm.models.cache import KVCache, QuantizedKVCache
 
+from mlx_relay.engine.kernels import quantized_attention
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
+from mlx_relay.engine.kernels.quantized_attention import quantized_scores, quantized_weighted
 from mlx_relay.engine.models.kv_format import KVQuant
+from mlx_relay.engine.models.prefill_options import SCORE_COPIES
 
 #: the float copy of the keys and values that a dequantized attention holds at once, at most (longer
 #: contexts attend block by block: `blockwise_attention`)
@@ -86,6 +91,9 @@ def attend(queries: mx.array, keys: Buffer, values: Buffer, scale: float, mask: 
             keys, values = (mx.dequantize(*buf, group_size=group_size, bits=bits).astype(queries.dtype)
                             for buf in (keys, values))  # type: ignore[misc]
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        rows = queries.shape[1] // kv_heads * queries.shape[2]
+        if cuda_kernels_available() and quantized_attention.fits(rows, queries.shape[-1], bits, group_size):
+            block = max(block, scores_block(B, queries.shape[1], queries.shape[2]))  # no float copy: the scores
         return blockwise_attention(queries, keys, values, scale, mask, group_size, bits, block)  # type: ignore[arg-type]
     # the library scales its `queries` argument in place (`queries *= scale`): it gets a scaled copy
     # and a scale of one, so the caller's queries stay as they were
@@ -101,13 +109,24 @@ def dequantized_block(rows: int, kv_heads: int, head_dim: int, itemsize: int) ->
     return max(256, DEQUANTIZED_BLOCK_BYTES // per_key // 256 * 256)
 
 
+def scores_block(rows: int, heads: int, positions: int) -> int:
+    """The most keys whose float32 scores (and the softmax's copies of them, `SCORE_COPIES`) for
+    `rows` rows of `heads` query heads at `positions` positions fit `DEQUANTIZED_BLOCK_BYTES`: a
+    multiple of 256, at least 256 (the block of an attention whose products read the quantized
+    keys and values in place, `kernels/quantized_attention.py`)."""
+    per_key = SCORE_COPIES * rows * heads * positions * 4
+    return max(256, DEQUANTIZED_BLOCK_BYTES // per_key // 256 * 256)
+
+
 def blockwise_attention(queries: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.array, ...], scale: float,
                         mask: Any, group_size: int, bits: int, block: int) -> mx.array:
     """The attention of `queries` [B, heads, T, D] (the last T of the S positions) over quantized keys
-    and values [B, kv heads, S, D], dequantized `block` keys at a time with the softmax merged across
-    the blocks (running maximum and sum, in float32), so the float copy held at once is one block's,
-    not the whole context's. `mask`: None, "causal", or an array [B, 1 or heads, T, S] (boolean:
-    attend where true; else added to the scores)."""
+    and values [B, kv heads, S, D], `block` keys at a time with the softmax merged across the blocks
+    (running maximum and sum, in float32): each block's two products through
+    `kernels/quantized_attention.py` (on a CUDA GPU they read the quantized keys and values in place;
+    elsewhere, and for shapes they do not take, a float copy of the block's), so the float copy held at
+    once is at most one block's, not the whole context's. `mask`: None, "causal", or an array
+    [B, 1 or heads, T, S] (boolean: attend where true; else added to the scores)."""
     B, heads, T, D = queries.shape
     kv_heads, S = keys[0].shape[1], keys[0].shape[2]
     rep = heads // kv_heads
@@ -117,9 +136,8 @@ def blockwise_attention(queries: mx.array, keys: tuple[mx.array, ...], values: t
     high = total = out = None
     for start in range(0, S, block):
         stop = min(S, start + block)
-        k, v = (mx.dequantize(*(x[:, :, start:stop] for x in buf), group_size=group_size, bits=bits)
-                .astype(queries.dtype) for buf in (keys, values))
-        scores = (q @ k.swapaxes(-1, -2)).astype(mx.float32).reshape(B, kv_heads, rep, T, stop - start)
+        k, v = (tuple(x[:, :, start:stop] for x in buf) for buf in (keys, values))
+        scores = quantized_scores(q, k, bits, group_size).reshape(B, kv_heads, rep, T, stop - start)
         if isinstance(mask, str):  # causal: query t sees the keys up to S - T + t
             keep = mx.arange(start, stop)[None] <= (S - T + mx.arange(T))[:, None]
             scores = mx.where(keep, scores, floor)
@@ -132,7 +150,7 @@ def blockwise_attention(queries: mx.array, keys: tuple[mx.array, ...], values: t
         top = scores.max(axis=-1, keepdims=True)
         high_new = top if high is None else mx.maximum(high, top)
         p = mx.exp(scores - high_new)
-        part = (p.astype(queries.dtype) @ v).astype(mx.float32)
+        part = quantized_weighted(p, v, bits, group_size, queries.dtype)
         if high is None:
             total, out = p.sum(axis=-1, keepdims=True), part
         else:
