@@ -106,9 +106,10 @@ WEIGHTED_SOURCE = """
 
 def fits(rows: int, head_dim: int, bits: int, group_size: int) -> bool:
     """Whether the kernels take `rows` query rows a key head of `head_dim` values at `bits` bits in
-    groups of `group_size`: whole warps over the values, whole words and groups, the rows staged."""
-    return (bits in (4, 8) and head_dim % 32 == 0 and head_dim <= 1024 and group_size % (32 // bits) == 0
-            and head_dim % group_size == 0 and rows * head_dim <= MAX_ROWS_X_D and rows * CHUNK * 4 <= 48 * 1024)
+    groups of `group_size`: whole warps over the values (a thread a value in a block), whole groups,
+    the rows (and a run's weights) in shared memory."""
+    return (bits in (4, 8) and head_dim % 32 == 0 and head_dim <= 1024 and head_dim % group_size == 0
+            and rows * head_dim <= MAX_ROWS_X_D and rows * CHUNK * 4 <= 48 * 1024)
 
 
 def quantized_scores(q: mx.array, keys: QTriple, bits: int, group_size: int) -> mx.array:
