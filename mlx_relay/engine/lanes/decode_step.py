@@ -54,10 +54,10 @@ class DecodeStep:
         self.family = family_of(lm)
         self.lm = lm
         self.stage = stage  # a pipeline stage: only its layers, hidden states to and from its neighbours
-        # the forward's kernel choices: the plain lane passes the engine's (a step whose routed pairs are
-        # past `kernels.pair_qmv`'s runs the experts grouped as a prefill chunk does); None: the library's
-        # experts past `pair_qmv`'s pairs; `PrefillOptions.with_experts("library")` the library's everywhere
-        # (a benchmark's other side)
+        # the forward's kernel choices: the plain lane passes the engine's (a step with as many routed pairs
+        # as the options group runs the experts grouped as a prefill chunk does, fewer `kernels.pair_qmv`);
+        # None: the library's experts past `pair_qmv`'s pairs; `PrefillOptions.with_experts("library")` the
+        # library's everywhere (a benchmark's other side)
         self.options = options
         self.layout = self.family.cache_layout(lm)
         self._fn = mx.compile(self._step) if compiled else self._step

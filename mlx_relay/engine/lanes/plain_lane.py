@@ -82,7 +82,7 @@ class PlainLane:
                                     forward=ModelForward(lm, prefill_options, parts) if stage is None
                                     else StageForward(lm, stage))
         self.rows: dict[int, PlainRow] = {}  # every row of the lane, prefilling or decoding
-        # the decode step's experts as a prefill chunk's (past `pair_qmv`'s pairs, grouped: `layers._experts`)
+        # the decode step's experts as a prefill chunk's (from the options' pairs, grouped: `layers._experts`)
         self._step = DecodeStep(lm, compiled=compiled, stage=stage, options=prefill_options)
         self._batch = DecodeBatch(self._step)
 
