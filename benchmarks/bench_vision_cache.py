@@ -4,8 +4,9 @@
         --target mlx_vlm=http://127.0.0.1:8101 --size 1024 --repeats 3 --out vision_cache.json
 
 Per repeat, a new image (a pattern of its own, `--size` pixels square, PNG; `--media video`: an
-8-frame MP4 of it moving, or `both`), three requests to each target, streamed, each answered in
-full before the next:
+8-frame MP4 of it moving, or `both`; a data URL, or for a target named by `--video-as-file` a file
+on this machine, the same bytes), three requests to each target, streamed, each answered in full
+before the next:
 1. `cold`: a new conversation asking about the image (the vision tower encodes it);
 2. `new_conversation`: another new conversation about the same image (its encoder features can be
    reused by content: ours keeps them by the image's hash, `vision_cache_hits_total`);
@@ -14,7 +15,7 @@ full before the next:
 Targets alternate repeat by repeat (ABBA), so drift cancels. The report: per request its TTFT,
 prompt and cached tokens, and where the server has them the vision cache's hits during it (from
 `/metrics`); per target, medium and case the TTFT median (min-max) and its ratio to `cold` (a
-target that refuses the medium: its status, once). JSON `runs`: one entry per request.
+target that fails a request: its status and the case, once). JSON `runs`: one entry per request.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import importlib.util
 import io
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -52,9 +55,9 @@ def image_url(size: int, seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def video_url(size: int, seed: int, frames: int = 8, fps: float = 2.0) -> str:
-    """A `frames`-frame MP4 (`fps`, `size` pixels square) of the seeded pattern moving, as a data URL
-    (OpenCV writes it, as the server's decoder reads it)."""
+def video_bytes(size: int, seed: int, frames: int = 8, fps: float = 2.0) -> bytes:
+    """A `frames`-frame MP4 (`fps`, `size` pixels square) of the seeded pattern moving (OpenCV writes
+    it, as the server's decoder reads it)."""
     import os
     import tempfile
 
@@ -70,7 +73,18 @@ def video_url(size: int, seed: int, frames: int = 8, fps: float = 2.0) -> str:
             writer.write(np.ascontiguousarray(np.roll(base, k * size // (4 * frames), axis=1)[:, :, ::-1]))
         writer.release()
         with open(path, "rb") as f:
-            return "data:video/mp4;base64," + base64.b64encode(f.read()).decode()
+            return f.read()
+
+
+def video_url(size: int, seed: int, as_file: str | None = None) -> str:
+    """`video_bytes` as a data URL, or (`as_file`: a directory) written there and given by its path, for a
+    server on this machine that takes no data URL for a video (mlx_vlm.server 0.7.10: "Cannot open video")."""
+    data = video_bytes(size, seed)
+    if as_file is None:
+        return "data:video/mp4;base64," + base64.b64encode(data).decode()
+    path = Path(as_file) / f"clip-{size}-{seed}.mp4"
+    path.write_bytes(data)
+    return str(path)
 
 
 def vision_hits(url: str) -> float | None:
@@ -106,11 +120,11 @@ def ask(url: str, model: str, messages: list[dict[str, Any]], max_tokens: int) -
             "cached_tokens": details.get("cached_tokens")}
 
 
-def run_repeat(name: str, url: str, repeat: int, size: int, max_tokens: int, media: str = "image"
-               ) -> list[dict[str, Any]]:
+def run_repeat(name: str, url: str, repeat: int, size: int, max_tokens: int, media: str = "image",
+               video_dir: str | None = None) -> list[dict[str, Any]]:
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     part = ({"type": "image_url", "image_url": {"url": image_url(size, repeat)}} if media == "image"
-            else {"type": "video_url", "video_url": {"url": video_url(size, repeat)}})
+            else {"type": "video_url", "video_url": {"url": video_url(size, repeat, video_dir)}})
     first = [{"role": "user", "content": [part, {"type": "text", "text": f"Describe this {media} in one sentence."}]}]
     other = [{"role": "user", "content": [part, {"type": "text", "text": f"Which colours are in this {media}?"}]}]
     out: list[dict[str, Any]] = []
@@ -144,9 +158,10 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for target, media in dict.fromkeys((r["target"], r.get("media", "image")) for r in runs):
         ours = [r for r in runs if r["target"] == target and r.get("media", "image") == media]
-        errors = [r["error"] for r in ours if r.get("error")]
+        errors = [r for r in ours if r.get("error")]
         if errors:
-            rows.append({"target": target, "media": media, "case": "error", "error": errors[0], "n": len(errors)})
+            rows.append({"target": target, "media": media, "case": "error", "error": errors[0]["error"],
+                         "at": errors[0]["case"], "n": len(errors)})
         cold = [r["ttft_s"] for r in ours if r["case"] == "cold" and r["ttft_s"]]
         for case in CASES:
             mine = [r for r in ours if r["case"] == case and r["ttft_s"]]
@@ -171,6 +186,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--media", default="image", help="image, video or both (a short MP4; OpenCV writes it)")
+    parser.add_argument("--video-as-file", action="append", default=[], metavar="NAME",
+                        help="this target gets the video as a file path on this machine (the same bytes)")
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -180,17 +197,19 @@ def main() -> None:
     if "video" in medias and importlib.util.find_spec("cv2") is None:
         print("no OpenCV here to write the video: images only")
         medias = tuple(m for m in medias if m != "video")
-    for repeat in range(args.repeats):
-        order = targets if repeat % 2 == 0 else targets[::-1]
-        for media in medias:
-            for name, url in order:
-                runs += run_repeat(name, url, repeat, args.size, args.max_tokens, media)
+    with tempfile.TemporaryDirectory() as videos:
+        for repeat in range(args.repeats):
+            order = targets if repeat % 2 == 0 else targets[::-1]
+            for media in medias:
+                for name, url in order:
+                    runs += run_repeat(name, url, repeat, args.size, args.max_tokens, media,
+                                       videos if name in args.video_as_file else None)
     rows = summarize(runs)
     print("| target | media | case | TTFT s median (min-max) | x cold | prompt | cached | vision cache hits |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["case"] == "error":
-            print(f"| {r['target']} | {r['media']} | refused ({r['error']}, {r['n']}x) | | | | | |")
+            print(f"| {r['target']} | {r['media']} | HTTP {r['error']} at {r['at']} ({r['n']}x) | | | | | |")
             continue
         print(f"| {r['target']} | {r['media']} | {r['case']} | {r['ttft_s']:.3f} ({r['ttft_min_s']:.3f}-"
               f"{r['ttft_max_s']:.3f}) | {r['vs_cold']} | {r['prompt_tokens']:g} | {r['cached_tokens']:g} | "

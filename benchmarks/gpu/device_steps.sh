@@ -390,6 +390,7 @@ vision)
   for _ in $(seq 1 600); do up http://127.0.0.1:8100/health && up http://127.0.0.1:8101/v1/models && break
     alive $ours_pid $peer_pid || break; sleep 1; done
   python3 benchmarks/bench_vision_cache.py --target ours=http://127.0.0.1:8100 --target mlx_vlm=http://127.0.0.1:8101 \
+    --video-as-file mlx_vlm \
     --size "${VISION_SIZE:-1024}" --media "${VISION_MEDIA:-both}" --repeats "${REPEATS:-3}" --commit "$COMMIT" \
     --out $O/vision_cache.json \
     > $O/vision_cache.txt 2>&1
