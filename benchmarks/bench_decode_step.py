@@ -57,13 +57,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import mlx.core as mx
 
 from mlx_relay.bench.machine import environment
-from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.lanes.decode_state import DecodeState, batch_bucket
 from mlx_relay.engine.lanes.decode_step import DecodeStep
 from mlx_relay.engine.memory.batch_caches import as_batch_caches, batched, extend_caches
 from mlx_relay.engine.models import family_of
 from mlx_relay.engine.models.dense_copies import add_dense_copies
-from mlx_relay.engine.models.loader import load_model
+from mlx_relay.engine.models.loader import detect_backend, load_model
 from mlx_relay.engine.models.prefill_options import PrefillOptions, prefill_experts
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 
@@ -352,7 +351,7 @@ def main() -> None:
                     print(f"    {n}: {c['launching']}: " + ", ".join(f"{k} {v}" for k, v in c["by_primitive"].items()))
             continue
         # our steps with the experts' options the plain lane gives its step (`PlainLane`: the engine's)
-        served = PrefillOptions().with_experts(prefill_experts("auto", "cuda" if cuda_kernels_available() else "cpu"))
+        served = PrefillOptions().with_experts(prefill_experts("auto", detect_backend()))
         variants = {"library": Library(lm, rows, args.prompt_tokens), "eager": Ours(lm, rows, False, served),
                     "compiled": Ours(lm, rows, True, served)}
         if args.library_experts:  # the same step with the library's experts (where a CUDA GPU runs ours)

@@ -31,9 +31,8 @@ import mlx.core as mx
 from mlx_vlm.models.base import quantized_scaled_dot_product_attention
 from mlx_vlm.models.cache import KVCache, QuantizedKVCache
 
-from mlx_relay.engine.kernels import quantized_attention
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
-from mlx_relay.engine.kernels.quantized_attention import quantized_scores, quantized_weighted
+from mlx_relay.engine.kernels.quantized_attention import fits, quantized_scores, quantized_weighted
 from mlx_relay.engine.models.kv_format import KVQuant
 from mlx_relay.engine.models.prefill_options import SCORE_COPIES
 
@@ -92,7 +91,7 @@ def attend(queries: mx.array, keys: Buffer, values: Buffer, scale: float, mask: 
                             for buf in (keys, values))  # type: ignore[misc]
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         rows = queries.shape[1] // kv_heads * queries.shape[2]
-        if cuda_kernels_available() and quantized_attention.fits(rows, queries.shape[-1], bits, group_size):
+        if cuda_kernels_available() and fits(rows, queries.shape[-1], bits, group_size):
             block = max(block, scores_block(B, queries.shape[1], queries.shape[2]))  # no float copy: the scores
         return blockwise_attention(queries, keys, values, scale, mask, group_size, bits, block)  # type: ignore[arg-type]
     # the library scales its `queries` argument in place (`queries *= scale`): it gets a scaled copy
@@ -105,8 +104,7 @@ def attend(queries: mx.array, keys: Buffer, values: Buffer, scale: float, mask: 
 def dequantized_block(rows: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
     """The most keys whose dequantized keys and values (every row's and head's, `itemsize` bytes a
     value) fit `DEQUANTIZED_BLOCK_BYTES`: a multiple of 256, at least 256."""
-    per_key = 2 * rows * kv_heads * head_dim * itemsize
-    return max(256, DEQUANTIZED_BLOCK_BYTES // per_key // 256 * 256)
+    return _keys_fitting(2 * rows * kv_heads * head_dim * itemsize)
 
 
 def scores_block(rows: int, heads: int, positions: int) -> int:
@@ -114,7 +112,11 @@ def scores_block(rows: int, heads: int, positions: int) -> int:
     `rows` rows of `heads` query heads at `positions` positions fit `DEQUANTIZED_BLOCK_BYTES`: a
     multiple of 256, at least 256 (the block of an attention whose products read the quantized
     keys and values in place, `kernels/quantized_attention.py`)."""
-    per_key = SCORE_COPIES * rows * heads * positions * 4
+    return _keys_fitting(SCORE_COPIES * rows * heads * positions * 4)
+
+
+def _keys_fitting(per_key: int) -> int:
+    """The most keys of `per_key` bytes that fit `DEQUANTIZED_BLOCK_BYTES`: a multiple of 256, at least 256."""
     return max(256, DEQUANTIZED_BLOCK_BYTES // per_key // 256 * 256)
 
 
