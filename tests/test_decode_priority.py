@@ -83,6 +83,36 @@ def test_a_chunk_with_a_large_fixed_cost_runs_large_and_seldom() -> None:
     assert sum(chunks) > 20 * prefill_s / (fixed_s + 16 * token_s) * 16
 
 
+def test_a_short_prompt_waits_only_for_its_own_cost() -> None:
+    """The H200's shape again, short prompts arriving while rows decode (short_chat at c=16): held
+    for credit worth the efficient chunk (~1,600 tokens, 4 x the fixed cost), each waited ~14 steps
+    (TTFT 5.3x on an H200, benchmarks/results/gpu-h200-2026-11-29g/); told that a prompt finishes
+    with 200 tokens, the step runs those 200 once the credit covers them, and a long prompt (no
+    finishing count, or one over the efficient chunk) is held for its efficient chunk as before."""
+    decode_s, fixed_s, token_s = 0.017, 0.060, 0.00011
+
+    def primed() -> DecodePriority:
+        p = DecodePriority(factor=2.0, min_chunk=16)
+        p.observe(fixed_s + 4096 * token_s, 0, 4096)
+        p.observe(fixed_s + 256 * token_s, 0, 256)
+        p.observe(decode_s, 8, 0)
+        return p
+
+    def steps_until_prefill(p: DecodePriority, finishing: int | None) -> tuple[int, int]:
+        for step in range(1, 100):
+            if n := p.allowance(4096, finishing):
+                return step, n
+            p.observe(decode_s, 8, 0)
+        raise AssertionError("the prefill was held for 100 steps")
+
+    held_for_chunk = steps_until_prefill(primed(), None)
+    assert held_for_chunk[1] >= primed().smallest_chunk(4096) >= 1600
+    steps, tokens = steps_until_prefill(primed(), 200)
+    assert tokens >= 200 and steps == -(-(fixed_s + 200 * token_s) // decode_s)  # its own cost's credit
+    assert steps * 3 <= held_for_chunk[0]
+    assert steps_until_prefill(primed(), 5000) == held_for_chunk  # no shorter than the efficient chunk
+
+
 def test_prompts_alone_and_off() -> None:
     p = DecodePriority(factor=3.0, min_chunk=16)
     assert p.allowance(256) == 0  # nothing measured yet: a decode step alone first

@@ -23,7 +23,10 @@ within about F times its latency alone, and the prompts still get (F - 1) / F of
 - a credit in seconds: each step in which rows decode and prompts wait adds (F - 1) x
   `decode_s`, capped at one step's credit or the cost of the smallest chunk worth its fixed cost
   (`EFFICIENT`: the fixed part at most a quarter of it), whichever is more (so the prefill comes
-  as chunks spread over the steps, never as a saved-up burst); the prefill a step runs is charged
+  as chunks spread over the steps, never as a saved-up burst), or of a waiting prompt's whole
+  remainder where that is less (`finishing`: a short prompt is not held back for credit worth a
+  chunk it has no tokens to fill; on an H200, credit for ~1,600 tokens held every short_chat prompt
+  at c=16 for ~14 steps, its TTFT 5.3x, `benchmarks/results/gpu-h200-2026-11-29g/`); the prefill a step runs is charged
   at its measured cost (so a chunk that cost more than estimated is paid back by the steps after
   it; a debt of `DEBT_CHUNKS` chunks' worth at most).
 A step runs as many prefill tokens as its credit buys (at most the budget), none while that is
@@ -114,9 +117,11 @@ class DecodePriority:
         efficient = int(EFFICIENT * fixed / per_token + 0.999) if per_token > 0 else 0
         return min(budget, max(self.min_chunk, efficient))
 
-    def allowance(self, budget: int) -> int:
+    def allowance(self, budget: int, finishing: int | None = None) -> int:
         """The prefill tokens of a step in which rows decode and prompts wait, out of `budget`
-        (what the token budget leaves); 0 holds the prefill back this step."""
+        (what the token budget leaves); 0 holds the prefill back this step. `finishing`: the
+        fewest tokens with which a waiting prompt's prefill ends (none known: None); a step
+        that runs that many is worth its fixed cost, however small."""
         if self.decode_s is None or self.since_decode >= REMEASURE:
             self.held += 1
             return 0  # measure a decode step
@@ -124,6 +129,8 @@ class DecodePriority:
             return min(self.min_chunk, budget)  # measure a chunk
         fixed, per_token = line = self.cost.line()  # (fitted once a step)
         smallest = self.smallest_chunk(budget, line)
+        if finishing is not None and 0 < finishing < smallest:
+            smallest = finishing
         earned = (self.factor - 1) * self.decode_s
         self.credit_s = min(self.credit_s + earned, max(earned, fixed + smallest * per_token))
         tokens = min(budget, int((self.credit_s - fixed) / per_token + 1e-6)) if per_token > 0 else budget

@@ -5,7 +5,8 @@
     shares.observe(seconds, prefill_tokens)                     # the step's measured duration
 
 The step's token budget less every lane's decoding tokens (`scheduling/token_budget.py`), within
-decode priority's allowance while rows decode and prompts wait (`interleave.py`), split over the
+decode priority's allowance while rows decode and prompts wait (`interleave.py`, told the fewest
+tokens with which a waiting prompt finishes), split over the
 lanes by the rows each has prefilling; or, every other step at most, all of it to prompts that
 finish in it (`token_budget.finishing_shares`: their first tokens come out of that step).
 """
@@ -30,14 +31,17 @@ class PrefillShares:
     def split(self, decode: int, prefilling: list[int], finishing_costs: Callable[[], list[list[int]]]) -> list[int]:
         """Per lane: its prefill tokens this step. `decode`: every lane's decoding tokens;
         `prefilling`: each lane's rows whose prefill would run; `finishing_costs`: each lane's
-        `Lane.finishing_costs` (asked only when two or more rows prefill and prefill runs)."""
+        `Lane.finishing_costs` (asked when decode priority holds the prefill, or when two or more
+        rows prefill and prefill runs)."""
         budget = prefill_budget(self.token_budget, decode)
+        costs: list[list[int]] | None = None
         if self.priority is not None and decode and any(prefilling):
-            budget = self.priority.allowance(budget)
+            costs = finishing_costs()
+            budget = self.priority.allowance(budget, min((c for lane in costs for c in lane if c > 0), default=None))
         self.last_budget = (decode, budget)
         rows = sum(prefilling)
         finishing = None if self.finished_last or budget <= 0 or rows < 2 else finishing_shares(
-            finishing_costs(), budget, rows)
+            costs if costs is not None else finishing_costs(), budget, rows)
         self.finished_last = finishing is not None
         self.finishing_steps += self.finished_last
         return finishing or split_by_rows(prefilling, budget)
