@@ -10,6 +10,7 @@ written for."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tests.test_moe_decode import build_moe_lm
@@ -114,3 +115,19 @@ def test_path_follows_the_measured_table(gpu: Callable) -> None:
     expect |= {"1x2048 1": "library", "1x2048 8": "library", "1x2048 24": "library"}  # no whole tile: N 1
     expect |= {f"4-bit {r}": "library" for r in (1, 8, 24, 64, 264)} | {"float 264": "library"}
     assert got == expect
+
+
+def test_the_family_calls_no_projection_directly() -> None:
+    """The module docstring's sentence, checked: the Qwen3.5 family's forwards (the decode step,
+    the prefill chunk, the mixed step, the compiled parts) call every projection through `dense`,
+    `dense_many` or `mlp`, never the module itself (a chunk's output projections once ran as the
+    library's call at any rows: MLX's quantized matmul where `dense` runs ours or a dequantized one)."""
+    import re
+
+    import mlx_relay.engine.models.qwen3_5 as family
+
+    root = Path(family.__file__).parent
+    direct = [f"{path.relative_to(root)}:{n}: {line.strip()}" for path in sorted(root.rglob("*.py"))
+              for n, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"\.\w*proj\w*\(", line) and not line.lstrip().startswith("#")]
+    assert direct == []

@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.models.prefill_options import PrefillOptions
+from mlx_relay.engine.models.qwen3_5.kernels.dense import dense
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import causal_conv, normalize_qk
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta_prefill import delta_rule
 from mlx_relay.engine.models.qwen3_5.layers import gdn_projections
@@ -39,7 +40,7 @@ def recurrent_mask(cache: Any, T: int) -> mx.array | None:
 def gated_delta_net(la: Any, x: mx.array, cache: Any, mask: mx.array | None, options: PrefillOptions) -> mx.array:
     """The library's `Qwen3_5GatedDeltaNet` over a chunk, its conv window and recurrent state in
     `cache` (an `ArraysCache`: [0] the window, [1] the state), kept as the library keeps them."""
-    return la.out_proj(gated_delta_core(la, *gdn_projections(la, x), cache, mask, options))
+    return dense(la.out_proj, gated_delta_core(la, *gdn_projections(la, x), cache, mask, options))
 
 
 def chunk_window(la: Any, cache: Any, B: int, dtype: mx.Dtype) -> mx.array:

@@ -28,6 +28,7 @@ from mlx_relay.engine.models.chunk_forward import Split
 from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.models.qwen3_5.chunk_mixer import chunk_window, gated_delta_chunk
+from mlx_relay.engine.models.qwen3_5.kernels.dense import dense
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer
 from mlx_relay.engine.models.qwen3_5.layers import Residual, gdn_projections, layer_residual
 
@@ -72,7 +73,7 @@ def compiled_linear(parts: CompiledParts, la: Any, x: mx.array, cache: Any, opti
         if split is None:
             def alone(x: mx.array, window: mx.array, state: mx.array) -> tuple[mx.array, ...]:
                 out, window, state = gated_delta_chunk(la, *gdn_projections(la, x), window, state, options)
-                return la.out_proj(out), window, state
+                return dense(la.out_proj, out), window, state
             return alone
 
         def beside(x: mx.array, window: mx.array, state: mx.array, conv: mx.array, ssm: mx.array
@@ -80,7 +81,7 @@ def compiled_linear(parts: CompiledParts, la: Any, x: mx.array, cache: Any, opti
             ours, theirs = zip(*(split.split(p) for p in gdn_projections(la, x)), strict=True)
             out_chunk, window, state = gated_delta_chunk(la, *ours, window, state, options)
             out_rows, conv, ssm = gated_delta_mixer(la, *theirs, conv, ssm, keep_states=False)
-            return la.out_proj(split.join(out_chunk, out_rows)), window, state, conv, ssm
+            return dense(la.out_proj, split.join(out_chunk, out_rows)), window, state, conv, ssm
         return beside
 
     fn = parts.part((id(la), "linear", split, options), make)

@@ -32,6 +32,7 @@ from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.models.qwen3_5.chunk_mixer import gated_delta_core, recurrent_mask
 from mlx_relay.engine.models.qwen3_5.compiled_chunk import compiled_linear, compiled_residual, compiled_route
+from mlx_relay.engine.models.qwen3_5.kernels.dense import dense
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import gated_delta_mixer
 from mlx_relay.engine.models.qwen3_5.layers import (
     attend_explicit,
@@ -79,7 +80,7 @@ def mixed_forward(lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
         out_rows, conv_state, ssm_state = gated_delta_mixer(la, *theirs, conv_state, ssm_state, keep_states=False)
         new_conv.append(conv_state)
         new_ssm.append(ssm_state)
-        return la.out_proj(split.join(out_chunk, out_rows))
+        return dense(la.out_proj, split.join(out_chunk, out_rows))
 
     def attend(sa: Any, x: mx.array) -> mx.array:
         ours, theirs = zip(*(split.split(p) for p in qkv_projections(sa, x)), strict=True)
@@ -90,7 +91,7 @@ def mixed_forward(lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
         keys_buf, values_buf = next(kv_in)
         out, keys_buf, values_buf = attend_explicit(sa, q, k, v, keys_buf, values_buf, block.at, periods)
         new_kv.append((keys_buf, values_buf))
-        return sa.o_proj(split.join(out_chunk, gated(out, gate_rows)))
+        return dense(sa.o_proj, split.join(out_chunk, gated(out, gate_rows)))
 
     h = run_layers(model.layers, split.join(h_chunk, h_rows), linear, attend, prefill=options,
                    after=pacing(options, after),
