@@ -65,7 +65,8 @@
 #            time a token per method (gpu/step_recorder.py). Results: spec_miss.{json,md,txt}
 #   hostprof (issue 45.2) where a lone row's round spends its host time, natively: bench_speculation.py as
 #            specmiss, one method of HOSTPROF_METHODS (none context) a run, under py-spy (the kit's wheel,
-#            PYSPY) with native frames (MLX's C++ under each Python call). Results: hostprof_METHOD.{txt,log}
+#            PYSPY) with native frames (MLX's C++ under each Python call), HOSTPROF_RATE samples a second (100: at
+#            500 it fell 14 s behind on an H200 host). Results: hostprof_METHOD.{txt,log}
 #            (collapsed stacks: `python3 benchmarks/gpu/host_split.py` splits them)
 #   explicit (issue 43.3) mixed_explicit.py: MIXED_ROWS (8) rows' step beside a slice of a prompt MIXED_CONTEXT
 #            (16384) tokens in, for each of EXPLICIT_SLICES (16,64,256,512): the compiled decode step alone, the
@@ -329,7 +330,7 @@ specops)
   say "spec ops (rc $?): $(grep -h 'batch 1\|round' $O/spec_ops.txt | tr '\n' ' ')" ;;
 hostprof)
   for m in ${HOSTPROF_METHODS:-none context}; do
-    "${PYSPY:-/tmp/site/bin/py-spy}" record --native --rate "${HOSTPROF_RATE:-500}" --format raw -o $O/hostprof_$m.txt -- \
+    "${PYSPY:-/tmp/site/bin/py-spy}" record --native --rate "${HOSTPROF_RATE:-100}" --format raw -o $O/hostprof_$m.txt -- \
       python3 benchmarks/bench_speculation.py "$MODEL" --scenario copy --copy-rate 0 --batch 1 --methods "$m" --no-raw \
       --max-tokens "${SPEC_TOKENS:-400}" --repeats 1 > $O/hostprof_$m.log 2>&1
     say "hostprof $m (rc $?): $(grep -h '^B=1' $O/hostprof_$m.log | tail -n 1)"
