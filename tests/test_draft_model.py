@@ -261,3 +261,34 @@ def test_compiled_drafts_equal_the_library_s_round_by_round(gpu: Callable) -> No
     got_a, got_b, is_compiled, eager_compiled = gpu(run)
     assert is_compiled and not eager_compiled
     assert got_a == got_b and all(len(d) == 4 for d in got_a), (got_a, got_b)
+
+
+def test_a_served_family_s_draft_reads_tokens_as_the_library_s_forward(gpu: Callable) -> None:
+    """`DraftModel.read`: a draft of a family the engine serves reads a row's tokens through the
+    family's prefill forward (its CPU recurrence here, its kernels on a GPU) over the library's
+    caches, in pieces at the caches' offsets; the caches after it equal the library's forward's
+    over the same tokens (float32), and the eager draft (no compiled step) reads through the
+    library's forward itself."""
+    import mlx.core as mx
+
+    from mlx_relay.engine.scoring.draft_library import cache_arrays, make_cache
+
+    path = fixture_path(FixtureSpec(variant="fp32", seed=0))
+    tokens = [5 + (i * 7) % 900 for i in range(150)]
+
+    def run() -> tuple[bool, bool, float]:
+        tok = load_model(path).processor
+        draft = DraftModel.load(path, getattr(tok, "tokenizer", tok), 3)
+        ours, theirs = make_cache(draft.model), make_cache(draft.model)
+        draft.read(tokens[:70], ours)  # two pieces: the second at the first's offset
+        draft.read(tokens[70:], ours)
+        draft.forward(mx.array([tokens], dtype=mx.int32), theirs)
+        a, b = cache_arrays(ours), cache_arrays(theirs)
+        mx.eval(a, b)
+        worst = max(float(mx.max(mx.abs(x.astype(mx.float32) - y.astype(mx.float32))))
+                    for x, y in zip(a, b, strict=True))
+        return draft.step is not None, len(a) == len(b) > 0, worst
+
+    served, same_layout, worst = gpu(run)
+    assert served and same_layout
+    assert worst < 1e-4, worst

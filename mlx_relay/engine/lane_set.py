@@ -140,7 +140,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, *, token_budget: int,
         if config.draft_model is not None and stage is None:
             processor = loaded.processor
             draft = DraftModel.load(Path(config.draft_model), getattr(processor, "tokenizer", processor),
-                                    config.draft_tokens, compiled=config.compile_mtp)
+                                    config.draft_tokens, compiled=config.compile_mtp, prefill_options=prefill_options)
         lanes["mtp"] = MTPLane(lm, head, block_size=config.mtp_block_size, prefill_step_size=step,
                                eos_token_ids=info.eos_token_ids, exact_verify=exact, compiled=config.compile_mtp,
                                stage=stage, max_context=context, always_context=config.context_policy == "always",

@@ -8,8 +8,9 @@ drafts through `lanes.decode_step.DecodeStep` instead, the plain lane's step as 
 (one compiled call a drafted token, no graph built in Python), over the row's caches made explicit
 (`lanes.decode_state.DecodeState`, one row):
 
-- the prompt is read once through the library's forward (as `DraftProposals` does, `proposer.FEED_CHUNK`
-  tokens a round at most), its caches then taken into a `DecodeState`;
+- the prompt is read once through the family's prefill forward over the library's caches
+  (`DraftModel.read`; `proposer.FEED_CHUNK` tokens a round at most), its caches then taken into a
+  `DecodeState`;
 - a round's steps keep the state after each (the attention write column and the recurrent layers'
   arrays: values, so keeping them costs nothing); the next round finds how many of its drafts the
   row committed and goes back to the state after the last of them it kept, so the committed
@@ -88,7 +89,7 @@ class CompiledDraftProposals:
         if self._state is None:
             assert self._cache is not None
             if len(self._pending) > 1:
-                self._model.forward(mx.array([self._pending[:-1]], dtype=mx.int32), self._cache)
+                self._model.read(self._pending[:-1], self._cache)
             self._state = DecodeState.from_row_caches(self._cache, self._step.layout)
             self._cache = None
             del self._pending[:-1]
