@@ -49,6 +49,7 @@ from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.kv_format import KVQuant
 from mlx_relay.engine.models.kv_quant import fresh_caches
 from mlx_relay.engine.models.pipeline_stage import Stage
+from mlx_relay.engine.models.positions import text_positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.scheduling.token_budget import PREFILL_GRANULE
 from mlx_relay.engine.speculation.draft_model import DraftModel
@@ -234,7 +235,7 @@ class MTPLane:
                    if forward.options.compiles(n, cuda)]
         for n in lengths:
             caches = fresh_caches(self.lm, self.lm.make_cache(), self.kv_quant)
-            positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32)[None, None], (3, 1, n))
+            positions = text_positions(0, n)
             mx.eval(forward.prefill(mx.zeros((1, n), dtype=mx.int32), None, caches, positions))
         return len(lengths)
 

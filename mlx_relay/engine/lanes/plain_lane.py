@@ -51,6 +51,7 @@ from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.kv_format import KVQuant
 from mlx_relay.engine.models.kv_quant import fresh_caches
 from mlx_relay.engine.models.pipeline_stage import Stage
+from mlx_relay.engine.models.positions import text_positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ class PlainLane:
             traced = forward.parts.traces
             state = DecodeState.from_batch_caches(as_batch_caches(cache), [0])
             state.pad_to(size)
-            positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32)[None, None], (3, 1, n))
+            positions = text_positions(0, n)
             chunk = Chunk(mx.zeros((1, n), dtype=mx.int32), None, as_batch_caches(self._fresh_caches()), positions)
             mx.eval(self._step.beside(chunk, mx.zeros((size,), dtype=mx.int32), state, forward.options, forward.parts))
             if i == 0 and forward.parts.traces == traced:  # the family compiles no part (its chunks run eagerly)

@@ -44,6 +44,7 @@ from mlx_relay.engine.lanes.stage_forward import ModelForward
 from mlx_relay.engine.memory.batch_caches import as_batch_caches, extend_caches, take_rows
 from mlx_relay.engine.memory.snapshots import Snapshot, snapshot_caches
 from mlx_relay.engine.models import Chunk
+from mlx_relay.engine.models.positions import text_positions
 from mlx_relay.engine.scheduling.token_budget import PREFILL_GRANULE
 
 
@@ -90,7 +91,7 @@ def _positions(pre: RowPrefill, end: int) -> mx.array:
     """[3, 1, n] M-RoPE positions of prompt[done:end]."""
     if pre.positions is not None:
         return pre.positions[:, :, pre.done:end]
-    return mx.broadcast_to(mx.arange(pre.done, end, dtype=mx.int32)[None, None, :], (3, 1, end - pre.done))
+    return text_positions(pre.done, end)
 
 
 class PrefillBatch:

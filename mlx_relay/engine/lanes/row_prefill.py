@@ -21,6 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_relay.engine.models.positions import text_positions
+
 
 @dataclass
 class RowPrefill:
@@ -54,7 +56,7 @@ class RowPrefill:
         if self.positions is not None:
             pos = self.positions[:, :, start:end]
         else:
-            pos = mx.broadcast_to(mx.arange(start, end, dtype=mx.int32)[None, None, :], (3, 1, end - start))
+            pos = text_positions(start, end)
         emb = self.embeds[:, start:end, :] if self.embeds is not None else None
         out = lm(chunk, inputs_embeds=emb, cache=self.cache, position_ids=pos, **kwargs)
         self.done = end

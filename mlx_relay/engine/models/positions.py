@@ -17,6 +17,12 @@ import mlx.core as mx
 from mlx_relay.engine.models.kv_quant import Buffer, is_quantized, layout, quantize
 
 
+def text_positions(start: int, end: int) -> mx.array:
+    """The M-RoPE positions [3, 1, end - start] of one row's text tokens start..end-1 (every
+    section the token's index), as the families' `prefill_forward` takes them."""
+    return mx.broadcast_to(mx.arange(start, end, dtype=mx.int32)[None, None], (3, 1, end - start))
+
+
 @dataclass(frozen=True)
 class Positions:
     rotary: mx.array  # the positions the attention's rotary embedding takes

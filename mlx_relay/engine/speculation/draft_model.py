@@ -31,6 +31,7 @@ from mlx_lm.models.cache import ArraysCache as LmArraysCache
 from mlx_vlm.models.cache import ArraysCache as VlmArraysCache
 
 from mlx_relay.engine.lanes.decode_step import DecodeStep, UnsupportedModel
+from mlx_relay.engine.models.positions import text_positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.scoring.draft_library import (
     LoadedDraft,
@@ -146,9 +147,8 @@ class DraftModel:
             self.forward(ids, cache)
             return
         start = next((c.offset for c in cache if is_attention_cache(c)), 0)
-        positions = mx.broadcast_to(mx.arange(start, start + len(tokens), dtype=mx.int32)[None, None],
-                                    (3, 1, len(tokens)))
-        self.step.family.prefill_forward(self.step.lm, ids, None, cache, positions, self.prefill_options)
+        self.step.family.prefill_forward(self.step.lm, ids, None, cache, text_positions(start, start + len(tokens)),
+                                         self.prefill_options)
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         """The draft's logits [1, T, V] over `tokens` [1, T], its caches advanced."""
