@@ -44,8 +44,10 @@ from dataclasses import dataclass, field
 #: the stall factor's default per backend (EngineConfig.decode_stall_factor None): on CPU below the
 #: issue's target (a stream's ITL within 3x of alone while long prompts prefill), as the server's
 #: own work between steps shares the cores (3 measured 3.6x for a 64-token stream,
-#: benchmarks/results/short-behind-long-cpu-2026-11-26b/); on a GPU off until the GPU probe
-#: (benchmarks/gpu/device_short_behind_long.sh) measures one against the long prompt's TTFT
+#: benchmarks/results/short-behind-long-cpu-2026-11-26b/); on a GPU off: on an H200, 2 held 8 streams at 1.45x
+#: beside a 30K prompt (its TTFT 3.14x; off: 27-35x, 1.0x) but served short_chat at 0.78x / 0.85x the out
+#: tokens at c=16 / c=64, each short prompt held for a long prompt's chunk (gpu-h200-2026-11-29f and -29g),
+#: before a prompt that can finish waited only for its own cost: to be served again
 DEFAULT_FACTOR = {"cpu": 2.5}
 SMOOTHING = 0.25  # the weight of the newest measurement in the cost averages
 DEBT_CHUNKS = 4  # the most debt the prefill may run up, in chunks' worth of credit
