@@ -272,3 +272,22 @@ def test_the_grouped_qmm_dequantizes_as_mlx(gpu: Callable) -> None:
         return bool(np.abs(ours - ref).max() <= 2 ** -7 * np.abs(ref).max())
 
     assert gpu(run)
+
+
+def test_queries_and_keys_normalized_side_by_side_are_the_library_s_norms(gpu: Callable) -> None:
+    """The chunk's mixer normalizes its queries and keys in one norm over both
+    (`kernels.gated_delta.normalize_joined_qk`): bit for bit the two norms the library's mixer
+    runs (`normalize_qk`), in float32 and in bfloat16."""
+    import mlx.core as mx
+
+    from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import normalize_joined_qk, normalize_qk
+
+    def run() -> list[bool]:
+        same = []
+        for dtype in (mx.float32, mx.bfloat16):
+            qk = mx.random.normal((2, 5, 2 * 4, 16), key=mx.random.key(3)).astype(dtype)
+            for ours, theirs in zip(normalize_joined_qk(qk, 4), normalize_qk(qk[:, :, :4], qk[:, :, 4:]), strict=True):
+                same.append(ours.dtype == theirs.dtype and bool(mx.array_equal(ours, theirs).item()))
+        return same
+
+    assert gpu(run) == [True] * 4

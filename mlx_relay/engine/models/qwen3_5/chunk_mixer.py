@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx_relay.engine.kernels.backend import cuda_kernels_available
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.models.qwen3_5.kernels.dense import dense
-from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import causal_conv, normalize_qk
+from mlx_relay.engine.models.qwen3_5.kernels.gated_delta import causal_conv, normalize_joined_qk
 from mlx_relay.engine.models.qwen3_5.kernels.gated_delta_prefill import delta_rule
 from mlx_relay.engine.models.qwen3_5.layers import gdn_projections
 
@@ -89,12 +89,9 @@ def _conv_heads(la: Any, conv_in: mx.array, T: int, options: PrefillOptions) -> 
     """The conv over [B, K-1+T, C], activated and split into normed queries, keys and values per head."""
     B = conv_in.shape[0]
     mixed = nn.silu(depthwise_conv(la, conv_in, T, options.shifted_conv))
-    q, k, v = (t.reshape(B, T, heads, dim) for t, heads, dim in zip(
-        mx.split(mixed, [la.key_dim, 2 * la.key_dim], -1),
-        (la.num_k_heads, la.num_k_heads, la.num_v_heads),
-        (la.head_k_dim, la.head_k_dim, la.head_v_dim), strict=True))
-    q, k = normalize_qk(q, k)
-    return q, k, v
+    qk, v = mx.split(mixed, [2 * la.key_dim], -1)
+    q, k = normalize_joined_qk(qk.reshape(B, T, 2 * la.num_k_heads, la.head_k_dim), la.num_k_heads)
+    return q, k, v.reshape(B, T, la.num_v_heads, la.head_v_dim)
 
 
 def _gated_norm(la: Any, out: mx.array, z: mx.array) -> mx.array:

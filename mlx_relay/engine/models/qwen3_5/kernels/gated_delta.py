@@ -216,6 +216,15 @@ def normalize_qk(q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
     return (inv_scale**2) * mx.fast.rms_norm(q, None, eps), inv_scale * mx.fast.rms_norm(k, None, eps)
 
 
+def normalize_joined_qk(qk: mx.array, heads: int) -> tuple[mx.array, mx.array]:
+    """`normalize_qk` of the queries and keys side by side, [..., 2 * heads, D] (the queries' heads
+    first, as the conv's output holds them): one norm over both, the same arithmetic row by row (a
+    chunk's mixer then launches one norm, and copies the strided pair once, where it did each twice)."""
+    inv_scale = qk.shape[-1] ** -0.5
+    normed = mx.fast.rms_norm(qk, None, 1e-6 / qk.shape[-1])
+    return (inv_scale**2) * normed[..., :heads, :], inv_scale * normed[..., heads:, :]
+
+
 def causal_conv(la: Any, conv_in: mx.array, T: int) -> mx.array:
     """The causal depthwise conv's T outputs over [B, K-1+T, C]; low precision weights accumulate
     in float32 per position, as the library's one-token decode does."""
