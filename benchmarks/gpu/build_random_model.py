@@ -90,6 +90,8 @@ TEXT_397B_A17B: dict[str, Any] = {**copy.deepcopy(TEXT_35B_A3B), "hidden_size": 
                                   "num_attention_heads": 32, "linear_num_value_heads": 64, "num_experts": 512,
                                   "num_experts_per_tok": 10, "moe_intermediate_size": 1024,
                                   "shared_expert_intermediate_size": 1024}
+# --spill-dir: what a layer shard leaves free on OUT's filesystem (the rest of the model, the index)
+SPILL_RESERVE = 4 * 2**30
 MOE_SHAPES: dict[str, dict[str, Any]] = {"35b-a3b": TEXT_35B_A3B, "122b-a10b": TEXT_122B_A10B,
                                          "397b-a17b": TEXT_397B_A17B}
 VISION_35B_A3B: dict[str, Any] = {
@@ -320,22 +322,29 @@ def build_draft(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, agree_
     return out
 
 
-def _save_layer(out: Path, i: int, layer: Any, weight_map: dict[str, str]) -> int:
-    """Layer `i`'s weights to a shard of its own, then dropped from the module; the bytes written."""
+def _save_layer(out: Path, i: int, layer: Any, weight_map: dict[str, str], spill: Path | None = None) -> int:
+    """Layer `i`'s weights to a shard of its own, then dropped from the module; the bytes written.
+    `spill`: a directory on another filesystem that takes the shard (linked from `out`) once `out`'s
+    filesystem would keep less than SPILL_RESERVE free."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
 
     name = f"model-layer-{i:03d}.safetensors"
     weights = {f"language_model.model.layers.{i}.{k}": v for k, v in tree_flatten(layer.parameters())}
     n_bytes = sum(v.nbytes for v in weights.values())
-    mx.save_safetensors(str(out / name), weights, metadata={"format": "mlx"})
+    if spill is not None and shutil.disk_usage(out).free - n_bytes < SPILL_RESERVE:
+        spill.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(spill / name), weights, metadata={"format": "mlx"})
+        (out / name).symlink_to(spill.resolve() / name)
+    else:
+        mx.save_safetensors(str(out / name), weights, metadata={"format": "mlx"})
     weight_map.update(dict.fromkeys(weights, name))
     layer.update(tree_map(lambda _: mx.array([]), layer.parameters()))
     return n_bytes
 
 
 def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: float | None = None,
-          shape: str = "35b-a3b", bits: int = 8, layers: int | None = None) -> Path:
+          shape: str = "35b-a3b", bits: int = 8, layers: int | None = None, spill: Path | None = None) -> Path:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -373,8 +382,12 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: f
             return False
         if hasattr(module, "weight") and module.weight.shape[-1] % group_size != 0:
             return False
-        return model_predicate(path, module) if model_predicate is not None else True
+        chosen = model_predicate(path, module) if model_predicate is not None else True
+        if isinstance(chosen, dict) and chosen.get("bits", bits) != bits:
+            overrides[path] = chosen  # (the routers' 8 bits in a 4-bit build): the loader must know
+        return chosen
 
+    overrides: dict[str, dict] = {}
     lm = model.language_model
     for i, layer in enumerate(lm.model.layers):
         randomize(layer, f"language_model.model.layers.{i}", init)
@@ -382,7 +395,7 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: f
                     class_predicate=lambda p, m, i=i: predicate(f"language_model.model.layers.{i}.{p}", m))
         mx.eval(layer.parameters())
         if stream:
-            streamed += _save_layer(out, i, layer, weight_map)
+            streamed += _save_layer(out, i, layer, weight_map, spill)
         print(f"layer {i + 1}/{len(lm.model.layers)} ({time.perf_counter() - tic:.1f}s)", flush=True)
     if plan is None:
         for name, sub in (("language_model.model.embed_tokens", lm.model.embed_tokens),
@@ -408,7 +421,7 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: f
         print(check_chain(lm, head, plan).line(), flush=True)
     mtp = {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())}
     del head
-    config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine", **overrides}
     n_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) + streamed
     out.mkdir(parents=True, exist_ok=True)
     if stream:  # the rest (embeddings, head, norm, vision tower) as one more shard, and the index of all
@@ -445,6 +458,9 @@ def main() -> None:
                              "the target's next token at RATE of the cycle's positions (issue 45.1)")
     parser.add_argument("--layers", "--draft-layers", type=int, default=None,
                         help="decoder layers (default the shape's; e.g. 8 for a --tiny model a pipeline splits in two)")
+    parser.add_argument("--spill-dir", type=Path, default=None, metavar="DIR",
+                        help="the larger shapes: layer shards go to DIR (linked from OUT) once OUT's filesystem "
+                             "would keep less than 4 GiB free (a tmpfs too small for the model, the disk beside)")
     parser.add_argument("--mtp-agree", type=float, default=None, metavar="RATE",
                         help="35b-a3b only: the target a fixed long bigram cycle, the MTP head agreeing with it "
                              "at block-2 acceptance RATE (0 < RATE <= 1; mtp_agree.py)")
@@ -462,7 +478,7 @@ def main() -> None:
         if args.mtp_agree is not None and args.shape != "35b-a3b":
             parser.error("--mtp-agree builds the 35b-a3b shape only")
         build(args.out, args.tokenizer, tiny=args.tiny, seed=args.seed, mtp_agree=args.mtp_agree, shape=args.shape,
-              bits=args.bits, layers=args.layers)
+              bits=args.bits, layers=args.layers, spill=args.spill_dir)
 
 
 if __name__ == "__main__":

@@ -174,21 +174,26 @@ rankkill)
   stop_all ;;
 big)
   shape=${BIG_SHAPE:-122b-a10b}; bits=${BIG_BITS:-8}
-  { df -h /dev/shm /root 2>/dev/null; free -g 2>/dev/null; } > $O/big_disk.txt
   need=$(python3 -c "print({'122b-a10b': 135, '397b-a17b': 430, '35b-a3b': 40}['$shape'] * $bits // 8)")  # GB
-  [ "$LOCAL" = 1 ] || rm -rf "$MODEL"  # the 35B model (38.6 GB): the disk holds one
-  if [ -z "${BIG_DIR:-}" ]; then  # tmpfs when it has room for the model, else the disk
-    room=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -n 1 | tr -dc 0-9)
-    BIG_DIR=/root/big; [ -n "$room" ] && [ "$room" -gt "$need" ] && BIG_DIR=/dev/shm/big
+  [ "$LOCAL" = 1 ] || rm -rf "$MODEL" "$RUN/draft"  # the 35B model (38.6 GB): the disk holds one
+  spill=()
+  if [ -z "${BIG_DIR:-}" ]; then
+    # a tmpfs of BIG_TMPFS_GB (the VM's memory grows as it is filled), the layers past it spilled to the disk
+    mkdir -p /big && { mountpoint -q /big || mount -t tmpfs -o size=${BIG_TMPFS_GB:-150}G tmpfs /big; } 2>> $O/big_disk.txt
+    if mountpoint -q /big; then BIG_DIR=/big/m; spill=(--spill-dir /root/big-spill); else BIG_DIR=/root/big; fi
   fi
-  room=$(df -BG --output=avail "$(dirname "$BIG_DIR")" 2>/dev/null | tail -n 1 | tr -dc 0-9)
+  { df -h /big /dev/shm /root 2>/dev/null; free -g 2>/dev/null; } >> $O/big_disk.txt
+  avail() { df -BG --output=avail "$1" 2>/dev/null | tail -n 1 | tr -dc 0-9; }
+  mkdir -p "$BIG_DIR"; room=$(avail "$BIG_DIR")
+  [ ${#spill[@]} -gt 0 ] && room=$(( room + $(avail /root) - 8 ))
   if [ ! -f "$BIG_DIR/config.json" ] && [ "$LOCAL" != 1 ] && [ -n "$room" ] && [ "$room" -le "$need" ]; then
-    say "big: $shape at $bits bits needs ~${need} GB, $(dirname "$BIG_DIR") has ${room} GB: not built (BIG_BITS=4, or a kind with more disk)"
+    say "big: $shape at $bits bits needs ~${need} GB, $BIG_DIR (and the disk) have ${room} GB: not built"
   elif [ ! -f "$BIG_DIR/config.json" ]; then
     t=$(date +%s)
     python3 benchmarks/gpu/build_random_model.py "$BIG_DIR" --tokenizer "$TOK" --shape "$shape" --bits "$bits" ${BIG_LAYERS:+--layers $BIG_LAYERS} \
-      $BUILD_FLAGS > $O/big_build.txt 2>&1
-    rc=$?; say "big: built $shape $bits-bit into $BIG_DIR in $(( $(date +%s) - t ))s (rc $rc): $(tail -n 1 $O/big_build.txt)"
+      "${spill[@]}" $BUILD_FLAGS > $O/big_build.txt 2>&1
+    rc=$?; say "big: built $shape $bits-bit into $BIG_DIR in $(( $(date +%s) - t ))s (rc $rc, $(find "$BIG_DIR" -type l | wc -l) shards spilled): $(tail -n 1 $O/big_build.txt)"
+    { df -h "$BIG_DIR" /root; free -g; } >> $O/big_disk.txt 2>&1
   fi
   if [ -f "$BIG_DIR/config.json" ]; then
     python3 - "$BIG_DIR" > $O/big_fit.txt 2>&1 <<'PY'
@@ -206,18 +211,6 @@ print(json.dumps({"weights_gib": round(w / 2**30, 2), "cards_gib": [round(c / 2*
                   "one_card_left_gib": round((cards[0] - w) / 2**30, 2) if cards else None}))
 PY
     say "big: $(cat $O/big_fit.txt)"
-    if [ "${BIG_ONE:-0}" = 1 ]; then  # what one card does with it
-      t=$(date +%s)
-      CUDA_VISIBLE_DEVICES=0 python3 -m mlx_relay.cli serve "$BIG_DIR" --port 8300 $FLAGS > $O/big_one.log 2>&1 &
-      one=$!
-      for _ in $(seq 1 900); do get http://127.0.0.1:8300/health > /dev/null && break; kill -0 $one 2>/dev/null || break; sleep 1; done
-      if get http://127.0.0.1:8300/health > /dev/null; then
-        say "big: one GPU ready after $(( $(date +%s) - t ))s"; gpu_memory "big on one GPU"
-      else
-        say "big: one GPU did not serve: $(tail -n 3 $O/big_one.log | tr '\n' ' ' | cut -c1-400)"
-      fi
-      stop_all
-    fi
     t=$(date +%s)
     launch -n "$RANKS" --backend "$BACKEND" --python python3 -- -m mlx_relay.cli serve "$BIG_DIR" --pipeline --port 8301 \
       $FLAGS > $O/big_pipe.log 2>&1 &
@@ -235,6 +228,19 @@ PY
       gpu_memory "big pipeline after"
     else
       say "big: the pipeline did not get ready: $(tail -n 3 $O/big_pipe.log | tr '\n' ' ' | cut -c1-400)"
+    fi
+    stop_all
+    if [ "${BIG_ONE:-0}" = 1 ]; then  # what one card does with it
+      t=$(date +%s)
+      CUDA_VISIBLE_DEVICES=0 python3 -m mlx_relay.cli serve "$BIG_DIR" --port 8300 $FLAGS > $O/big_one.log 2>&1 &
+      one=$!
+      for _ in $(seq 1 ${BIG_ONE_WAIT:-300}); do get http://127.0.0.1:8300/health > /dev/null && break; kill -0 $one 2>/dev/null || break; sleep 1; done
+      if get http://127.0.0.1:8300/health > /dev/null; then
+        say "big: one GPU ready after $(( $(date +%s) - t ))s"; gpu_memory "big on one GPU"
+      else
+        say "big: one GPU did not serve: $(tail -n 3 $O/big_one.log | tr '\n' ' ' | cut -c1-400)"
+      fi
+      stop_all
     fi
   fi
   stop_all ;;
