@@ -241,9 +241,12 @@ def randomize(module: Any, prefix: str, init: Any = _init_value) -> None:
         module.update(tree_unflatten([(name, new)]))
 
 
-def build_mtp_head(config: dict[str, Any], predicate: Any, group_size: int, bits: int, agree: bool = False) -> Any:
+def build_mtp_head(config: dict[str, Any], predicate: Any, group_size: int, bits: int, agree: bool = False,
+                   overrides: dict[str, dict] | None = None) -> Any:
     """Random weights for the checkpoint's one-layer MTP head, quantized like the decoder layers
-    (`agree`: fc = [diag(+1, -1) | 0] and small residual outputs, mtp_agree.py); the module."""
+    (`agree`: fc = [diag(+1, -1) | 0] and small residual outputs, mtp_agree.py); the module.
+    `overrides` gets the head's modules quantized at other than `bits` (as `mtp.<path>`)."""
+    overrides = {} if overrides is None else overrides
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_vlm.speculative.drafters.qwen3_5_mtp import Qwen3_5MTPDraftModel
@@ -255,9 +258,16 @@ def build_mtp_head(config: dict[str, Any], predicate: Any, group_size: int, bits
         from mtp_agree import fc_value
 
         head.fc.update({"weight": fc_value(config["text_config"]["hidden_size"], mx.bfloat16)})
-    nn.quantize(head, group_size, bits,
-                class_predicate=lambda p, m: p != "fc" and predicate(f"language_model.model.layers.0.{p[9:]}", m)
-                if p.startswith("layers.0.") else False)
+
+    def head_predicate(p: str, m: Any) -> bool | dict:
+        if p == "fc" or not p.startswith("layers.0."):
+            return False
+        chosen = predicate(f"language_model.model.layers.0.{p[9:]}", m)
+        if isinstance(chosen, dict) and chosen.get("bits", bits) != bits:
+            overrides[f"mtp.{p}"] = chosen  # the head's routers, as the decoder layers' (build)
+        return chosen
+
+    nn.quantize(head, group_size, bits, class_predicate=head_predicate)
     mx.eval(head.parameters())
     return head
 
@@ -414,7 +424,7 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: f
                 class_predicate=lambda p, m: not p.startswith("model.layers") and predicate(f"language_model.{p}", m))
     randomize(model.vision_tower, "vision_tower")
     mx.eval(model.parameters())
-    head = build_mtp_head(config, predicate, group_size, bits, agree=agree)
+    head = build_mtp_head(config, predicate, group_size, bits, agree=agree, overrides=overrides)
     if plan is not None:
         from mtp_agree import check_chain
 

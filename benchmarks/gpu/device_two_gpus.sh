@@ -43,6 +43,8 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 cat > $RUN/run.sh <<'EOS'
 set -uo pipefail
+# NVLink multicast stays off in every rank (the lending machines' rule; mlx.launch passes the environment on)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 O=$RUN/out; t0=$(date +%s)
 say() { echo "$(( $(date +%s) - t0 ))s $*" | tee -a $RUN/progress.txt; }
 launch() { python3 -c "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; main()" "$@"; }
