@@ -332,15 +332,11 @@ def build_draft(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, agree_
     return out
 
 
-def _save_layer(out: Path, i: int, layer: Any, weight_map: dict[str, str], spill: Path | None = None) -> int:
-    """Layer `i`'s weights to a shard of its own, then dropped from the module; the bytes written.
-    `spill`: a directory on another filesystem that takes the shard (linked from `out`) once `out`'s
-    filesystem would keep less than SPILL_RESERVE free."""
+def _write_shard(out: Path, name: str, weights: dict[str, Any], spill: Path | None) -> int:
+    """`weights` to `out/name`, or (with `spill`, once `out`'s filesystem would keep less than
+    SPILL_RESERVE free) to `spill/name` linked from `out`; the bytes written."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
 
-    name = f"model-layer-{i:03d}.safetensors"
-    weights = {f"language_model.model.layers.{i}.{k}": v for k, v in tree_flatten(layer.parameters())}
     n_bytes = sum(v.nbytes for v in weights.values())
     if spill is not None and shutil.disk_usage(out).free - n_bytes < SPILL_RESERVE:
         spill.mkdir(parents=True, exist_ok=True)
@@ -348,6 +344,18 @@ def _save_layer(out: Path, i: int, layer: Any, weight_map: dict[str, str], spill
         (out / name).symlink_to(spill.resolve() / name)
     else:
         mx.save_safetensors(str(out / name), weights, metadata={"format": "mlx"})
+    return n_bytes
+
+
+def _save_layer(out: Path, i: int, layer: Any, weight_map: dict[str, str], spill: Path | None = None) -> int:
+    """Layer `i`'s weights to a shard of its own (`_write_shard`), then dropped from the module; the
+    bytes written."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
+    name = f"model-layer-{i:03d}.safetensors"
+    weights = {f"language_model.model.layers.{i}.{k}": v for k, v in tree_flatten(layer.parameters())}
+    n_bytes = _write_shard(out, name, weights, spill)
     weight_map.update(dict.fromkeys(weights, name))
     layer.update(tree_map(lambda _: mx.array([]), layer.parameters()))
     return n_bytes
@@ -436,7 +444,7 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: f
     out.mkdir(parents=True, exist_ok=True)
     if stream:  # the rest (embeddings, head, norm, vision tower) as one more shard, and the index of all
         rest = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("language_model.model.layers.")}
-        mx.save_safetensors(str(out / "model-rest.safetensors"), rest, metadata={"format": "mlx"})
+        _write_shard(out, "model-rest.safetensors", rest, spill)
         weight_map.update(dict.fromkeys(rest, "model-rest.safetensors"))
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": n_bytes}, "weight_map": dict(sorted(weight_map.items()))}, indent=1))
@@ -444,7 +452,7 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: f
     else:
         save_weights(out, model, donate_weights=True)
     # the MTP head beside the model, in MLX layout (`load_drafter(out, kind="mtp")` reads mtp.*)
-    mx.save_safetensors(str(out / "model-mtp.safetensors"), mtp, metadata={"format": "mlx"})
+    _write_shard(out, "model-mtp.safetensors", mtp, spill)
     n_bytes += sum(v.nbytes for v in mtp.values())
     save_config(config, config_path=out / "config.json")
     copy_tokenizer(tokenizer_dir, out)

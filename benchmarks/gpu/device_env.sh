@@ -17,7 +17,7 @@ if [ ! -f /tmp/site/.extra-wheels-v7 ]; then
 fi
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export MLX_RELAY_CACHE=/root/mlx-relay-cache
-MODEL=/root/qwen35-35b-a3b-random-8bit
+MODEL=${MODEL:-/root/qwen35-35b-a3b-random-8bit}  # a MODEL the caller set (the --mtp-agree build) stays
 if [ ! -f /root/tok/tokenizer.json ]; then mkdir -p /root/tok && tar xJf .device-carry/tokenizer.tar.xz -C /root/tok; fi
 # (the stash call can unpack it instead, so later calls need not carry .device-carry)
 # MLX's kernel cache from an earlier machine (device_matrix.sh brings it back), carried as

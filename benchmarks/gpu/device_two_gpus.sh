@@ -20,11 +20,12 @@
 #             streams in flight (each must end with an error event, /health 503, mlx.launch must exit), then
 #             the same command relaunched: seconds to ready and one request answered
 #   big       (issue 46.2) a larger shape (BIG_SHAPE 122b-a10b, BIG_BITS 8; build_random_model.py, layer by layer)
-#             into BIG_DIR (default /dev/shm/big where it has room, else /root/big; the 35B model deleted first
-#             on the device), what one card would need against each GPU's memory (big_fit.txt), with BIG_ONE=1 a
-#             try on GPU 0 alone, then the pipeline over RANKS GPUs: seconds to ready, greedy identity between
-#             two passes (pipeline_identity.py against itself), short_chat c=1 and c=16, agent_sessions c=8,
-#             device memory per rank. Put it last.
+#             into BIG_DIR (default: a tmpfs of BIG_TMPFS_GB at /big, the shards past its room spilled to
+#             /root/big-spill; the 35B model deleted first on the device), what one card would need against
+#             each GPU's memory (big_fit.txt), then the pipeline over RANKS GPUs: seconds to ready, greedy
+#             identity between two passes (pipeline_identity.py against itself), short_chat c=1 and c=16,
+#             agent_sessions c=8, device memory per rank; with BIG_ONE=1 then a try on GPU 0 alone. The model
+#             is deleted after (BIG_KEEP=1 keeps it).
 # RANKS: the pipeline's ranks (default: every GPU; 2 off the device). SPECPREFILL=1: pipe's two servers
 # also get a SpecPrefill draft (build_random_model.py --shape draft) and identity a 3,000-token case.
 # LOCAL=1 MODEL=DIR RUN=DIR OUT=DIR BACKEND=ring: a dry run off the device (TOK=tokenizer dir,
@@ -38,9 +39,11 @@ if [ "${1:-start}" = wait ]; then
 fi
 if [ "${LOCAL:-0}" = 1 ]; then set -euo pipefail; else source benchmarks/gpu/device_env.sh; fi
 mkdir -p $RUN/out $RUN/src && cp -r mlx_relay benchmarks $RUN/src/
-if [ ! -f "$MODEL/config.json" ]; then
-  python3 benchmarks/gpu/build_random_model.py "$MODEL" --tokenizer /root/tok 2>&1 | tail -2
-fi
+case " ${JOBS:-pipe} " in *" pipe "*|*" tp "*|*" cluster "*|*" rankkill "*)  # (big builds its own)
+  if [ ! -f "$MODEL/config.json" ]; then
+    python3 benchmarks/gpu/build_random_model.py "$MODEL" --tokenizer /root/tok 2>&1 | tail -2
+  fi ;;
+esac
 cat > $RUN/run.sh <<'EOS'
 set -uo pipefail
 # NVLink multicast stays off in every rank (the lending machines' rule; mlx.launch passes the environment on)
@@ -245,7 +248,9 @@ PY
       stop_all
     fi
   fi
-  stop_all ;;
+  stop_all
+  # the model's memory back for the jobs after (a tmpfs holds it in RAM); BIG_KEEP=1 keeps it
+  [ "$LOCAL" = 1 ] || [ "${BIG_KEEP:-0}" = 1 ] || rm -rf "$BIG_DIR" /root/big-spill ;;
 *) say "unknown job $job" ;;
 esac; done
 stop_all
@@ -257,6 +262,6 @@ setsid nohup env RUN="$RUN" MODEL="${MODEL:-}" PYTHONPATH="$RUN/src:${PYTHONPATH
   LOCAL="${LOCAL:-0}" BACKEND="${BACKEND:-nccl}" SERVE_FLAGS="${SERVE_FLAGS:-}" TP_FLAGS="${TP_FLAGS:-}" \
   FLEET_SCENARIO="${FLEET_SCENARIO:-}" C1_REQUESTS="${C1_REQUESTS:-}" C16_REQUESTS="${C16_REQUESTS:-}" FLEET_REQUESTS="${FLEET_REQUESTS:-}" \
   FAILOVER_SESSIONS="${FAILOVER_SESSIONS:-}" TRANSFER_ITERS="${TRANSFER_ITERS:-}" RANKS="${RANKS:-}" TOK="${TOK:-/root/tok}" \
-  BUILD_FLAGS="${BUILD_FLAGS:-}" SPECPREFILL="${SPECPREFILL:-0}" BIG_LAYERS="${BIG_LAYERS:-}" FLEET_LEVELS="${FLEET_LEVELS:-}" \
+  BUILD_FLAGS="${BUILD_FLAGS:-}" SPECPREFILL="${SPECPREFILL:-0}" BIG_LAYERS="${BIG_LAYERS:-}" BIG_KEEP="${BIG_KEEP:-0}" FLEET_LEVELS="${FLEET_LEVELS:-}" \
   bash $RUN/run.sh > $RUN/run.log 2>&1 &
 echo "two started (pid $!)"
