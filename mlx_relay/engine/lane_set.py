@@ -62,16 +62,16 @@ def prefill_step_size(lm: object, config: EngineConfig, backend: str) -> int:
 
 def quantized_kv_refusal(model_type: str, backend: str, library_forward: bool, staged: bool) -> str | None:
     """Why a quantized KV cache (`--kv-bits`) cannot serve this model here, or None. A model served
-    through its library's forward has none of our quantized attention; nor has a pipeline stage on a
-    CUDA GPU: a stage prefills through the library's forward, whose quantized attention is MLX's
-    `quantized_matmul`, which MLX 0.32.4's CUDA backend does not run at most context lengths
-    (`models/kv_quant.py`; our own forwards dequantize there instead)."""
+    through its library's forward has none of our quantized attention. A pipeline on a CUDA GPU is
+    refused too: its plain lane prefills through the family's forward (as the unsharded server), but
+    no two-rank test pins a quantized cache there on CUDA, whose `quantized_matmul` MLX 0.32.4 does not
+    run at most context lengths (`models/kv_quant.py`; our own forwards dequantize there instead)."""
     if library_forward:
         return (f"a quantized KV cache (--kv-bits) needs a model family of the engine's own ({model_type} is "
                 f"served through its library's forward)")
     if staged and backend == "cuda":
-        return ("a quantized KV cache (--kv-bits) does not run in a pipeline on a CUDA GPU: a stage prefills "
-                "through the library's quantized attention, which MLX's CUDA backend does not run at most lengths")
+        return ("a quantized KV cache (--kv-bits) is not served by a pipeline on a CUDA GPU (not yet measured "
+                "there; MLX's CUDA backend does not run the library's quantized attention at most lengths)")
     return None
 
 

@@ -74,14 +74,14 @@ class PlainLane:
                  kv_quant: KVQuant | None = None) -> None:
         self.lm = lm
         self.kv_quant = kv_quant  # the attention layers' keys and values quantized (`models.kv_quant`)
-        # the decode step rides in the prefill chunk's forward (not on a pipeline stage, whose
-        # prefill is the library's forward)
+        # the decode step rides in the prefill chunk's forward (not on a pipeline stage: the mixed
+        # step's decode rows would cross the stage boundaries inside the chunk's, which no transfer carries)
         self.mixed = mixed and stage is None
         self.eos = frozenset(eos_token_ids)
         self.prefill = PrefillBatch(lm, max_rows=prefill_batch_size, token_budget=prefill_step_size,
                                     fixed_shapes=fixed_prefill_shapes,
                                     forward=ModelForward(lm, prefill_options, parts) if stage is None
-                                    else StageForward(lm, stage))
+                                    else StageForward(lm, stage, prefill_options, parts))
         self.rows: dict[int, PlainRow] = {}  # every row of the lane, prefilling or decoding
         # the decode step's experts as a prefill chunk's (from the options' pairs, grouped: `layers._experts`)
         self._step = DecodeStep(lm, compiled=compiled, stage=stage, options=prefill_options)

@@ -8,16 +8,17 @@ forward like the language model (`__call__`):
   the family's layer loop over the library's caches, within `PrefillOptions`), its final (normed)
   hidden states; it keeps the compiled parts of small chunks' layers (`models/compiled_parts.py`),
   which the plain lane's mixed steps share (`decode_step.DecodeStep.beside`);
-- `StageForward` (`pipeline_stage.Stage`): the same call over this stage's layers only. A stage
-  after the first takes the previous stage's hidden states as the call's `inputs_embeds` (a public
-  argument: the model then skips its embedding), a stage before the last sends the hidden state
-  after its last layer (`capture_layer_ids`, a public argument) on. The send is tied into the
-  stage's last cache (`mx.depends`, as mlx-lm's qwen3_5 pipeline does), so that evaluating the
-  caches alone, as a chunk that finishes no row does, still sends. `share` gathers the last
-  stage's rows on every rank, only the few the first tokens need, so every rank computes the same
-  logits. Called like the language model (`__call__`), it stands in for it in the MTP lane's
-  prefill and batched verify, sharing every position's hidden state (the MTP head, which every
-  rank holds, reads them all).
+- `StageForward` (`pipeline_stage.Stage`): the same family prefill over this stage's layers only
+  (the split left the model those). A stage after the first takes the previous stage's hidden
+  states in place of the embeddings, a stage before the last sends on the residual stream after
+  its last layer (`normed=False`). The send is tied into the stage's last cache (`mx.depends`, as
+  mlx-lm's qwen3_5 pipeline does), so that evaluating the caches alone, as a chunk that finishes no
+  row does, still sends. `share` gathers the last stage's rows on every rank, only the few the
+  first tokens need, so every rank computes the same logits. Called like the language model
+  (`__call__`), it stands in for it in the MTP lane's prefill and batched verify through the
+  library's forward over the stage's layers (hidden states in as `inputs_embeds`, out through
+  `capture_layer_ids`: public arguments), sharing every position's hidden state (the MTP head,
+  which every rank holds, reads them all).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from mlx_relay.engine.memory.batch_caches import batched
 from mlx_relay.engine.models import family_of
 from mlx_relay.engine.models.compiled_parts import CompiledParts
 from mlx_relay.engine.models.pipeline_stage import Stage
@@ -68,18 +68,22 @@ class ModelForward:
 
 
 class StageForward(ModelForward):
-    """A pipeline stage's prefill: the library's forward over this stage's layers (it captures the
-    hidden state after the stage's last layer for the next rank)."""
+    """A pipeline stage's forward: the family's prefill (`prefill`) or the library's forward
+    (`__call__`) over this stage's layers, the hidden states crossing the stage boundaries."""
 
-    def __init__(self, lm: Any, stage: Stage) -> None:
-        super().__init__(lm)
+    def __init__(self, lm: Any, stage: Stage, options: PrefillOptions | None = None,
+                 parts: CompiledParts | None = None) -> None:
+        super().__init__(lm, options, parts)
         self.stage = stage
 
     def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
                 after: Callable[[mx.array], None] | None = None) -> mx.array:
-        if after is not None:
-            raise ValueError("a pipeline stage runs the library's forward: it has no per-layer hook")
-        return self.hidden(ids, embeds, caches, **batched(position_ids=positions))
+        like = self._like(ids, embeds)
+        if not self.stage.first:
+            embeds = self.stage.receive(like)
+        out = self.family.prefill_forward(self.lm, ids, embeds, caches, positions, self.options, after, self.parts,
+                                          normed=self.stage.last)
+        return self._onward(out, like, caches)
 
     def __call__(self, ids: mx.array, inputs_embeds: mx.array | None = None, cache: Any = None,
                  **kwargs: Any) -> StageOutput:
@@ -90,16 +94,25 @@ class StageForward(ModelForward):
         return StageOutput([self.share(self.hidden(ids, inputs_embeds, cache, **kwargs))])
 
     def hidden(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], **kwargs: Any) -> mx.array:
-        """This stage's part of the forward; the final hidden states on the last stage, what was
-        sent on elsewhere."""
+        """This stage's part of the library's forward; the final hidden states on the last stage,
+        what was sent on elsewhere."""
         stage = self.stage
-        like = embeds if embeds is not None else self.lm.model.embed_tokens(ids)  # its shape and dtype only
+        like = self._like(ids, embeds)
         if not stage.first:
             embeds = stage.receive(like)
         last_layer = len(self.lm.model.layers) - 1
         kwargs["capture_layer_ids"] = [] if stage.last else [last_layer]
         result = self.lm(ids, inputs_embeds=embeds, cache=caches, return_hidden=True, skip_logits=True, **kwargs)
-        out = result.hidden_states[-1] if stage.last else result.hidden_states[0]
+        return self._onward(result.hidden_states[-1] if stage.last else result.hidden_states[0], like, caches)
+
+    def _like(self, ids: mx.array, embeds: mx.array | None) -> mx.array:
+        """What the stage boundary carries, for its shape and dtype only (never evaluated)."""
+        return embeds if embeds is not None else self.lm.model.embed_tokens(ids)
+
+    def _onward(self, out: mx.array, like: mx.array, caches: list[Any]) -> mx.array:
+        """The last stage's `out` as it is; elsewhere `out` sent to the next stage, the send tied
+        into the stage's last cache, what was sent returned."""
+        stage = self.stage
         if out.dtype != like.dtype:  # what crosses the boundary (and `share`) is the embedding's dtype
             raise TypeError(f"pipeline stage {stage.rank}'s hidden state is {out.dtype}, the transfer carries "
                             f"{like.dtype}")

@@ -154,14 +154,16 @@ class ModelFamily(Protocol):
     def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
                         positions: mx.array, options: PrefillOptions,
                         after: Callable[[mx.array], None] | None = None,
-                        parts: CompiledParts | None = None) -> mx.array:
+                        parts: CompiledParts | None = None, normed: bool = True) -> mx.array:
         """The final-normed hidden states [B, T, H] of a prefill chunk (token ids [B, T], or the
         prompt embeddings of vision rows) at `positions`, over the library's own caches (kept as
         the library's forward keeps them), run as `options` say (its levers, its memory bound).
         `after` sees the residual stream after each layer, in place of the family's own pacing
         (a caller that queues the layers itself, e.g. beside decode steps on another stream).
         `parts`: the caller's store of compiled parts, where a family compiles a small chunk's
-        layers per part (`compiled_parts`; a family may run every chunk eagerly)."""
+        layers per part (`compiled_parts`; a family may run every chunk eagerly). `normed` False:
+        the residual stream after the last layer instead, before the final norm (what a pipeline
+        stage before the last sends on)."""
         ...
 
     def mixed_forward(self, lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,

@@ -58,8 +58,9 @@ class Qwen3Family:
     def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
                         positions: mx.array, options: PrefillOptions,
                         after: Callable[[mx.array], None] | None = None,
-                        parts: CompiledParts | None = None) -> mx.array:
-        return prefill.prefill_forward(lm, ids, embeds, caches, positions, options, after)  # its chunks run eagerly
+                        parts: CompiledParts | None = None, normed: bool = True) -> mx.array:
+        # its chunks run eagerly
+        return prefill.prefill_forward(lm, ids, embeds, caches, positions, options, after, normed=normed)
 
     def mixed_forward(self, lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
                       after: Callable[[mx.array], None] | None = None, parts: CompiledParts | None = None

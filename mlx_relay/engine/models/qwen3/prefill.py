@@ -32,9 +32,11 @@ from mlx_relay.engine.models.qwen3.layers import merged, qkv_heads, qkv_projecti
 
 
 def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
-                    options: PrefillOptions, after: Callable[[mx.array], None] | None = None) -> mx.array:
+                    options: PrefillOptions, after: Callable[[mx.array], None] | None = None, *,
+                    normed: bool = True) -> mx.array:
     """`models.ModelFamily.prefill_forward`: see the module docstring. `positions` [3, B, T] (M-RoPE
-    shaped; the first section's are the text positions); `after`, the caller's hook after each layer."""
+    shaped; the first section's are the text positions); `after`, the caller's hook after each layer;
+    `normed` False: before the final norm."""
     model = lm.model
     h = embeds if embeds is not None else model.embed_tokens(ids)
     mask = attention_mask(caches[0], h.shape[1])
@@ -45,7 +47,8 @@ def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: lis
         queries, keys, values = qkv_heads(sa, *qkv_projections(sa, x))
         return sa.o_proj(merged(attend_cached(sa, queries, keys, values, next(cache_of), text, mask, options)))
 
-    return model.norm(run_layers(model.layers, h, attend, after=pacing(options, after)))
+    h = run_layers(model.layers, h, attend, after=pacing(options, after))
+    return model.norm(h) if normed else h
 
 
 def attend_cached(sa: Any, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, positions: mx.array,

@@ -51,8 +51,8 @@ class Qwen3_5Family:
     def prefill_forward(self, lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any],
                         positions: mx.array, options: PrefillOptions,
                         after: Callable[[mx.array], None] | None = None,
-                        parts: CompiledParts | None = None) -> mx.array:
-        return prefill.prefill_forward(lm, ids, embeds, caches, positions, options, after, parts)
+                        parts: CompiledParts | None = None, normed: bool = True) -> mx.array:
+        return prefill.prefill_forward(lm, ids, embeds, caches, positions, options, after, parts, normed=normed)
 
     def mixed_forward(self, lm: Any, chunk: Chunk, block: Block, options: PrefillOptions,
                       after: Callable[[mx.array], None] | None = None, parts: CompiledParts | None = None

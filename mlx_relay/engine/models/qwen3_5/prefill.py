@@ -49,10 +49,10 @@ from mlx_relay.engine.models.qwen3_5.layers import gated_output, project_qkv, ru
 
 def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
                     options: PrefillOptions, after: Callable[[mx.array], None] | None = None,
-                    parts: CompiledParts | None = None) -> mx.array:
+                    parts: CompiledParts | None = None, *, normed: bool = True) -> mx.array:
     """`models.ModelFamily.prefill_forward`: see the module docstring. `positions` [3, B, T] (M-RoPE);
     `after`, the caller's hook after each layer (in place of `chunk_forward.pacing`'s); `parts`, where a
-    small chunk's layers run compiled per part (`compiled_chunk`)."""
+    small chunk's layers run compiled per part (`compiled_chunk`); `normed` False: before the final norm."""
     model = lm.model
     h = embeds if embeds is not None else model.embed_tokens(ids)
     T = h.shape[1]
@@ -70,8 +70,9 @@ def prefill_forward(lm: Any, ids: mx.array, embeds: mx.array | None, caches: lis
     def attend(sa: Any, x: mx.array) -> mx.array:
         return attention(sa, x, next(cache_of), positions, rotary, attn_mask, options)
 
-    return model.norm(run_layers(model.layers, h, linear, attend, prefill=options, after=pacing(options, after),
-                                 residual=None if compiled is None else compiled_residual(compiled, options)))
+    h = run_layers(model.layers, h, linear, attend, prefill=options, after=pacing(options, after),
+                   residual=None if compiled is None else compiled_residual(compiled, options))
+    return model.norm(h) if normed else h
 
 
 def padded(attn_mask: Any, ssm_mask: mx.array | None) -> bool:
