@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from mlx_relay.testing.scripts import load_script
 
 _GPU = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu"
@@ -47,3 +49,38 @@ def test_the_carried_processor_files_have_the_checkpoints_bounds() -> None:
     assert image["size"]["longest_edge"] == 16777216 >= 1024 * 1024 and image["patch_size"] == 16
     assert video["size"] == {"shortest_edge": 4096, "longest_edge": 25165824} and video["max_frames"] == 768
     assert pc.with_checkpoint_sizes("generation_config.json", {"top_k": 20}) == {"top_k": 20}
+
+
+def test_a_4bit_larger_shape_spilled_to_another_dir_loads_with_its_head(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`build_random_model.py --shape 397b-a17b --bits 4 --spill-dir` (issue 46.2, at toy size): the
+    config names the routers quantized at 8 bits (a 4-bit checkpoint without them did not load, its
+    MTP head neither), and shards written to the spill dir, linked from the model's, load."""
+    import json
+
+    import mlx.core as mx
+
+    from mlx_relay.engine.models.loader import load_model
+    from mlx_relay.engine.models.qwen3_5.mtp import load_mtp_drafter
+    from mlx_relay.testing.qwen_vocab import qwen35_tokenizer_path
+
+    brm = _script("build_random_model")
+    monkeypatch.setattr(brm, "SPILL_RESERVE", 1 << 62)  # no filesystem has that much free: every shard spills
+    cache_limit = mx.set_cache_limit(0)  # the build turns MLX's buffer cache off: given back after
+    try:
+        out = brm.build(tmp_path / "m", qwen35_tokenizer_path(), tiny=True, seed=0, shape="397b-a17b", bits=4,
+                        layers=4, spill=tmp_path / "spill")
+    finally:
+        mx.set_cache_limit(cache_limit)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert shards == [*(f"model-layer-{i:03d}.safetensors" for i in range(4)), "model-mtp.safetensors",
+                      "model-rest.safetensors"]
+    assert all((out / n).is_symlink() and (tmp_path / "spill" / n).is_file() for n in shards)
+    config = json.loads((out / "config.json").read_text())
+    quantization = config["quantization"]
+    assert quantization["bits"] == 4
+    assert quantization["mtp.layers.0.mlp.gate"]["bits"] == 8
+    assert all(quantization[f"language_model.model.layers.{i}.mlp.gate"]["bits"] == 8 for i in range(4))
+    loaded = load_model(out)
+    assert len(loaded.model.language_model.model.layers) == 4
+    assert load_mtp_drafter(out, config) is not None

@@ -241,6 +241,14 @@ def randomize(module: Any, prefix: str, init: Any = _init_value) -> None:
         module.update(tree_unflatten([(name, new)]))
 
 
+def _noted(overrides: dict[str, dict], path: str, chosen: bool | dict, bits: int) -> bool | dict:
+    """A quantization predicate's answer for `path`, kept in `overrides` where it quantizes at other
+    than `bits` (the routers' 8 bits in a 4-bit build): the config must say so for a loader."""
+    if isinstance(chosen, dict) and chosen.get("bits", bits) != bits:
+        overrides[path] = chosen
+    return chosen
+
+
 def build_mtp_head(config: dict[str, Any], predicate: Any, group_size: int, bits: int, agree: bool = False,
                    overrides: dict[str, dict] | None = None) -> Any:
     """Random weights for the checkpoint's one-layer MTP head, quantized like the decoder layers
@@ -262,10 +270,7 @@ def build_mtp_head(config: dict[str, Any], predicate: Any, group_size: int, bits
     def head_predicate(p: str, m: Any) -> bool | dict:
         if p == "fc" or not p.startswith("layers.0."):
             return False
-        chosen = predicate(f"language_model.model.layers.0.{p[9:]}", m)
-        if isinstance(chosen, dict) and chosen.get("bits", bits) != bits:
-            overrides[f"mtp.{p}"] = chosen  # the head's routers, as the decoder layers' (build)
-        return chosen
+        return _noted(overrides, f"mtp.{p}", predicate(f"language_model.model.layers.0.{p[9:]}", m), bits)
 
     nn.quantize(head, group_size, bits, class_predicate=head_predicate)
     mx.eval(head.parameters())
@@ -400,10 +405,7 @@ def build(out: Path, tokenizer_dir: Path, *, tiny: bool, seed: int, mtp_agree: f
             return False
         if hasattr(module, "weight") and module.weight.shape[-1] % group_size != 0:
             return False
-        chosen = model_predicate(path, module) if model_predicate is not None else True
-        if isinstance(chosen, dict) and chosen.get("bits", bits) != bits:
-            overrides[path] = chosen  # (the routers' 8 bits in a 4-bit build): the loader must know
-        return chosen
+        return _noted(overrides, path, model_predicate(path, module) if model_predicate is not None else True, bits)
 
     overrides: dict[str, dict] = {}
     lm = model.language_model
