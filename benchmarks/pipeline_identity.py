@@ -115,6 +115,9 @@ def main() -> None:
     report: dict[str, Any] = {"reference": args.reference, "test": args.test, "max_tokens": args.max_tokens,
                               "identical": {k: ref[k] == test[k] for k in compared},
                               "mtp_drafted": {"reference": ref["alone_mtp_drafts"], "test": test["alone_mtp_drafts"]},
+                              # the warm-up's measure that `auto` plans the head's drafts by (absent: 0, no warm-up)
+                              "mtp_round_cost_steps": {"reference": counter(args.reference, "mtp_round_cost_steps"),
+                                                       "test": counter(args.test, "mtp_round_cost_steps")},
                               "prefix_hit_cached": {"reference": ref["prefix_hit_cached_tokens"],
                                                     "test": test["prefix_hit_cached_tokens"],
                                                     "prompt": ref["prefix_hit_prompt_tokens"]},
@@ -124,7 +127,8 @@ def main() -> None:
                               "replies": {"reference": ref, "test": test}}
     for name, same in report["identical"].items():
         print(f"{name}: {'identical' if same else 'DIFFERENT'}")
-    print(f"MTP drafts on the alone requests: {report['mtp_drafted']}")
+    print(f"MTP drafts on the alone requests: {report['mtp_drafted']} (a round in plain steps, "
+          f"the warm-up's: {report['mtp_round_cost_steps']})")
     print(f"prefix hit, cached tokens: {report['prefix_hit_cached']}")
     if args.specprefill_tokens:
         print(f"SpecPrefill runs on the long prompt: {report['specprefill_runs']}")

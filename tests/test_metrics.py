@@ -170,9 +170,9 @@ def test_each_server_has_its_own_registry() -> None:
 
 def test_draft_counters_by_source() -> None:
     """The TextMTPExecutor's counters: drafts verified and accepted by source (the head's, the
-    context's), and the requests planned with context drafts."""
+    context's), the requests planned with context drafts, and the warm-up's round cost."""
     mtp = MTPStats(True, 2, planned=5, declined=1, requests=5, rounds=9, drafted=9, accepted=4, context_planned=3,
-                   context_drafted=12, context_accepted=7)
+                   context_drafted=12, context_accepted=7, round_cost=1.25)
     stats = StatsSnapshot("ready", AdmissionStats("ready", "", 1, 0, 8, 32, 0, dict.fromkeys(REJECT_REASONS, 0)),
                           mtp=mtp)
     after = {(s.name, frozenset(s.labels.items())): s.value
@@ -183,3 +183,4 @@ def test_draft_counters_by_source() -> None:
     assert value(after, "spec_decode_num_accepted_tokens_total", source="context") == 7
     assert value(after, "context_draft_requests_total") == 3
     assert value(after, "mtp_requests_total", decision="mtp") == 5
+    assert value(after, "mtp_round_cost_steps") == 1.25  # the warm-up's calibration (absent without one)

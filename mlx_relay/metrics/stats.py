@@ -136,6 +136,10 @@ class StatsCollector(Collector):
         yield self._by(CounterMetricFamily(PREFIX + "mtp_requests", "Text requests by decode path: mtp (planned "
                                            "with MTP) or plain", labels=["model_name", "decision"]),
                        {"mtp": m.planned, "plain": m.declined})
+        if m.round_cost is not None:  # measured by the warm-up (none without one)
+            yield self._gauge("mtp_round_cost_steps", "An MTP round's time in plain decode steps, a lone row each way "
+                              "(the warm-up's measure; under mtp_policy auto the head drafts only where a round can "
+                              "pay for itself)", m.round_cost)
 
     def _specprefill(self, p: SpecPrefillStats) -> Iterator[Metric]:
         yield self._counter("specprefill_runs", "Requests prefilled sparsely by SpecPrefill", p.sparse_requests)
