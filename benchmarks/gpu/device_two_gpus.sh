@@ -217,8 +217,10 @@ print(json.dumps({"weights_gib": round(w / 2**30, 2), "cards_gib": [round(c / 2*
 PY
     say "big: $(cat $O/big_fit.txt)"
     t=$(date +%s)
+    # BIG_FLAGS: the big pipeline's own serve flags (e.g. --no-warmup: its shapes are in no carried kernel cache,
+    # and the warm-up compiles every batch size's; the first requests then compile theirs)
     launch -n "$RANKS" --backend "$BACKEND" --python python3 -- -m mlx_relay.cli serve "$BIG_DIR" --pipeline --port 8301 \
-      $FLAGS > $O/big_pipe.log 2>&1 &
+      ${FLAGS/--log-level warning/--log-level info} ${BIG_FLAGS:-} > $O/big_pipe.log 2>&1 &
     if ready http://127.0.0.1:8301; then
       say "big: the pipeline over $RANKS ready after $(( $(date +%s) - t ))s"
       gpu_memory "big pipeline idle"
