@@ -78,10 +78,13 @@ class StageForward(ModelForward):
 
     def prefill(self, ids: mx.array, embeds: mx.array | None, caches: list[Any], positions: mx.array,
                 after: Callable[[mx.array], None] | None = None) -> mx.array:
+        if after is not None:  # (the engine passes none on a stage: decode priority is off there)
+            raise ValueError("a pipeline stage's prefill takes no per-layer hook: work queued between its layers "
+                             "(decode steps beside the chunk) would put its collectives among the stage's")
         like = self._like(ids, embeds)
         if not self.stage.first:
             embeds = self.stage.receive(like)
-        out = self.family.prefill_forward(self.lm, ids, embeds, caches, positions, self.options, after, self.parts,
+        out = self.family.prefill_forward(self.lm, ids, embeds, caches, positions, self.options, None, self.parts,
                                           normed=self.stage.last)
         return self._onward(out, like, caches)
 
