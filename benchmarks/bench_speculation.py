@@ -12,7 +12,10 @@ drift cancels, for each batch size B (rows in the MTP lane up to B: `mtp_max_bat
                (and `auto` then has them too, beside the head's and the context's)
   - `raw`      mlx-vlm's own loop without speculation (`stream_generate` at B=1, else
                `BatchGenerator`), unless `--no-raw`
-Decode tok/s counts steady decoding only (after every row of the batch has its first token).
+Decode tok/s counts steady decoding only (after every row of the batch has its first token). Each
+timed pass runs on a fresh engine, which pays what the MTP lane learns once in a server's life (the
+head's acceptance over its rows, each width's round time); `--served-before N` has it serve N untimed
+passes of the same rows first, as a running server.
 Greedy identity: every run's tokens against the first `none` run's (`greedy_differs`).
 
 With `--profile`, one more pass a method records its steady steps (`gpu/step_recorder.py`): kernels,
@@ -86,10 +89,11 @@ def _percentile(values: list[float], q: int) -> float:
 
 def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, method: str, *, block: int,
              max_draft: int, context_policy: str = "auto", recorder: StepRecorder | None = None,
-             draft_model: Path | None = None) -> dict[str, Any]:
+             draft_model: Path | None = None, served_before: int = 0) -> dict[str, Any]:
     """One pass of `batch` through an EngineCore planned by the TextMTPExecutor for `method`
     (`recorder`: started with the steady steps, stopped after the last; "draft": `draft_model`'s
-    drafts, at most `max_draft` a round)."""
+    drafts, at most `max_draft` a round; `served_before`: the engine first serves that many untimed
+    passes of `batch`, as a server that has served traffic: what its lanes learned stays)."""
     # "draft": the draft model's alone; "auto" with a draft model: its drafts beside the head's and the context's
     draft = ({"draft_model": str(draft_model), "draft_tokens": max_draft}
              if draft_model is not None and method in ("draft", "auto") else {})
@@ -104,8 +108,15 @@ def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, metho
     if isinstance(mtp := engine.lanes.get("mtp"), MTPLane):
         mtp.warm_rounds(len(batch))
     asked = "draft" if method == "draft" else None  # the server's default method for the others
-    for i, p in enumerate(batch):
-        d.add(Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens, speculation=asked)))
+    for k in range(served_before):
+        for i, p in enumerate(batch):
+            d.add(Generate(f"before{k}-{i}", p, SamplingParams(max_tokens=max_tokens, speculation=asked)))
+        while engine.has_work:
+            engine.step()
+        d.tokens.clear()
+        d.finished.clear()
+    sids = [d.add(Generate(f"r{i}", p, SamplingParams(max_tokens=max_tokens, speculation=asked)))
+            for i, p in enumerate(batch)]
     started: set[int] = set()
     tokens, steady, base = 0, None, engine.stats()
     step_ms: list[float] = []  # each steady step's wall time (where a lane's rounds lose time: its spread)
@@ -146,7 +157,7 @@ def run_ours(loaded: LoadedModel, batch: list[list[int]], max_tokens: int, metho
             "context_accepted": sum(f.drafts.context.accepted for f in fin),
             "draft_drafted": sum(f.drafts.draft.drafted for f in fin),
             "draft_accepted": sum(f.drafts.draft.accepted for f in fin),
-            "ids": [d.tokens.get(i, []) for i in range(len(batch))]}
+            "ids": [d.tokens.get(sid, []) for sid in sids]}
 
 
 # -- rows ---------------------------------------------------------------------------------------
@@ -236,6 +247,9 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--no-raw", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--served-before", type=int, default=0, metavar="N",
+                    help="each timed pass's engine first serves N untimed passes of the same rows (a server "
+                         "that has served traffic: the round plans' prior and the widths' times learned)")
     ap.add_argument("--profile", action="store_true",
                     help="then one more pass a method with its steady steps recorded: kernels a token (on a "
                          "CUDA GPU, CUPTI through torch) and the host's functions (cProfile)")
@@ -263,7 +277,8 @@ def main() -> None:
                 if v == "raw":
                     return run_raw(loaded.model, loaded.processor, None, rows_, n, args.block, batch_only=True)
                 return run_ours(loaded, rows_, n, v, block=args.block, max_draft=args.max_draft,
-                                context_policy=args.context_policy, draft_model=args.draft_model)
+                                context_policy=args.context_policy, draft_model=args.draft_model,
+                                served_before=args.served_before if n == args.max_tokens else 0)
             finally:  # each pass's engine and its buffers gone before the next (36 GB of weights stay)
                 gc.collect()
                 mx.clear_cache()

@@ -62,7 +62,8 @@
 #            MAX_DRAFT + 1 on $MODEL (as spec's first step, without building a model). spec_ops.*
 #   specmiss (issue 45.2) bench_speculation.py on $MODEL (random: the head's and the context's drafts miss) at
 #            batch 1, copy rate 0, SPEC_METHODS (none,context,auto,mtp), then --profile: kernels and host
-#            time a token per method (gpu/step_recorder.py). Results: spec_miss.{json,md,txt}
+#            time a token per method (gpu/step_recorder.py), then again on engines that served a pass first
+#            (--served-before 1). Results: spec_miss.{json,md,txt}, spec_miss_served.{json,txt}
 #   hostprof (issue 45.2) where a lone row's round spends its host time, natively: bench_speculation.py as
 #            specmiss, one method of HOSTPROF_METHODS (none context) a run, under py-spy (the kit's wheel,
 #            PYSPY) with native frames (MLX's C++ under each Python call), HOSTPROF_RATE samples a second (100: at
@@ -343,7 +344,13 @@ specmiss)
   python3 benchmarks/bench_speculation.py "$MODEL" --scenario copy --copy-rate 0 --batch 1 \
     --methods "${SPEC_METHODS:-none,context,auto,mtp}" --no-raw --max-tokens "${SPEC_TOKENS:-160}" \
     --repeats "${REPEATS:-3}" --profile --out $O/spec_miss.json > $O/spec_miss.txt 2>&1
-  say "specmiss (rc $?): $(grep -h '^== ' $O/spec_miss.txt | cut -c1-150 | tr '\n' ';')" ;;
+  say "specmiss (rc $?): $(grep -h '^== ' $O/spec_miss.txt | cut -c1-150 | tr '\n' ';')"
+  # the same on engines that served a pass first (what a running server decodes; a fresh one pays the
+  # lane's learning: benchmarks/results/speculation-miss-cpu-2026-11-29/)
+  python3 benchmarks/bench_speculation.py "$MODEL" --scenario copy --copy-rate 0 --batch 1 \
+    --methods "${SPEC_METHODS:-none,context,auto,mtp}" --no-raw --max-tokens "${SPEC_TOKENS:-160}" \
+    --repeats "${REPEATS:-3}" --served-before 1 --out $O/spec_miss_served.json > $O/spec_miss_served.txt 2>&1
+  say "specmiss served (rc $?): $(grep -h '^| 1' $O/spec_miss_served.txt | cut -c1-200)" ;;
 rivals)
   # issue 45.4: our server with no flags stays up while each rival of RIVALS ("name=flags;name=flags", default
   # "wide=--mtp-max-batch 16;none=--speculation none") starts beside it (both capped at MEM_GB), is warmed
