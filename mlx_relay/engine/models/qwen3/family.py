@@ -7,7 +7,7 @@ prefill writes them through their public `update_and_fetch` (the two libraries' 
 API, not their types); mlx-lm's model never sees them. The family has no MTP head (its methods
 refuse, as the protocol says) and runs in no MTP lane: that lane calls mlx-vlm's language-model API
 (`models.served_by_mtp_lane`), so context drafts are not offered for it. Nor does it split over a
-pipeline: a stage's prefill is mlx-vlm's forward (`lanes/stage_forward.StageForward`).
+pipeline: its prefill and decode step take a stage, but its split of mlx-lm's model is not built.
 """
 
 from __future__ import annotations
@@ -71,9 +71,8 @@ class Qwen3Family:
         return layers.logits(lm, hidden)
 
     def pipeline_split(self, lm: Any, rank: int, size: int, split: tuple[int, ...] | None) -> tuple[int, int]:
-        raise UnsupportedModel("a pipeline split of a Qwen3 model is not served: a stage's prefill runs mlx-vlm's "
-                               "language-model forward (hidden states in through `inputs_embeds`, out through "
-                               "`capture_layer_ids`), which mlx-lm's qwen3 model does not take")
+        raise UnsupportedModel("a pipeline split of a Qwen3 model is not served: its split of mlx-lm's model is not "
+                               "built (its prefill and decode step take a stage, but no two-rank run pins them)")
 
     def load_mtp_drafter(self, path: Path, config: dict[str, Any]) -> Any:
         raise _no_head()
