@@ -43,9 +43,9 @@ def test_the_qwen3_family_serves_mlx_lms_dense_qwen3() -> None:
     assert cache_shape(config).per_token == 28 * 2 * 8 * 128 * 2 and cache_shape(config).per_row == 0
 
 
-def test_the_qwen3_family_refuses_a_head_and_a_pipeline_split_saying_why() -> None:
-    """No MTP head (a load error, as the protocol says) and no pipeline split (a stage's prefill is
-    mlx-vlm's forward); a language model not of its shape is refused by its layers."""
+def test_the_qwen3_family_refuses_a_head_and_a_model_not_of_its_shape_saying_why() -> None:
+    """No MTP head (a load error, as the protocol says); a language model not of its shape is
+    refused by its layers and by its pipeline split."""
     from mlx_lm.models import llama
 
     family = family_for("qwen3")
@@ -55,7 +55,7 @@ def test_the_qwen3_family_refuses_a_head_and_a_pipeline_split_saying_why() -> No
         family.load_mtp_drafter(Path("/nowhere"), {"model_type": "qwen3"})
     with pytest.raises(UnsupportedModel, match="no MTP head"):
         family.check_mtp_head(object())
-    with pytest.raises(UnsupportedModel, match="pipeline split of a Qwen3 model is not served"):
+    with pytest.raises(UnsupportedModel, match="not a dense Qwen3"):
         family.pipeline_split(lm, 0, 2, None)
     with pytest.raises(UnsupportedModel, match="not a dense Qwen3"):
         family.layers(lm)

@@ -35,6 +35,7 @@ from mlx_relay.engine.models.loader import load_model
 from mlx_relay.engine.models.pipeline_stage import UnsupportedSplit, shard_language_model, split_layers
 from mlx_relay.relay import default_config
 from mlx_relay.testing import local_http
+from mlx_relay.testing.family_fixtures import family_fixture_path
 from mlx_relay.testing.fixtures import FixtureSpec, fixture_path
 from mlx_relay.testing.live_server import LiveServer, free_port_range
 
@@ -207,6 +208,32 @@ def test_two_ranks_reply_as_the_unsharded_server(
     assert ranks[0].wait(30) == 0 and ranks[1].wait(30) == 0
 
 
+def test_a_qwen3_model_over_two_ranks_replies_as_the_unsharded_server(tmp_path: Path) -> None:
+    """The dense Qwen3 family (mlx-lm's model) split over two ranks (a layer each, the collective
+    transfer NCCL runs): its stages run the family's prefill and decode step over their layers, so
+    greedy replies equal the unsharded server's: alone, two at once behind a system prompt (one
+    batch), and a next turn restored from the prefix cache on both."""
+    model = family_fixture_path("qwen3")
+    config = default_config(model, served_model_name=NAME, warmup=False, max_num_seqs=4,
+                            prefix_min_snapshot_tokens=16)
+    prompts = ["Name three modules for files.", "What does itertools.chain do?"]
+    pairs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}] for p in prompts]
+    with LiveServer(config) as reference, ThreadPoolExecutor(2) as pool:
+        alone = [_chat(reference.url, [{"role": "user", "content": p}], 24) for p in prompts]
+        together = [_chat(reference.url, m, 24)[0] for m in pairs]
+        turn = [*pairs[0], {"role": "assistant", "content": together[0]}, {"role": "user", "content": "And json?"}]
+        ref_text, ref_cached = _chat(reference.url, turn)
+        for url, ranks in _launch(model, tmp_path, ["--no-warmup", "--max-num-seqs", "4",
+                                                     "--prefix-min-snapshot-tokens", "16",
+                                                     "--pipeline-transfer", "collective"]):
+            assert [_chat(url, [{"role": "user", "content": p}], 24) for p in prompts] == alone
+            assert [text for text, _ in pool.map(lambda m, at=url: _chat(at, m, 24), pairs)] == together
+            text, cached = _chat(url, turn)
+            assert text == ref_text and cached > 0 and ref_cached > 0
+            ranks[0].send_signal(signal.SIGTERM)
+            assert ranks[0].wait(30) == 0 and ranks[1].wait(30) == 0
+
+
 def test_bf16_rows_joining_a_prefill_keep_the_stages_in_step(tmp_path: Path) -> None:
     """The bfloat16 fixture over two ranks (the collective transfer NCCL runs) against the same
     model unsharded: two requests at once behind a long system prompt, so that the second row
@@ -214,9 +241,8 @@ def test_bf16_rows_joining_a_prefill_keep_the_stages_in_step(tmp_path: Path) -> 
     keys float32 there (`batch_caches.extend_caches` keeps their dtype), the stages then disagreed
     on the hidden state's dtype and the collective broke (two H200s: an illegal memory access; here
     a stage now fails by name, `layers.forward_block`, and the request with it). So: every reply
-    completes on the two ranks (a 200 with its tokens), as on the unsharded server. (Not token for token: the
-    stages prefill through the library's forward, the unsharded server through ours, and in
-    bfloat16 a random-weight model's near ties then part after a few tokens whenever the two
+    completes on the two ranks (a 200 with its tokens), as on the unsharded server. (Not token for token:
+    in bfloat16 a random-weight model's near ties part after a few tokens whenever the two
     requests' arrival, which neither server controls, puts their chunks at other lengths.)"""
     model = fixture_path(FixtureSpec(variant="bf16", seed=0, num_hidden_layers=8))
     config = default_config(model, served_model_name=NAME, warmup=False, max_num_seqs=4, mtp=False)

@@ -55,6 +55,10 @@ class TextModel:
     def __init__(self, lm: Any) -> None:
         self.language_model = lm
 
+    def parameters(self) -> Any:
+        """Its weights, as a VLM's `parameters()` (a lazily loaded pipeline stage evaluates them)."""
+        return self.language_model.parameters()
+
 
 def loads_with_mlx_lm(config: dict[str, Any]) -> bool:
     """Whether a checkpoint (its config.json) loads with mlx-lm: a text model (no vision tower) of

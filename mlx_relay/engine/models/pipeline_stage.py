@@ -94,6 +94,22 @@ class Stage:
         self._trace("share", x)
         return mx.distributed.all_gather(x, group=self.group)[:x.shape[0]]
 
+    def enter(self, h: mx.array) -> mx.array:
+        """A decode step's hidden states into this stage: the embeddings `h` on the first stage,
+        else the previous stage's, shaped as `h`."""
+        return h if self.first else self.receive(h)
+
+    def leave(self, h: mx.array, wire: Any) -> mx.array:
+        """A decode step's hidden states `h` out of this stage: on every rank the last stage's,
+        every position. `wire`: the dtype the boundaries carry (the embeddings')."""
+        if h.dtype != wire:
+            # the next rank receives, and the others share, it as the embedding's dtype: a stage
+            # whose state was promoted (float32 keys, as mlx-vlm's BatchKVCache.extend once made
+            # them: memory/batch_caches.extend_caches) fails here, by name, rather than corrupt
+            # the collective (on NCCL: an illegal memory access, or a hang)
+            raise TypeError(f"pipeline stage {self.rank}'s hidden state is {h.dtype}, the transfer carries {wire}")
+        return self.share(h if self.last else self.send(h))
+
 
 def split_layers(n_layers: int, size: int, split: tuple[int, ...] | None = None) -> list[int]:
     """Layers per rank (rank 0 first), as mlx-lm's PipelineMixin: an even split by default."""

@@ -6,8 +6,8 @@ snapshots and its decode state move rows between mlx-vlm's cache classes (`memor
 prefill writes them through their public `update_and_fetch` (the two libraries' classes share that
 API, not their types); mlx-lm's model never sees them. The family has no MTP head (its methods
 refuse, as the protocol says) and runs in no MTP lane: that lane calls mlx-vlm's language-model API
-(`models.served_by_mtp_lane`), so context drafts are not offered for it. Nor does it split over a
-pipeline: its prefill and decode step take a stage, but its split of mlx-lm's model is not built.
+(`models.served_by_mtp_lane`), so context drafts are not offered for it. Over a pipeline its
+stages run the same prefill and decode step over their layers (`pipeline_split`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mlx_vlm.models.cache import KVCache
 
 from mlx_relay.engine.models import KV, Block, Chunk, ModelFamily, UnsupportedModel
 from mlx_relay.engine.models.compiled_parts import CompiledParts
-from mlx_relay.engine.models.pipeline_stage import Stage
+from mlx_relay.engine.models.pipeline_stage import Stage, split_layers
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.models.qwen3 import MODEL_TYPES, layers, mixed, prefill
@@ -71,8 +71,14 @@ class Qwen3Family:
         return layers.logits(lm, hidden)
 
     def pipeline_split(self, lm: Any, rank: int, size: int, split: tuple[int, ...] | None) -> tuple[int, int]:
-        raise UnsupportedModel("a pipeline split of a Qwen3 model is not served: its split of mlx-lm's model is not "
-                               "built (its prefill and decode step take a stage, but no two-rank run pins them)")
+        # as mlx-lm's `PipelineMixin` cuts its models, through the same public attribute: the decoder's
+        # `layers` become this stage's (every layer attends: any split of at least a layer a stage runs)
+        cut = list(layers.decoder_layers(lm))
+        counts = split_layers(len(cut), size, split)
+        start = sum(counts[rank + 1:])  # rank r runs the layers after those of ranks r+1 ... size-1
+        end = start + counts[rank]
+        lm.model.layers = cut[start:end]
+        return start, end
 
     def load_mtp_drafter(self, path: Path, config: dict[str, Any]) -> Any:
         raise _no_head()

@@ -117,9 +117,7 @@ def run_layers(layers: list[Any], h: mx.array, attend: Attend, *, after: Callabl
 def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[mx.array], ssm: list[mx.array],
                   *, keep_states: bool, stage: Stage | None) -> tuple[mx.array, KV, list[mx.array], list[mx.array]]:
     """`models.ModelFamily.forward_block`: the layer loop over explicit caches (no recurrent layer:
-    `conv`, `ssm` and `keep_states` have nothing to hold; no pipeline stage: `family.pipeline_split`)."""
-    if stage is not None:
-        raise UnsupportedModel("the Qwen3 family runs no pipeline stage")
+    `conv`, `ssm` and `keep_states` have nothing to hold); under a pipeline `stage` its layers only."""
     if conv or ssm:
         raise ValueError("a Qwen3 model keeps no recurrent state")
     new_kv: KV = []
@@ -131,7 +129,13 @@ def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[m
         new_kv.append((keys_buf, values_buf))
         return r
 
-    h = run_layers(lm.model.layers, lm.model.embed_tokens(tokens), attend)
+    h = lm.model.embed_tokens(tokens)
+    wire = h.dtype  # what a stage boundary carries (the embeddings')
+    if stage is not None:
+        h = stage.enter(h)
+    h = run_layers(lm.model.layers, h, attend)
+    if stage is not None:  # every rank: the last stage's hidden states
+        h = stage.leave(h, wire)
     return lm.model.norm(h), new_kv, [], []
 
 

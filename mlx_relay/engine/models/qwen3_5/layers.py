@@ -248,8 +248,8 @@ def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[m
     """`models.ModelFamily.forward_block`: the layer loop over explicit caches."""
     h = lm.model.embed_tokens(tokens)
     wire = h.dtype  # what a stage boundary carries in this step (`receive` takes the embedding's)
-    if stage is not None and not stage.first:
-        h = stage.receive(h)
+    if stage is not None:
+        h = stage.enter(h)
     new_kv, new_conv, new_ssm = [], [], []
     kv_in, gdn_in = iter(kv), iter(zip(conv, ssm, strict=True))
     periods = rope_periods(lm.model.layers) if at.offsets is not None else None
@@ -269,13 +269,7 @@ def forward_block(lm: Any, tokens: mx.array, at: Positions, kv: KV, conv: list[m
 
     h = run_layers(lm.model.layers, h, linear, attend, expert_rows(lm.model.layers, tokens), prefill=prefill)
     if stage is not None:  # every rank: the last stage's hidden states, every position
-        if h.dtype != wire:
-            # the next rank receives, and the others share, it as the embedding's dtype: a stage
-            # whose state was promoted (float32 keys, as mlx-vlm's BatchKVCache.extend once made
-            # them: memory/batch_caches.extend_caches) fails here, by name, rather than corrupt
-            # the collective (on NCCL: an illegal memory access, or a hang)
-            raise TypeError(f"pipeline stage {stage.rank}'s hidden state is {h.dtype}, the transfer carries {wire}")
-        h = stage.share(h if stage.last else stage.send(h))
+        h = stage.leave(h, wire)
     return lm.model.norm(h), new_kv, new_conv, new_ssm
 
 
