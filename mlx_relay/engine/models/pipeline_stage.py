@@ -123,6 +123,13 @@ def split_layers(n_layers: int, size: int, split: tuple[int, ...] | None = None)
     return list(split)
 
 
+def stage_ranges(n_layers: int, size: int, split: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """Each rank's layers as [start, end) (rank 0 first): rank r runs the layers after those of
+    ranks r+1 ... size-1 (`split_layers`' counts)."""
+    counts = split_layers(n_layers, size, split)
+    return [(sum(counts[r + 1:]), sum(counts[r:])) for r in range(size)]
+
+
 def shard_language_model(lm: Any, rank: int, size: int, split: tuple[int, ...] | None = None) -> tuple[int, int]:
     """Keep only rank `rank`'s layers (of `size` ranks) in the language model `lm` (in place), as
     its family splits it (`models.ModelFamily.pipeline_split`); the range [start, end) of the

@@ -21,7 +21,7 @@ from mlx_vlm.models.cache import KVCache
 
 from mlx_relay.engine.models import KV, Block, Chunk, ModelFamily, UnsupportedModel
 from mlx_relay.engine.models.compiled_parts import CompiledParts
-from mlx_relay.engine.models.pipeline_stage import Stage, split_layers
+from mlx_relay.engine.models.pipeline_stage import Stage, stage_ranges
 from mlx_relay.engine.models.positions import Positions
 from mlx_relay.engine.models.prefill_options import PrefillOptions
 from mlx_relay.engine.models.qwen3 import MODEL_TYPES, layers, mixed, prefill
@@ -74,9 +74,7 @@ class Qwen3Family:
         # as mlx-lm's `PipelineMixin` cuts its models, through the same public attribute: the decoder's
         # `layers` become this stage's (every layer attends: any split of at least a layer a stage runs)
         cut = list(layers.decoder_layers(lm))
-        counts = split_layers(len(cut), size, split)
-        start = sum(counts[rank + 1:])  # rank r runs the layers after those of ranks r+1 ... size-1
-        end = start + counts[rank]
+        start, end = stage_ranges(len(cut), size, split)[rank]
         lm.model.layers = cut[start:end]
         return start, end
 

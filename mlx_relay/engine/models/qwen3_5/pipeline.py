@@ -16,22 +16,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_relay.engine.models.pipeline_stage import UnsupportedSplit, split_layers
+from mlx_relay.engine.models.pipeline_stage import UnsupportedSplit, stage_ranges
 
 
 def pipeline_split(lm: Any, rank: int, size: int, split: tuple[int, ...] | None = None) -> tuple[int, int]:
     """Keep only rank `rank`'s layers (of `size` ranks) in `lm` (in place); the range [start, end)
     of the model's layers it keeps."""
     layers = list(lm.model.layers)
-    counts = split_layers(len(layers), size, split)
-    start = sum(counts[rank + 1:])  # rank r runs the layers after those of ranks r+1 ... size-1
-    end = start + counts[rank]
-    for r in range(size):  # every rank checks every stage: all refuse the same split
-        lo = sum(counts[r + 1:])
-        kinds = {bool(layer.is_linear) for layer in layers[lo:lo + counts[r]]}
+    ranges = stage_ranges(len(layers), size, split)
+    start, end = ranges[rank]
+    for r, (lo, hi) in enumerate(ranges):  # every rank checks every stage: all refuse the same split
+        kinds = {bool(layer.is_linear) for layer in layers[lo:hi]}
         if kinds != {True, False}:
             raise UnsupportedSplit(
-                f"rank {r} would run layers {lo}..{lo + counts[r] - 1}, which lack "
+                f"rank {r} would run layers {lo}..{hi - 1}, which lack "
                 f"{'an attention' if True in kinds else 'a GatedDeltaNet'} layer; each stage needs both kinds "
                 f"(fewer processes, or another split)")
     mine = layers[start:end]
