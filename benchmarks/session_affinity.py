@@ -59,6 +59,8 @@ def main() -> None:
             by_target[target].append(t[1]["cached_tokens"] / t[0]["prompt_tokens"])
             if by_target[target][-1] < args.at_least:
                 missed.append((f"{target} {session}", t))
+    if not by_target:  # (a run too short for any session's second turn: said, not silent)
+        print(f"no session with both turns measured in {len(records)} records")
     for target, shares in sorted(by_target.items()):
         hits = sum(s >= args.at_least for s in shares)
         print(f"{target}: {hits} of {len(shares)} sessions' second turns cached >= {args.at_least:.0%} of the "
