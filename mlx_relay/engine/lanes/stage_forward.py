@@ -116,9 +116,7 @@ class StageForward(ModelForward):
         """The last stage's `out` as it is; elsewhere `out` sent to the next stage, the send tied
         into the stage's last cache, what was sent returned."""
         stage = self.stage
-        if out.dtype != like.dtype:  # what crosses the boundary (and `share`) is the embedding's dtype
-            raise TypeError(f"pipeline stage {stage.rank}'s hidden state is {out.dtype}, the transfer carries "
-                            f"{like.dtype}")
+        stage.check(out, like.dtype)
         if stage.last:
             return out
         sent = stage.send(out)

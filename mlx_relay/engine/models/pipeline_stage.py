@@ -102,13 +102,16 @@ class Stage:
     def leave(self, h: mx.array, wire: Any) -> mx.array:
         """A decode step's hidden states `h` out of this stage: on every rank the last stage's,
         every position. `wire`: the dtype the boundaries carry (the embeddings')."""
-        if h.dtype != wire:
-            # the next rank receives, and the others share, it as the embedding's dtype: a stage
-            # whose state was promoted (float32 keys, as mlx-vlm's BatchKVCache.extend once made
-            # them: memory/batch_caches.extend_caches) fails here, by name, rather than corrupt
-            # the collective (on NCCL: an illegal memory access, or a hang)
-            raise TypeError(f"pipeline stage {self.rank}'s hidden state is {h.dtype}, the transfer carries {wire}")
+        self.check(h, wire)
         return self.share(h if self.last else self.send(h))
+
+    def check(self, h: mx.array, wire: Any) -> None:
+        """`h` crosses a boundary (or `share`) as `wire`, the embeddings' dtype: a stage whose state
+        was promoted (float32 keys, as mlx-vlm's BatchKVCache.extend once made them:
+        memory/batch_caches.extend_caches) fails here, by name, rather than corrupt the collective
+        (on NCCL: an illegal memory access, or a hang)."""
+        if h.dtype != wire:
+            raise TypeError(f"pipeline stage {self.rank}'s hidden state is {h.dtype}, the transfer carries {wire}")
 
 
 def split_layers(n_layers: int, size: int, split: tuple[int, ...] | None = None) -> list[int]:
